@@ -1,0 +1,43 @@
+"""Every environment variable steploop reads, in one registry, all prefixed STEPLOOP_.
+
+A command-line flag `--max-num-seqs` defaults to `STEPLOOP_MAX_NUM_SEQS` when that is set, so containers and
+`steploop serve` configure services the same way. Use `add_flag` instead of `parser.add_argument` for that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+PREFIX = "STEPLOOP_"
+
+# Variables that are not flags.
+CACHE_DIR = PREFIX + "CACHE_DIR"      # where converted models live (default ~/.cache/steploop)
+LOG_LEVEL = PREFIX + "LOG_LEVEL"      # DEBUG, INFO (default), WARNING
+
+
+def env_name(flag: str) -> str:
+    return PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {text!r}")
+
+
+def add_flag(parser: argparse.ArgumentParser | Any, flag: str, *, type: Any = str, default: Any = None,
+             help: str = "", **kwargs: Any) -> None:
+    """parser.add_argument whose default comes from STEPLOOP_<FLAG> when set. type=bool makes an on/off pair."""
+    name = env_name(flag)
+    raw = os.environ.get(name)
+    if type is bool:
+        value = _parse_bool(raw) if raw is not None else bool(default)
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
+                            help=f"{help} (env {name}; default {value})", **kwargs)
+        return
+    value = type(raw) if raw is not None else default
+    parser.add_argument(flag, type=type, default=value, help=f"{help} (env {name}; default {value})", **kwargs)

@@ -1,0 +1,56 @@
+"""SamplingParams: how to pick tokens for one request. Mirrors steploop.v1.SamplingParams; converts at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.pb.steploop.v1 import engine_pb2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0            # 0 = greedy
+    top_p: float = 1.0                  # 1 = off
+    top_k: int = 0                      # 0 or -1 = off
+    seed: int | None = None             # same seed, same tokens, whatever else is in the batch
+    max_tokens: int = 16                # completion tokens at most
+    min_tokens: int = 0                 # stop ids / EOS ignored before this many tokens
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int = -1                  # -1 none; 0 sampled token only; k = plus top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def to_pb(self) -> engine_pb2.SamplingParams:
+        pb = engine_pb2.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs)
+        if self.seed is not None:
+            pb.seed = self.seed
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.SamplingParams) -> "SamplingParams":
+        return cls(
+            temperature=pb.temperature,
+            top_p=pb.top_p if pb.top_p > 0 else 1.0,
+            top_k=pb.top_k,
+            seed=pb.seed if pb.HasField("seed") else None,
+            max_tokens=pb.max_tokens,
+            min_tokens=pb.min_tokens,
+            stop_token_ids=tuple(pb.stop_token_ids),
+            ignore_eos=pb.ignore_eos,
+            min_p=pb.min_p,
+            presence_penalty=pb.presence_penalty,
+            frequency_penalty=pb.frequency_penalty,
+            repetition_penalty=pb.repetition_penalty if pb.repetition_penalty > 0 else 1.0,
+            logprobs=pb.logprobs,
+        )

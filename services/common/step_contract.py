@@ -1,0 +1,184 @@
+"""The per-step contract between the scheduler and a worker: one StepPlan out, one StepResult back.
+
+These dataclasses mirror steploop.v1.StepPlan / StepResult (protos/steploop/v1/worker.proto). Scheduler and
+worker use only these; `to_pb` / `from_pb` are the one place that touches the generated classes.
+
+A plan sends deltas: a request the worker has not seen comes as a NewRequestData (in full); a request it holds
+comes as one entry of CachedRequestData (handle, num_computed_tokens, new block ids). Requests are named by small
+integer handles, never by their string ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.pb.steploop.v1 import engine_pb2, worker_pb2
+from services.common.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    handle: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]          # non-empty only for a request resumed after preemption
+    sampling: SamplingParams
+    block_ids: list[int]                 # its whole block table, in order
+    num_computed_tokens: int             # tokens whose KV is already in block_ids (prefix-cache hits)
+
+    def to_pb(self) -> worker_pb2.NewRequest:
+        return worker_pb2.NewRequest(
+            handle=self.handle, prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
+            sampling=self.sampling.to_pb(), block_ids=self.block_ids,
+            num_computed_tokens=self.num_computed_tokens)
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.NewRequest) -> "NewRequestData":
+        return cls(handle=pb.handle, prompt_token_ids=list(pb.prompt_token_ids),
+                   output_token_ids=list(pb.output_token_ids), sampling=SamplingParams.from_pb(pb.sampling),
+                   block_ids=list(pb.block_ids), num_computed_tokens=pb.num_computed_tokens)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds, as parallel lists (one entry per request)."""
+
+    handles: list[int] = field(default_factory=list)              # [n]
+    num_computed_tokens: list[int] = field(default_factory=list)  # [n] authoritative count from the scheduler
+    new_block_ids: list[list[int]] = field(default_factory=list)  # [n][*] blocks appended to each block table
+
+    def append(self, handle: int, num_computed_tokens: int, new_block_ids: list[int]) -> None:
+        self.handles.append(handle)
+        self.num_computed_tokens.append(num_computed_tokens)
+        self.new_block_ids.append(new_block_ids)
+
+    def to_pb(self) -> worker_pb2.CachedRequests:
+        return worker_pb2.CachedRequests(
+            handles=self.handles, num_computed_tokens=self.num_computed_tokens,
+            num_new_block_ids=[len(b) for b in self.new_block_ids],
+            new_block_ids=[b for blocks in self.new_block_ids for b in blocks])
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.CachedRequests) -> "CachedRequestData":
+        flat, out, pos = list(pb.new_block_ids), [], 0
+        for n in pb.num_new_block_ids:
+            out.append(flat[pos:pos + n])
+            pos += n
+        return cls(handles=list(pb.handles), num_computed_tokens=list(pb.num_computed_tokens), new_block_ids=out)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached: CachedRequestData = field(default_factory=CachedRequestData)
+    # What runs this step, in batch order.
+    scheduled_handles: list[int] = field(default_factory=list)      # [m]
+    num_scheduled_tokens: list[int] = field(default_factory=list)   # [m] tokens each, draft tokens included
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> drafts to verify
+    finished_handles: list[int] = field(default_factory=list)       # drop: finished or aborted
+    preempted_handles: list[int] = field(default_factory=list)      # drop: preempted (come back as new)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def to_pb(self) -> worker_pb2.StepPlan:
+        pb = worker_pb2.StepPlan(
+            step_id=self.step_id, new_requests=[r.to_pb() for r in self.new_requests], cached=self.cached.to_pb(),
+            scheduled_handles=self.scheduled_handles, num_scheduled_tokens=self.num_scheduled_tokens,
+            finished_handles=self.finished_handles, preempted_handles=self.preempted_handles)
+        if self.draft_token_ids:
+            drafts = [self.draft_token_ids.get(h, []) for h in self.scheduled_handles]
+            pb.num_draft_tokens.extend(len(d) for d in drafts)
+            pb.draft_token_ids.extend(t for d in drafts for t in d)
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.StepPlan) -> "StepPlan":
+        drafts: dict[int, list[int]] = {}
+        flat, pos = list(pb.draft_token_ids), 0
+        for handle, n in zip(pb.scheduled_handles, pb.num_draft_tokens):
+            if n:
+                drafts[handle] = flat[pos:pos + n]
+            pos += n
+        return cls(step_id=pb.step_id, new_requests=[NewRequestData.from_pb(r) for r in pb.new_requests],
+                   cached=CachedRequestData.from_pb(pb.cached), scheduled_handles=list(pb.scheduled_handles),
+                   num_scheduled_tokens=list(pb.num_scheduled_tokens), draft_token_ids=drafts,
+                   finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles))
+
+
+@dataclass
+class TokenLogprob:
+    logprob: float                       # of the sampled token
+    top_token_ids: list[int] = field(default_factory=list)   # [k] most likely first
+    top_logprobs: list[float] = field(default_factory=list)  # [k]
+
+    def to_pb(self) -> engine_pb2.TokenLogprob:
+        return engine_pb2.TokenLogprob(logprob=self.logprob, top_token_ids=self.top_token_ids,
+                                       top_logprobs=self.top_logprobs)
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.TokenLogprob) -> "TokenLogprob":
+        return cls(pb.logprob, list(pb.top_token_ids), list(pb.top_logprobs))
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    # handle -> tokens sampled this step (1, or 1 + accepted drafts). Only requests that reached the end of
+    # their known tokens sample; a request in the middle of its prompt gets no entry.
+    sampled: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # handle -> [len(sampled[h])]
+    error: str = ""                      # non-empty: the step failed, no tokens
+    forward_seconds: float = 0.0
+
+    def to_pb(self) -> worker_pb2.StepResult:
+        handles = list(self.sampled)
+        pb = worker_pb2.StepResult(
+            step_id=self.step_id, handles=handles, num_sampled=[len(self.sampled[h]) for h in handles],
+            sampled_token_ids=[t for h in handles for t in self.sampled[h]], error=self.error,
+            forward_seconds=self.forward_seconds)
+        if self.logprobs:
+            for h in handles:
+                lps = self.logprobs.get(h) or [TokenLogprob(0.0)] * len(self.sampled[h])
+                pb.logprobs.extend(lp.to_pb() for lp in lps)
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.StepResult) -> "StepResult":
+        sampled, logprobs, pos = {}, {}, 0
+        flat = list(pb.sampled_token_ids)
+        for handle, n in zip(pb.handles, pb.num_sampled):
+            sampled[handle] = flat[pos:pos + n]
+            if pb.logprobs:
+                logprobs[handle] = [TokenLogprob.from_pb(x) for x in pb.logprobs[pos:pos + n]]
+            pos += n
+        return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
+                   forward_seconds=pb.forward_seconds)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker says about itself when it attaches (steploop.v1.WorkerHello)."""
+
+    worker_id: str
+    model_name: str
+    block_size: int
+    num_kv_blocks: int                   # block 0 included (the scheduler keeps it as the null block)
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    rank: int = 0
+    world_size: int = 1
+
+    def to_pb(self) -> worker_pb2.WorkerHello:
+        return worker_pb2.WorkerHello(
+            worker_id=self.worker_id, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids))
+
+    @classmethod
+    def from_pb(cls, pb: worker_pb2.WorkerHello) -> "WorkerInfo":
+        return cls(worker_id=pb.worker_id, model_name=pb.model_name, block_size=pb.block_size,
+                   num_kv_blocks=pb.num_kv_blocks, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
+                   eos_token_ids=tuple(pb.eos_token_ids), rank=pb.rank, world_size=pb.world_size)

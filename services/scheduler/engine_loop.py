@@ -1,0 +1,222 @@
+"""EngineLoop: the scheduler service's step loop and everything live around it.
+
+    schedule() -> StepPlan ──▶ worker (plan stream) ──▶ StepResult ──▶ update_from_output() ──▶ caller streams
+
+It owns the transport-free Scheduler, the attached WorkerLink and one RequestStream per live request. The KV pool
+is sized by the first worker that attaches; requests that arrive before that wait (up to --worker-timeout).
+A worker that is lost is preemption of everything it held: the requests stay, are recomputed when a worker is
+back, and their callers' streams stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.pb.steploop.v1 import engine_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.step_contract import WorkerInfo
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.request_stream import RequestStream
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.server_config import ServerConfig
+from services.scheduler.worker_link import WorkerLink, WorkerLost
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, sched_config: SchedulerConfig, server_config: ServerConfig):
+        self.sched_config = sched_config
+        self.server_config = server_config
+        self.scheduler: Scheduler | None = None     # built when the first worker says how many blocks it has
+        self.worker_info: WorkerInfo | None = None  # of the first worker; later ones must match its model
+        self.link: WorkerLink | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self._pending: list[Request] = []           # arrived before any worker attached
+        self._wakeup = asyncio.Event()
+        self.num_steps = 0
+        self.last_progress = time.monotonic()       # last finished step, or when work arrived while idle
+        self.lost_since: float | None = time.monotonic()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, req: engine_pb2.GenerateRequest) -> RequestStream:
+        """Validates and queues one request; raises InvalidRequestError / UnavailableError."""
+        request_id = req.request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self.streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already live", param="request_id",
+                                      code="duplicate_request_id")
+        prompt = list(req.prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
+        sampling = SamplingParams.from_pb(req.sampling)
+        if not self.has_work() and self.link is not None:
+            self.last_progress = time.monotonic()
+        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                          priority=req.priority, cache_salt=req.cache_salt or None, arrival_time=time.time())
+        if self.scheduler is None:
+            self._pending.append(request)
+        else:
+            self._admit(request)
+        stream = self.streams[request_id] = RequestStream(request_id)
+        self._wakeup.set()
+        return stream
+
+    def _admit(self, request: Request) -> None:
+        self._validate(request)
+        self.scheduler.add_request(request)
+
+    def _validate(self, request: Request) -> None:
+        info = self.worker_info
+        bad = [t for t in request.prompt_token_ids if t >= info.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is out of range for vocab size {info.vocab_size}",
+                                      param="prompt")
+        n, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
+        if n + max(max_tokens, 1) > info.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {info.max_model_len} tokens; the request has {n} "
+                f"prompt tokens and asks for {max(max_tokens, 1)} completion tokens", param="max_tokens"
+                if n < info.max_model_len else "prompt", code="context_length_exceeded")
+        if max_tokens == 0:   # unset: what fits in the context
+            request.sampling = _with_max_tokens(request.sampling, info.max_model_len - n)
+
+    def abort(self, request_id: str) -> None:
+        """The caller is gone: drop the request at once (its blocks come back before the next step)."""
+        self.streams.pop(request_id, None)
+        self._pending = [r for r in self._pending if r.request_id != request_id]
+        if self.scheduler is not None:
+            self.scheduler.abort_requests([request_id])
+        self._wakeup.set()
+
+    def _dispatch(self, outputs) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finish_reason is not None:
+                del self.streams[out.request_id]
+
+    # ---- workers --------------------------------------------------------------------------------------------
+    def attach(self, link: WorkerLink) -> None:
+        if self.link is not None and not self.link.closed.is_set():
+            raise UnavailableError(f"worker {self.link.info.worker_id} is already attached; "
+                                   f"steploop runs one worker per scheduler (world size 1)")
+        info = link.info
+        if self.worker_info is not None and info.model_name != self.worker_info.model_name:
+            raise InvalidRequestError(f"worker serves {info.model_name!r}, this scheduler serves "
+                                      f"{self.worker_info.model_name!r}", param="model")
+        if self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks:
+            self._build_scheduler(info)
+        self.worker_info, self.link, self.lost_since = info, link, None
+        self.last_progress = time.monotonic()
+        log.info("worker %s attached: %d KV blocks of %d tokens, max_model_len %d", info.worker_id,
+                 info.num_kv_blocks, info.block_size, info.max_model_len)
+        self._wakeup.set()
+
+    def _build_scheduler(self, info: WorkerInfo) -> None:
+        old = self.scheduler
+        kv = KVCacheManager(info.num_kv_blocks, info.block_size)
+        self.scheduler = Scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids))
+        self.worker_info = info
+        carried = self._pending + ([] if old is None else old.drain_requests())
+        self._pending = []
+        for request in carried:
+            try:
+                self._admit(request)
+            except (InvalidRequestError, ValueError) as exc:
+                self._fail(request.request_id, str(exc))
+
+    def detach(self, link: WorkerLink, reason: str) -> None:
+        link.close()
+        if self.link is not link:
+            return
+        self.link, self.lost_since = None, time.monotonic()
+        if self.scheduler is not None:
+            self.scheduler.preempt_all()
+        log.warning("worker %s detached (%s); its requests will be recomputed when a worker is back",
+                    link.info.worker_id, reason)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._pending) or (self.scheduler is not None and self.scheduler.has_unfinished_requests())
+
+    async def run(self) -> None:
+        """schedule, send, await, update — one step per iteration, forever."""
+        while True:
+            link = await self._wait_for_work()
+            plan = self.scheduler.schedule()
+            if not (plan.scheduled_handles or plan.finished_handles or plan.preempted_handles):
+                await self._wait(timeout=0.05)     # nothing fits right now: wait for an abort or a finish
+                continue
+            try:
+                result = await link.step(plan)
+            except WorkerLost as exc:
+                self.detach(link, str(exc))
+                continue
+            self.num_steps += 1
+            self.last_progress = time.monotonic()
+            if result.error:
+                log.error("step %d failed on the worker: %s", plan.step_id, result.error)
+            self._dispatch(self.scheduler.update_from_output(plan, result))
+
+    async def _wait_for_work(self) -> WorkerLink:
+        while True:
+            if self.link is not None and self.has_work():
+                return self.link
+            if self.link is None and self.has_work():
+                self._fail_if_no_worker()
+            await self._wait(timeout=0.5)
+
+    async def _wait(self, timeout: float) -> None:
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _fail_if_no_worker(self) -> None:
+        waited = time.monotonic() - (self.lost_since or time.monotonic())
+        if waited < self.server_config.worker_timeout:
+            return
+        message = (f"no worker attached for {waited:.0f} s (--worker-timeout "
+                   f"{self.server_config.worker_timeout:g}); start a worker pointed at this scheduler")
+        ids = [r.request_id for r in self._pending] + list(self.streams)
+        self._pending = []
+        for request_id in dict.fromkeys(ids):
+            if self.scheduler is not None:
+                self.scheduler.abort_requests([request_id])
+            self._fail(request_id, message, unavailable=True)
+
+    def _fail(self, request_id: str, message: str, unavailable: bool = False) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(_ErrorOutput(request_id, message, unavailable))
+
+    # ---- health and load ------------------------------------------------------------------------------------
+    def is_serving(self) -> bool:
+        """A worker is attached and, whenever work is pending, a step finished recently (busy ≠ hung)."""
+        if self.link is None or self.link.closed.is_set():
+            return False
+        return not self.has_work() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
+
+
+class _ErrorOutput:
+    """A terminal output for a request that never reached the scheduler or lost its worker for good."""
+
+    def __init__(self, request_id: str, message: str, unavailable: bool):
+        self.request_id, self.error, self.unavailable = request_id, message, unavailable
+        self.new_token_ids, self.logprobs, self.stop_token_id = [], [], None
+        self.finish_reason = RequestStatus.FINISHED_ERROR
+        self.num_prompt_tokens = self.num_output_tokens = self.num_cached_tokens = 0
+
+
+def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
+    from dataclasses import replace
+    return replace(sampling, max_tokens=max_tokens)

@@ -1,0 +1,56 @@
+"""RequestStream: one caller's view of a live request: an asyncio queue that the step loop fills.
+
+The step loop puts RequestOutputs; the Generate handler drains everything available at once and merges it into
+one chunk, so a slow client costs one message per wake-up, not one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from services.common.errors import UnavailableError
+from services.common.pb.steploop.v1 import engine_pb2
+from services.scheduler.request import RequestStatus
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: engine_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: engine_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORTED: engine_pb2.FINISH_REASON_ABORT,
+    RequestStatus.FINISHED_ERROR: engine_pb2.FINISH_REASON_ERROR,
+}
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def put(self, output) -> None:
+        self.queue.put_nowait(output)
+
+    async def next_chunk(self) -> engine_pb2.GenerateChunk:
+        """Waits for at least one output, then merges all that are queued into one chunk.
+
+        Raises UnavailableError when the request was failed for want of a worker."""
+        outputs = [await self.queue.get()]
+        while not self.queue.empty():
+            outputs.append(self.queue.get_nowait())
+        chunk = engine_pb2.GenerateChunk()
+        for out in outputs:
+            if getattr(out, "unavailable", False):
+                self.finished = True
+                raise UnavailableError(out.error)
+            chunk.token_ids.extend(out.new_token_ids)
+            for lp in out.logprobs or []:
+                chunk.logprobs.append(lp.to_pb())
+            if out.finish_reason is not None:
+                self.finished = True
+                chunk.finish_reason = FINISH_REASONS[out.finish_reason]
+                chunk.stop_token_id = out.stop_token_id or 0
+                chunk.error_message = out.error or ""
+                chunk.usage.prompt_tokens = out.num_prompt_tokens
+                chunk.usage.completion_tokens = out.num_output_tokens
+                chunk.usage.cached_tokens = out.num_cached_tokens
+        return chunk

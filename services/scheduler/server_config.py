@@ -1,0 +1,46 @@
+"""ServerConfig: the scheduler service's transport and lifecycle settings (scheduling knobs are SchedulerConfig)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.envs import add_flag
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"          # loopback by default: the internal port is not for the internet
+    port: int = 50051                # Engine (public token API) and PlanStream (workers) share it
+    worker_timeout: float = 120.0    # fail waiting callers with UNAVAILABLE after this long without a worker
+    hang_timeout: float = 30.0       # health turns NOT_SERVING when work is pending and no step ends this long
+    shutdown_timeout: float = 30.0   # on SIGTERM, in-flight requests get this long to finish
+
+    def validate(self) -> "ServerConfig":
+        for name in ("worker_timeout", "hang_timeout", "shutdown_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        add_flag(parser, "--scheduler-host", default="127.0.0.1", help="address the scheduler's gRPC binds to")
+        add_flag(parser, "--scheduler-port", type=int, default=50051,
+                 help="gRPC port for the Engine API and the workers' plan streams")
+        add_flag(parser, "--worker-timeout", type=float, default=120.0,
+                 help="seconds queued requests wait for a worker before failing with UNAVAILABLE")
+        add_flag(parser, "--hang-timeout", type=float, default=30.0,
+                 help="seconds without a finished step, while work is pending, before health is NOT_SERVING")
+        add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
+                 help="seconds in-flight requests get to finish after SIGTERM")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        return cls(host=args.scheduler_host, port=args.scheduler_port, worker_timeout=args.worker_timeout,
+                   hang_timeout=args.hang_timeout, shutdown_timeout=args.shutdown_timeout).validate()

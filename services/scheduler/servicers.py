@@ -1,0 +1,85 @@
+"""Thin gRPC servicers: Engine (the public token API) and PlanStream (workers attach). Errors map in one place
+(services.common.errors); everything else lives in EngineLoop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.common.errors import EngineError, UnavailableError, abort_with
+from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
+from services.common.step_contract import WorkerInfo
+from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.worker_link import WorkerLink
+
+log = logging.getLogger(__name__)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.accepting = True
+
+    async def Generate(self, request, context):
+        try:
+            if not self.accepting:
+                raise UnavailableError("the scheduler is shutting down")
+            stream = self.loop.add_request(request)
+        except EngineError as err:
+            await abort_with(context, err)
+        try:
+            while not stream.finished:
+                try:
+                    chunk = await stream.next_chunk()
+                except EngineError as err:
+                    await abort_with(context, err)
+                yield chunk
+        finally:
+            if not stream.finished:          # the caller cancelled: abort, no polling
+                self.loop.abort(stream.request_id)
+
+    async def Abort(self, request, context):
+        live = [rid for rid in request.request_ids if rid in self.loop.streams]
+        for rid in live:
+            self.loop.abort(rid)
+        return engine_pb2.AbortResponse(num_aborted=len(live))
+
+    async def GetModelInfo(self, request, context):
+        info, link = self.loop.worker_info, self.loop.link
+        if info is None:
+            return engine_pb2.ModelInfo(num_workers=0)
+        return engine_pb2.ModelInfo(
+            model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=info.eos_token_ids,
+            num_workers=0 if link is None else 1)
+
+    async def GetLoadReport(self, request, context):
+        s = self.loop.scheduler
+        if s is None:
+            return engine_pb2.LoadReport(num_waiting=len(self.loop._pending), num_steps=self.loop.num_steps)
+        return engine_pb2.LoadReport(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.kv.num_free_blocks,
+            num_total_blocks=s.kv.num_blocks, kv_cache_usage=s.kv.usage, num_steps=self.loop.num_steps)
+
+
+class PlanStreamServicer(worker_pb2_grpc.PlanStreamServicer):
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+
+    async def Attach(self, request_iterator, context):
+        hello = await context.read()
+        if hello is grpc.aio.EOF or not hello.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a WorkerHello")
+        link = WorkerLink(context, WorkerInfo.from_pb(hello.hello))
+        try:
+            self.loop.attach(link)
+        except EngineError as err:
+            await abort_with(context, err)
+        try:
+            await link.closed.wait()         # the step loop talks on this stream until it breaks
+        except asyncio.CancelledError:
+            self.loop.detach(link, "stream cancelled")
+            raise
+        self.loop.detach(link, "stream closed")

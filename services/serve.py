@@ -1,0 +1,81 @@
+"""`steploop serve`: the three services as separate local processes on loopback, supervised.
+
+It takes every gateway, scheduler and worker flag, hands them to the children as STEPLOOP_* variables (each
+service reads its flags from there), converts the default model on first use, waits until /health answers 200,
+restarts a service that dies, and stops them all on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from services.common import envs, model_path
+from services.common.log import setup_logging
+from services.supervisor import ServiceSpec, Supervisor
+
+log = logging.getLogger("steploop.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from services.gateway.config import add_cli_args as gateway_args
+    from services.gpu_worker.config import add_cli_args as worker_args
+    from services.scheduler.server import add_cli_args as scheduler_args
+
+    parser = argparse.ArgumentParser(prog="steploop serve", conflict_handler="resolve",
+                                     description="Run gateway, scheduler and one worker on this machine.")
+    for add in (worker_args, scheduler_args, gateway_args):
+        add(parser)
+    envs.add_flag(parser, "--ready-timeout", type=float, default=600.0,
+                  help="seconds to wait for the whole path to answer /health before giving up")
+    return parser
+
+
+def child_environment(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """Every parsed flag as STEPLOOP_<FLAG>, plus one scheduler address for gateway and worker."""
+    env = dict(os.environ)
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = getattr(args, action.dest, None)
+        if value is not None:
+            env[envs.env_name(action.option_strings[0])] = str(value)
+    host = "127.0.0.1" if args.scheduler_host in ("0.0.0.0", "::", "") else args.scheduler_host
+    env[envs.env_name("--scheduler-address")] = f"{host}:{args.scheduler_port}"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def ensure_model(model: str | None) -> None:
+    if model and model != model_path.DEFAULT_MODEL:
+        model_path.resolve_model(model)          # fails early, with the reason, if the folder is wrong
+        return
+    if not model_path.is_model_dir(model_path.default_model_dir()):
+        log.info("converting the default model (first start only)")
+        subprocess.run([sys.executable, "-m", "services.gpu_worker.gguf_convert"], check=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging("serve")
+    try:
+        ensure_model(args.model)
+    except (model_path.ModelNotFoundError, subprocess.CalledProcessError) as exc:
+        sys.exit(f"steploop serve: {exc}")
+    env = child_environment(parser, args)
+    specs = [ServiceSpec(name, [sys.executable, "-m", f"services.{module}"], env)
+             for name, module in (("scheduler", "scheduler"), ("worker", "gpu_worker"), ("gateway", "gateway"))]
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    supervisor = Supervisor(specs, health_url=f"{url}/health", ready_timeout=args.ready_timeout,
+                            stop_timeout=args.shutdown_timeout + 5)
+    started = time.monotonic()
+    name = args.served_model_name or model_path.served_model_name(args.model, model_path.resolve_model(args.model))
+    code = asyncio.run(supervisor.run(on_ready=lambda: log.info(
+        "ready in %.1f s: OpenAI API at %s/v1, model %r", time.monotonic() - started, url, name)))
+    sys.exit(code)

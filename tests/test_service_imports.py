@@ -1,0 +1,23 @@
+"""Gateway and scheduler never import torch or triton (they run on machines without them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import sys
+import {module}
+bad = sorted(m for m in ("torch", "triton") if m in sys.modules)
+print(",".join(bad))
+"""
+
+
+@pytest.mark.parametrize("module", ["services.gateway.server", "services.scheduler.server",
+                                    "services.scheduler.scheduler", "services.serve", "services.cli"])
+def test_no_torch_or_triton(module):
+    out = subprocess.run([sys.executable, "-c", CHECK.format(module=module)], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "", f"{module} imported {out.stdout.strip()}"
