@@ -15,14 +15,14 @@ import logging
 import time
 import uuid
 
-from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.errors import EngineError, InvalidRequestError, UnavailableError
 from services.common.pb.steploop.v1 import engine_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import WorkerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.request_stream import RequestStream
+from services.scheduler.request import Request, RequestRejectedError
+from services.scheduler.request_stream import FailedOutput, RequestStream
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import ServerConfig
 from services.scheduler.worker_link import WorkerLink, WorkerLost
@@ -58,7 +58,7 @@ class EngineLoop:
         if not self.has_work() and self.link is not None:
             self.last_progress = time.monotonic()
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                          priority=req.priority, cache_salt=req.cache_salt or None, arrival_time=time.time())
+                          priority=req.priority, cache_salt=req.cache_salt or None)
         if self.scheduler is None:
             self._pending.append(request)
         else:
@@ -69,7 +69,10 @@ class EngineLoop:
 
     def _admit(self, request: Request) -> None:
         self._validate(request)
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as exc:
+            raise InvalidRequestError(str(exc), param="prompt", code=exc.code) from exc
 
     def _validate(self, request: Request) -> None:
         info = self.worker_info
@@ -130,8 +133,8 @@ class EngineLoop:
         for request in carried:
             try:
                 self._admit(request)
-            except (InvalidRequestError, ValueError) as exc:
-                self._fail(request.request_id, str(exc))
+            except InvalidRequestError as exc:
+                self._fail(request.request_id, exc)
 
     def detach(self, link: WorkerLink, reason: str) -> None:
         link.close()
@@ -192,12 +195,13 @@ class EngineLoop:
         for request_id in dict.fromkeys(ids):
             if self.scheduler is not None:
                 self.scheduler.abort_requests([request_id])
-            self._fail(request_id, message, unavailable=True)
+            self._fail(request_id, UnavailableError(message))
 
-    def _fail(self, request_id: str, message: str, unavailable: bool = False) -> None:
+    def _fail(self, request_id: str, error: EngineError) -> None:
+        """Ends a caller's stream with a gRPC error (the request never ran, or lost its worker for good)."""
         stream = self.streams.pop(request_id, None)
         if stream is not None:
-            stream.put(_ErrorOutput(request_id, message, unavailable))
+            stream.put(FailedOutput(request_id, error))
 
     # ---- health and load ------------------------------------------------------------------------------------
     def is_serving(self) -> bool:
@@ -205,16 +209,6 @@ class EngineLoop:
         if self.link is None or self.link.closed.is_set():
             return False
         return not self.has_work() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
-
-
-class _ErrorOutput:
-    """A terminal output for a request that never reached the scheduler or lost its worker for good."""
-
-    def __init__(self, request_id: str, message: str, unavailable: bool):
-        self.request_id, self.error, self.unavailable = request_id, message, unavailable
-        self.new_token_ids, self.logprobs, self.stop_token_id = [], [], None
-        self.finish_reason = RequestStatus.FINISHED_ERROR
-        self.num_prompt_tokens = self.num_output_tokens = self.num_cached_tokens = 0
 
 
 def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:

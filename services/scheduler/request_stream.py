@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from services.common.errors import UnavailableError
+from services.common.errors import EngineError
 from services.common.pb.steploop.v1 import engine_pb2
 from services.scheduler.request import RequestStatus
 
@@ -19,6 +19,13 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: engine_pb2.FINISH_REASON_ABORT,
     RequestStatus.FINISHED_ERROR: engine_pb2.FINISH_REASON_ERROR,
 }
+
+
+@dataclass
+class FailedOutput:
+    """Ends a stream with a gRPC error instead of a chunk (the request never ran, or its worker never came back)."""
+    request_id: str
+    error: EngineError
 
 
 @dataclass
@@ -33,15 +40,15 @@ class RequestStream:
     async def next_chunk(self) -> engine_pb2.GenerateChunk:
         """Waits for at least one output, then merges all that are queued into one chunk.
 
-        Raises UnavailableError when the request was failed for want of a worker."""
+        Raises the EngineError of a FailedOutput."""
         outputs = [await self.queue.get()]
         while not self.queue.empty():
             outputs.append(self.queue.get_nowait())
         chunk = engine_pb2.GenerateChunk()
         for out in outputs:
-            if getattr(out, "unavailable", False):
+            if isinstance(out, FailedOutput):
                 self.finished = True
-                raise UnavailableError(out.error)
+                raise out.error
             chunk.token_ids.extend(out.new_token_ids)
             for lp in out.logprobs or []:
                 chunk.logprobs.append(lp.to_pb())

@@ -31,59 +31,79 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     SchedulerConfig.add_cli_args(parser)
 
 
-async def _watch_health(loop: EngineLoop, servicer: health.aio.HealthServicer, stop: asyncio.Event) -> None:
-    last = None
-    while not stop.is_set():
-        serving = loop.is_serving()
-        if serving != last:
-            status = health_pb2.HealthCheckResponse.SERVING if serving else \
-                health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", ENGINE_SERVICE):
-                await servicer.set(name, status)
-            if last is not None:
-                log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
-            last = serving
-        try:
-            await asyncio.wait_for(stop.wait(), 0.25)
-        except asyncio.TimeoutError:
-            pass
+class SchedulerService:
+    """The running service: gRPC server, step loop and health watcher. `serve` and tests drive it."""
+
+    def __init__(self, sched_config: SchedulerConfig, server_config: ServerConfig):
+        self.config = server_config
+        self.loop = EngineLoop(sched_config, server_config)
+        self.server = grpc.aio.server(options=grpc_options.SERVER)
+        self.engine = EngineServicer(self.loop)
+        self.health = health.aio.HealthServicer()
+        engine_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
+        worker_pb2_grpc.add_PlanStreamServicer_to_server(PlanStreamServicer(self.loop), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(server_config.address)
+        self._stop = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> "SchedulerService":
+        await self.server.start()
+        self.tasks = [asyncio.create_task(self.loop.run(), name="step-loop"),
+                      asyncio.create_task(self._watch_health(), name="health")]
+        return self
+
+    async def wait(self, stop: asyncio.Event) -> None:
+        """Until `stop` is set or a task crashes (logged)."""
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([*self.tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        for task in done:
+            if task is not waiter and task.exception():
+                log.error("%s crashed", task.get_name(), exc_info=task.exception())
+
+    async def stop(self) -> None:
+        """health NOT_SERVING, refuse new requests, drain in-flight ones (up to --shutdown-timeout), stop."""
+        log.info("shutting down: NOT_SERVING, draining %d live requests (up to %.0f s)", len(self.loop.streams),
+                 self.config.shutdown_timeout)
+        self._stop.set()
+        await self.health.enter_graceful_shutdown()
+        self.engine.accepting = False
+        deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout
+        while self.loop.streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        await self.server.stop(grace=1.0)
+        for task in self.tasks:
+            task.cancel()
+        log.info("scheduler stopped")
+
+    async def _watch_health(self) -> None:
+        last = None
+        while not self._stop.is_set():
+            serving = self.loop.is_serving()
+            if serving != last:
+                status = health_pb2.HealthCheckResponse.SERVING if serving else \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                for name in ("", ENGINE_SERVICE):
+                    await self.health.set(name, status)
+                if last is not None:
+                    log.info("health: %s", "SERVING" if serving else "NOT_SERVING")
+                last = serving
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
 
 
 async def serve(sched_config: SchedulerConfig, server_config: ServerConfig) -> None:
-    loop = EngineLoop(sched_config, server_config)
-    server = grpc.aio.server(options=grpc_options.SERVER)
-    engine = EngineServicer(loop)
-    engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
-    worker_pb2_grpc.add_PlanStreamServicer_to_server(PlanStreamServicer(loop), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(server_config.address)
-    await server.start()
+    service = await SchedulerService(sched_config, server_config).start()
     log.info("scheduler listening on %s (budget %d tokens/step, max %d seqs)", server_config.address,
              sched_config.max_num_batched_tokens, sched_config.max_num_seqs)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    tasks = [asyncio.create_task(loop.run(), name="step-loop"),
-             asyncio.create_task(_watch_health(loop, health_servicer, stop), name="health")]
-    done, _ = await asyncio.wait([*tasks, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    for task in done:
-        if task in tasks and task.exception():
-            log.error("%s crashed", task.get_name(), exc_info=task.exception())
-    await _shutdown(server, engine, loop, health_servicer, server_config.shutdown_timeout)
-    for task in tasks:
-        task.cancel()
-
-
-async def _shutdown(server, engine: EngineServicer, loop: EngineLoop, health_servicer, grace: float) -> None:
-    log.info("shutting down: NOT_SERVING, draining %d live requests (up to %.0f s)", len(loop.streams), grace)
-    await health_servicer.enter_graceful_shutdown()
-    engine.accepting = False
-    deadline = asyncio.get_running_loop().time() + grace
-    while loop.streams and asyncio.get_running_loop().time() < deadline:
-        await asyncio.sleep(0.1)
-    await server.stop(grace=1.0)
-    log.info("scheduler stopped")
+    await service.wait(stop)
+    await service.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

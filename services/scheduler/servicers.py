@@ -73,6 +73,7 @@ class PlanStreamServicer(worker_pb2_grpc.PlanStreamServicer):
         if hello is grpc.aio.EOF or not hello.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a WorkerHello")
         link = WorkerLink(context, WorkerInfo.from_pb(hello.hello))
+        context.add_done_callback(lambda _: link.close())   # the peer went away: cancelled, reset or timed out
         try:
             self.loop.attach(link)
         except EngineError as err:

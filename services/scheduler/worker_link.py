@@ -35,7 +35,7 @@ class WorkerLink:
         try:
             await self.context.write(msg)
             self.bytes_sent += msg.ByteSize()
-            reply = await self.context.read()
+            reply = await self._read()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
             self.close()
             raise WorkerLost(f"worker {self.info.worker_id}: {exc}") from exc
@@ -47,6 +47,17 @@ class WorkerLink:
             self.close()
             raise WorkerLost(f"worker answered step {result.step_id} to plan {plan.step_id}")
         return result
+
+    async def _read(self):
+        """The next message, or None as soon as the stream is known to be closed (a pending read alone can hang)."""
+        read = asyncio.ensure_future(self.context.read())
+        closed = asyncio.ensure_future(self.closed.wait())
+        done, _ = await asyncio.wait([read, closed], return_when=asyncio.FIRST_COMPLETED)
+        closed.cancel()
+        if read in done:
+            return read.result()
+        read.cancel()
+        return None
 
     def close(self) -> None:
         self.closed.set()

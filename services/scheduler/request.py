@@ -1,0 +1,96 @@
+"""A request as the scheduler sees it: token ids, counters and a status. No text, no transport."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+from services.common.step_contract import TokenLogprob
+
+
+class RequestStatus(enum.IntEnum):
+    """Order matters: every finished state comes after PREEMPTED, so `is_finished` is one comparison."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()   # EOS or a stop token id
+    FINISHED_LENGTH = enum.auto()    # max_tokens or max_model_len
+    FINISHED_ABORTED = enum.auto()   # client cancelled
+    FINISHED_ERROR = enum.auto()     # the worker failed the step
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens already resolved by the caller
+    priority: int = 0                    # lower runs first (vLLM's convention); used by later policies
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None        # isolates this request's prefix-cache entries (later)
+    handle: int = -1                     # small int the worker knows it by; assigned by the scheduler
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0         # tokens whose KV is in this request's blocks
+    num_cached_tokens: int = 0           # of the prompt, found in the prefix cache (reported in usage)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
+    status: RequestStatus = RequestStatus.WAITING
+    stop_token_id: int | None = None     # the EOS / stop id that finished it, if any
+    num_preemptions: int = 0
+    error: str = ""                      # set with FINISHED_ERROR
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+
+class RequestRejectedError(ValueError):
+    """add_request refused a request that could never run. `code` is the OpenAI-style error code."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code                 # "context_length_exceeded" or "kv_cache_too_small"
+
+
+@dataclass
+class RequestOutput:
+    """What one step (or an abort) produced for one request; the server turns it into a GenerateChunk."""
+
+    request_id: str
+    new_token_ids: list[int]             # [k] appended this step, truncated after a stop
+    logprobs: list[TokenLogprob] | None  # [k] when the worker sent them
+    finish_reason: RequestStatus | None  # None while running; a FINISHED_* status once done
+    stop_token_id: int | None            # the EOS / stop id that finished it (FINISHED_STOPPED)
+    num_prompt_tokens: int
+    num_output_tokens: int               # total so far, new_token_ids included
+    num_cached_tokens: int               # prompt tokens served from the prefix cache
+    error: str = ""                      # why, for FINISHED_ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,168 @@
+"""Factories for scheduler tests: create_scheduler, create_requests, a FakeWorker, and a step runner that asserts
+the invariants of DESIGN.md after every step."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import SamplingParams
+from services.common.step_contract import StepPlan, StepResult
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestOutput, RequestStatus
+from services.scheduler.scheduler import Scheduler
+
+EOS = 2
+VOCAB = 1000
+FIRST_ORDINARY_TOKEN = 10       # the fake model never emits 0..9 unless a test scripts it
+
+
+def create_scheduler(max_num_batched_tokens: int = 64, max_num_seqs: int = 16, long_prefill_token_threshold: int = 0,
+                     num_blocks: int = 1000, block_size: int = 4, max_model_len: int = 1024,
+                     eos_token_ids: tuple[int, ...] = (EOS,)) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             long_prefill_token_threshold=long_prefill_token_threshold)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len, eos_token_ids)
+
+
+def create_requests(num: int, prompt_len: int | list[int] = 8, max_tokens: int = 8, min_tokens: int = 0,
+                    stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, seed: int = 0,
+                    prefix: str = "req", priority: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    lens = prompt_len if isinstance(prompt_len, list) else [prompt_len] * num
+    sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, stop_token_ids=stop_token_ids,
+                              ignore_eos=ignore_eos)
+    return [Request(request_id=f"{prefix}-{i}", sampling=sampling, priority=priority, arrival_time=float(i),
+                    prompt_token_ids=[rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB) for _ in range(lens[i])])
+            for i in range(num)]
+
+
+def fake_model(tokens: list[int]) -> int:
+    """The next token depends only on the history, so results must not depend on the schedule."""
+    h = len(tokens)
+    for t in tokens[-6:]:
+        h = (h * 1_000_003 + t) % 2_147_483_647
+    return FIRST_ORDINARY_TOKEN + h % (VOCAB - FIRST_ORDINARY_TOKEN)
+
+
+@dataclass
+class _WorkerRequest:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed: int
+
+
+@dataclass
+class FakeWorker:
+    """Keeps its own persistent batch from plan deltas (as a real worker does) and checks them as it goes."""
+
+    block_size: int = 4
+    model: object = fake_model           # callable(tokens) -> next token
+    fail_steps: set[int] = field(default_factory=set)
+    held: dict[int, _WorkerRequest] = field(default_factory=dict)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for handle in plan.finished_handles + plan.preempted_handles:
+            assert self.held.pop(handle, None) is not None, f"drop of unknown handle {handle}"
+        for new in plan.new_requests:
+            assert new.handle not in self.held, f"handle {new.handle} sent as new twice"
+            self.held[new.handle] = _WorkerRequest(new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                                                   new.num_computed_tokens)
+        for handle, computed, blocks in zip(plan.cached.handles, plan.cached.num_computed_tokens,
+                                            plan.cached.new_block_ids):
+            held = self.held[handle]
+            assert held.num_computed == computed, f"handle {handle}: worker {held.num_computed} != plan {computed}"
+            held.block_ids += blocks
+        if plan.step_id in self.fail_steps:
+            return StepResult(step_id=plan.step_id, error="CUDA error: an illegal memory access")
+        return StepResult(step_id=plan.step_id, sampled=self._run(plan))
+
+    def _run(self, plan: StepPlan) -> dict[int, list[int]]:
+        sampled = {}
+        for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+            held = self.held[handle]
+            held.num_computed += n
+            assert held.num_computed <= len(held.tokens), f"handle {handle} scheduled past its tokens"
+            assert len(held.block_ids) * self.block_size >= held.num_computed, f"handle {handle}: blocks short"
+            if held.num_computed == len(held.tokens):
+                token = self.model(held.tokens)
+                held.tokens.append(token)
+                sampled[handle] = [token]
+        return sampled
+
+
+def gaps(sched: Scheduler) -> dict[int, int]:
+    live = list(sched.running) + list(sched.waiting)
+    return {r.handle: r.num_tokens_with_spec - r.num_computed_tokens for r in live}
+
+
+def check_plan(sched: Scheduler, plan: StepPlan, gaps_before: dict[int, int]) -> None:
+    cfg = sched.config
+    assert plan.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(sched.running) <= cfg.max_num_seqs
+    assert len(set(plan.scheduled_handles)) == len(plan.scheduled_handles), "a handle scheduled twice"
+    for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+        assert 0 < n <= gaps_before[handle], f"handle {handle}: scheduled {n}, gap {gaps_before[handle]}"
+    if plan.preempted_handles:
+        assert not plan.new_requests, "admitted new requests in a step that preempted"
+    sched.check_integrity()
+
+
+@dataclass
+class Run:
+    """Outputs collected per request id over a run."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, RequestStatus] = field(default_factory=dict)
+    outputs: dict[str, list[RequestOutput]] = field(default_factory=dict)
+    steps: int = 0
+    plans: list[StepPlan] = field(default_factory=list)
+
+    def collect(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            assert out.request_id not in self.finish, f"{out.request_id}: output after it finished"
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            self.outputs.setdefault(out.request_id, []).append(out)
+            if out.finish_reason is not None:
+                self.finish[out.request_id] = out.finish_reason
+
+
+def step(sched: Scheduler, worker: FakeWorker, run: Run) -> StepPlan:
+    before = gaps(sched)
+    plan = sched.schedule()
+    check_plan(sched, plan, before)
+    run.collect(sched.update_from_output(plan, worker.execute(plan)))
+    sched.check_integrity()
+    run.steps += 1
+    run.plans.append(plan)
+    return plan
+
+
+def run_until_idle(sched: Scheduler, worker: FakeWorker, run: Run | None = None, max_steps: int = 20_000) -> Run:
+    run = run or Run()
+    while sched.has_unfinished_requests():
+        step(sched, worker, run)
+        assert run.steps < max_steps, "no progress"
+    assert_idle(sched)
+    return run
+
+
+def assert_idle(sched: Scheduler) -> None:
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks - 1, "blocks leaked"
+    sched.check_integrity()
+
+
+def expected_output(request: Request, max_model_len: int = 1024, eos: tuple[int, ...] = (EOS,),
+                    model=fake_model) -> tuple[list[int], RequestStatus]:
+    """What the request must produce, computed without any scheduler."""
+    tokens, out, p = list(request.prompt_token_ids), [], request.sampling
+    while True:
+        t = model(tokens)
+        tokens.append(t)
+        out.append(t)
+        if len(out) >= p.min_tokens and ((t in eos and not p.ignore_eos) or t in p.stop_token_ids):
+            return out, RequestStatus.FINISHED_STOPPED
+        if len(out) >= p.max_tokens or len(tokens) >= max_model_len:
+            return out, RequestStatus.FINISHED_LENGTH

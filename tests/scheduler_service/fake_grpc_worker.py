@@ -1,0 +1,51 @@
+"""A worker that attaches to the real scheduler over the real plan stream, backed by the scheduler tests'
+FakeWorker (its tokens depend only on each request's history, so schedule changes can't change them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.common import grpc_options
+from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
+from services.common.step_contract import StepPlan, WorkerInfo
+from tests.scheduler.sched_factories import EOS, FakeWorker
+
+
+class FakeGrpcWorker:
+    def __init__(self, address: str, num_kv_blocks: int = 256, block_size: int = 4, max_model_len: int = 512,
+                 step_delay: float = 0.0, worker_id: str = "fake-0"):
+        self.address = address
+        self.info = WorkerInfo(worker_id=worker_id, model_name="fake-model", block_size=block_size,
+                               num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, vocab_size=1000,
+                               eos_token_ids=(EOS,))
+        self.worker = FakeWorker(block_size=block_size)
+        self.step_delay = step_delay
+        self.paused = asyncio.Event()
+        self.paused.set()                       # cleared = hung (steps stall)
+        self.steps = 0
+        self.task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        async with grpc.aio.insecure_channel(self.address, options=grpc_options.CLIENT) as channel:
+            call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
+            await call.write(worker_pb2.WorkerMessage(hello=self.info.to_pb()))
+            async for msg in call:
+                await self.paused.wait()
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                result = self.worker.execute(StepPlan.from_pb(msg.plan))
+                self.steps += 1
+                await call.write(worker_pb2.WorkerMessage(result=result.to_pb()))
+
+    def start(self) -> "FakeGrpcWorker":
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    async def kill(self) -> None:
+        self.task.cancel()
+        try:
+            await self.task
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
