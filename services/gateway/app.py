@@ -1,0 +1,84 @@
+"""create_app: the aiohttp application, wired from a config, an engine client and a tokenizer (tests pass fakes).
+
+Middlewares, outermost first: errors (every failure leaves as OpenAI's error shape, never a traceback), auth
+(Bearer key on /v1 routes, constant-time compare), then the handlers in routes.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import pathlib
+
+from aiohttp import web
+
+from services.common import model_path
+from services.gateway import routes
+from services.gateway.config import GatewayConfig
+from services.gateway.engine_client import EngineClient
+from services.gateway.errors import APIError, internal_error
+from services.gateway.health import HealthProbe
+from services.gateway.model_state import ModelState
+from services.gateway.serving import Serving
+from services.gateway.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# aiohttp's own HTTP errors (unknown route, wrong method, body too large) as OpenAI error codes.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as err:
+        return err.to_response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.status != 413 else (
+            f"request body too large: the limit is {request.app[MAX_BODY]} bytes")
+        return APIError(exc.status, message or exc.reason, code=_HTTP_CODES.get(exc.status)).to_response()
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return internal_error().to_response()
+
+
+def auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        return await handler(request)
+
+    return check_key
+
+
+MAX_BODY = web.AppKey("max_body", int)
+
+
+def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: Tokenizer) -> web.Application:
+    """The gateway app. On startup it asks the engine for model info (not fatal if the engine is not up yet)."""
+    middlewares = [error_middleware]
+    if config.api_key:
+        middlewares.append(auth_middleware(config.api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_request_body_bytes)
+    path = pathlib.Path(config.model).expanduser().resolve() if config.model else model_path.default_model_dir()
+    name = config.served_model_name or model_path.served_model_name(config.model, path)
+    model = ModelState(engine_client, name, str(path))
+    app[routes.SERVING] = Serving(engine_client, tokenizer, model)
+    app[routes.HEALTH] = HealthProbe(engine_client)
+    app[MAX_BODY] = config.max_request_body_bytes
+    routes.add_routes(app)
+
+    async def fetch_model_info(_: web.Application) -> None:
+        await model.try_refresh()
+
+    app.on_startup.append(fetch_model_info)
+    return app

@@ -1,0 +1,57 @@
+"""GatewayConfig: everything the gateway is told at start, frozen. Facts learned from the engine at run time
+(max_model_len, eos ids) live in `app_state.ModelState`, not here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from services.common import envs
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"                   # interface the HTTP server binds
+    port: int = 8000                          # 0 = any free port (tests)
+    scheduler_address: str = "127.0.0.1:50051"  # host:port of the Engine gRPC service
+    model: str | None = None                  # model folder; None = the converted default model
+    served_model_name: str | None = None      # name clients send as `model`; None = derived from `model`
+    api_key: str | None = None                # if set, every /v1 route needs `Authorization: Bearer <key>`
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
+    shutdown_timeout: float = 30.0            # seconds in-flight requests may take to finish on SIGTERM
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"--max-request-body-bytes must be > 0, got {self.max_request_body_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "GatewayConfig":
+        return cls(host=args.host, port=args.port, scheduler_address=args.scheduler_address, model=args.model,
+                   served_model_name=args.served_model_name, api_key=args.api_key or None,
+                   max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the gateway's flags; each defaults to STEPLOOP_<FLAG> when that is set."""
+    d = GatewayConfig()
+    envs.add_flag(parser, "--host", default=d.host, help="interface to bind")
+    envs.add_flag(parser, "--port", type=int, default=d.port, help="HTTP port")
+    envs.add_flag(parser, "--scheduler-address", default=d.scheduler_address,
+                  help="host:port of the scheduler's Engine gRPC service")
+    envs.add_flag(parser, "--model", default=None, help="model folder (default: the converted default model)")
+    envs.add_flag(parser, "--served-model-name", default=None, help="name clients use as `model`")
+    # Not via add_flag: its help text prints the default, and this default is a secret.
+    parser.add_argument("--api-key", default=os.environ.get(envs.env_name("--api-key")),
+                        help=f"require `Authorization: Bearer <key>` on /v1 routes (env {envs.env_name('--api-key')})")
+    envs.add_flag(parser, "--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                  help="larger request bodies are refused with 413")
+    envs.add_flag(parser, "--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                  help="seconds in-flight requests may take to finish after SIGTERM")
+    return parser

@@ -1,0 +1,82 @@
+"""EngineClient: the gateway's only door to the scheduler's Engine gRPC service (token ids in, token ids out).
+
+Cancellation is abort: `generate` is an async generator wrapping one server-streaming call; closing it (break,
+aclose, task cancellation when the HTTP client goes away) cancels the call, and the scheduler aborts the request.
+gRPC failures leave this module as `errors.APIError`, mapped in errors.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from services.common.sampling_params import SamplingParams
+from services.gateway import errors
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Keepalive pings notice a dead scheduler (or a silent NAT drop) during long generations.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+UNARY_TIMEOUT_S = 5.0   # model info, health, abort: cheap calls that must not hang a handler
+
+
+class EngineClient:
+    """Async client for one scheduler replica. Create it inside the running event loop."""
+
+    def __init__(self, address: str, *, channel: grpc.aio.Channel | None = None) -> None:
+        self.address = address
+        self._channel = channel or grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[engine_pb2.GenerateChunk]:
+        """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it."""
+        request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
+                                             sampling=params.to_pb(), priority=priority, cache_salt=cache_salt)
+        call = self._stub.Generate(request)
+        try:
+            async for chunk in call:
+                yield chunk
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
+        finally:
+            call.cancel()   # no-op once the stream ended; otherwise the scheduler sees the cancel and aborts
+
+    async def abort(self, request_ids: Sequence[str]) -> int:
+        try:
+            reply = await self._stub.Abort(engine_pb2.AbortRequest(request_ids=list(request_ids)),
+                                           timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
+        return reply.num_aborted
+
+    async def model_info(self) -> engine_pb2.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(engine_pb2.ModelInfoRequest(), timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
+
+    async def health(self) -> bool:
+        """True when the engine's grpc.health.v1 service reports SERVING for the server as a whole ("")."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            logger.debug("engine health check failed: %s", err.code())
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self._channel.close()

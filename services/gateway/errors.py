@@ -1,0 +1,79 @@
+"""The one place where failures become OpenAI-shaped HTTP errors: `{"error": {message, type, param, code}}`.
+
+gRPC status codes from the engine map here (INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
+anything else 500); handlers raise `APIError` and the middleware in app.py renders it. A response body never
+carries a stack trace: unexpected exceptions are logged and answered with a generic 500.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+# Trailing-metadata keys the engine may set to refine an INVALID_ARGUMENT (or other) status.
+ERROR_CODE_KEY = "steploop-error-code"      # e.g. "context_length_exceeded"
+ERROR_PARAM_KEY = "steploop-error-param"    # e.g. "max_tokens"
+RETRY_AFTER_KEY = "retry-after"             # seconds, for RESOURCE_EXHAUSTED / UNAVAILABLE
+
+
+class APIError(Exception):
+    """An error answered to the client as-is (its message must be safe to show)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_response(self) -> web.Response:
+        return web.Response(status=self.status, text=json.dumps(self.body()), content_type="application/json",
+                            headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def internal_error() -> APIError:
+    return APIError(500, "internal server error; see the gateway logs", type="server_error", code="internal_error")
+
+
+def engine_unavailable(detail: str = "the engine is not reachable") -> APIError:
+    return APIError(503, f"service unavailable: {detail}", type="server_error", code="engine_unavailable",
+                    headers={"Retry-After": "1"})
+
+
+def _metadata(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in (err.trailing_metadata() or ()):
+        if isinstance(value, str):
+            out[key.lower()] = value
+    return out
+
+
+def from_grpc_error(err: grpc.aio.AioRpcError) -> APIError:
+    """Maps an engine RPC failure to the HTTP error the client sees."""
+    status, details, meta = err.code(), err.details() or "", _metadata(err)
+    param, code = meta.get(ERROR_PARAM_KEY), meta.get(ERROR_CODE_KEY)
+    if status == grpc.StatusCode.INVALID_ARGUMENT:
+        # The engine validated the request: its message is meant for the caller.
+        return APIError(400, details or "invalid request", param=param, code=code or "invalid_value")
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return APIError(429, f"the engine is at capacity, retry later: {details}".rstrip(": "),
+                        type="rate_limit_error", code=code or "rate_limit_exceeded",
+                        headers={"Retry-After": meta.get(RETRY_AFTER_KEY, "1")})
+    if status == grpc.StatusCode.UNAVAILABLE:
+        return engine_unavailable(details or "the engine is not reachable")
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, "the engine did not answer in time", type="server_error", code="timeout")
+    return internal_error()

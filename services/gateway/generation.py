@@ -1,0 +1,133 @@
+"""From token ids to text events: one engine call per choice, detokenized, cut at stop strings, merged.
+
+Each choice is an async generator of `TextEvent`s. Leaving it early (a stop string matched, the HTTP client went
+away) closes the engine call, which aborts the request in the scheduler: cancellation is abort, no polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from services.common.pb.steploop.v1 import engine_pb2
+from services.common.sampling_params import SamplingParams
+from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
+from services.gateway.engine_client import EngineClient
+from services.gateway.errors import APIError
+from services.gateway.stop_strings import StopStringMatcher
+
+FINISH_REASONS = {
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+    engine_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One engine request: the i-th choice of an HTTP request."""
+    index: int
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    index: int                       # choice index
+    text: str                        # new text since this choice's previous event (may be "" on the last)
+    finish_reason: str | None = None  # set on the choice's last event
+    usage: Usage | None = None        # set on the choice's last event
+
+
+async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choice) -> AsyncIterator[TextEvent]:
+    detok = IncrementalDetokenizer(tokenizer, choice.prompt_ids, choice.skip_special_tokens)
+    stops = StopStringMatcher(choice.stop, choice.include_stop_str_in_output)
+    num_tokens = 0
+    stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params)
+    async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
+        async for chunk in stream:
+            num_tokens += len(chunk.token_ids)
+            text = stops.feed(detok.add(chunk.token_ids))
+            if stops.stopped:
+                usage = Usage(len(choice.prompt_ids), num_tokens)
+                yield TextEvent(choice.index, text, "stop", usage)
+                return
+            if chunk.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED:
+                if text:
+                    yield TextEvent(choice.index, text)
+                continue
+            if chunk.finish_reason == engine_pb2.FINISH_REASON_ERROR:
+                raise APIError(500, f"generation failed: {chunk.error_message or 'engine error'}",
+                               type="server_error", code="engine_error")
+            usage = Usage(chunk.usage.prompt_tokens or len(choice.prompt_ids),
+                          chunk.usage.completion_tokens or num_tokens, chunk.usage.cached_tokens)
+            yield TextEvent(choice.index, text + stops.flush(), FINISH_REASONS[chunk.finish_reason], usage)
+            return
+    raise APIError(500, "the engine ended the stream without a finish reason", type="server_error",
+                   code="engine_error")
+
+
+async def merge(streams: Sequence[AsyncIterator[TextEvent]]) -> AsyncIterator[TextEvent]:
+    """Interleaves several choices' events as they come. Closing the merge closes (aborts) every choice."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]):
+            async for event in streams[0]:
+                yield event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[TextEvent]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    queue.put_nowait(event)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(usages: dict[int, Usage], n: int) -> Usage:
+    """Sums completion tokens over all choices; prompt tokens once per prompt (choice indices i*n .. i*n+n-1)."""
+    total = Usage()
+    for index, usage in usages.items():
+        total.completion_tokens += usage.completion_tokens
+        if index % n == 0:
+            total.prompt_tokens += usage.prompt_tokens
+            total.cached_tokens += usage.cached_tokens
+    return total

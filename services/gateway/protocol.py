@@ -1,0 +1,199 @@
+"""Request bodies of /v1/completions and /v1/chat/completions, parsed and validated into small frozen types.
+
+Fields outside OpenAI's API that vLLM also accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, include_stop_str_in_output, skip_special_tokens) are accepted; unknown fields are ignored, as
+OpenAI's SDK passes extra_body through. Features not built yet (logprobs, echo, best_of, suffix) fail with a
+400 naming the field, rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.sampling_params import SamplingParams
+from services.gateway import validation as v
+from services.gateway.errors import bad_request
+
+MAX_N = 16
+CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+
+def not_supported(name: str) -> Exception:
+    return bad_request(f"'{name}' is not supported yet by steploop", param=name, code="unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """What both endpoints share; `max_tokens` None means "as many as fit in the context"."""
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    n: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    min_tokens: int
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    stream: bool
+    include_usage: bool      # stream_options.include_usage: one extra chunk with usage before [DONE]
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, min_p=self.min_p, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty)
+
+
+def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int | None) -> SamplingFields:
+    stream = v.get_bool(body, "stream", False)
+    stream_options = v.get_object(body, "stream_options")
+    if stream_options and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    for name in ("best_of",):
+        if v.get_int(body, name, 1, lo=1) != 1:
+            raise not_supported(name)
+    stop_token_ids = body.get("stop_token_ids")
+    return SamplingFields(
+        max_tokens=max_tokens,
+        temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
+        top_p=v.get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_exclusive=True),
+        top_k=v.get_int(body, "top_k", 0, lo=-1),
+        min_p=v.get_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        seed=v.get_int(body, "seed", None, lo=0, hi=2**64 - 1),
+        presence_penalty=v.get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=v.get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=v.get_number(body, "repetition_penalty", 1.0, lo=0.0, lo_exclusive=True),
+        n=v.get_int(body, "n", 1, lo=1, hi=MAX_N),
+        stop=v.get_stop(body),
+        stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
+        ignore_eos=v.get_bool(body, "ignore_eos", False),
+        min_tokens=v.get_int(body, "min_tokens", 0, lo=0),
+        include_stop_str_in_output=v.get_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=v.get_bool(body, "skip_special_tokens", True),
+        stream=stream,
+        include_usage=stream and v.get_bool(stream_options, "include_usage", False),
+    )
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str | None
+    prompts: tuple[str | tuple[int, ...], ...]   # text or token ids; each prompt gets n choices, in order
+    sampling: SamplingFields
+    user: str | None
+
+
+def _parse_prompts(value: Any, vocab_size: int | None) -> tuple[str | tuple[int, ...], ...]:
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            if "" in value:
+                raise bad_request("'prompt' must not be empty", param="prompt", code="empty_prompt")
+            return tuple(value)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return (v.get_token_ids(value, "prompt", vocab_size),)
+        if all(isinstance(p, list) for p in value):
+            return tuple(v.get_token_ids(p, "prompt", vocab_size) for p in value)
+    if value is None:
+        raise bad_request("'prompt' is required", param="prompt", code="missing_required_parameter")
+    raise v.type_error("prompt", "a string, an array of strings, or an array of token ids (non-empty)", value)
+
+
+def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequest:
+    body = v.require_object(body)
+    if v.get_bool(body, "echo", False):
+        raise not_supported("echo")
+    if body.get("logprobs") is not None:
+        raise not_supported("logprobs")
+    if v.get_str(body, "suffix"):
+        raise not_supported("suffix")
+    return CompletionRequest(
+        model=v.get_str(body, "model"),
+        prompts=_parse_prompts(body.get("prompt"), vocab_size),
+        sampling=parse_sampling(body, v.get_int(body, "max_tokens", None, lo=1), vocab_size),
+        user=v.get_str(body, "user"),
+    )
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str | None
+    messages: tuple[dict[str, str], ...]   # {"role", "content"} with content flattened to text
+    sampling: SamplingFields
+    add_generation_prompt: bool
+    continue_final_message: bool           # extend the last (assistant) message instead of starting a new one
+    user: str | None
+
+
+def _message_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}.content[{i}] must be a text part {{'type': 'text', 'text': str}}; "
+                                  f"images and audio are not supported", param="messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise v.type_error(f"{where}.content", "a string or an array of text parts", content, param="messages")
+
+
+def _parse_messages(value: Any) -> tuple[dict[str, str], ...]:
+    """Errors name param "messages" (clients branch on that); the message text says which one and why."""
+    if not isinstance(value, list):
+        raise v.type_error("messages", "an array of messages", value)
+    if not value:
+        raise bad_request("'messages' must contain at least one message", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise v.type_error(where, "an object", message, param="messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                              param="messages")
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _message_text(message.get("content"), where)})
+    return tuple(out)
+
+
+def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
+    body = v.require_object(body)
+    if v.get_bool(body, "logprobs", False) or body.get("top_logprobs"):
+        raise not_supported("logprobs")
+    if body.get("tools"):
+        raise not_supported("tools")
+    messages = _parse_messages(body.get("messages"))
+    # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+    max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = v.get_int(body, "max_tokens", None, lo=1)
+    continue_final = v.get_bool(body, "continue_final_message", False)
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise bad_request("'continue_final_message' needs the last message to be from the assistant",
+                          param="continue_final_message")
+    add_generation_prompt = v.get_bool(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                          param="add_generation_prompt")
+    return ChatRequest(
+        model=v.get_str(body, "model"),
+        messages=messages,
+        sampling=parse_sampling(body, max_tokens, vocab_size),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final,
+        user=v.get_str(body, "user"),
+    )

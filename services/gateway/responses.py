@@ -1,0 +1,58 @@
+"""OpenAI response objects, as plain dicts: whole responses and streamed chunks, for both endpoints.
+Pure functions of the request's identity (`Meta`) and the generated text; no I/O here."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.generation import Usage
+
+
+@dataclass(frozen=True)
+class Meta:
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def new_id(prefix: str) -> str:
+    """`cmpl-…` / `chatcmpl-…`; also the engine request id's stem (suffixed with the choice index)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _envelope(meta: Meta, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": choices}
+
+
+# /v1/completions
+
+def completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage) -> dict[str, Any]:
+    choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": finish.get(i)}
+               for i in sorted(texts)]
+    return {**_envelope(meta, "text_completion", choices), "usage": usage.to_dict()}
+
+
+def completion_chunk(meta: Meta, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return _envelope(meta, "text_completion",
+                     [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+
+
+# /v1/chat/completions
+
+def chat_completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage) -> dict[str, Any]:
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+                "finish_reason": finish.get(i)} for i in sorted(texts)]
+    return {**_envelope(meta, "chat.completion", choices), "usage": usage.to_dict()}
+
+
+def chat_chunk(meta: Meta, index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return _envelope(meta, "chat.completion.chunk",
+                     [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+
+
+def usage_chunk(meta: Meta, obj: str, usage: Usage) -> dict[str, Any]:
+    """stream_options.include_usage: the last chunk before [DONE], with no choices."""
+    return {**_envelope(meta, obj, []), "usage": usage.to_dict()}

@@ -1,0 +1,94 @@
+"""A fake Engine gRPC server for gateway tests: streams scripted token ids, honours max_tokens and EOS,
+reports grpc health, and records every request, finish and cancellation (an abort) it sees."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+
+
+@dataclass
+class FakeEngine(engine_pb2_grpc.EngineServicer):
+    reply_ids: Sequence[int]                       # the tokens every request gets (truncated by max_tokens)
+    eos_token_id: int = 2
+    max_model_len: int = 2048
+    vocab_size: int = 49152
+    num_workers: int = 1
+    token_delay_s: float = 0.0                     # sleep before each chunk (disconnect tests need it slow)
+    tokens_per_chunk: int = 1
+    cached_tokens: int = 0
+    status: grpc.StatusCode | None = None          # if set, Generate fails with it
+    status_metadata: tuple = ()
+    fail_after: int | None = None                  # if set, ends with FINISH_REASON_ERROR after this many tokens
+    reply_fn: Callable[[engine_pb2.GenerateRequest], Sequence[int]] | None = None
+    requests: list = field(default_factory=list)   # GenerateRequests received
+    finished: list = field(default_factory=list)   # request ids streamed to their end
+    cancelled: list = field(default_factory=list)  # request ids whose call the client cancelled
+    aborted: list = field(default_factory=list)    # ids sent to the Abort RPC
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.status is not None:
+            await context.abort(self.status, "scripted failure", trailing_metadata=self.status_metadata)
+        ids = list(self.reply_fn(request) if self.reply_fn else self.reply_ids)
+        if not request.sampling.ignore_eos and self.eos_token_id in ids:
+            ids = ids[:ids.index(self.eos_token_id) + 1]
+            finish = engine_pb2.FINISH_REASON_STOP
+        else:
+            finish = engine_pb2.FINISH_REASON_LENGTH
+        if len(ids) > request.sampling.max_tokens:
+            ids, finish = ids[:request.sampling.max_tokens], engine_pb2.FINISH_REASON_LENGTH
+        try:
+            if self.fail_after is not None:
+                yield engine_pb2.GenerateChunk(token_ids=ids[:self.fail_after])
+                yield engine_pb2.GenerateChunk(finish_reason=engine_pb2.FINISH_REASON_ERROR,
+                                               error_message="worker exploded")
+                return
+            for start in range(0, len(ids), self.tokens_per_chunk):
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                part = ids[start:start + self.tokens_per_chunk]
+                chunk = engine_pb2.GenerateChunk(token_ids=part)
+                if start + self.tokens_per_chunk >= len(ids):
+                    chunk.finish_reason = finish
+                    chunk.usage.prompt_tokens = len(request.prompt_token_ids)
+                    chunk.usage.completion_tokens = len(ids)
+                    chunk.usage.cached_tokens = self.cached_tokens
+                yield chunk
+            self.finished.append(request.request_id)
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def Abort(self, request, context):
+        self.aborted.extend(request.request_ids)
+        return engine_pb2.AbortResponse(num_aborted=0)
+
+    async def GetModelInfo(self, request, context):
+        return engine_pb2.ModelInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                                    block_size=16, num_kv_blocks=100 if self.num_workers else 0,
+                                    eos_token_ids=[self.eos_token_id], num_workers=self.num_workers)
+
+    async def GetLoadReport(self, request, context):
+        return engine_pb2.LoadReport()
+
+
+async def start_fake_engine(engine: FakeEngine,
+                            health_status=health_pb2.HealthCheckResponse.SERVING) -> tuple[grpc.aio.Server, str,
+                                                                                           health_aio.HealthServicer]:
+    """Serves `engine` on a free loopback port; returns (server, "127.0.0.1:port", health servicer)."""
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+    health = health_aio.HealthServicer()
+    await health.set("", health_status)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", health

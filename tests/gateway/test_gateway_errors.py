@@ -1,0 +1,194 @@
+"""Error answers keep OpenAI's shape {"error": {message, type, param, code}}; raw HTTP, no SDK."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from services.gateway import errors
+from services.gateway.app import create_app
+from services.gateway.engine_client import EngineClient
+from services.gateway.server import bound_port, start_site
+from tests.gateway.conftest import SERVED_NAME
+
+CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def post(gateway, path, body, headers=None, raw=None):
+    data = raw if raw is not None else json.dumps(body)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{gateway.url}{path}", data=data, headers={"Content-Type": "application/json",
+                                                                       **(headers or {})}) as resp:
+            text = await resp.text()
+            return resp.status, json.loads(text) if text.startswith("{") else text, resp.headers
+
+
+def assert_error(body, param=None, code=None):
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**CHAT, "temperature": 3}, "temperature"),
+    ({**CHAT, "temperature": "hot"}, "temperature"),
+    ({**CHAT, "top_p": 0}, "top_p"),
+    ({**CHAT, "top_p": 1.5}, "top_p"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "stream": "yes"}, "stream"),
+    ({**CHAT, "stop": [1, 2]}, "stop"),
+    ({**CHAT, "seed": -1}, "seed"),
+    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "messages": []}, "messages"),
+    ({"model": SERVED_NAME}, "messages"),
+    ({**CHAT, "temperature": -1}, "temperature"),
+    ({**CHAT, "max_tokens": -3}, "max_tokens"),
+    ({**CHAT, "messages": "hi"}, "messages"),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+])
+async def test_chat_bad_parameters(gateway, body, param):
+    status, resp, _ = await post(gateway, "/v1/chat/completions", body)
+    assert status == 400
+    assert_error(resp, param=param)
+    assert resp["error"]["type"] == "invalid_request_error"
+    assert gateway.engine.requests == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": SERVED_NAME}, "prompt"),
+    ({"model": SERVED_NAME, "prompt": 5}, "prompt"),
+    ({"model": SERVED_NAME, "prompt": [1, "a"]}, "prompt"),
+    ({"model": SERVED_NAME, "prompt": [1, 10**9]}, "prompt"),
+    ({"model": SERVED_NAME, "prompt": "x", "echo": True}, "echo"),
+    ({"model": SERVED_NAME, "prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"model": SERVED_NAME, "prompt": ""}, "prompt"),
+])
+async def test_completion_bad_parameters(gateway, body, param):
+    status, resp, _ = await post(gateway, "/v1/completions", body)
+    assert status == 400
+    assert_error(resp, param=param)
+
+
+@pytest.mark.parametrize("raw", ["{not json", "[1, 2]", "\"text\"", "\xff\xfe"])
+async def test_malformed_or_non_object_body(gateway, raw):
+    status, resp, _ = await post(gateway, "/v1/chat/completions", None, raw=raw.encode("latin-1"))
+    assert status == 400
+    assert_error(resp)
+
+
+async def test_unknown_model_is_404(gateway):
+    status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "model": "gpt-9"})
+    assert status == 404
+    assert_error(resp, param="model", code="model_not_found")
+    with pytest.raises(openai.NotFoundError):
+        await gateway.openai().chat.completions.create(model="gpt-9", messages=CHAT["messages"])
+
+
+async def test_context_length_exceeded_names_both_numbers(gateway):
+    status, resp, _ = await post(gateway, "/v1/completions", {"model": SERVED_NAME, "prompt": [7] * 2000,
+                                                               "max_tokens": 100})
+    assert status == 400
+    assert_error(resp, code="context_length_exceeded")
+    assert "2048" in resp["error"]["message"] and "2100" in resp["error"]["message"]
+    status, resp, _ = await post(gateway, "/v1/completions", {"model": SERVED_NAME, "prompt": [7] * 2048})
+    assert status == 400 and resp["error"]["code"] == "context_length_exceeded"
+
+
+async def test_body_too_large_is_413(gateway):
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}
+    status, resp, _ = await post(gateway, "/v1/chat/completions", big)
+    assert status == 413
+    assert_error(resp, code="request_too_large")
+
+
+async def test_unknown_route_is_openai_shaped_404(gateway):
+    status, resp, _ = await post(gateway, "/v1/embeddings", {})
+    assert status == 404
+    assert_error(resp)
+
+
+@pytest.fixture
+def gateway_config(gateway_config, request):
+    key = getattr(request, "param", None)
+    return replace(gateway_config, api_key=key) if key else gateway_config
+
+
+@pytest.mark.parametrize("gateway_config", ["s3cret"], indirect=True)
+async def test_api_key_required_on_v1_routes(gateway):
+    status, resp, _ = await post(gateway, "/v1/chat/completions", CHAT)
+    assert status == 401
+    assert_error(resp, code="invalid_api_key")
+    status, _, _ = await post(gateway, "/v1/chat/completions", CHAT, headers={"Authorization": "Bearer wrong"})
+    assert status == 401
+    r = await gateway.openai(api_key="s3cret").chat.completions.create(model=SERVED_NAME,
+                                                                      messages=CHAT["messages"])
+    assert r.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        await gateway.openai(api_key="nope").models.list()
+    async with aiohttp.ClientSession() as http:   # probes need no key
+        async with http.get(f"{gateway.url}/health") as resp:
+            assert resp.status == 200
+
+
+@pytest.mark.parametrize("status, meta, http_status, code", [
+    (grpc.StatusCode.INVALID_ARGUMENT, ((errors.ERROR_CODE_KEY, "context_length_exceeded"),
+                                        (errors.ERROR_PARAM_KEY, "max_tokens")), 400, "context_length_exceeded"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, ((errors.RETRY_AFTER_KEY, "3"),), 429, "rate_limit_exceeded"),
+    (grpc.StatusCode.UNAVAILABLE, (), 503, "engine_unavailable"),
+    (grpc.StatusCode.INTERNAL, (), 500, "internal_error"),
+])
+async def test_engine_errors_map_to_http(gateway, status, meta, http_status, code):
+    gateway.engine.status, gateway.engine.status_metadata = status, meta
+    for stream in (False, True):
+        got, resp, headers = await post(gateway, "/v1/chat/completions", {**CHAT, "stream": stream})
+        assert got == http_status
+        assert_error(resp, code=code)
+        if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert headers["Retry-After"] == "3"
+        if status == grpc.StatusCode.INVALID_ARGUMENT:
+            assert resp["error"]["param"] == "max_tokens"
+        assert "scripted failure" not in resp["error"]["message"] or http_status in (400, 429, 503)
+
+
+async def test_engine_down_gives_503_and_unhealthy(tokenizer, gateway_config):
+    client = EngineClient("127.0.0.1:1")    # nothing listens there
+    app = create_app(gateway_config, client, tokenizer)
+    runner, _ = await start_site(app, "127.0.0.1", 0, shutdown_timeout=1.0)
+    url = f"http://127.0.0.1:{bound_port(runner)}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 503
+                assert_error(await resp.json(), code="engine_unavailable")
+            async with http.get(f"{url}/health") as resp:
+                assert resp.status == 503
+    finally:
+        await runner.cleanup()
+        await client.close()
+
+
+async def test_engine_failure_mid_stream_is_an_error_event(gateway):
+    gateway.engine.fail_after = 3
+    status, body, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert status == 200
+    events = [line[len("data: "):] for line in body.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])
+    assert_error(error, code="engine_error")
+    assert "worker exploded" in error["error"]["message"]
+    status, body, _ = await post(gateway, "/v1/chat/completions", CHAT)
+    assert status == 500
+    assert_error(body, code="engine_error")

@@ -1,0 +1,112 @@
+"""Disconnects abort, health is readiness, shutdown drains, and the gateway never loads torch or triton."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tests.gateway.conftest import SERVED_NAME, wait_for
+from tests.gateway.fake_engine import FakeEngine, start_fake_engine
+
+CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def test_client_disconnect_mid_stream_cancels_engine_call(gateway):
+    gateway.engine.token_delay_s = 0.05
+    gateway.engine.reply_fn = lambda req: [100 + i for i in range(200)]   # long, no EOS
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{gateway.url}/v1/chat/completions", json=CHAT)
+        assert resp.status == 200
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        resp.close()   # drop the connection mid-stream
+    await wait_for(lambda: len(gateway.engine.cancelled) == 1)
+    assert gateway.engine.finished == []
+
+
+async def test_health_needs_serving_and_a_worker(gateway):
+    async with aiohttp.ClientSession() as http:
+        async def status() -> int:
+            await asyncio.sleep(0.6)   # past the cache ttl
+            async with http.get(f"{gateway.url}/health") as resp:
+                return resp.status
+        assert await status() == 200
+        gateway.engine.num_workers = 0
+        assert await status() == 503
+        gateway.engine.num_workers = 1
+        await gateway.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert await status() == 503
+        await gateway.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert await status() == 200
+
+
+NO_TORCH = """
+import sys
+import services.gateway.server
+from services.gateway.tokenizer import load_tokenizer
+tok = load_tokenizer(sys.argv[1])
+assert tok.chat_sync([{"role": "user", "content": "hi"}])
+print(",".join(sorted(m for m in ("torch", "triton") if m in sys.modules)) or "clean")
+"""
+
+
+def test_gateway_and_tokenizer_never_import_torch(gateway_model_dir):
+    env = {k: v for k, v in os.environ.items() if k not in ("USE_TORCH", "USE_TF")}
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, str(gateway_model_dir)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "clean"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+async def test_sigterm_drains_in_flight_stream(gateway_model_dir, reply_ids):
+    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=0.05)
+    server, address, _ = await start_fake_engine(engine)
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.gateway", "--port", str(port), "--scheduler-address", address,
+        "--model", str(gateway_model_dir), "--served-model-name", SERVED_NAME, "--shutdown-timeout", "10",
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_for_http(http, f"http://127.0.0.1:{port}/health", proc)
+            resp = await http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
+            await resp.content.readline()
+            proc.send_signal(signal.SIGTERM)
+            body = (await resp.read()).decode()
+            assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"stop"' in body
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        assert engine.finished and not engine.cancelled
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await server.stop(None)
+
+
+async def wait_for_http(http, url, proc, timeout=60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        assert proc.returncode is None, (await proc.stderr.read()).decode()[-2000:]
+        try:
+            async with http.get(url) as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{url} not ready")
