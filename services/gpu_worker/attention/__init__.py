@@ -1,0 +1,1 @@
+"""Paged attention: per-step metadata (built once) and backends that run it layer by layer."""

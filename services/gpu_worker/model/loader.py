@@ -1,0 +1,94 @@
+"""Load a HuggingFace Llama-family folder (config.json + *.safetensors, sharded or not) into LlamaForCausalLM.
+
+Checkpoint names map onto ours one to one, except q/k/v_proj (fused into qkv_proj) and gate/up_proj (fused into
+gate_up_proj), which are copied into row slices. Every parameter must be filled once, or loading fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import re
+
+import torch
+from safetensors import safe_open
+
+from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.gpu_worker.model.model_config import LlamaModelConfig
+
+log = logging.getLogger(__name__)
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights (steploop reads safetensors only)")
+    return files
+
+
+def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    cfg = LlamaModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    _load_weights(model, cfg, path)
+    model.rotary.build_cache(device, dtype)
+    return model.eval()
+
+
+def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path) -> None:
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                target, rows = _target(name, cfg)
+                if target not in params:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a Llama-family weight)")
+                dest = params[target].data if rows is None else params[target].data[rows[0]:rows[1]]
+                tensor = f.get_tensor(name)
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                filled.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
+    _check_complete(params, filled, cfg)
+
+
+def _target(name: str, cfg: LlamaModelConfig) -> tuple[str, tuple[int, int] | None]:
+    """Checkpoint name -> (our parameter name, row slice or None)."""
+    m = _FUSED.match(name)
+    if not m:
+        return name, None
+    prefix, _, qkv, gate_up, kind = m.groups()
+    q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    if qkv:
+        start = {"q": 0, "k": q, "v": q + kv}[qkv]
+        return f"{prefix}self_attn.qkv_proj.{kind}", (start, start + (q if qkv == "q" else kv))
+    start = 0 if gate_up == "gate" else inter
+    return f"{prefix}mlp.gate_up_proj.{kind}", (start, start + inter)
+
+
+def _check_complete(params: dict, filled: set[str], cfg: LlamaModelConfig) -> None:
+    covered = {n.split("[")[0] for n in filled}
+    fused_parts = {"qkv_proj": 3, "gate_up_proj": 2}
+    missing = [n for n in params if n not in covered]
+    partial = [n for n in covered if any(k in n for k in fused_parts)
+               and sum(f.startswith(n + "[") for f in filled) != next(v for k, v in fused_parts.items() if k in n)]
+    if cfg.tie_word_embeddings and "lm_head.weight" in missing:
+        missing.remove("lm_head.weight")
+    if missing or partial:
+        raise ValueError(f"checkpoint is missing weights: {(missing + partial)[:8]}")

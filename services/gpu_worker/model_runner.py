@@ -1,0 +1,167 @@
+"""ModelRunner: one StepPlan in, one StepResult out. Owns the model, the KV cache and the persistent batch.
+
+    execute(plan): apply the plan's deltas -> build inputs -> forward -> logits for the rows that sample
+                   -> sample (and verify drafts) -> append the sampled tokens to the worker's own lists
+
+The worker appends what it sampled itself, so under async scheduling step N+1 can use step N's token before the
+scheduler has seen it. A failing step returns StepResult(error=...) instead of raising.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+
+import torch
+
+from services.common.model_path import served_model_name
+from services.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
+from services.gpu_worker import kv_cache
+from services.gpu_worker.attention.backend import create_backend
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.input_batch import InputBatch
+from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.gpu_worker.model.loader import load_model
+from services.gpu_worker.model.model_config import LlamaModelConfig
+from services.gpu_worker.penalties import PenaltyInputs
+from services.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from services.gpu_worker.step_inputs import SamplingSlot, StepInputs, prepare_step_inputs
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                 max_model_len: int, info: WorkerInfo, seed: int = 0):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.max_model_len, self.info = max_model_len, info
+        self.device = kv_caches[0].device
+        self.vocab_size = model.config.vocab_size
+        self.batch = InputBatch()
+        self.sampler = Sampler(seed, self.device)
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> "ModelRunner":
+        device = torch.device(config.resolved_device())
+        dtype = config.resolved_dtype(device.type)
+        if device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        cfg = LlamaModelConfig.from_dir(model_path)
+        max_len = _max_model_len(config, cfg)
+        backend = create_backend(config.attention_backend, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.head_dim, cfg.head_dim ** -0.5)
+        start = time.perf_counter()
+        model = load_model(model_path, backend, max_len, dtype, device)
+        log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
+                 time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,
+                 str(dtype).removeprefix("torch."), device, max_len)
+        profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)  # noqa: E731
+        num_blocks = kv_cache.decide_num_blocks(config, cfg, max_len, dtype, device, profile)
+        caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)
+        info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
+                          block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
+                          vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids)
+        return cls(model, caches, config.block_size, max_len, info, config.seed)
+
+    def reset(self) -> None:
+        """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
+        self.batch.reset()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        try:
+            self.batch.apply_plan(plan)
+            if not plan.scheduled_handles:
+                return StepResult(step_id=plan.step_id)
+            result = self._run(plan)
+        except Exception as exc:  # noqa: BLE001 - a failed step is reported, the worker lives on
+            log.exception("step %d failed", plan.step_id)
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+        result.forward_seconds = time.perf_counter() - start
+        return result
+
+    def _run(self, plan: StepPlan) -> StepResult:
+        inputs = prepare_step_inputs(self.batch, plan, self.block_size, self.max_model_len, self.device)
+        attn_metadata = self.model.backend.build_metadata(inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata,
+                            inputs.logits_indices)
+        for handle, num_computed in inputs.num_computed_after.items():
+            self.batch.requests[handle].num_computed_tokens = num_computed
+        result = StepResult(step_id=plan.step_id)
+        if inputs.sampling:
+            out = self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(inputs))
+            self._record(inputs, out, result)
+        return result
+
+    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        params, index, prompts, outputs = [], [], [], []
+        for slot in inputs.sampling:
+            state = self.batch.requests[slot.handle]
+            for j in range(len(slot.drafts) + 1):
+                params.append(state.sampling)
+                index.append(state.num_output_tokens + j)
+                if state.sampling.presence_penalty or state.sampling.frequency_penalty \
+                        or state.sampling.repetition_penalty != 1.0:
+                    prompts.append(state.token_ids[:state.num_prompt_tokens])
+                    outputs.append(state.output_token_ids + slot.drafts[:j])
+                else:
+                    prompts.append([])
+                    outputs.append([])
+        penalties = PenaltyInputs.build(params, prompts, outputs, self.vocab_size, self.device)
+        return SamplingMetadata.from_rows(params, index, self.vocab_size, self.device, penalties)
+
+    def _record(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
+        """Accept drafts while they match what was sampled; append the accepted tokens to the worker's lists."""
+        tokens = out.token_ids.tolist()
+        for slot in inputs.sampling:
+            rows = tokens[slot.first_row:slot.first_row + len(slot.drafts) + 1]
+            accepted = 1
+            while accepted <= len(slot.drafts) and rows[accepted - 1] == slot.drafts[accepted - 1]:
+                accepted += 1
+            result.sampled[slot.handle] = rows[:accepted]
+            self.batch.append_sampled(slot.handle, rows[:accepted], slot.num_known_end + accepted - 1)
+            if self.batch.requests[slot.handle].sampling.logprobs >= 0:
+                result.logprobs[slot.handle] = _logprobs(out, slot, accepted,
+                                                         self.batch.requests[slot.handle].sampling.logprobs)
+
+
+def _logprobs(out: SamplerOutput, slot: SamplingSlot, accepted: int, k: int) -> list[TokenLogprob]:
+    rows = range(slot.first_row, slot.first_row + accepted)
+    lps = []
+    for r in rows:
+        top_ids = out.top_token_ids[r, :k].tolist() if k > 0 else []
+        top_lps = out.top_logprobs[r, :k].tolist() if k > 0 else []
+        lps.append(TokenLogprob(float(out.logprobs[r]), top_ids, top_lps))
+    return lps
+
+
+def _max_model_len(config: WorkerConfig, cfg: LlamaModelConfig) -> int:
+    if config.max_model_len is None:
+        return cfg.max_position_embeddings
+    if config.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{cfg.max_position_embeddings}; lower it")
+    return config.max_model_len
+
+
+def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size: int, max_len: int,
+                     dtype: torch.dtype, device: torch.device) -> None:
+    """One forward over a max-length prompt with a scratch KV cache, to measure peak activation memory."""
+    import numpy as np
+
+    from services.gpu_worker.attention.metadata import build_common_metadata
+
+    n = min(max_len, 8192)
+    blocks = -(-n // block_size) + 1
+    caches = kv_cache.allocate_kv_caches(cfg, blocks, block_size, dtype, device)
+    table = np.arange(1, blocks, dtype=np.int32)[None, :]
+    slots = np.arange(block_size, block_size + n, dtype=np.int64)
+    common = build_common_metadata(np.array([n], np.int32), np.array([n], np.int32), table, slots, block_size,
+                                   device)
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    pos = torch.arange(n, device=device)
+    hidden = model(ids, pos, caches, model.backend.build_metadata(common), torch.tensor([n - 1], device=device))
+    model.compute_logits(hidden)
+    del caches

@@ -1,0 +1,158 @@
+"""The worker process: load the model, then attach to the scheduler's plan stream and serve steps forever.
+
+    connect -> Attach: send hello(WorkerInfo) -> for each plan: execute (one executor thread) -> send result
+       ^                                                                                       |
+       └──── stream broke or scheduler not up: reset the persistent batch, back off 0.2 s .. 2 s ┘
+
+The forward runs in a single-thread executor, so the event loop keeps answering gRPC keepalives during a long
+step. Breaking the stream makes the scheduler preempt everything this worker held, so the worker forgets it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import sys
+import time
+
+import grpc
+
+from services.common import envs
+from services.common.model_path import DEFAULT_MODEL, default_model_dir, is_model_dir, resolve_model
+from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
+from services.common.step_contract import StepPlan
+from services.gpu_worker.config import WorkerConfig, add_cli_args
+from services.gpu_worker.model_runner import ModelRunner
+
+log = logging.getLogger("steploop.worker")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
+
+
+def model_path_for(config: WorkerConfig):
+    """The model folder; the default model is converted from its GGUF on first use."""
+    if (not config.model or config.model == DEFAULT_MODEL) and not is_model_dir(default_model_dir()):
+        from services.gpu_worker.gguf_convert import convert_default_model
+        log.info("default model not converted yet; converting it now")
+        convert_default_model()
+    return resolve_model(config.model)
+
+
+async def serve(config: WorkerConfig, runner: ModelRunner | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve plans until `stop` is set (SIGTERM/SIGINT set it when run from main)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+    try:
+        if runner is None:
+            runner = await loop.run_in_executor(executor, ModelRunner.from_config, config, model_path_for(config))
+        await _attach_forever(config, runner, executor, stop)
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _attach_forever(config: WorkerConfig, runner: ModelRunner, executor, stop: asyncio.Event) -> None:
+    backoff, waiting_logged = BACKOFF_START_S, False
+    while not stop.is_set():
+        served = await _attach_once(config, runner, executor, stop)
+        runner.reset()
+        if not served and not waiting_logged:
+            log.info("scheduler %s not reachable yet; retrying every %.1f-%.1f s", config.scheduler_address,
+                     BACKOFF_START_S, BACKOFF_MAX_S)
+        waiting_logged = not served
+        if stop.is_set():
+            break
+        backoff = BACKOFF_START_S if served else min(backoff * 2, BACKOFF_MAX_S)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=backoff)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop: asyncio.Event) -> bool:
+    """One attach: returns whether it got attached (then the next reconnect starts from a short backoff)."""
+    served = False
+    async with grpc.aio.insecure_channel(config.scheduler_address, options=CHANNEL_OPTIONS) as channel:
+        call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await call.write(worker_pb2.WorkerMessage(hello=runner.info.to_pb()))
+            served = True
+            log.info("attached to scheduler %s as %s (%d KV blocks of %d tokens)", config.scheduler_address,
+                     runner.info.worker_id, runner.info.num_kv_blocks, runner.info.block_size)
+            while True:
+                reader = asyncio.ensure_future(call.read())
+                done, _ = await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if reader not in done:
+                    reader.cancel()
+                    call.cancel()
+                    break
+                msg = reader.result()
+                if msg is grpc.aio.EOF:
+                    log.warning("scheduler %s closed the plan stream", config.scheduler_address)
+                    break
+                await _serve_plan(runner, executor, call, msg)
+        except grpc.aio.AioRpcError as err:
+            level = logging.WARNING if served else logging.DEBUG
+            log.log(level, "plan stream to %s ended: %s %s", config.scheduler_address, err.code().name,
+                    err.details())
+        finally:
+            stopper.cancel()
+    if served:
+        log.info("detached from scheduler %s; forgetting all requests", config.scheduler_address)
+    return served
+
+
+async def _serve_plan(runner: ModelRunner, executor, call, msg: worker_pb2.SchedulerMessage) -> None:
+    if not msg.HasField("plan"):
+        return
+    plan = StepPlan.from_pb(msg.plan)
+    result = await asyncio.get_running_loop().run_in_executor(executor, runner.execute, plan)
+    await call.write(worker_pb2.WorkerMessage(result=result.to_pb()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_cli_args(argparse.ArgumentParser(prog="python -m services.gpu_worker",
+                                                description="steploop gpu_worker: runs the model for a scheduler"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get(envs.LOG_LEVEL, "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = WorkerConfig.from_args(build_parser().parse_args(argv))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return asyncio.run(_main(config))
+
+
+async def _main(config: WorkerConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = time.perf_counter()
+    try:
+        await serve(config, stop=stop)
+    except (ValueError, FileNotFoundError) as err:
+        log.error("%s", err)
+        return 1
+    log.info("worker stopped after %.0f s", time.perf_counter() - start)
+    return 0

@@ -1,0 +1,29 @@
+"""Worker fixtures: one ModelRunner and one transformers reference model per session (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def runner(model_dir):
+    from services.gpu_worker.config import WorkerConfig
+    from services.gpu_worker.model_runner import ModelRunner
+
+    config = WorkerConfig(model=str(model_dir), num_kv_blocks=256, max_model_len=1024, device="cpu")
+    return ModelRunner.from_config(config, model_dir)
+
+
+@pytest.fixture
+def fresh_runner(runner):
+    runner.reset()
+    yield runner
+    runner.reset()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

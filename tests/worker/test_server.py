@@ -1,0 +1,56 @@
+"""The worker attaches to a (fake) scheduler's plan stream, serves plans, and reconnects when it breaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
+from services.common.sampling_params import SamplingParams
+from services.common.step_contract import NewRequestData, StepPlan, StepResult, WorkerInfo
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.server import serve
+
+pytestmark = pytest.mark.slow
+
+
+class FakeScheduler(worker_pb2_grpc.PlanStreamServicer):
+    """Each attach: read hello, send one plan, read its result, then end the stream."""
+
+    def __init__(self):
+        self.hellos: list[WorkerInfo] = []
+        self.results: list[StepResult] = []
+
+    async def Attach(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        self.hellos.append(WorkerInfo.from_pb((await it.__anext__()).hello))
+        handle = len(self.hellos)
+        plan = StepPlan(step_id=handle, new_requests=[NewRequestData(handle, [1, 2, 3], [], SamplingParams(),
+                                                                     [1], 0)],
+                        scheduled_handles=[handle], num_scheduled_tokens=[3])
+        yield worker_pb2.SchedulerMessage(plan=plan.to_pb())
+        self.results.append(StepResult.from_pb((await it.__anext__()).result))
+
+
+async def test_attach_serve_reconnect(fresh_runner):
+    server = grpc.aio.server()
+    fake = FakeScheduler()
+    worker_pb2_grpc.add_PlanStreamServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    config = WorkerConfig(scheduler_address=f"127.0.0.1:{port}", num_kv_blocks=256, max_model_len=1024)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, runner=fresh_runner, stop=stop))
+    await asyncio.sleep(0.5)                                  # scheduler not up yet: the worker backs off
+    await server.start()
+    for _ in range(200):
+        if len(fake.results) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    await server.stop(None)
+    assert len(fake.results) >= 2 and fake.hellos[0].num_kv_blocks == 256 and fake.hellos[0].block_size == 16
+    assert [r.error for r in fake.results[:2]] == ["", ""]
+    assert fake.results[0].sampled[1] and fake.results[1].sampled[2]   # handle 1 was forgotten after detach
