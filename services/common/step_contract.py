@@ -4,8 +4,9 @@ These dataclasses mirror steploop.v1.StepPlan / StepResult (protos/steploop/v1/w
 worker use only these; `to_pb` / `from_pb` are the one place that touches the generated classes.
 
 A plan sends deltas: a request the worker has not seen comes as a NewRequestData (in full); a request it holds
-comes as one entry of CachedRequestData (handle, num_computed_tokens, new block ids). Requests are named by small
-integer handles, never by their string ids.
+comes as one entry of CachedRequestData (handle, num_computed_tokens, new block ids) only in a step that gives it
+new blocks. Otherwise it appears only in scheduled_handles: the worker advances its own num_computed_tokens, so a
+decode-only step costs ~3-4 bytes per request. Requests are named by small integer handles, never by string ids.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """Requests the worker already holds, as parallel lists (one entry per request)."""
+    """Requests the worker already holds that got new blocks this step, as parallel lists (one entry each)."""
 
     handles: list[int] = field(default_factory=list)              # [n]
     num_computed_tokens: list[int] = field(default_factory=list)  # [n] authoritative count from the scheduler

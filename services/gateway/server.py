@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from collections.abc import Sequence
 
 from aiohttp import web
 
-from services.common import envs, model_path
+from services.common import model_path
+from services.common.log import setup_logging
 from services.gateway import routes
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig, add_cli_args
@@ -69,8 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      description="steploop gateway: OpenAI-compatible HTTP API")
     add_cli_args(parser)
     config = GatewayConfig.from_args(parser.parse_args(argv))
-    logging.basicConfig(level=os.environ.get(envs.LOG_LEVEL, "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("gateway")
     try:
         import uvloop  # noqa: PLC0415 - optional on platforms without it
     except ImportError:

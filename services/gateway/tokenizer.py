@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-
 # The advisory flag silences "None of PyTorch, TensorFlow or Flax found", which is exactly what we want.
 _NO_FRAMEWORKS = {"USE_TORCH": "0", "USE_TF": "0", "USE_FLAX": "0", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 

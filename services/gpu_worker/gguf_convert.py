@@ -20,7 +20,12 @@ import sys
 import tempfile
 import time
 
-from services.common.model_path import DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE, default_model_dir, is_model_dir
+from services.common.model_path import (
+    DEFAULT_GGUF_FILE,
+    DEFAULT_GGUF_PACKAGE,
+    default_model_dir,
+    is_model_dir,
+)
 
 EOS_TOKEN = "<|im_end|>"
 BOS_TOKEN = "<|im_start|>"

@@ -27,7 +27,11 @@ from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from services.gpu_worker.penalties import PenaltyInputs
 from services.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
-from services.gpu_worker.step_inputs import SamplingSlot, StepInputs, prepare_step_inputs
+from services.gpu_worker.step_inputs import (
+    SamplingSlot,
+    StepInputs,
+    prepare_step_inputs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class ModelRunner:
         backend = create_backend(config.attention_backend, cfg.num_attention_heads, cfg.num_key_value_heads,
                                  cfg.head_dim, cfg.head_dim ** -0.5)
         start = time.perf_counter()
+        log.info("loading model %s (%d layers, %s on %s)", model_path, cfg.num_hidden_layers,
+                 str(dtype).removeprefix("torch."), device)
         model = load_model(model_path, backend, max_len, dtype, device)
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,

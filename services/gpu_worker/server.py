@@ -14,15 +14,19 @@ import argparse
 import asyncio
 import concurrent.futures
 import logging
-import os
 import signal
 import sys
 import time
 
 import grpc
 
-from services.common import envs
-from services.common.model_path import DEFAULT_MODEL, default_model_dir, is_model_dir, resolve_model
+from services.common.log import setup_logging
+from services.common.model_path import (
+    DEFAULT_MODEL,
+    default_model_dir,
+    is_model_dir,
+    resolve_model,
+)
 from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
 from services.common.step_contract import StepPlan
 from services.gpu_worker.config import WorkerConfig, add_cli_args
@@ -133,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get(envs.LOG_LEVEL, "INFO").upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("worker")
     try:
         config = WorkerConfig.from_args(build_parser().parse_args(argv))
     except ValueError as err:

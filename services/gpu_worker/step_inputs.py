@@ -14,7 +14,10 @@ import numpy as np
 import torch
 
 from services.common.step_contract import StepPlan
-from services.gpu_worker.attention.metadata import CommonAttentionMetadata, build_common_metadata
+from services.gpu_worker.attention.metadata import (
+    CommonAttentionMetadata,
+    build_common_metadata,
+)
 from services.gpu_worker.input_batch import InputBatch
 
 

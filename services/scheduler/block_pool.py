@@ -16,10 +16,10 @@
    * len(free queue) + #held == num_blocks - 1.
 ```
 
-Prefix caching (later) fits without reshaping this API: a full block gets a hash (`block_hash`, `_cached` map
-hash -> block id). A freed hashed block stays in the free queue, still hashed, so a later request can `touch()`
-it (ref_cnt 0 -> 1 removes it from the middle of the queue, O(1)). `get_new_blocks` takes from the head, the
-least recently freed, and drops the hash of a block it reuses (`_evict_hash`). Nothing here hashes yet.
+Prefix caching: a full block gets a key (`block_hash[id]`, and `_cached[key] = id`). A freed keyed block stays in
+the free queue, still keyed, so a later request can `touch()` it (ref_cnt 0 -> 1 takes it out of the middle of
+the queue, O(1)). `get_new_blocks` takes from the head, the least recently freed, and only then drops the key of
+the block it reuses (lazy eviction). A cached-but-free block counts as free.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         # Insertion order is LRU order: head = freed longest ago = reused first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
-        # Prefix-cache hook: block id -> hash of its (full) contents; empty until prefix caching exists.
-        self.block_hash: dict[int, int] = {}
+        self.block_hash: dict[int, bytes] = {}   # block id -> prefix-cache key of its (full) contents
+        self._cached: dict[bytes, int] = {}      # prefix-cache key -> block id (one block per key)
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,7 +78,32 @@ class BlockPool:
 
     def _evict_hash(self, block_id: int) -> None:
         # Reusing a block overwrites its KV, so its prefix-cache entry (if any) must go.
-        self.block_hash.pop(block_id, None)
+        key = self.block_hash.pop(block_id, None)
+        if key is not None:
+            del self._cached[key]
+
+    # ---- prefix cache
+    def get_cached_block(self, key: bytes) -> int | None:
+        return self._cached.get(key)
+
+    def cache_block(self, block_id: int, key: bytes) -> None:
+        """Register a held, full block under its key. If another block already holds the same contents (two
+        requests computed one prefix at once) the first keeps the key and this one stays unkeyed."""
+        if key not in self._cached and block_id not in self.block_hash:
+            self._cached[key] = block_id
+            self.block_hash[block_id] = key
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference to each (cached) block; a free one leaves the free queue."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0:
+                del self._free[block_id]
+            self.ref_cnt[block_id] += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every key (a new worker's KV cache is empty); the blocks stay where they are."""
+        self.block_hash.clear()
+        self._cached.clear()
 
     def check_integrity(self) -> None:
         assert NULL_BLOCK_ID not in self._free, "null block 0 is in the free queue"
@@ -91,3 +116,6 @@ class BlockPool:
             held += ref > 0
         assert len(self._free) + held == self.num_blocks - 1, (
             f"free={len(self._free)} + held={held} != num_blocks-1={self.num_blocks - 1}")
+        assert len(self._cached) == len(self.block_hash), "key maps disagree"
+        for key, block_id in self._cached.items():
+            assert self.block_hash.get(block_id) == key, f"block {block_id}: key map and block map disagree"

@@ -25,6 +25,21 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     # A request gets at most this many tokens in one step, so one long prompt cannot starve others. 0 = off.
     long_prefill_token_threshold: int = 0
+    # Reuse the KV of full blocks whose prefix (token ids + cache salt) was computed before.
+    enable_prefix_caching: bool = True
+    # "fcfs": arrival order (preempted first); "priority": by (priority, arrival), and may preempt for a better one.
+    scheduling_policy: str = "fcfs"
+    # Plan step N+1 before step N's result is back (one output placeholder per decoding request), so the worker
+    # never waits for a round trip. Needs an engine loop that keeps one plan in flight; harmless without one.
+    async_scheduling: bool = True
+    # Fraction of KV blocks that admitting a waiting request must leave free, so running requests can grow into
+    # them instead of being preempted right after an admission (thrashing). Running requests may use them.
+    admission_watermark: float = 0.01
+    # Speculative decoding by n-gram prompt lookup: draft tokens proposed per step and request; 0 = off.
+    num_speculative_tokens: int = 0
+    # n-gram sizes tried, longest first: the last n tokens are looked up earlier in the request's own tokens.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,6 +63,24 @@ class SchedulerConfig:
             raise SchedulerConfigError(
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0 (0 = off); "
                 "set --long-prefill-token-threshold to 0 or a positive chunk size")
+        self._validate_features()
+
+    def _validate_features(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise SchedulerConfigError(
+                f"scheduling_policy={self.scheduling_policy!r} is unknown; set --scheduling-policy to fcfs or priority")
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise SchedulerConfigError(
+                f"admission_watermark={self.admission_watermark} must be in [0, 1); set --admission-watermark to "
+                "a small fraction such as 0.01")
+        if self.num_speculative_tokens < 0:
+            raise SchedulerConfigError(
+                f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0 (0 = off); "
+                "set --speculative-ngram to e.g. 3")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise SchedulerConfigError(
+                f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: need "
+                "1 <= min <= max; set --ngram-prompt-lookup-min / --ngram-prompt-lookup-max (e.g. 1 and 4)")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser | Any) -> None:
@@ -58,11 +91,29 @@ class SchedulerConfig:
                       help="requests running at once at most")
         envs.add_flag(parser, "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
                       help="tokens one request may get per step at most; 0 = off")
+        envs.add_flag(parser, "--enable-prefix-caching", type=bool, default=d.enable_prefix_caching,
+                      help="reuse the KV of cached full-block prefixes")
+        envs.add_flag(parser, "--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+                      help="fcfs (arrival order) or priority (lower priority value first, may preempt)")
+        envs.add_flag(parser, "--async-scheduling", type=bool, default=d.async_scheduling,
+                      help="plan step N+1 before step N's result arrives")
+        envs.add_flag(parser, "--admission-watermark", type=float, default=d.admission_watermark,
+                      help="fraction of KV blocks admissions must leave free")
+        envs.add_flag(parser, "--speculative-ngram", type=int, default=d.num_speculative_tokens,
+                      help="draft tokens per step from n-gram prompt lookup; 0 = off")
+        envs.add_flag(parser, "--ngram-prompt-lookup-min", type=int, default=d.prompt_lookup_min,
+                      help="shortest n-gram matched for drafts")
+        envs.add_flag(parser, "--ngram-prompt-lookup-max", type=int, default=d.prompt_lookup_max,
+                      help="longest n-gram matched for drafts")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SchedulerConfig":
         return cls(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                   long_prefill_token_threshold=args.long_prefill_token_threshold)
+                   long_prefill_token_threshold=args.long_prefill_token_threshold,
+                   enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+                   async_scheduling=args.async_scheduling, admission_watermark=args.admission_watermark,
+                   num_speculative_tokens=args.speculative_ngram, prompt_lookup_min=args.ngram_prompt_lookup_min,
+                   prompt_lookup_max=args.ngram_prompt_lookup_max)
 
 
 # Module-level spellings of the same two functions.

@@ -1,14 +1,18 @@
 """KVCacheManager: the one narrow door to KV memory. The scheduler asks for slots and gets block ids or None.
 
 Each request owns a block table (list of block ids, in token order); block i holds tokens
-[i * block_size, (i + 1) * block_size). The pool underneath owns ref counts and the free queue.
+[i * block_size, (i + 1) * block_size). The pool underneath owns ref counts, the free queue and the prefix-cache
+key map. With prefix caching a table may start with blocks shared with other requests (full, keyed, never
+written again); every block after them belongs to this request alone.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from services.scheduler.block_pool import BlockPool
+from services.scheduler.prefix_cache import PrefixCacheStats, ensure_block_hashes
 from services.scheduler.request import Request
 
 
@@ -17,12 +21,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.prefix_cache_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}   # request_id -> block ids, in token order
+        self._num_cached: dict[str, int] = {}     # request_id -> leading blocks of its table already keyed
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,40 +46,98 @@ class KVCacheManager:
     def get_block_ids(self, request: Request) -> list[int]:
         return self._tables.get(request.request_id, [])
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    # ---- prefix cache
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest cached prefix of the request's full blocks: (block ids, tokens they hold). No side effect
+        on the pool. Never the whole sequence: the last token is always computed, to have logits to sample."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for key in ensure_block_hashes(request, max_blocks, self.block_size)[:max_blocks]:
+            block_id = self.pool.get_cached_block(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Key every block of the request that is full within its first num_tokens tokens (KV written)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_tokens // self.block_size
+        rid = request.request_id
+        done = self._num_cached.get(rid, 0)
+        if num_full <= done:
+            return                                # the decode fast path: nothing new filled
+        table = self._tables[rid]
+        num_full = min(num_full, len(table))
+        hashes = ensure_block_hashes(request, num_full, self.block_size)
+        for i in range(done, num_full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_cached[rid] = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every key (the worker that held the KV is gone); held and free blocks are otherwise unchanged."""
+        self.pool.reset_prefix_cache()
+        self._num_cached = {rid: 0 for rid in self._num_cached}
+        self.prefix_cache_stats.resets += 1
+
+    # ---- slots
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+                       reserve: int = 0) -> list[int] | None:
         """Make room for request.num_computed_tokens + num_new_tokens tokens.
 
-        Returns the block ids appended to the request's table (maybe []), or None when the pool lacks free
-        blocks; then nothing is allocated (never partially), so the caller can preempt and retry.
+        `computed_blocks` are prefix-cache hits for a request being admitted (its table is empty and
+        num_computed_tokens already counts them); they are shared, not copied. `reserve` blocks must stay free
+        afterwards (the admission watermark). Returns the block ids appended to the table after the hits (maybe
+        []), or None when the pool lacks free blocks; then nothing is allocated, so the caller can preempt and
+        retry.
         """
-        table = self._tables.setdefault(request.request_id, [])
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(table)
-        if needed <= 0:
-            return []
-        if needed > self.pool.num_free_blocks:
-            if not table:
-                del self._tables[request.request_id]
+        rid = request.request_id
+        table = self._tables.get(rid)
+        have = len(table) if table is not None else 0
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - have
+        if needed <= 0 and not computed_blocks:
+            return []                             # the decode fast path: room left in its last block
+        needed -= len(computed_blocks)
+        ref_cnt = self.pool.ref_cnt
+        # A hit that sits in the free queue stops being free once touched.
+        num_free_hits = sum(1 for b in computed_blocks if ref_cnt[b] == 0)
+        if max(needed, 0) + num_free_hits + reserve > self.pool.num_free_blocks:
             return None
-        new_ids = self.pool.get_new_blocks(needed)
+        if table is None:
+            table = self._tables[rid] = []
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            self._num_cached[rid] = len(computed_blocks)
+        new_ids = self.pool.get_new_blocks(needed) if needed > 0 else []
         table.extend(new_ids)
         return new_ids
 
     def free(self, request: Request) -> None:
         """Give back every block of the request (idempotent). Tail blocks first, see BlockPool.free_blocks."""
         table = self._tables.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
 
     def check_integrity(self) -> None:
-        """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it."""
+        """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it; shared blocks
+        are keyed (only prefix-cache hits are ever shared)."""
         self.pool.check_integrity()
         owners = Counter(b for table in self._tables.values() for b in table)
         for block_id, n in owners.items():
             assert self.pool.ref_cnt[block_id] == n, (
                 f"block {block_id}: held by {n} tables but ref_cnt={self.pool.ref_cnt[block_id]}")
+            assert n == 1 or block_id in self.pool.block_hash, (
+                f"block {block_id} is shared by {n} tables but holds no cached prefix")
         held = sum(1 for r in self.pool.ref_cnt if r > 0)
         assert held == len(owners), f"{held} blocks have ref_cnt > 0 but tables hold {len(owners)}"
-        # Without prefix caching no block may be shared between requests.
-        assert all(n == 1 for n in owners.values()), f"blocks shared: {[b for b, n in owners.items() if n > 1]}"
+        if not self.enable_prefix_caching:
+            assert all(n == 1 for n in owners.values()), f"blocks shared: {[b for b, n in owners.items() if n > 1]}"
+        for rid, n in self._num_cached.items():
+            assert n <= len(self._tables.get(rid, ())), f"{rid}: {n} cached blocks beyond its table"
 
     @property
     def request_ids(self) -> list[str]:

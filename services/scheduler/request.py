@@ -33,7 +33,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens already resolved by the caller
     priority: int = 0                    # lower runs first (vLLM's convention); used by later policies
     arrival_time: float = field(default_factory=time.monotonic)
-    cache_salt: str | None = None        # isolates this request's prefix-cache entries (later)
+    cache_salt: str | None = None        # isolates this request's prefix-cache entries (mixed into block 0's key)
     handle: int = -1                     # small int the worker knows it by; assigned by the scheduler
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0         # tokens whose KV is in this request's blocks
@@ -42,6 +42,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None     # the EOS / stop id that finished it, if any
     num_preemptions: int = 0
+    # Async scheduling: tokens sampled by steps in flight that this scheduler has not seen yet (0 or 1).
+    num_output_placeholders: int = 0
+    # Prefix-cache keys of this request's full blocks, in order; content-derived, so kept across preemptions.
+    block_hashes: list[bytes] = field(default_factory=list)
     error: str = ""                      # set with FINISHED_ERROR
 
     @property

@@ -1,19 +1,30 @@
 """Scheduler: queues, one token budget per step, preemption by recompute, stop conditions on token ids.
 
 Transport-free: no gRPC, no torch, no asyncio. The step loop (engine_loop.py) calls `schedule()`, ships the
-StepPlan to a worker, and feeds the StepResult back through `update_from_output()`.
+StepPlan to a worker, and feeds the StepResult back through `update_from_output()`. Concerns live beside it:
+policy.py (queue order, victims), kv_cache_manager.py + prefix_cache.py (blocks, hits), ngram_proposer.py
+(drafts), handles.py, request_outputs.py (stops); async_scheduler.py subclasses this for one plan in flight.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
+import logging
 from collections.abc import Iterable
 
 from services.common.step_contract import NewRequestData, StepPlan, StepResult, TokenLogprob
+from services.scheduler import policy
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.handles import HandleTable
+from services.scheduler.integrity import check_scheduler
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
+from services.scheduler.ngram_proposer import NgramProposer, propose_drafts
+from services.scheduler.request import Request, RequestOutput, RequestStatus
+from services.scheduler.request_outputs import make_output, stop_status, validate_request
+from services.scheduler.stats import SchedulerStats
+
+log = logging.getLogger(__name__)
+
+RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
@@ -21,44 +32,31 @@ class Scheduler:
                  eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.kv = kv
+        kv.enable_prefix_caching = config.enable_prefix_caching   # the config decides, whoever built the pool
         self.max_model_len = max_model_len          # from the worker's hello, not from config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}      # every unfinished request
-        self.waiting: deque[Request] = deque()      # FCFS; preempted requests go back to the front
-        self.running: list[Request] = []            # in admission order
-        self._by_handle: dict[int, Request] = {}
-        self._free_handles: list[int] = []          # min-heap: reuse small handles, they encode in fewer bytes
-        self._next_handle = 0
-        self._release_after_plan: list[int] = []    # handles of finished requests, reusable after the next plan
-        self._worker_handles: set[int] = set()      # handles the worker holds (sent as new, not yet dropped)
-        self._finished_for_worker: list[int] = []   # dropped handles the next plan must tell the worker
+        self.waiting, self.running = policy.make_queues(config.scheduling_policy)
+        self.handles = HandleTable()
+        self.stats = SchedulerStats()
+        # Admissions leave this many blocks free (running requests may use them): see SchedulerConfig.
+        self.watermark_blocks = int(config.admission_watermark * (kv.pool.num_blocks - 1))
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                       config.prompt_lookup_max) if config.num_speculative_tokens else None)
+        # step_id -> (requests scheduled, num_computed_tokens each reaches) for plans whose result is pending.
+        self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}
         self._next_step_id = 0
         self._first_live_step = 0                   # results of plans before this went to a lost worker
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
-        self._validate(request)
-        request.handle = self._take_handle()
-        request.status = RequestStatus.WAITING
-        self._by_handle[request.handle] = request
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
-
-    def _validate(self, request: Request) -> None:
-        n, limit = request.num_prompt_tokens, self.max_model_len
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if n == 0 or n >= limit:
-            raise RequestRejectedError(
-                f"prompt has {n} tokens; this model's context length is {limit} tokens, so a prompt must have "
-                f"1 to {limit - 1} tokens to leave room for output: shorten the prompt", "context_length_exceeded")
-        # The most KV it will ever hold: every token but the last sampled one.
-        final_len = min(n + request.sampling.max_tokens, limit)
-        if not self.kv.can_fit(final_len - 1):
-            raise RequestRejectedError(
-                f"prompt ({n}) + max_tokens ({request.sampling.max_tokens}) needs KV for {final_len - 1} tokens, "
-                f"but the whole KV cache holds {(self.kv.pool.num_blocks - 1) * self.kv.block_size}: "
-                "lower max_tokens or give the worker more KV memory", "kv_cache_too_small")
+        validate_request(request, self.kv, self.max_model_len)
+        request.status = RequestStatus.WAITING
+        self.handles.assign(request)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """Finish the requests now and free their blocks; the worker hears of it in the next plan."""
@@ -67,7 +65,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                outputs.append(self._output(request, [], None))
+                outputs.append(make_output(request, [], None))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -81,6 +79,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
@@ -88,210 +90,249 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Build the next step's plan. There is no prefill phase and no decode phase, only a token count:
 
-        1. One budget of `max_num_batched_tokens` tokens for the whole step.
-        2. Running requests first, best (priority, arrival) first. Each gets `min(gap, budget)` tokens where
+        1. One budget of `max_num_batched_tokens` tokens for the whole step. Decoding requests first get n-gram
+           drafts (when on), which widen their gap.
+        2. Running requests first, best rank first (policy.py). Each gets `min(gap, budget)` tokens where
            gap = num_tokens_with_spec + num_output_placeholders - num_computed_tokens, clipped to
            `long_prefill_token_threshold` when set and to max_model_len. A long prompt thus runs in chunks over
            several steps (chunked prefill), and a decode is just a gap of 1.
-        3. If a running request cannot get blocks for its tokens, preempt the worst running request not yet
-           scheduled this step (maybe itself): free its blocks, num_computed_tokens = 0, front of the waiting
-           queue; it comes back later as a new request carrying its output tokens (recompute).
-        4. Then waiting requests in FCFS order, while budget, max_num_seqs and free blocks allow; none in a
-           step that preempted (the blocks just freed belong to the running requests that needed them).
+        3. If a running request cannot get blocks for its tokens, preempt the worst running request (last in
+           rank, not yet scheduled this step; maybe itself): free its blocks, num_computed_tokens = 0, back to
+           the waiting queue; it comes back later as a new request carrying its output tokens (recompute).
+        4. Then waiting requests in queue order, each starting at its longest cached prefix, while budget,
+           max_num_seqs and free blocks (minus the admission watermark) allow; none in a step that preempted
+           (the blocks just freed belong to the running requests that needed them). Under the priority policy
+           a better waiting request that cannot fit preempts worse running ones first (it is admitted next step).
         5. num_computed_tokens advances now by the scheduled count, as if the step had run (`_after_schedule`).
         """
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
-        plan.finished_handles, self._finished_for_worker = self._finished_for_worker, []
-        budget = self.config.max_num_batched_tokens
-        budget, preempted = self._schedule_running(plan, budget)
-        if not preempted:
-            self._schedule_waiting(plan, budget)
-        self._after_schedule(plan)
-        self._recycle_handles()
+        plan.finished_handles = self.handles.take_finished()
+        if self.proposer is not None:
+            self._propose_drafts()
+        if self.config.scheduling_policy == "priority" and self.waiting and self.running:
+            policy.preempt_for_waiting(self, plan)
+        scheduled: list[Request] = []
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, scheduled)
+        if not plan.preempted_handles:
+            self._schedule_waiting(plan, budget, scheduled)
+        self._after_schedule(plan, scheduled)
+        self.handles.recycle()
         return plan
 
-    def _schedule_running(self, plan: StepPlan, budget: int) -> tuple[int, bool]:
-        pending = deque(sorted(self.running, key=self._rank))  # not yet scheduled this step, best first
-        while pending and budget > 0:
-            request = pending[0]
+    def _schedule_running(self, plan: StepPlan, budget: int, scheduled: list[Request]) -> int:
+        running, kv, i = self.running, self.kv, 0
+        while i < len(running) and budget > 0:
+            request = running[i]
             num_new = self._num_new_tokens(request, budget)
             if num_new <= 0:
-                pending.popleft()
+                i += 1
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new, pending, plan)
-            if new_blocks is None:              # it preempted itself: it was the last one left
-                break
-            pending.popleft()
-            plan.cached.append(request.handle, request.num_computed_tokens, new_blocks)
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                victim = running[-1]             # the worst ranked; everything before i is better
+                self._preempt(victim, plan)
+                if victim is request:
+                    return budget
+            if new_blocks:                       # a decode with room in its last block sends nothing here
+                plan.cached.append(request.handle, request.num_computed_tokens, new_blocks)
             self._add_to_batch(plan, request, num_new)
+            scheduled.append(request)
             budget -= num_new
-        return budget, bool(plan.preempted_handles)   # every running request is known to the worker
+            i += 1
+        return budget
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, pending: deque[Request],
-                             plan: StepPlan) -> list[int] | None:
-        while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
-            victim = pending.pop()
-            self._preempt(victim, plan)
-            if victim is request:
-                return None
-        return new_blocks
-
-    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, scheduled: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            request.num_computed_tokens = num_hit
             num_new = self._num_new_tokens(request, budget)
-            if num_new <= 0 or self.kv.allocate_slots(request, num_new) is None:
-                break                            # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._worker_handles.add(request.handle)
-            plan.new_requests.append(NewRequestData(
-                handle=request.handle, prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids), sampling=request.sampling,
-                block_ids=list(self.kv.get_block_ids(request)), num_computed_tokens=request.num_computed_tokens))
+            reserve = self.watermark_blocks if self.running else 0   # alone, a request may use every block
+            if num_new <= 0 or self.kv.allocate_slots(request, num_new, hits, reserve) is None:
+                request.num_computed_tokens = 0
+                break                            # nobody overtakes the head of the queue
+            self.waiting.pop()
+            self._admit(plan, request, num_hit)
             self._add_to_batch(plan, request, num_new)
+            scheduled.append(request)
             budget -= num_new
+
+    def _admit(self, plan: StepPlan, request: Request, num_hit: int) -> None:
+        if request.status == RequestStatus.WAITING:  # first admission: what usage.cached_tokens reports
+            request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
+        if self.kv.enable_prefix_caching:
+            self.kv.prefix_cache_stats.record(request.num_tokens, num_hit)
+        request.status = RUNNING
+        self.running.add(request)
+        self.handles.on_worker.add(request.handle)
+        plan.new_requests.append(NewRequestData(
+            handle=request.handle, prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids), sampling=request.sampling,
+            block_ids=list(self.kv.get_block_ids(request)), num_computed_tokens=num_hit))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        gap = request.num_tokens_with_spec + self._num_output_placeholders(request) - request.num_computed_tokens
+        # Hot path (once per running request per step): lengths read directly instead of via properties.
+        computed = request.num_computed_tokens
+        gap = (len(request.prompt_token_ids) + len(request.output_token_ids) + len(request.spec_token_ids)
+               + self._num_output_placeholders(request) - computed)
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < gap:
             gap = threshold
         # KV is needed for positions < max_model_len - 1 only: sampling from the last position would overflow.
-        return min(gap, budget, self.max_model_len - 1 - request.num_computed_tokens)
+        return min(gap, budget, self.max_model_len - 1 - computed)
 
     def _add_to_batch(self, plan: StepPlan, request: Request, num_new: int) -> None:
         plan.scheduled_handles.append(request.handle)
         plan.num_scheduled_tokens.append(num_new)
-        # Drafts are the last tokens of the gap; send those that fall inside this step's tokens.
-        num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
-        if request.spec_token_ids and num_drafts > 0:
-            plan.draft_token_ids[request.handle] = request.spec_token_ids[:num_drafts]
+        if request.spec_token_ids:
+            # Drafts are the last tokens of the gap; send those that fall inside this step's tokens.
+            known = request.num_tokens + self._num_output_placeholders(request) - request.num_computed_tokens
+            if num_new > known:
+                plan.draft_token_ids[request.handle] = request.spec_token_ids[:num_new - known]
+
+    def _propose_drafts(self) -> None:
+        for request in self.running:
+            placeholders = self._num_output_placeholders(request)
+            if self._wants_drafts(request, placeholders):
+                request.spec_token_ids = propose_drafts(self.proposer, request, placeholders, self.max_model_len)
+
+    def _wants_drafts(self, request: Request, placeholders: int) -> bool:
+        """Only a request in the decode state: its KV covers all but its last token (not mid-prompt)."""
+        return request.num_computed_tokens == request.num_tokens + placeholders - 1
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.running.remove(request)
-        self.waiting.appendleft(request)
-        if request.handle in self._worker_handles:
-            self._worker_handles.discard(request.handle)
+        self.stats.num_preemptions += 1
+        if self.running and self.running[-1] is request:
+            self.running.pop()
+        else:
+            self.running.remove(request)
+        self.waiting.push_front(request)
+        if self.handles.unload(request):
             plan.preempted_handles.append(request.handle)
-
-    @staticmethod
-    def _rank(request: Request) -> tuple[int, float]:
-        """Sort key: lower runs first and is preempted last (vLLM's priority convention, then FCFS)."""
-        return (request.priority, request.arrival_time)
+        log.info("preempted %s (priority %d, %d tokens, preemption #%d); it will be recomputed",
+                 request.request_id, request.priority, request.num_tokens, request.num_preemptions)
 
     # ----------------------------------------------------------------- hooks for async scheduling
     def _num_output_placeholders(self, request: Request) -> int:
         """Tokens sampled by a step in flight but not yet seen here. Synchronous scheduling: always 0."""
         return 0
 
-    def _after_schedule(self, plan: StepPlan) -> None:
+    def _after_schedule(self, plan: StepPlan, scheduled: list[Request]) -> None:
         """Advance num_computed_tokens as if the plan had run, so the next schedule() sees the new gaps."""
-        for handle, num_new in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
-            self._by_handle[handle].num_computed_tokens += num_new
+        ends = []
+        for request, num_new in zip(scheduled, plan.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+            ends.append(request.num_computed_tokens)
+        if scheduled:
+            self._in_flight[plan.step_id] = (scheduled, ends)
+
+    def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
+        """A step's sampled tokens for the request arrived (async scheduling drops a placeholder here)."""
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Append sampled tokens, check stops, free finished requests. One output per request touched."""
-        if plan.step_id < self._first_live_step:
-            return []                            # from a worker lost since: preempt_all() already recovered
+        """Append sampled tokens, check stops, key newly full blocks, free finished requests.
+
+        Returns one output per request that sampled. Results for requests finished, aborted or preempted since
+        the plan was built are dropped (async scheduling relies on it), and so are results of plans sent to a
+        worker that was lost since.
+        """
+        in_flight = self._in_flight.pop(plan.step_id, None)
+        if plan.step_id < self._first_live_step or in_flight is None:
+            return []
         if result.error:
-            return self._fail_plan(plan, result.error)
-        outputs = []
-        for handle, tokens in result.sampled.items():
-            request = self._by_handle.get(handle)
-            # Finished, aborted or preempted since the plan: its token is stale (async scheduling relies on it).
-            if request is None or request.status != RequestStatus.RUNNING:
+            return self._fail_plan(in_flight[0], result.error)
+        outputs, sampled, logprobs, all_drafts = [], result.sampled, result.logprobs, plan.draft_token_ids
+        for request, end, handle, num_new in zip(*in_flight, plan.scheduled_handles, plan.num_scheduled_tokens):
+            if request.status is not RUNNING:
                 continue
-            logprobs = result.logprobs.get(handle)
-            outputs.append(self._append_tokens(request, tokens, logprobs, plan.draft_token_ids.get(handle, [])))
+            tokens = sampled.get(handle)
+            if tokens is None:                   # a prompt chunk that does not reach the end: nothing sampled
+                self._cache_blocks(request, end, num_new)
+                continue
+            drafts = all_drafts.get(handle) if all_drafts else None
+            outputs.append(self._append_tokens(request, tokens, logprobs.get(handle) if logprobs else None,
+                                               drafts, end, num_new))
         return outputs
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
-                       drafts: list[int]) -> RequestOutput:
-        # Tokens = accepted drafts + 1 bonus; KV of rejected drafts is garbage and gets recomputed.
-        request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
-        request.spec_token_ids = []
-        kept = 0
+                       drafts: list[int] | None, end: int, num_new: int) -> RequestOutput:
+        self._on_sampled(request, drafts)
+        if drafts:
+            # Tokens = accepted drafts + 1 of the worker's own; the KV of rejected drafts is garbage and is
+            # simply overwritten later.
+            rejected = len(drafts) + 1 - len(tokens)
+            request.num_computed_tokens -= rejected
+            end -= rejected
+            num_new -= rejected
+            self._count_drafts(len(drafts), len(tokens) - 1)
+        if request.spec_token_ids:
+            request.spec_token_ids = []
+        status, kept = None, 0
         for token in tokens:
             request.output_token_ids.append(token)
             kept += 1
-            status = self._stop_status(request, token)
+            status = stop_status(request, token, self.eos_token_ids, self.max_model_len)
             if status is not None:
-                self._finish(request, status)
                 break
-        return self._output(request, tokens[:kept], logprobs[:kept] if logprobs else None)
+        self._cache_blocks(request, end, num_new)   # before any free: its blocks then stay cached when freed
+        if status is not None:
+            self._finish(request, status)
+        if kept < len(tokens):
+            tokens, logprobs = tokens[:kept], logprobs[:kept] if logprobs else logprobs
+        return make_output(request, tokens, logprobs)
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling
-        if request.num_output_tokens >= params.min_tokens:
-            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                request.stop_token_id = token
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _cache_blocks(self, request: Request, end: int, num_new: int) -> None:
+        """Key the blocks that the step's num_new tokens (ending at `end`) filled; most decodes fill none."""
+        if end % self.kv.block_size < num_new:
+            self.kv.cache_blocks(request, min(end, request.num_tokens))
 
-    def _fail_plan(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.stats.num_spec_steps += 1
+        self.stats.num_draft_tokens += num_drafts
+        self.stats.num_accepted_tokens += num_accepted
+
+    def _fail_plan(self, requests: list[Request], error: str) -> list[RequestOutput]:
         outputs = []
-        for handle in plan.scheduled_handles:
-            request = self._by_handle.get(handle)
-            if request is not None and not request.is_finished:
+        for request in requests:
+            if request.status == RUNNING:
                 request.error = error
                 self._finish(request, RequestStatus.FINISHED_ERROR)
-                outputs.append(self._output(request, [], None))
+                outputs.append(make_output(request, [], None))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
+        if request.status == RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
-        del self._by_handle[request.handle]
-        if request.handle in self._worker_handles:
-            self._worker_handles.discard(request.handle)
-            self._finished_for_worker.append(request.handle)
-        self._release_after_plan.append(request.handle)
-
-    def _output(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=list(tokens), logprobs=logprobs,
-            finish_reason=request.status if request.is_finished else None, stop_token_id=request.stop_token_id,
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, error=request.error)
-
-    # ----------------------------------------------------------------- handles
-    def _take_handle(self) -> int:
-        if self._free_handles:
-            return heapq.heappop(self._free_handles)
-        self._next_handle += 1
-        return self._next_handle - 1
-
-    def _recycle_handles(self) -> None:
-        # A handle is reused only after a plan that told the worker to drop it, so a new request never shares
-        # a plan with its handle's previous owner (and stale results cannot reach it, see update_from_output).
-        for handle in self._release_after_plan:
-            heapq.heappush(self._free_handles, handle)
-        self._release_after_plan = []
+        self.handles.release(request)
 
     # ----------------------------------------------------------------- worker loss, integrity
     def preempt_all(self) -> None:
-        """The worker is gone: every running request is preempted (keeps its output) and waits for a new one."""
-        for request in sorted(self.running, key=self._rank, reverse=True):
-            self._preempt(request, StepPlan(step_id=-1))   # a throwaway plan: no worker to tell
-        self._worker_handles.clear()
-        self._finished_for_worker = []
+        """The worker is gone: every running request is preempted (keeps its output) and waits for a new one.
+
+        The new worker's KV cache is empty, so every prefix-cache key is dropped too, and results of plans in
+        flight are ignored when (if) they arrive.
+        """
+        for request in reversed(list(self.running)):        # worst first: the best ends up at the front
+            self._preempt(request, StepPlan(step_id=-1))    # a throwaway plan: no worker to tell
+        self.handles.worker_lost()
+        self.kv.reset_prefix_cache()
+        self._in_flight.clear()
         self._first_live_step = self._next_step_id
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
 
     def drain_requests(self) -> list[Request]:
         """Take every unfinished request out (blocks freed, to be recomputed), best first, for a new scheduler.
@@ -301,24 +342,12 @@ class Scheduler:
         self.preempt_all()
         drained = list(self.waiting)
         for request in drained:
-            self.kv.free(request)
             request.status = RequestStatus.WAITING
         self.waiting.clear()
         self.requests.clear()
-        self._by_handle.clear()
+        self.handles.by_handle.clear()
         return drained
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        assert len(self.running) <= self.config.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
-        for request in self.running:
-            assert request.status == RequestStatus.RUNNING, f"{request.request_id} running as {request.status!r}"
-            covered = len(self.kv.get_block_ids(request)) * self.kv.block_size
-            assert covered >= request.num_computed_tokens, (
-                f"{request.request_id}: {request.num_computed_tokens} computed tokens but blocks cover {covered}")
-        for request in self.waiting:
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request.status
-            assert request.num_computed_tokens == 0 and not self.kv.get_block_ids(request), request.request_id
-        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
-        assert len(live) == len(self.running) + len(self.waiting) == len(self.requests), "queues disagree"
-        assert set(self.kv.request_ids) <= live, f"blocks held by dead requests: {set(self.kv.request_ids) - live}"
+        """Every invariant of queues, counters and blocks; tests call it after every step."""
+        check_scheduler(self)

@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     add_cli_args(parser)
     args = parser.parse_args(argv)
     setup_logging("scheduler")
-    sched_config, server_config = SchedulerConfig.from_args(args), ServerConfig.from_args(args)
+    try:
+        sched_config, server_config = SchedulerConfig.from_args(args), ServerConfig.from_args(args)
+    except ValueError as exc:           # config errors say what to change; no traceback
+        parser.exit(2, f"steploop scheduler: {exc}\n")
     try:
         import uvloop
         uvloop.run(serve(sched_config, server_config))

@@ -28,7 +28,7 @@ def free_port() -> int:
 
 class Cluster:
     def __init__(self, log_dir: pathlib.Path, scheduler_args=(), worker_args=(), gateway_args=(),
-                 num_kv_blocks: int = 512, env: dict | None = None):
+                 num_kv_blocks: int = 640, env: dict | None = None):
         self.log_dir = log_dir
         self.http_port, self.grpc_port = free_port(), free_port()
         self.scheduler_address = f"127.0.0.1:{self.grpc_port}"

@@ -25,7 +25,7 @@ def cluster(tmp_path_factory, model_dir):
 @pytest.fixture(scope="session")
 def small_budget_cluster(tmp_path_factory, model_dir):
     """Budget 16 tokens per step: every prompt is chunked, decodes share steps with prompt chunks."""
-    c = Cluster(tmp_path_factory.mktemp("cluster16"), scheduler_args=["--max-num-batched-tokens", "16"])
+    c = Cluster(tmp_path_factory.mktemp("cluster16"), scheduler_args=["--max-num-batched-tokens", "16", "--max-num-seqs", "16"])
     try:
         yield c.start()
     finally:

@@ -8,7 +8,6 @@ asks the gateway for a completion. A compose file whose commands or variables do
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -43,7 +42,7 @@ def test_compose_services_start_a_working_cluster(tmp_path):
             svc = services[name]
             env = {**os.environ, **{k: rename.get(str(v), str(v)) for k, v in svc["environment"].items()}}
             if name == "worker":
-                env["STEPLOOP_NUM_KV_BLOCKS"] = "256"        # keep the test's memory small
+                env["STEPLOOP_NUM_KV_BLOCKS"] = "600"        # keep the test's memory small
             argv = [sys.executable, "-m", "services.cli", *svc["command"][1:]]
             assert svc["command"][0] == "steploop"
             log = open(tmp_path / f"{name}.log", "wb")

@@ -49,7 +49,7 @@ def test_unknown_model_is_404(cluster):
 
 
 def test_context_length_exceeded_names_both_numbers(cluster):
-    status, reply = cluster.post("/v1/completions", {"model": MODEL, "prompt": "hello " * 5000, "max_tokens": 10})
+    status, reply = cluster.post("/v1/completions", {"model": MODEL, "prompt": "hello " * 9000, "max_tokens": 10})
     assert_openai_error(status, reply, 400, code="context_length_exceeded")
     assert "8192" in reply["error"]["message"]
 

@@ -32,7 +32,7 @@ def test_serve_starts_restarts_and_stops(tmp_path):
     http, grpc_port = free_port(), free_port()
     log_path = tmp_path / "serve.log"
     argv = [sys.executable, "-m", "services.cli", "serve", "--port", str(http), "--scheduler-port",
-            str(grpc_port), "--num-kv-blocks", "256"]
+            str(grpc_port), "--num-kv-blocks", "600"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     cluster = Cluster(tmp_path)

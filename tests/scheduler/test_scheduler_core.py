@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from sched_factories import (EOS, FakeWorker, Run, assert_idle, create_requests, create_scheduler, expected_output,
-                             run_until_idle, step)
+from sched_factories import (
+    EOS,
+    FakeWorker,
+    Run,
+    assert_idle,
+    create_requests,
+    create_scheduler,
+    expected_output,
+    run_until_idle,
+    step,
+)
 
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepResult
@@ -142,15 +151,18 @@ def test_plan_deltas_send_only_new_blocks():
     assert [n.block_ids for n in plan.new_requests] == [sched.kv.get_block_ids(req)]
     assert len(plan.new_requests[0].block_ids) == 2
     new_blocks = [step(sched, worker, run).cached.new_block_ids for _ in range(4)]
-    # 6, 7, 8, 9 tokens computed before each step: only the step that writes the 9th token needs a new block.
-    assert new_blocks == [[[]], [[]], [[sched.kv.get_block_ids(req)[2]]], [[]]]
+    # 6, 7, 8, 9 tokens computed before each step: only the step that writes the 9th token needs a new block,
+    # and only then is the request listed at all (the worker derives num_computed_tokens from its own steps).
+    assert new_blocks == [[], [], [[sched.kv.get_block_ids(req)[2]]], []]
     assert all(not p.new_requests for p in run.plans[1:])
 
 
-def test_preemption_under_a_tiny_pool_matches_a_huge_pool():
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_under_a_tiny_pool_matches_a_huge_pool(prefix_caching):
     reqs = create_requests(6, prompt_len=[9, 14, 5, 11, 7, 13], max_tokens=12, ignore_eos=True)
     expected = {r.request_id: expected_output(r)[0] for r in reqs}
-    sched = create_scheduler(max_num_batched_tokens=16, num_blocks=10, block_size=4)   # 9 usable blocks
+    sched = create_scheduler(max_num_batched_tokens=16, num_blocks=10, block_size=4,    # 9 usable blocks
+                             enable_prefix_caching=prefix_caching)
     for r in reqs:
         sched.add_request(r)
     run = run_until_idle(sched, FakeWorker(block_size=4))
@@ -158,7 +170,9 @@ def test_preemption_under_a_tiny_pool_matches_a_huge_pool():
     assert sum(r.num_preemptions for r in reqs) > 0
     assert any(p.preempted_handles for p in run.plans)
     resumed = [n for p in run.plans for n in p.new_requests if n.output_token_ids]
-    assert resumed and all(n.num_computed_tokens == 0 for n in resumed)   # recompute: prompt + outputs again
+    assert resumed
+    if not prefix_caching:                                     # recompute: prompt + outputs again
+        assert all(n.num_computed_tokens == 0 for n in resumed)
 
 
 def test_preempt_all_then_resume_on_a_new_worker():

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-CORE = ["config", "request", "block_pool", "kv_cache_manager", "scheduler"]
+CORE = ["config", "request", "block_pool", "kv_cache_manager", "scheduler", "async_scheduler", "policy",
+        "prefix_cache", "ngram_proposer", "handles", "request_outputs", "integrity", "stats"]
 
 CHECK = f"""
 import sys

@@ -9,7 +9,16 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_factories import EOS, FakeWorker, Run, assert_idle, create_scheduler, expected_output, fake_model, step
+from sched_factories import (
+    EOS,
+    FakeWorker,
+    Run,
+    assert_idle,
+    create_scheduler,
+    expected_output,
+    fake_model,
+    step,
+)
 
 from services.common.sampling_params import SamplingParams
 from services.scheduler.request import Request, RequestRejectedError, RequestStatus

@@ -8,7 +8,12 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.gpu_worker.penalties import PenaltyInputs, apply_penalties
-from services.gpu_worker.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+from services.gpu_worker.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_min_p,
+    apply_top_k_top_p,
+)
 
 INF = float("-inf")
 

@@ -9,7 +9,12 @@ import pytest
 
 from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
 from services.common.sampling_params import SamplingParams
-from services.common.step_contract import NewRequestData, StepPlan, StepResult, WorkerInfo
+from services.common.step_contract import (
+    NewRequestData,
+    StepPlan,
+    StepResult,
+    WorkerInfo,
+)
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.server import serve
 

@@ -50,7 +50,9 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
 def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
-    for file in safetensors_files(path):
+    files = safetensors_files(path)
+    for i, file in enumerate(files, 1):
+        log.info("loading weights %d/%d: %s", i, len(files), file.name)
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):

@@ -1,0 +1,113 @@
+"""The scheduler's own cost per step, with a fake worker and no gRPC:  python -m benchmarks.scheduler_step
+
+For 64 .. 4096 running requests, decode-only and mixed (new requests arriving, their prompts chunked into the
+same steps), it times schedule() + update_from_output() per step (median, p90) and measures the serialized
+size of StepPlan.to_pb() per decode request. Writes benchmarks/results/scheduler_step.json and prints a table.
+Targets: <= 1 ms per step at 1024 running decode requests, linear growth; <= 6 bytes per decode request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from services.common.sampling_params import SamplingParams
+from services.common.step_contract import StepPlan, StepResult
+from services.scheduler.async_scheduler import make_scheduler
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request
+
+RESULTS = Path(__file__).parent / "results" / "scheduler_step.json"
+BLOCK_SIZE = 16
+PROMPT_LEN = 256
+
+
+class BenchWorker:
+    """Just enough of a worker to answer plans: tracks tokens per handle and samples a constant token."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, list[int]] = {}        # handle -> [num_tokens, num_computed]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for handle in plan.finished_handles:
+            self.held.pop(handle, None)
+        for handle in plan.preempted_handles:
+            self.held.pop(handle, None)
+        for new in plan.new_requests:
+            self.held[new.handle] = [len(new.prompt_token_ids) + len(new.output_token_ids), new.num_computed_tokens]
+        sampled = {}
+        for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+            state = self.held[handle]
+            state[1] += n
+            if state[1] >= state[0]:
+                state[0] += 1
+                sampled[handle] = [17]
+        return StepResult(step_id=plan.step_id, sampled=sampled)
+
+
+def _request(i: int, rng: random.Random, max_tokens: int) -> Request:
+    prompt = [rng.randrange(10, 30000) for _ in range(PROMPT_LEN + rng.randrange(BLOCK_SIZE))]
+    return Request(f"r{i}", prompt, sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   arrival_time=float(i))
+
+
+def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int) -> dict:
+    rng = random.Random(num_running)
+    config = SchedulerConfig(max_num_batched_tokens=num_running + 512, max_num_seqs=num_running,
+                             async_scheduling=async_scheduling)
+    num_blocks = num_running * (PROMPT_LEN + 3 * steps) // BLOCK_SIZE + 64
+    sched = make_scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE), 4096, [2])
+    worker, next_id = BenchWorker(), 0
+    for _ in range(num_running):
+        # Mixed: short outputs so requests keep finishing and new prompts keep arriving.
+        sched.add_request(_request(next_id, rng, rng.randint(4, 40) if mixed else 2 * steps))
+        next_id += 1
+    plan, result = None, None
+    while sched.num_waiting:                          # admit everyone (prompts) before measuring
+        plan = sched.schedule()
+        sched.update_from_output(plan, worker.execute(plan))
+    times, plan_bytes = [], []
+    for _ in range(steps):
+        while mixed and sched.num_running + sched.num_waiting < num_running:
+            sched.add_request(_request(next_id, rng, rng.randint(4, 40)))
+            next_id += 1
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        result = worker.execute(plan)
+        t2 = time.perf_counter()
+        sched.update_from_output(plan, result)
+        t3 = time.perf_counter()
+        times.append((t1 - t0) + (t3 - t2))
+        if not mixed:
+            plan_bytes.append(len(plan.to_pb().SerializeToString()) / max(len(plan.scheduled_handles), 1))
+    times.sort()
+    return {"num_running": num_running, "mixed": mixed, "async": async_scheduling, "steps": steps,
+            "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))],
+            "us_per_request": 1e6 * statistics.median(times) / num_running,
+            "bytes_per_decode_request": statistics.median(plan_bytes) if plan_bytes else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    rows = [bench(n, mixed, asy, args.steps) for n in args.sizes for mixed in (False, True) for asy in (False, True)]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(rows, indent=2))
+    print(f"{'running':>8} {'workload':>8} {'sched':>5} {'median ms':>10} {'p90 ms':>8} {'us/req':>7} {'B/decode':>9}")
+    for r in rows:
+        b = f"{r['bytes_per_decode_request']:.2f}" if r["bytes_per_decode_request"] is not None else "-"
+        print(f"{r['num_running']:>8} {'mixed' if r['mixed'] else 'decode':>8} {'async' if r['async'] else 'sync':>5} "
+              f"{r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['us_per_request']:>7.2f} {b:>9}")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""AsyncScheduler: plans step N+1 before step N's result is back, so the worker never waits for a round trip.
+
+The engine loop keeps ONE plan in flight:  plan N+1 = schedule();  update_from_output(plan N, result N);  ...
+A request that samples in step N gets one *output placeholder*: the token exists on the worker (which feeds it
+into step N+1 itself) but not here yet. The gap then counts it,
+
+    gap = num_tokens_with_spec + num_output_placeholders - num_computed_tokens,
+
+so a decoding request is scheduled one token ahead; the placeholder goes when the token arrives. Outputs are the
+same as with synchronous scheduling: a request that stops at step N had its step N+1 token computed in vain,
+and that result is dropped (update_from_output ignores finished requests). It is never scheduled past
+max_tokens or max_model_len, which are known in advance.
+
+Speculative decoding: a request whose in-flight step carries drafts is not scheduled again until its result
+says how many were accepted (its num_computed_tokens is unknown until then), so a drafting request runs every
+other step: the price of keeping the scheduler's counts exact without a round trip. Drafts for a request with a
+placeholder in flight guess the placeholder's token too (Scheduler._propose_drafts); a wrong guess only means
+rejected drafts, since the worker verifies every draft against what it samples.
+"""
+
+from __future__ import annotations
+
+from services.common.step_contract import StepPlan
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import Scheduler
+
+
+class AsyncScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._awaiting_drafts: set[Request] = set()   # requests whose step in flight verifies drafts
+
+    def _num_output_placeholders(self, request: Request) -> int:
+        return request.num_output_placeholders
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        placeholders = request.num_output_placeholders
+        if placeholders:
+            if request in self._awaiting_drafts:
+                return 0                         # wait for how many drafts were accepted
+            if (request.num_output_tokens + placeholders >= request.sampling.max_tokens
+                    or request.num_tokens + placeholders >= self.max_model_len):
+                return 0                         # its last token is already being sampled
+        return super()._num_new_tokens(request, budget)
+
+    def _wants_drafts(self, request: Request, placeholders: int) -> bool:
+        return request not in self._awaiting_drafts and super()._wants_drafts(request, placeholders)
+
+    def _after_schedule(self, plan: StepPlan, scheduled: list[Request]) -> None:
+        drafts = plan.draft_token_ids
+        for request, num_new in zip(scheduled, plan.num_scheduled_tokens):
+            # It samples iff its tokens (drafts aside) reach the end of what the worker knows: the tokens seen
+            # here plus the placeholders in flight.
+            num_drafts = len(drafts.get(request.handle, ())) if drafts else 0
+            if (request.num_computed_tokens + num_new - num_drafts
+                    >= request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1
+            if num_drafts:
+                self._awaiting_drafts.add(request)
+        super()._after_schedule(plan, scheduled)
+
+    def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= 1
+        if drafts:
+            self._awaiting_drafts.discard(request)
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self._awaiting_drafts.discard(request)
+        super()._preempt(request, plan)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._awaiting_drafts.discard(request)
+        super()._finish(request, status)
+
+
+def make_scheduler(config, kv, max_model_len: int, eos_token_ids=()) -> Scheduler:
+    """The scheduler class the config asks for (AsyncScheduler when async_scheduling is on)."""
+    cls = AsyncScheduler if config.async_scheduling else Scheduler
+    return cls(config, kv, max_model_len, eos_token_ids)

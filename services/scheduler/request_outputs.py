@@ -1,0 +1,44 @@
+"""Per-request rules: stop conditions on token ids, the RequestOutput a step produces, admission validation."""
+
+from __future__ import annotations
+
+from services.common.step_contract import TokenLogprob
+from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
+
+
+def stop_status(request: Request, token: int, eos_token_ids: frozenset[int],
+                max_model_len: int) -> RequestStatus | None:
+    """The FINISHED_* status that `token` (just appended) puts the request in, or None to go on."""
+    params = request.sampling
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
+        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            request.stop_token_id = token
+            return RequestStatus.FINISHED_STOPPED
+    if num_output >= params.max_tokens or len(request.prompt_token_ids) + num_output >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def make_output(request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+    status = request.status
+    # Positional: this runs once per sampling request per step.
+    return RequestOutput(request.request_id, tokens, logprobs, status if status > RequestStatus.PREEMPTED else None,
+                         request.stop_token_id, len(request.prompt_token_ids), len(request.output_token_ids),
+                         request.num_cached_tokens, request.error)
+
+
+def validate_request(request: Request, kv, max_model_len: int) -> None:
+    """Refuse (RequestRejectedError) a request that could never run: too long, or more KV than the whole pool."""
+    n, limit = request.num_prompt_tokens, max_model_len
+    if n == 0 or n >= limit:
+        raise RequestRejectedError(
+            f"prompt has {n} tokens; this model's context length is {limit} tokens, so a prompt must have "
+            f"1 to {limit - 1} tokens to leave room for output: shorten the prompt", "context_length_exceeded")
+    # The most KV it will ever hold: every token but the last sampled one.
+    final_len = min(n + request.sampling.max_tokens, limit)
+    if not kv.can_fit(final_len - 1):
+        raise RequestRejectedError(
+            f"prompt ({n}) + max_tokens ({request.sampling.max_tokens}) needs KV for {final_len - 1} tokens, "
+            f"but the whole KV cache holds {(kv.pool.num_blocks - 1) * kv.block_size}: "
+            "lower max_tokens or give the worker more KV memory", "kv_cache_too_small")
