@@ -14,15 +14,17 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 
 from services.common.errors import EngineError, InvalidRequestError, UnavailableError
 from services.common.pb.steploop.v1 import engine_pb2
 from services.common.sampling_params import SamplingParams
-from services.common.step_contract import WorkerInfo
+from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestRejectedError
 from services.scheduler.request_stream import FailedOutput, RequestStream
+from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import ServerConfig
 from services.scheduler.worker_link import WorkerLink, WorkerLost
@@ -108,10 +110,12 @@ class EngineLoop:
 
     # ---- workers --------------------------------------------------------------------------------------------
     def attach(self, link: WorkerLink) -> None:
-        if self.link is not None and not self.link.closed.is_set():
-            raise UnavailableError(f"worker {self.link.info.worker_id} is already attached; "
-                                   f"steploop runs one worker per scheduler (world size 1)")
+        """A worker says hello. World size is 1: a newer worker replaces an attached one (a restarted worker
+        reconnects before the old stream's end is noticed), whose requests are then recomputed."""
         info = link.info
+        if self.link is not None:
+            log.warning("worker %s replaces attached worker %s", info.worker_id, self.link.info.worker_id)
+            self.detach(self.link, f"replaced by worker {info.worker_id}")
         if self.worker_info is not None and info.model_name != self.worker_info.model_name:
             raise InvalidRequestError(f"worker serves {info.model_name!r}, this scheduler serves "
                                       f"{self.worker_info.model_name!r}", param="model")
@@ -126,7 +130,7 @@ class EngineLoop:
     def _build_scheduler(self, info: WorkerInfo) -> None:
         old = self.scheduler
         kv = KVCacheManager(info.num_kv_blocks, info.block_size)
-        self.scheduler = Scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids))
+        self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids))
         self.worker_info = info
         carried = self._pending + ([] if old is None else old.drain_requests())
         self._pending = []
@@ -137,7 +141,7 @@ class EngineLoop:
                 self._fail(request.request_id, exc)
 
     def detach(self, link: WorkerLink, reason: str) -> None:
-        link.close()
+        link.close(reason)
         if self.link is not link:
             return
         self.link, self.lost_since = None, time.monotonic()
@@ -151,23 +155,34 @@ class EngineLoop:
         return bool(self._pending) or (self.scheduler is not None and self.scheduler.has_unfinished_requests())
 
     async def run(self) -> None:
-        """schedule, send, await, update — one step per iteration, forever."""
+        """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied."""
+        outstanding: deque[StepPlan] = deque()
+        window = 2 if self.sched_config.async_scheduling else 1
         while True:
-            link = await self._wait_for_work()
-            plan = self.scheduler.schedule()
-            if not (plan.scheduled_handles or plan.finished_handles or plan.preempted_handles):
-                await self._wait(timeout=0.05)     # nothing fits right now: wait for an abort or a finish
-                continue
+            link = self.link if outstanding else await self._wait_for_work()
+            sent = False
             try:
-                result = await link.step(plan)
+                if len(outstanding) < window and self.has_work():
+                    plan = self.scheduler.schedule()
+                    if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
+                        await link.send(plan)
+                        outstanding.append(plan)
+                        sent = True
+                if outstanding and (len(outstanding) == window or not sent):
+                    plan = outstanding.popleft()
+                    self._apply(plan, await link.recv(plan))
+                elif not sent:
+                    await self._wait(timeout=0.05)   # nothing fits right now: wait for an abort or a finish
             except WorkerLost as exc:
+                outstanding.clear()
                 self.detach(link, str(exc))
-                continue
-            self.num_steps += 1
-            self.last_progress = time.monotonic()
-            if result.error:
-                log.error("step %d failed on the worker: %s", plan.step_id, result.error)
-            self._dispatch(self.scheduler.update_from_output(plan, result))
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> None:
+        self.num_steps += 1
+        self.last_progress = time.monotonic()
+        if result.error:
+            log.error("step %d failed on the worker: %s", plan.step_id, result.error)
+        self._dispatch(self.scheduler.update_from_output(plan, result))
 
     async def _wait_for_work(self) -> WorkerLink:
         while True:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -73,14 +72,11 @@ class PlanStreamServicer(worker_pb2_grpc.PlanStreamServicer):
         if hello is grpc.aio.EOF or not hello.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a WorkerHello")
         link = WorkerLink(context, WorkerInfo.from_pb(hello.hello))
-        context.add_done_callback(lambda _: link.close())   # the peer went away: cancelled, reset or timed out
         try:
             self.loop.attach(link)
         except EngineError as err:
             await abort_with(context, err)
         try:
-            await link.closed.wait()         # the step loop talks on this stream until it breaks
-        except asyncio.CancelledError:
-            self.loop.detach(link, "stream cancelled")
-            raise
-        self.loop.detach(link, "stream closed")
+            await link.read_loop()           # until the stream breaks; the step loop writes on it meanwhile
+        finally:
+            self.loop.detach(link, link.close_reason or "stream closed")

@@ -1,19 +1,24 @@
 """WorkerLink: the scheduler's end of one worker's plan stream (PlanStream.Attach).
 
-The worker opened the stream and sent its hello; the step loop then calls `step(plan)` once per step: one
-StepPlan written, one StepResult read, in order. A broken stream surfaces as WorkerLost, which the loop treats
-as preemption of everything that worker held.
+The worker opened the stream and sent its hello. The Attach handler then runs `read_loop`, which always has a
+read pending, so a worker that dies or is cut off is noticed at once, busy or idle. The step loop `send`s one
+StepPlan per step and `recv`s the StepResults in the same order. With async scheduling two plans are outstanding:
+the worker finds plan N+1 queued when it finishes N, so it never waits for a network round trip.
+A broken stream surfaces as WorkerLost, which the loop treats as preemption of everything that worker held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import grpc
 
 from services.common.pb.steploop.v1 import worker_pb2
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
+
+log = logging.getLogger(__name__)
 
 
 class WorkerLost(Exception):
@@ -26,38 +31,61 @@ class WorkerLink:
         self.info = info
         self.attached_at = time.monotonic()
         self.closed = asyncio.Event()       # set when the stream is known to be broken
+        self.close_reason = ""
         self.bytes_sent = 0
+        self._results: asyncio.Queue[worker_pb2.StepResult] = asyncio.Queue()
 
-    async def step(self, plan: StepPlan) -> StepResult:
+    async def read_loop(self) -> None:
+        """Reads results until the stream ends; run by the Attach handler for the stream's whole life."""
+        try:
+            while not self.closed.is_set():
+                msg = await self.context.read()
+                if msg is grpc.aio.EOF:
+                    self.close("the worker closed its stream")
+                elif msg.HasField("result"):
+                    self._results.put_nowait(msg.result)
+                else:
+                    log.warning("worker %s sent an unexpected %s", self.info.worker_id, msg.WhichOneof("kind"))
+        except asyncio.CancelledError:
+            self.close("stream cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - any transport failure means the same: the worker is gone
+            self.close(f"stream failed: {exc}")
+
+    async def send(self, plan: StepPlan) -> None:
         if self.closed.is_set():
-            raise WorkerLost(f"worker {self.info.worker_id} is gone")
+            raise WorkerLost(self.close_reason)
         msg = worker_pb2.SchedulerMessage(plan=plan.to_pb())
         try:
             await self.context.write(msg)
-            self.bytes_sent += msg.ByteSize()
-            reply = await self._read()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
-            self.close()
-            raise WorkerLost(f"worker {self.info.worker_id}: {exc}") from exc
-        if reply is grpc.aio.EOF or reply is None or not reply.HasField("result"):
-            self.close()
-            raise WorkerLost(f"worker {self.info.worker_id} closed its stream")
-        result = StepResult.from_pb(reply.result)
+        except Exception as exc:  # noqa: BLE001 - grpc raises several unrelated types for a dead stream
+            self.close(f"write failed: {exc}")
+            raise WorkerLost(self.close_reason) from exc
+        self.bytes_sent += msg.ByteSize()
+
+    async def recv(self, plan: StepPlan) -> StepResult:
+        """The result of `plan`, the oldest plan sent and not yet answered (the worker answers in order)."""
+        get = asyncio.ensure_future(self._results.get())
+        closed = asyncio.ensure_future(self.closed.wait())
+        try:
+            await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if not get.done():
+                get.cancel()
+        if not get.done() or get.cancelled():
+            raise WorkerLost(self.close_reason)
+        result = StepResult.from_pb(get.result())
         if result.step_id != plan.step_id:
-            self.close()
-            raise WorkerLost(f"worker answered step {result.step_id} to plan {plan.step_id}")
+            self.close(f"worker answered step {result.step_id} to plan {plan.step_id}")
+            raise WorkerLost(self.close_reason)
         return result
 
-    async def _read(self):
-        """The next message, or None as soon as the stream is known to be closed (a pending read alone can hang)."""
-        read = asyncio.ensure_future(self.context.read())
-        closed = asyncio.ensure_future(self.closed.wait())
-        done, _ = await asyncio.wait([read, closed], return_when=asyncio.FIRST_COMPLETED)
-        closed.cancel()
-        if read in done:
-            return read.result()
-        read.cancel()
-        return None
+    async def step(self, plan: StepPlan) -> StepResult:
+        await self.send(plan)
+        return await self.recv(plan)
 
-    def close(self) -> None:
-        self.closed.set()
+    def close(self, reason: str = "closed") -> None:
+        if not self.closed.is_set():
+            self.close_reason = f"worker {self.info.worker_id}: {reason}"
+            self.closed.set()

@@ -1,0 +1,54 @@
+"""Killing the worker in the middle of streamed requests: a restarted worker reattaches, every request is
+recomputed and completes with the same text as transformers' greedy generation."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import openai
+import pytest
+
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The history of the Roman Empire", "A recipe for pancakes:", "In computer science, a hash table",
+           "The weather today is"]
+MAX_TOKENS = 40
+
+
+async def _stream(client, prompt, progress: dict):
+    stream = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
+                                             stream=True)
+    text = ""
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            progress[prompt] = len(text)
+    return text
+
+
+def test_killed_worker_restarts_and_requests_finish_unchanged(tmp_path, model_dir, hf):
+    cluster = Cluster(tmp_path).start()
+    try:
+        async def scenario():
+            client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+            progress: dict = {}
+            tasks = [asyncio.create_task(_stream(client, p, progress)) for p in PROMPTS]
+            while len(progress) < len(PROMPTS):              # every stream has produced text
+                await asyncio.sleep(0.05)
+            cluster.stop_service("worker", sig=signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            cluster.start_service("worker")
+            texts = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+            await client.close()
+            return texts
+
+        texts = asyncio.run(scenario())
+        for prompt, text in zip(PROMPTS, texts):
+            assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS), prompt
+        assert "detached" in (tmp_path / "scheduler.log").read_text()
+    finally:
+        cluster.stop()
