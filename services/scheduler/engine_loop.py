@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import deque
 
-from services.common.errors import EngineError, InvalidRequestError, UnavailableError
+from services.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
 from services.common.pb.steploop.v1 import engine_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
@@ -48,7 +48,11 @@ class EngineLoop:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: engine_pb2.GenerateRequest) -> RequestStream:
-        """Validates and queues one request; raises InvalidRequestError / UnavailableError."""
+        """Validates and queues one request; raises InvalidRequestError / OverloadedError."""
+        num_waiting = len(self._pending) + (self.scheduler.num_waiting if self.scheduler is not None else 0)
+        if num_waiting >= self.server_config.max_waiting:
+            raise OverloadedError(f"{num_waiting} requests are waiting (--max-waiting "
+                                  f"{self.server_config.max_waiting}); retry shortly")
         request_id = req.request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already live", param="request_id",
@@ -184,7 +188,20 @@ class EngineLoop:
             log.error("step %d failed on the worker: %s", plan.step_id, result.error)
         self._dispatch(self.scheduler.update_from_output(plan, result))
 
+    def check_idle(self) -> None:
+        """At idle every KV block must be free again (cached-but-free counts as free); anything else is a leak,
+        and a leak left alone slowly starves the engine. Fail loudly: the step loop crashes and the service
+        exits (a supervisor restarts it) rather than serve on with a shrinking pool."""
+        if self.scheduler is None or self.has_work():
+            return
+        self.scheduler.check_integrity()
+        kv = self.scheduler.kv
+        if kv.num_free_blocks != kv.pool.num_blocks - 1:
+            raise AssertionError(f"KV block leak at idle: {kv.num_free_blocks} of {kv.pool.num_blocks - 1} "
+                                 f"blocks free with no live request")
+
     async def _wait_for_work(self) -> WorkerLink:
+        self.check_idle()
         while True:
             if self.link is not None and self.has_work():
                 return self.link

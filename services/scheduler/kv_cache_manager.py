@@ -49,8 +49,9 @@ class KVCacheManager:
     # ---- prefix cache
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of the request's full blocks: (block ids, tokens they hold). No side effect
-        on the pool. Never the whole sequence: the last token is always computed, to have logits to sample."""
-        if not self.enable_prefix_caching:
+        on the pool. Never the whole sequence: the last token is always computed, to have logits to sample.
+        A request that asks for prompt logprobs takes no hits (as vLLM): every prompt position needs its logits."""
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs >= 0:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

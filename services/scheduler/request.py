@@ -47,6 +47,10 @@ class Request:
     # Prefix-cache keys of this request's full blocks, in order; content-derived, so kept across preemptions.
     block_hashes: list[bytes] = field(default_factory=list)
     error: str = ""                      # set with FINISHED_ERROR
+    # sampling.prompt_logprobs: logprobs of prompt tokens 1, 2, ... gathered over the prompt's chunks; sent
+    # with the first output. Kept across preemption (the recomputed ones are dropped).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,6 +98,7 @@ class RequestOutput:
     num_output_tokens: int               # total so far, new_token_ids included
     num_cached_tokens: int               # prompt tokens served from the prefix cache
     error: str = ""                      # why, for FINISHED_ERROR
+    prompt_logprobs: list[TokenLogprob] | None = None  # [num_prompt_tokens - 1], on the first output only
 
     @property
     def finished(self) -> bool:

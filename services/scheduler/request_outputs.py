@@ -28,6 +28,15 @@ def make_output(request: Request, tokens: list[int], logprobs: list[TokenLogprob
                          request.num_cached_tokens, request.error)
 
 
+def add_prompt_logprobs(request: Request, logprobs: list[TokenLogprob], start: int) -> None:
+    """Keep the logprobs of prompt tokens start+1, start+2, ... that the request does not have yet (a chunk
+    recomputed after preemption repeats ones it has), up to the last prompt token."""
+    have = request.prompt_logprobs
+    skip = len(have) - start
+    if skip >= 0:
+        have.extend(logprobs[skip:request.num_prompt_tokens - 1 - start])
+
+
 def validate_request(request: Request, kv, max_model_len: int) -> None:
     """Refuse (RequestRejectedError) a request that could never run: too long, or more KV than the whole pool."""
     n, limit = request.num_prompt_tokens, max_model_len

@@ -50,6 +50,8 @@ class RequestStream:
                 self.finished = True
                 raise out.error
             chunk.token_ids.extend(out.new_token_ids)
+            if out.prompt_logprobs is not None:
+                chunk.prompt_logprobs.extend(lp.to_pb() for lp in out.prompt_logprobs)
             for lp in out.logprobs or []:
                 chunk.logprobs.append(lp.to_pb())
             if out.finish_reason is not None:

@@ -19,7 +19,7 @@ from services.scheduler.integrity import check_scheduler
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.ngram_proposer import NgramProposer, propose_drafts
 from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.request_outputs import make_output, stop_status, validate_request
+from services.scheduler.request_outputs import add_prompt_logprobs, make_output, stop_status, validate_request
 from services.scheduler.stats import SchedulerStats
 
 log = logging.getLogger(__name__)
@@ -249,9 +249,12 @@ class Scheduler:
         if result.error:
             return self._fail_plan(in_flight[0], result.error)
         outputs, sampled, logprobs, all_drafts = [], result.sampled, result.logprobs, plan.draft_token_ids
+        prompt_logprobs = result.prompt_logprobs
         for request, end, handle, num_new in zip(*in_flight, plan.scheduled_handles, plan.num_scheduled_tokens):
             if request.status is not RUNNING:
                 continue
+            if prompt_logprobs and handle in prompt_logprobs:
+                add_prompt_logprobs(request, prompt_logprobs[handle], end - num_new)
             tokens = sampled.get(handle)
             if tokens is None:                   # a prompt chunk that does not reach the end: nothing sampled
                 self._cache_blocks(request, end, num_new)
@@ -286,7 +289,10 @@ class Scheduler:
             self._finish(request, status)
         if kept < len(tokens):
             tokens, logprobs = tokens[:kept], logprobs[:kept] if logprobs else logprobs
-        return make_output(request, tokens, logprobs)
+        output = make_output(request, tokens, logprobs)
+        if request.sampling.prompt_logprobs >= 0 and not request.prompt_logprobs_sent:
+            output.prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        return output
 
     def _cache_blocks(self, request: Request, end: int, num_new: int) -> None:
         """Key the blocks that the step's num_new tokens (ending at `end`) filled; most decodes fill none."""

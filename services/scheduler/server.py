@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -53,14 +54,15 @@ class SchedulerService:
                       asyncio.create_task(self._watch_health(), name="health")]
         return self
 
-    async def wait(self, stop: asyncio.Event) -> None:
-        """Until `stop` is set or a task crashes (logged)."""
+    async def wait(self, stop: asyncio.Event) -> bool:
+        """Until `stop` is set (returns True) or a task crashes (logged; returns False)."""
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait([*self.tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
-        for task in done:
-            if task is not waiter and task.exception():
-                log.error("%s crashed", task.get_name(), exc_info=task.exception())
+        crashed = [task for task in done if task is not waiter and not task.cancelled() and task.exception()]
+        for task in crashed:
+            log.critical("%s crashed", task.get_name(), exc_info=task.exception())
+        return not crashed
 
     async def stop(self) -> None:
         """health NOT_SERVING, refuse new requests, drain in-flight ones (up to --shutdown-timeout), stop."""
@@ -95,15 +97,16 @@ class SchedulerService:
                 pass
 
 
-async def serve(sched_config: SchedulerConfig, server_config: ServerConfig) -> None:
+async def serve(sched_config: SchedulerConfig, server_config: ServerConfig) -> bool:
     service = await SchedulerService(sched_config, server_config).start()
     log.info("scheduler listening on %s (budget %d tokens/step, max %d seqs)", server_config.address,
              sched_config.max_num_batched_tokens, sched_config.max_num_seqs)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await service.wait(stop)
+    clean = await service.wait(stop)
     await service.stop()
+    return clean
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"steploop scheduler: {exc}\n")
     try:
         import uvloop
-        uvloop.run(serve(sched_config, server_config))
-    except ImportError:
-        asyncio.run(serve(sched_config, server_config))
+        run = uvloop.run
+    except ImportError:             # uvloop is optional (not on Windows)
+        run = asyncio.run
+    sys.exit(0 if run(serve(sched_config, server_config)) else 1)

@@ -15,11 +15,14 @@ class ServerConfig:
     worker_timeout: float = 120.0    # fail waiting callers with UNAVAILABLE after this long without a worker
     hang_timeout: float = 30.0       # health turns NOT_SERVING when work is pending and no step ends this long
     shutdown_timeout: float = 30.0   # on SIGTERM, in-flight requests get this long to finish
+    max_waiting: int = 1024          # new requests are refused (RESOURCE_EXHAUSTED, HTTP 503) while this many wait
 
     def validate(self) -> "ServerConfig":
         for name in ("worker_timeout", "hang_timeout", "shutdown_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_waiting < 1:
+            raise ValueError(f"--max-waiting must be >= 1, got {self.max_waiting}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
         return self
@@ -39,8 +42,11 @@ class ServerConfig:
                  help="seconds without a finished step, while work is pending, before health is NOT_SERVING")
         add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
                  help="seconds in-flight requests get to finish after SIGTERM")
+        add_flag(parser, "--max-waiting", type=int, default=1024,
+                 help="refuse new requests (RESOURCE_EXHAUSTED; HTTP 503 + Retry-After) while this many wait")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         return cls(host=args.scheduler_host, port=args.scheduler_port, worker_timeout=args.worker_timeout,
-                   hang_timeout=args.hang_timeout, shutdown_timeout=args.shutdown_timeout).validate()
+                   hang_timeout=args.hang_timeout, shutdown_timeout=args.shutdown_timeout,
+                   max_waiting=args.max_waiting).validate()

@@ -147,3 +147,29 @@ async def test_health_follows_the_worker_and_hangs(service, engine):
     info = await stub.GetModelInfo(engine_pb2.ModelInfoRequest())
     assert (info.model_name, info.num_workers, info.num_kv_blocks) == ("fake-model", 1, 256)
     await worker.kill()
+
+
+async def test_failed_step_fails_its_requests_and_the_next_ones_run(service, engine):
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address).start()
+    worker.worker.fail_steps = {2}
+    tokens, last = await collect(stub, request("unlucky", [17] * 6, max_tokens=10))
+    assert last.finish_reason == engine_pb2.FINISH_REASON_ERROR
+    assert "illegal memory access" in last.error_message
+    tokens, last = await collect(stub, request("next", [17] * 6, max_tokens=4))
+    assert tokens == expected([17] * 6, 4) and last.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    await asyncio.sleep(0.05)
+    service.loop.check_idle()
+    assert service.loop.scheduler.kv.num_free_blocks == 255
+    await worker.kill()
+
+
+async def test_idle_check_catches_a_leaked_block(service, engine):
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address).start()
+    await collect(stub, request("ok", [18] * 6, max_tokens=2))
+    service.loop.check_idle()
+    service.loop.scheduler.kv.pool.get_new_blocks(1)        # a block nobody owns: a leak
+    with pytest.raises(AssertionError, match="leak|ref_cnt"):
+        service.loop.check_idle()
+    await worker.kill()
