@@ -15,7 +15,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import grpc_options
+from services.common import grpc_options, tls
 from services.common.log import setup_logging
 from services.common.pb.steploop.v1 import engine_pb2_grpc, worker_pb2_grpc
 from services.scheduler.config import SchedulerConfig
@@ -44,7 +44,7 @@ class SchedulerService:
         engine_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
         worker_pb2_grpc.add_PlanStreamServicer_to_server(PlanStreamServicer(self.loop), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(server_config.address)
+        self.port = tls.add_server_port(self.server, server_config.address, server_config.tls)
         self._stop = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
 

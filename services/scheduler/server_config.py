@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.envs import add_flag
+from services.common.tls import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,7 @@ class ServerConfig:
     worker_timeout: float = 120.0    # fail waiting callers with UNAVAILABLE after this long without a worker
     hang_timeout: float = 30.0       # health turns NOT_SERVING when work is pending and no step ends this long
     shutdown_timeout: float = 30.0   # on SIGTERM, in-flight requests get this long to finish
+    tls: TlsConfig = field(default_factory=TlsConfig)   # server cert; with a CA, mutual TLS
     max_waiting: int = 1024          # new requests are refused (RESOURCE_EXHAUSTED, HTTP 503) while this many wait
 
     def validate(self) -> "ServerConfig":
@@ -42,6 +44,7 @@ class ServerConfig:
                  help="seconds without a finished step, while work is pending, before health is NOT_SERVING")
         add_flag(parser, "--shutdown-timeout", type=float, default=30.0,
                  help="seconds in-flight requests get to finish after SIGTERM")
+        TlsConfig.add_cli_args(parser)
         add_flag(parser, "--max-waiting", type=int, default=1024,
                  help="refuse new requests (RESOURCE_EXHAUSTED; HTTP 503 + Retry-After) while this many wait")
 
@@ -49,4 +52,5 @@ class ServerConfig:
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         return cls(host=args.scheduler_host, port=args.scheduler_port, worker_timeout=args.worker_timeout,
                    hang_timeout=args.hang_timeout, shutdown_timeout=args.shutdown_timeout,
+                   tls=TlsConfig.from_args(args),
                    max_waiting=args.max_waiting).validate()
