@@ -19,6 +19,7 @@ COMMANDS = {
     "scheduler": "services.scheduler.server:main",
     "worker": "services.gpu_worker.server:main",
     "convert": "services.gpu_worker.gguf_convert:main",
+    "bench": "services.bench.cli:main",
 }
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from services.common import envs, model_path
+from services.common import envs, model_path, observability
 from services.common.log import setup_logging
 from services.supervisor import ServiceSpec, Supervisor
 
@@ -29,8 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="steploop serve", conflict_handler="resolve",
                                      description="Run gateway, scheduler and one worker on this machine.")
-    for add in (worker_args, scheduler_args, gateway_args):
+    # The worker's --metrics-port alias goes first, so the scheduler's --metrics-port wins it here.
+    for add in (worker_args, observability.add_worker_metrics_arg, scheduler_args, gateway_args,
+                observability.add_cli_args):
         add(parser)
+    if envs.env_name("--metrics-port") not in os.environ:   # the embedded cluster exposes scheduler metrics
+        parser.set_defaults(metrics_port=9091)
     envs.add_flag(parser, "--ready-timeout", type=float, default=600.0,
                   help="seconds to wait for the whole path to answer /health before giving up")
     return parser
@@ -63,6 +67,7 @@ def ensure_model(model: str | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    os.environ[envs.LOG_FORMAT] = args.log_format
     setup_logging("serve")
     try:
         ensure_model(args.model)

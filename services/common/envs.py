@@ -15,6 +15,7 @@ PREFIX = "STEPLOOP_"
 # Variables that are not flags.
 CACHE_DIR = PREFIX + "CACHE_DIR"      # where converted models live (default ~/.cache/steploop)
 LOG_LEVEL = PREFIX + "LOG_LEVEL"      # DEBUG, INFO (default), WARNING
+LOG_FORMAT = PREFIX + "LOG_FORMAT"    # text (default) or json; also every service's --log-format
 
 
 def env_name(flag: str) -> str:

@@ -10,6 +10,7 @@ import grpc
 
 CODE_KEY = "steploop-error-code"
 PARAM_KEY = "steploop-error-param"
+RETRY_AFTER_KEY = "retry-after"      # seconds, on RESOURCE_EXHAUSTED (the gateway's Retry-After header)
 
 
 class EngineError(Exception):
@@ -49,6 +50,8 @@ def trailing_metadata(err: EngineError) -> tuple[tuple[str, str], ...]:
     md = [(CODE_KEY, err.code)]
     if err.param:
         md.append((PARAM_KEY, err.param))
+    if isinstance(err, OverloadedError):
+        md.append((RETRY_AFTER_KEY, "1"))
     return tuple(md)
 
 

@@ -22,6 +22,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int = -1                  # -1 none; 0 sampled token only; k = plus top k
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), sorted by id
+    prompt_logprobs: int = -1           # -1 none; 0 each prompt token's own logprob; k = plus top k
+    json_schema: str = ""               # structured output: a JSON schema (JSON text) the output must match
+    json_object: bool = False           # structured output: any one JSON object
+
+    @property
+    def structured(self) -> bool:
+        return bool(self.json_schema) or self.json_object
 
     @property
     def greedy(self) -> bool:
@@ -32,9 +40,12 @@ class SamplingParams:
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
             min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs)
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=dict(self.logit_bias),
+            json_schema=self.json_schema, json_object=self.json_object)
         if self.seed is not None:
             pb.seed = self.seed
+        if self.prompt_logprobs >= 0:
+            pb.prompt_logprobs = self.prompt_logprobs
         return pb
 
     @classmethod
@@ -53,4 +64,8 @@ class SamplingParams:
             frequency_penalty=pb.frequency_penalty,
             repetition_penalty=pb.repetition_penalty if pb.repetition_penalty > 0 else 1.0,
             logprobs=pb.logprobs,
+            logit_bias=tuple(sorted(pb.logit_bias.items())),
+            prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else -1,
+            json_schema=pb.json_schema,
+            json_object=pb.json_object,
         )

@@ -25,18 +25,20 @@ class NewRequestData:
     sampling: SamplingParams
     block_ids: list[int]                 # its whole block table, in order
     num_computed_tokens: int             # tokens whose KV is already in block_ids (prefix-cache hits)
+    traceparent: str = ""                # W3C trace context of the scheduler's request span; "" = not traced
 
     def to_pb(self) -> worker_pb2.NewRequest:
         return worker_pb2.NewRequest(
             handle=self.handle, prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
             sampling=self.sampling.to_pb(), block_ids=self.block_ids,
-            num_computed_tokens=self.num_computed_tokens)
+            num_computed_tokens=self.num_computed_tokens, traceparent=self.traceparent)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.NewRequest) -> "NewRequestData":
         return cls(handle=pb.handle, prompt_token_ids=list(pb.prompt_token_ids),
                    output_token_ids=list(pb.output_token_ids), sampling=SamplingParams.from_pb(pb.sampling),
-                   block_ids=list(pb.block_ids), num_computed_tokens=pb.num_computed_tokens)
+                   block_ids=list(pb.block_ids), num_computed_tokens=pb.num_computed_tokens,
+                   traceparent=pb.traceparent)
 
 
 @dataclass
@@ -132,6 +134,9 @@ class StepResult:
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # handle -> [len(sampled[h])]
     error: str = ""                      # non-empty: the step failed, no tokens
     forward_seconds: float = 0.0
+    # handle -> logprobs of prompt tokens c+1, c+2, ... where c was its num_computed_tokens at this step's start
+    # (only for requests whose sampling asks for prompt_logprobs, for the prompt positions of this chunk).
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
     def to_pb(self) -> worker_pb2.StepResult:
         handles = list(self.sampled)
@@ -143,6 +148,10 @@ class StepResult:
             for h in handles:
                 lps = self.logprobs.get(h) or [TokenLogprob(0.0)] * len(self.sampled[h])
                 pb.logprobs.extend(lp.to_pb() for lp in lps)
+        for h, lps in self.prompt_logprobs.items():
+            pb.prompt_logprob_handles.append(h)
+            pb.num_prompt_logprobs.append(len(lps))
+            pb.prompt_logprobs.extend(lp.to_pb() for lp in lps)
         return pb
 
     @classmethod
@@ -154,8 +163,12 @@ class StepResult:
             if pb.logprobs:
                 logprobs[handle] = [TokenLogprob.from_pb(x) for x in pb.logprobs[pos:pos + n]]
             pos += n
+        prompt_logprobs, pos = {}, 0
+        for handle, n in zip(pb.prompt_logprob_handles, pb.num_prompt_logprobs):
+            prompt_logprobs[handle] = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs[pos:pos + n]]
+            pos += n
         return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
-                   forward_seconds=pb.forward_seconds)
+                   forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import pathlib
 from aiohttp import web
 
 from services.common import model_path
+from services.gateway import metrics as gateway_metrics
 from services.gateway import routes
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_client import EngineClient
@@ -76,6 +77,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     app[routes.HEALTH] = HealthProbe(engine_client)
     app[MAX_BODY] = config.max_request_body_bytes
     routes.add_routes(app)
+    gateway_metrics.install(app, engine_client, model)   # /metrics, HTTP metrics, the request's span
 
     async def fetch_model_info(_: web.Application) -> None:
         await model.try_refresh()

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common import envs
+from services.common.tls import TlsConfig
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
@@ -22,6 +23,7 @@ class GatewayConfig:
     api_key: str | None = None                # if set, every /v1 route needs `Authorization: Bearer <key>`
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
     shutdown_timeout: float = 30.0            # seconds in-flight requests may take to finish on SIGTERM
+    tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -35,7 +37,8 @@ class GatewayConfig:
     def from_args(cls, args: argparse.Namespace) -> "GatewayConfig":
         return cls(host=args.host, port=args.port, scheduler_address=args.scheduler_address, model=args.model,
                    served_model_name=args.served_model_name, api_key=args.api_key or None,
-                   max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout)
+                   max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+                   tls=TlsConfig.from_args(args))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -54,4 +57,5 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   help="larger request bodies are refused with 413")
     envs.add_flag(parser, "--shutdown-timeout", type=float, default=d.shutdown_timeout,
                   help="seconds in-flight requests may take to finish after SIGTERM")
+    TlsConfig.add_cli_args(parser)
     return parser

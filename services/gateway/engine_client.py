@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import tracing
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from services.common.sampling_params import SamplingParams
+from services.common.tls import TlsConfig, open_channel
 from services.gateway import errors
+from services.gateway import tracing as gateway_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +38,9 @@ UNARY_TIMEOUT_S = 5.0   # model info, health, abort: cheap calls that must not h
 class EngineClient:
     """Async client for one scheduler replica. Create it inside the running event loop."""
 
-    def __init__(self, address: str, *, channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(self, address: str, *, channel: grpc.aio.Channel | None = None, tls: TlsConfig | None = None):
         self.address = address
-        self._channel = channel or grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = channel or open_channel(address, tls or TlsConfig(), CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -46,14 +49,19 @@ class EngineClient:
         """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it."""
         request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                              sampling=params.to_pb(), priority=priority, cache_salt=cache_salt)
-        call = self._stub.Generate(request)
+        span = gateway_tracing.start_generate(request) if tracing.ENABLED else None
+        call = self._stub.Generate(request, metadata=tracing.grpc_metadata(span))
         try:
             async for chunk in call:
+                if span is not None and chunk.finish_reason:
+                    gateway_tracing.record_finish(span, chunk)
                 yield chunk
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
         finally:
             call.cancel()   # no-op once the stream ended; otherwise the scheduler sees the cancel and aborts
+            if span is not None:
+                span.end()
 
     async def abort(self, request_ids: Sequence[str]) -> int:
         try:
@@ -63,9 +71,22 @@ class EngineClient:
             raise errors.from_grpc_error(err) from None
         return reply.num_aborted
 
+    async def metrics_text(self) -> str:
+        """The engine's Prometheus metrics (text exposition), for the gateway's /metrics."""
+        try:
+            return (await self._stub.GetMetrics(engine_pb2.MetricsRequest(), timeout=UNARY_TIMEOUT_S)).text
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
+
     async def model_info(self) -> engine_pb2.ModelInfo:
         try:
             return await self._stub.GetModelInfo(engine_pb2.ModelInfoRequest(), timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
+
+    async def load_report(self) -> engine_pb2.LoadReport:
+        try:
+            return await self._stub.GetLoadReport(engine_pb2.LoadReportRequest(), timeout=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
 

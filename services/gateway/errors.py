@@ -1,7 +1,7 @@
 """The one place where failures become OpenAI-shaped HTTP errors: `{"error": {message, type, param, code}}`.
 
-gRPC status codes from the engine map here (INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
-anything else 500); handlers raise `APIError` and the middleware in app.py renders it. A response body never
+gRPC status codes from the engine map here (INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED and UNAVAILABLE 503 with
+Retry-After, anything else 500); handlers raise `APIError` and the middleware in app.py renders it. A response body never
 carries a stack trace: unexpected exceptions are logged and answered with a generic 500.
 """
 
@@ -68,9 +68,9 @@ def from_grpc_error(err: grpc.aio.AioRpcError) -> APIError:
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         # The engine validated the request: its message is meant for the caller.
         return APIError(400, details or "invalid request", param=param, code=code or "invalid_value")
-    if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return APIError(429, f"the engine is at capacity, retry later: {details}".rstrip(": "),
-                        type="rate_limit_error", code=code or "rate_limit_exceeded",
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED:   # the waiting queue is full (--max-waiting)
+        return APIError(503, f"the engine is at capacity, retry later: {details}".rstrip(": "),
+                        type="server_error", code=code or "overloaded",
                         headers={"Retry-After": meta.get(RETRY_AFTER_KEY, "1")})
     if status == grpc.StatusCode.UNAVAILABLE:
         return engine_unavailable(details or "the engine is not reachable")

@@ -16,6 +16,7 @@ from services.common.sampling_params import SamplingParams
 from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError
+from services.gateway.logprobs import TokenInfo, TokenNamer
 from services.gateway.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {
@@ -35,6 +36,9 @@ class Choice:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    echo: bool = False               # completions: the prompt text (and its logprobs) comes first
+    prompt_text: str | None = None   # the prompt as sent, for echo (None: decoded from prompt_ids)
+    drop_output: bool = False        # max_tokens 0 with echo: the one token the engine samples is dropped
 
 
 @dataclass
@@ -55,34 +59,63 @@ class TextEvent:
     text: str                        # new text since this choice's previous event (may be "" on the last)
     finish_reason: str | None = None  # set on the choice's last event
     usage: Usage | None = None        # set on the choice's last event
+    logprobs: tuple[TokenInfo, ...] | None = None   # tokens behind this text, when logprobs were asked for
 
 
 async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choice) -> AsyncIterator[TextEvent]:
+    """Token logprobs ride on the next event that carries text (text held back by a stop string waits too)."""
     detok = IncrementalDetokenizer(tokenizer, choice.prompt_ids, choice.skip_special_tokens)
     stops = StopStringMatcher(choice.stop, choice.include_stop_str_in_output)
-    num_tokens = 0
+    namer = TokenNamer(tokenizer) if choice.params.logprobs >= 0 else None
+    pending: list[TokenInfo] = []
+    num_tokens, first = 0, True
     stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params)
     async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
         async for chunk in stream:
+            if first and choice.echo:
+                yield echo_event(choice, tokenizer, namer, chunk)
+            first = False
+            if choice.drop_output:
+                chunk.ClearField("token_ids")
+                chunk.ClearField("logprobs")
+                chunk.usage.completion_tokens = 0
             num_tokens += len(chunk.token_ids)
+            if namer is not None:
+                pending.extend(namer.info(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs))
             text = stops.feed(detok.add(chunk.token_ids))
+            lps = tuple(pending) if namer is not None and (text or chunk.finish_reason or stops.stopped) else None
+            if lps is not None:
+                pending = []
             if stops.stopped:
                 usage = Usage(len(choice.prompt_ids), num_tokens)
-                yield TextEvent(choice.index, text, "stop", usage)
+                yield TextEvent(choice.index, text, "stop", usage, lps)
                 return
             if chunk.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED:
                 if text:
-                    yield TextEvent(choice.index, text)
+                    yield TextEvent(choice.index, text, logprobs=lps)
                 continue
             if chunk.finish_reason == engine_pb2.FINISH_REASON_ERROR:
                 raise APIError(500, f"generation failed: {chunk.error_message or 'engine error'}",
                                type="server_error", code="engine_error")
             usage = Usage(chunk.usage.prompt_tokens or len(choice.prompt_ids),
-                          chunk.usage.completion_tokens or num_tokens, chunk.usage.cached_tokens)
-            yield TextEvent(choice.index, text + stops.flush(), FINISH_REASONS[chunk.finish_reason], usage)
+                          num_tokens if choice.drop_output else chunk.usage.completion_tokens or num_tokens,
+                          chunk.usage.cached_tokens)
+            finish = "length" if choice.drop_output else FINISH_REASONS[chunk.finish_reason]
+            yield TextEvent(choice.index, text + stops.flush(), finish, usage, lps)
             return
     raise APIError(500, "the engine ended the stream without a finish reason", type="server_error",
                    code="engine_error")
+
+
+def echo_event(choice: Choice, tokenizer: Decoder, namer: TokenNamer | None,
+               chunk: engine_pb2.GenerateChunk) -> TextEvent:
+    """The prompt as the choice's first text; with logprobs, each prompt token's (the first has none)."""
+    text = choice.prompt_text if choice.prompt_text is not None else tokenizer.decode(choice.prompt_ids)
+    lps = None
+    if namer is not None:
+        ids = choice.prompt_ids
+        lps = (namer.info(ids[0], None),) + tuple(namer.info(t, lp) for t, lp in zip(ids[1:], chunk.prompt_logprobs))
+    return TextEvent(choice.index, text, logprobs=lps)
 
 
 async def merge(streams: Sequence[AsyncIterator[TextEvent]]) -> AsyncIterator[TextEvent]:

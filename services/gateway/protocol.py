@@ -1,14 +1,15 @@
 """Request bodies of /v1/completions and /v1/chat/completions, parsed and validated into small frozen types.
 
 Fields outside OpenAI's API that vLLM also accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, include_stop_str_in_output, skip_special_tokens) are accepted; unknown fields are ignored, as
-OpenAI's SDK passes extra_body through. Features not built yet (logprobs, echo, best_of, suffix) fail with a
-400 naming the field, rather than being silently ignored.
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, add_generation_prompt, continue_final_message)
+are accepted; unknown fields are ignored, as OpenAI's SDK passes extra_body through. Features not built (best_of
+> 1, suffix, tools) fail with a 400 naming the field, rather than being silently ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.sampling_params import SamplingParams
@@ -16,6 +17,8 @@ from services.gateway import validation as v
 from services.gateway.errors import bad_request
 
 MAX_N = 16
+MAX_LOGPROBS = 20        # top logprobs per token (OpenAI: 20 for chat, 5 for completions; vLLM allows 20)
+MAX_LOGIT_BIAS = 100.0   # |bias| per token, as OpenAI
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -44,13 +47,66 @@ class SamplingFields:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool      # stream_options.include_usage: one extra chunk with usage before [DONE]
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int = -1       # -1 none; k >= 0: the token's logprob plus the top k
+    echo: bool = False       # completions: the prompt leads the text (with prompt logprobs when logprobs >= 0)
+    json_schema: str = ""    # response_format json_schema: the schema as JSON text
+    json_object: bool = False  # response_format json_object
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """max_tokens 0 (echo only) runs one token that the gateway drops: the engine always samples one."""
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, min_p=self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty)
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            max_tokens=max(max_tokens, 1), min_tokens=min(self.min_tokens, max_tokens),
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs >= 0 else -1,
+            json_schema=self.json_schema, json_object=self.json_object)
+
+
+def choice_params(params: SamplingParams, k: int) -> SamplingParams:
+    """The k-th of n parallel samples: a seeded request gets seed + k (as vLLM), so the n differ yet repeat."""
+    if k == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + k) % 2**64)
+
+
+def _parse_logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """{"token id as a string": bias in [-100, 100]}."""
+    value = v.get_object(body, "logit_bias")
+    out = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias") from None
+        if token < 0 or (vocab_size and token >= vocab_size):
+            raise bad_request(f"'logit_bias' token id {token} is out of range", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for {key}",
+                              param="logit_bias")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
+
+
+def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool]:
+    """response_format -> (json_schema text, json_object)."""
+    fmt = v.get_object(body, "response_format")
+    kind = fmt.get("type", "text") if fmt else "text"
+    if kind == "text":
+        return "", False
+    if kind == "json_object":
+        return "", True
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
+                              param="response_format")
+        return json.dumps(schema), False
+    raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                      param="response_format")
 
 
 def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int | None) -> SamplingFields:
@@ -62,6 +118,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         if v.get_int(body, name, 1, lo=1) != 1:
             raise not_supported(name)
     stop_token_ids = body.get("stop_token_ids")
+    json_schema, json_object = _parse_response_format(body)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
@@ -81,6 +138,9 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         skip_special_tokens=v.get_bool(body, "skip_special_tokens", True),
         stream=stream,
         include_usage=stream and v.get_bool(stream_options, "include_usage", False),
+        logit_bias=_parse_logit_bias(body, vocab_size),
+        json_schema=json_schema,
+        json_object=json_object,
     )
 
 
@@ -111,16 +171,18 @@ def _parse_prompts(value: Any, vocab_size: int | None) -> tuple[str | tuple[int,
 
 def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequest:
     body = v.require_object(body)
-    if v.get_bool(body, "echo", False):
-        raise not_supported("echo")
-    if body.get("logprobs") is not None:
-        raise not_supported("logprobs")
     if v.get_str(body, "suffix"):
         raise not_supported("suffix")
+    echo = v.get_bool(body, "echo", False)
+    logprobs = v.get_int(body, "logprobs", -1, lo=0, hi=MAX_LOGPROBS)
+    max_tokens = v.get_int(body, "max_tokens", None, lo=0)
+    if max_tokens == 0 and not echo:
+        raise bad_request("'max_tokens' must be >= 1 (0 is allowed only with 'echo')", param="max_tokens")
+    sampling = parse_sampling(body, max_tokens, vocab_size)
     return CompletionRequest(
         model=v.get_str(body, "model"),
         prompts=_parse_prompts(body.get("prompt"), vocab_size),
-        sampling=parse_sampling(body, v.get_int(body, "max_tokens", None, lo=1), vocab_size),
+        sampling=replace(sampling, logprobs=logprobs, echo=echo),
         user=v.get_str(body, "user"),
     )
 
@@ -170,17 +232,9 @@ def _parse_messages(value: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
-    body = v.require_object(body)
-    if v.get_bool(body, "logprobs", False) or body.get("top_logprobs"):
-        raise not_supported("logprobs")
-    if body.get("tools"):
-        raise not_supported("tools")
+def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, str], ...], bool, bool]:
+    """messages, add_generation_prompt, continue_final_message (chat and /tokenize share them)."""
     messages = _parse_messages(body.get("messages"))
-    # max_completion_tokens is OpenAI's newer name; it wins when both are given.
-    max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1)
-    if max_tokens is None:
-        max_tokens = v.get_int(body, "max_tokens", None, lo=1)
     continue_final = v.get_bool(body, "continue_final_message", False)
     if continue_final and messages[-1]["role"] != "assistant":
         raise bad_request("'continue_final_message' needs the last message to be from the assistant",
@@ -189,10 +243,27 @@ def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
     if continue_final and add_generation_prompt:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
                           param="add_generation_prompt")
+    return messages, add_generation_prompt, continue_final
+
+
+def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
+    body = v.require_object(body)
+    logprobs = v.get_bool(body, "logprobs", False)
+    top_logprobs = v.get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+    if body.get("tools"):
+        raise not_supported("tools")
+    messages, add_generation_prompt, continue_final = parse_chat_messages(body)
+    # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+    max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = v.get_int(body, "max_tokens", None, lo=1)
+    sampling = parse_sampling(body, max_tokens, vocab_size)
     return ChatRequest(
         model=v.get_str(body, "model"),
         messages=messages,
-        sampling=parse_sampling(body, max_tokens, vocab_size),
+        sampling=replace(sampling, logprobs=(top_logprobs or 0) if logprobs else -1),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final,
         user=v.get_str(body, "user"),

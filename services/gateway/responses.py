@@ -29,28 +29,34 @@ def _envelope(meta: Meta, obj: str, choices: list[dict[str, Any]]) -> dict[str, 
 
 # /v1/completions
 
-def completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage) -> dict[str, Any]:
-    choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": finish.get(i)}
+def completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage,
+               logprobs: dict[int, dict] | None = None) -> dict[str, Any]:
+    logprobs = logprobs or {}
+    choices = [{"index": i, "text": texts[i], "logprobs": logprobs.get(i), "finish_reason": finish.get(i)}
                for i in sorted(texts)]
     return {**_envelope(meta, "text_completion", choices), "usage": usage.to_dict()}
 
 
-def completion_chunk(meta: Meta, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+def completion_chunk(meta: Meta, index: int, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict[str, Any]:
     return _envelope(meta, "text_completion",
-                     [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+                     [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
 
 
 # /v1/chat/completions
 
-def chat_completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage) -> dict[str, Any]:
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+def chat_completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage,
+                    logprobs: dict[int, dict] | None = None) -> dict[str, Any]:
+    logprobs = logprobs or {}
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs.get(i),
                 "finish_reason": finish.get(i)} for i in sorted(texts)]
     return {**_envelope(meta, "chat.completion", choices), "usage": usage.to_dict()}
 
 
-def chat_chunk(meta: Meta, index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+def chat_chunk(meta: Meta, index: int, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: dict | None = None) -> dict[str, Any]:
     return _envelope(meta, "chat.completion.chunk",
-                     [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+                     [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
 
 def usage_chunk(meta: Meta, obj: str, usage: Usage) -> dict[str, Any]:

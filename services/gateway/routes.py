@@ -10,7 +10,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
-from services.gateway import outputs
+from services.gateway import outputs, utility_routes
 from services.gateway.errors import bad_request
 from services.gateway.health import HealthProbe
 from services.gateway.protocol import parse_chat, parse_completion
@@ -43,13 +43,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(await read_json(request), serving.model.vocab_size or None)
     serving.check_model(req.model)
     prompts = [p if isinstance(p, tuple) else await serving.tokenizer.encode(p) for p in req.prompts]
+    texts = [p if isinstance(p, str) else None for p in req.prompts]
     meta = Meta(new_id("cmpl"), serving.model.served_model_name)
-    choices = await serving.make_choices(meta.id, prompts, req.sampling, "prompt")
+    choices = await serving.make_choices(meta.id, prompts, req.sampling, "prompt", texts)
     events = serving.run(choices)
+    logprobs = req.sampling.logprobs >= 0
     if req.sampling.stream:
         return await stream_sse(request, outputs.completion_chunks(meta, events, req.sampling.n,
-                                                                   req.sampling.include_usage))
-    return web.json_response(await outputs.completion_body(meta, events, req.sampling.n))
+                                                                   req.sampling.include_usage, logprobs))
+    return web.json_response(await outputs.completion_body(meta, events, req.sampling.n, logprobs))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -65,11 +67,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     meta = Meta(new_id("chatcmpl"), serving.model.served_model_name)
     choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages")
     events = serving.run(choices)
+    logprobs = req.sampling.logprobs >= 0
     if req.sampling.stream:
         indices = [c.index for c in choices]
         return await stream_sse(request, outputs.chat_chunks(meta, events, indices, req.sampling.n,
-                                                             req.sampling.include_usage))
-    return web.json_response(await outputs.chat_body(meta, events, req.sampling.n))
+                                                             req.sampling.include_usage, logprobs))
+    return web.json_response(await outputs.chat_body(meta, events, req.sampling.n, logprobs))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -96,3 +99,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
+    utility_routes.add_routes(app)

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from services.common import model_path
-from services.common.log import setup_logging
+from services.common import model_path, observability
 from services.gateway import routes
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig, add_cli_args
@@ -44,7 +43,7 @@ def bound_port(runner: web.AppRunner) -> int:
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     path = model_path.resolve_model(config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
-    engine = EngineClient(config.scheduler_address)
+    engine = EngineClient(config.scheduler_address, tls=config.tls)
     app = create_app(config, engine, tokenizer)
     runner, _ = await start_site(app, config.host, config.port, config.shutdown_timeout)
     logger.info("gateway serving %s on http://%s:%d (engine %s)", app[routes.SERVING].model.served_model_name,
@@ -68,8 +67,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m services.gateway",
                                      description="steploop gateway: OpenAI-compatible HTTP API")
     add_cli_args(parser)
-    config = GatewayConfig.from_args(parser.parse_args(argv))
-    setup_logging("gateway")
+    observability.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    config = GatewayConfig.from_args(args)
+    observability.setup("gateway", args)
     try:
         import uvloop  # noqa: PLC0415 - optional on platforms without it
     except ImportError:

@@ -9,7 +9,7 @@ from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Choice, TextEvent, generate_choice, merge
 from services.gateway.model_state import ModelState
-from services.gateway.protocol import SamplingFields
+from services.gateway.protocol import SamplingFields, choice_params
 from services.gateway.tokenizer import Tokenizer
 
 
@@ -29,6 +29,8 @@ class Serving:
         if prompt_len == 0:
             raise bad_request(f"'{param}' is empty (0 tokens)", param=param, code="empty_prompt")
         max_len = await self.model.require_max_model_len()
+        if sampling.max_tokens == 0 and prompt_len < max_len:
+            return 0     # echo only: the engine runs one token, which the gateway drops
         wanted = sampling.max_tokens if sampling.max_tokens is not None else max(max_len - prompt_len, 0)
         if prompt_len + max(wanted, 1) > max_len:
             raise bad_request(
@@ -39,17 +41,21 @@ class Serving:
         return wanted
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,
-                           param: str) -> list[Choice]:
-        """n choices per prompt, indexed prompt-major: prompt i's choices are i*n .. i*n+n-1."""
+                           param: str, prompt_texts: Sequence[str | None] | None = None) -> list[Choice]:
+        """n choices per prompt, indexed prompt-major: prompt i's choices are i*n .. i*n+n-1. Seeded choices get
+        seeds seed, seed+1, ... so the n samples differ (and repeat across runs)."""
         choices = []
         for p, prompt_ids in enumerate(prompts):
-            params = sampling.to_sampling_params(await self.fit_max_tokens(len(prompt_ids), sampling, param))
+            max_tokens = await self.fit_max_tokens(len(prompt_ids), sampling, param)
+            params = sampling.to_sampling_params(max_tokens)
             for k in range(sampling.n):
                 index = p * sampling.n + k
                 choices.append(Choice(index=index, request_id=f"{request_id}-{index}", prompt_ids=prompt_ids,
-                                      params=params, stop=sampling.stop,
+                                      params=choice_params(params, k), stop=sampling.stop,
                                       include_stop_str_in_output=sampling.include_stop_str_in_output,
-                                      skip_special_tokens=sampling.skip_special_tokens))
+                                      skip_special_tokens=sampling.skip_special_tokens, echo=sampling.echo,
+                                      prompt_text=prompt_texts[p] if prompt_texts else None,
+                                      drop_output=max_tokens == 0))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.envs import add_flag
+from services.common.tls import TlsConfig
 
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -29,9 +30,11 @@ class WorkerConfig:
     dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                     # auto: cuda if available, else cpu
     num_threads: int | None = None           # torch threads on CPU; None: all cores
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"          # auto: triton on CUDA, torch on CPU (triton on CPU: TRITON_INTERPRET=1)
+    cuda_graphs: bool = True                 # capture decode-only steps in CUDA graphs (CUDA + triton only)
     worker_id: str = ""                      # "" -> host:pid
     seed: int = 0                            # seeds the shared generator used by unseeded sampled requests
+    tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -42,7 +45,8 @@ class WorkerConfig:
                    num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
-                   attention_backend=args.attention_backend, worker_id=args.worker_id, seed=args.seed)
+                   attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+                   worker_id=args.worker_id, seed=args.seed, tls=TlsConfig.from_args(args))
 
     @property
     def resolved_worker_id(self) -> str:
@@ -53,6 +57,20 @@ class WorkerConfig:
             return self.device
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_attention_backend(self, device: str) -> str:
+        """auto -> triton on CUDA, torch on CPU. An explicit triton on the CPU needs TRITON_INTERPRET=1."""
+        if self.attention_backend != "auto":
+            if self.attention_backend == "triton" and device == "cpu" \
+                    and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+                raise ValueError("--attention-backend triton on the CPU needs TRITON_INTERPRET=1 (slow; tests "
+                                 "only); use --attention-backend torch or auto")
+            return self.attention_backend
+        return "triton" if device.startswith("cuda") else "torch"
+
+    def use_cuda_graphs(self, device: str) -> bool:
+        """Graphs only on CUDA with the triton backend (the torch backend plans on the host every step)."""
+        return self.cuda_graphs and device.startswith("cuda") and self.resolved_attention_backend(device) == "triton"
 
     def resolved_dtype(self, device: str):
         import torch
@@ -97,7 +115,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_flag(parser, "--dtype", default="auto", choices=DTYPES, help="weights and activations dtype")
     add_flag(parser, "--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_flag(parser, "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    add_flag(parser, "--attention-backend", default="torch", choices=ATTENTION_BACKENDS, help="attention backend")
+    add_flag(parser, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+             help="auto: triton on CUDA, torch on CPU; triton on the CPU needs TRITON_INTERPRET=1")
+    add_flag(parser, "--cuda-graphs", type=bool, default=True,
+             help="replay decode-only steps from CUDA graphs (CUDA with the triton backend only)")
     add_flag(parser, "--worker-id", default="", help="name in logs (default host:pid)")
     add_flag(parser, "--seed", type=int, default=0, help="seed for requests sampled without their own seed")
+    TlsConfig.add_cli_args(parser)
     return parser

@@ -21,17 +21,21 @@ from services.common.step_contract import StepPlan, StepResult, TokenLogprob, Wo
 from services.gpu_worker import kv_cache
 from services.gpu_worker.attention.backend import create_backend
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.input_batch import InputBatch
+from services.gpu_worker.logits_processors import LogitsEdits
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from services.gpu_worker.penalties import PenaltyInputs
+from services.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
 from services.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.gpu_worker.step_inputs import (
     SamplingSlot,
     StepInputs,
     prepare_step_inputs,
 )
+from services.gpu_worker.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.batch = InputBatch()
         self.sampler = Sampler(seed, self.device)
+        self.graphs: DecodeGraphRunner | None = None   # decode-only steps replay CUDA graphs when set
+        self.structured = StructuredOutput(None, self.vocab_size)   # from_config gives it the tokenizer folder
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> "ModelRunner":
@@ -54,7 +60,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         cfg = LlamaModelConfig.from_dir(model_path)
         max_len = _max_model_len(config, cfg)
-        backend = create_backend(config.attention_backend, cfg.num_attention_heads, cfg.num_key_value_heads,
+        backend = create_backend(config.resolved_attention_backend(device.type), cfg.num_attention_heads,
+                                 cfg.num_key_value_heads,
                                  cfg.head_dim, cfg.head_dim ** -0.5)
         start = time.perf_counter()
         log.info("loading model %s (%d layers, %s on %s)", model_path, cfg.num_hidden_layers,
@@ -69,7 +76,12 @@ class ModelRunner:
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids)
-        return cls(model, caches, config.block_size, max_len, info, config.seed)
+        runner = cls(model, caches, config.block_size, max_len, info, config.seed)
+        runner.structured = StructuredOutput(model_path, cfg.vocab_size)
+        if config.use_cuda_graphs(device.type):
+            runner.graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
+            runner.graphs.capture_all()
+        return runner
 
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
@@ -90,12 +102,22 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan) -> StepResult:
         inputs = prepare_step_inputs(self.batch, plan, self.block_size, self.max_model_len, self.device)
-        attn_metadata = self.model.backend.build_metadata(inputs.attn)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata,
-                            inputs.logits_indices)
+        prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
+        hidden = None
+        if self.graphs is not None and not prompt_rows:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, len(inputs.logits_indices))
+        if hidden is None:
+            attn_metadata = self.model.backend.build_metadata(inputs.attn)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata,
+                                prompt_rows.logits_indices(inputs.logits_indices) if prompt_rows
+                                else inputs.logits_indices)
         for handle, num_computed in inputs.num_computed_after.items():
             self.batch.requests[handle].num_computed_tokens = num_computed
         result = StepResult(step_id=plan.step_id)
+        if prompt_rows:
+            num_sampling = len(inputs.logits_indices)
+            result.prompt_logprobs = prompt_rows.compute(hidden[num_sampling:], self.model.compute_logits)
+            hidden = hidden[:num_sampling]
         if inputs.sampling:
             out = self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(inputs))
             self._record(inputs, out, result)
@@ -116,7 +138,11 @@ class ModelRunner:
                     prompts.append([])
                     outputs.append([])
         penalties = PenaltyInputs.build(params, prompts, outputs, self.vocab_size, self.device)
-        return SamplingMetadata.from_rows(params, index, self.vocab_size, self.device, penalties)
+        self.structured.drop_missing(self.batch.requests)
+        grammar = self.structured.bitmask([(self.batch.requests[slot.handle], slot.drafts[:j])
+                                           for slot in inputs.sampling for j in range(len(slot.drafts) + 1)])
+        edits = LogitsEdits.build(params, index, self.info.eos_token_ids, self.device, grammar)
+        return SamplingMetadata.from_rows(params, index, self.vocab_size, self.device, penalties, edits)
 
     def _record(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
         """Accept drafts while they match what was sampled; append the accepted tokens to the worker's lists."""
@@ -128,6 +154,7 @@ class ModelRunner:
                 accepted += 1
             result.sampled[slot.handle] = rows[:accepted]
             self.batch.append_sampled(slot.handle, rows[:accepted], slot.num_known_end + accepted - 1)
+            self.structured.accept(self.batch.requests[slot.handle], rows[:accepted])
             if self.batch.requests[slot.handle].sampling.logprobs >= 0:
                 result.logprobs[slot.handle] = _logprobs(out, slot, accepted,
                                                          self.batch.requests[slot.handle].sampling.logprobs)

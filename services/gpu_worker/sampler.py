@@ -1,6 +1,6 @@
 """Batched sampling over the rows that sample this step: greedy, temperature, min-p, top-k, top-p, seeds.
 
-Order (as vLLM V1): penalties -> temperature -> min-p -> top-k/top-p -> sample. Sampling uses the
+Order (as vLLM V1): logit edits (logit_bias, min_tokens, grammar) -> penalties -> temperature -> min-p -> top-k/top-p -> sample. Sampling uses the
 exponential-race trick: argmax(probs / E) with E ~ Exp(1) i.i.d. per token draws exactly from `probs`.
 A seeded row draws its E from a torch.Generator seeded by mix(seed, output index), so its token depends only on
 its own logits, seed and position in the output: not on the batch it shares, nor on preemption and
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.sampling_params import SamplingParams
+from services.gpu_worker.logits_processors import LogitsEdits, apply_logits_edits
 from services.gpu_worker.penalties import PenaltyInputs, apply_penalties
 
 _MASK64 = (1 << 63) - 1
@@ -37,10 +38,12 @@ class SamplingMetadata:
     use_top_p: bool
     use_min_p: bool
     penalties: PenaltyInputs | None = None
+    edits: LogitsEdits | None = None      # logit_bias, min_tokens bans, grammar masks (logits_processors.py)
 
     @classmethod
     def from_rows(cls, params: list[SamplingParams], output_index: list[int], vocab_size: int,
-                  device: torch.device, penalties: PenaltyInputs | None = None) -> "SamplingMetadata":
+                  device: torch.device, penalties: PenaltyInputs | None = None,
+                  edits: LogitsEdits | None = None) -> "SamplingMetadata":
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         return cls(
             temperature=torch.tensor([max(p.temperature, 0.0) for p in params], dtype=torch.float32, device=device),
@@ -52,7 +55,7 @@ class SamplingMetadata:
             num_logprobs=[p.logprobs for p in params], all_greedy=all(p.greedy for p in params),
             use_top_k=any(k < vocab_size and not p.greedy for k, p in zip(top_k, params)),
             use_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
-            use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params), penalties=penalties)
+            use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params), penalties=penalties, edits=edits)
 
 
 @dataclass
@@ -71,6 +74,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [S, vocab] fp32 -> sampled token ids (and logprobs from the raw logits)."""
         raw = logits
+        if meta.edits is not None:
+            logits = apply_logits_edits(logits, meta.edits)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         greedy_ids = logits.argmax(dim=-1)

@@ -20,7 +20,8 @@ import time
 
 import grpc
 
-from services.common.log import setup_logging
+from services.common import observability
+from services.common.metrics import MetricsServer
 from services.common.model_path import (
     DEFAULT_MODEL,
     default_model_dir,
@@ -29,7 +30,9 @@ from services.common.model_path import (
 )
 from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
 from services.common.step_contract import StepPlan
+from services.common.tls import open_channel
 from services.gpu_worker.config import WorkerConfig, add_cli_args
+from services.gpu_worker.metrics import WorkerObserver
 from services.gpu_worker.model_runner import ModelRunner
 
 log = logging.getLogger("steploop.worker")
@@ -58,24 +61,32 @@ def model_path_for(config: WorkerConfig):
 
 
 async def serve(config: WorkerConfig, runner: ModelRunner | None = None,
-                stop: asyncio.Event | None = None) -> None:
+                stop: asyncio.Event | None = None, metrics_port: int = 0) -> None:
     """Serve plans until `stop` is set (SIGTERM/SIGINT set it when run from main)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+    metrics_server = None
     try:
         if runner is None:
             runner = await loop.run_in_executor(executor, ModelRunner.from_config, config, model_path_for(config))
-        await _attach_forever(config, runner, executor, stop)
+        obs = WorkerObserver(runner.info)
+        if metrics_port:
+            metrics_server = await MetricsServer(obs.registry, "worker").start("0.0.0.0", metrics_port)
+        await _attach_forever(config, runner, executor, stop, obs)
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
+        if metrics_server is not None:
+            await metrics_server.stop()
 
 
-async def _attach_forever(config: WorkerConfig, runner: ModelRunner, executor, stop: asyncio.Event) -> None:
+async def _attach_forever(config: WorkerConfig, runner: ModelRunner, executor, stop: asyncio.Event,
+                          obs: WorkerObserver) -> None:
     backoff, waiting_logged = BACKOFF_START_S, False
     while not stop.is_set():
-        served = await _attach_once(config, runner, executor, stop)
+        served = await _attach_once(config, runner, executor, stop, obs)
         runner.reset()
+        obs.reset()
         if not served and not waiting_logged:
             log.info("scheduler %s not reachable yet; retrying every %.1f-%.1f s", config.scheduler_address,
                      BACKOFF_START_S, BACKOFF_MAX_S)
@@ -89,10 +100,11 @@ async def _attach_forever(config: WorkerConfig, runner: ModelRunner, executor, s
             pass
 
 
-async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop: asyncio.Event) -> bool:
+async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop: asyncio.Event,
+                       obs: WorkerObserver) -> bool:
     """One attach: returns whether it got attached (then the next reconnect starts from a short backoff)."""
     served = False
-    async with grpc.aio.insecure_channel(config.scheduler_address, options=CHANNEL_OPTIONS) as channel:
+    async with open_channel(config.scheduler_address, config.tls, CHANNEL_OPTIONS) as channel:
         call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
         stopper = asyncio.ensure_future(stop.wait())
         try:
@@ -111,7 +123,7 @@ async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop
                 if msg is grpc.aio.EOF:
                     log.warning("scheduler %s closed the plan stream", config.scheduler_address)
                     break
-                await _serve_plan(runner, executor, call, msg)
+                await _serve_plan(runner, executor, call, msg, obs)
         except grpc.aio.AioRpcError as err:
             level = logging.WARNING if served else logging.DEBUG
             log.log(level, "plan stream to %s ended: %s %s", config.scheduler_address, err.code().name,
@@ -123,37 +135,44 @@ async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop
     return served
 
 
-async def _serve_plan(runner: ModelRunner, executor, call, msg: worker_pb2.SchedulerMessage) -> None:
+async def _serve_plan(runner: ModelRunner, executor, call, msg: worker_pb2.SchedulerMessage,
+                      obs: WorkerObserver) -> None:
     if not msg.HasField("plan"):
         return
     plan = StepPlan.from_pb(msg.plan)
+    obs.before(plan)
     result = await asyncio.get_running_loop().run_in_executor(executor, runner.execute, plan)
     await call.write(worker_pb2.WorkerMessage(result=result.to_pb()))
+    obs.after(plan, result)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return add_cli_args(argparse.ArgumentParser(prog="python -m services.gpu_worker",
-                                                description="steploop gpu_worker: runs the model for a scheduler"))
+    parser = add_cli_args(argparse.ArgumentParser(prog="python -m services.gpu_worker",
+                                                  description="steploop gpu_worker: runs the model for a scheduler"))
+    observability.add_cli_args(parser)
+    observability.add_worker_metrics_arg(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging("worker")
+    args = build_parser().parse_args(argv)
+    observability.setup("worker", args)
     try:
-        config = WorkerConfig.from_args(build_parser().parse_args(argv))
+        config = WorkerConfig.from_args(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return asyncio.run(_main(config))
+    return asyncio.run(_main(config, args.worker_metrics_port))
 
 
-async def _main(config: WorkerConfig) -> int:
+async def _main(config: WorkerConfig, metrics_port: int = 0) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     start = time.perf_counter()
     try:
-        await serve(config, stop=stop)
+        await serve(config, stop=stop, metrics_port=metrics_port)
     except (ValueError, FileNotFoundError) as err:
         log.error("%s", err)
         return 1

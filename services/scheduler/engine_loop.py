@@ -22,6 +22,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.metrics import EngineObserver
 from services.scheduler.request import Request, RequestRejectedError
 from services.scheduler.request_stream import FailedOutput, RequestStream
 from services.scheduler.async_scheduler import make_scheduler
@@ -45,6 +46,7 @@ class EngineLoop:
         self.num_steps = 0
         self.last_progress = time.monotonic()       # last finished step, or when work arrived while idle
         self.lost_since: float | None = time.monotonic()
+        self.observer = EngineObserver(self)            # metrics, request logs and spans (metrics.py)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: engine_pb2.GenerateRequest) -> RequestStream:
@@ -69,6 +71,7 @@ class EngineLoop:
             self._pending.append(request)
         else:
             self._admit(request)
+        self.observer.on_arrival(request)
         stream = self.streams[request_id] = RequestStream(request_id)
         self._wakeup.set()
         return stream
@@ -95,8 +98,9 @@ class EngineLoop:
         if max_tokens == 0:   # unset: what fits in the context
             request.sampling = _with_max_tokens(request.sampling, info.max_model_len - n)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """The caller is gone: drop the request at once (its blocks come back before the next step)."""
+        self.observer.on_abort(request_id, reason)
         self.streams.pop(request_id, None)
         self._pending = [r for r in self._pending if r.request_id != request_id]
         if self.scheduler is not None:
@@ -126,6 +130,7 @@ class EngineLoop:
         if self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks:
             self._build_scheduler(info)
         self.worker_info, self.link, self.lost_since = info, link, None
+        self.observer.on_attach()
         self.last_progress = time.monotonic()
         log.info("worker %s attached: %d KV blocks of %d tokens, max_model_len %d", info.worker_id,
                  info.num_kv_blocks, info.block_size, info.max_model_len)
@@ -142,6 +147,7 @@ class EngineLoop:
             try:
                 self._admit(request)
             except InvalidRequestError as exc:
+                self.observer.on_abort(request.request_id, "rejected", "error")
                 self._fail(request.request_id, exc)
 
     def detach(self, link: WorkerLink, reason: str) -> None:
@@ -149,6 +155,7 @@ class EngineLoop:
         if self.link is not link:
             return
         self.link, self.lost_since = None, time.monotonic()
+        self.observer.on_detach()
         if self.scheduler is not None:
             self.scheduler.preempt_all()
         log.warning("worker %s detached (%s); its requests will be recomputed when a worker is back",
@@ -169,6 +176,7 @@ class EngineLoop:
                 if len(outstanding) < window and self.has_work():
                     plan = self.scheduler.schedule()
                     if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
+                        self.observer.on_plan(plan)
                         await link.send(plan)
                         outstanding.append(plan)
                         sent = True
@@ -186,7 +194,9 @@ class EngineLoop:
         self.last_progress = time.monotonic()
         if result.error:
             log.error("step %d failed on the worker: %s", plan.step_id, result.error)
-        self._dispatch(self.scheduler.update_from_output(plan, result))
+        outputs = self.scheduler.update_from_output(plan, result)
+        self.observer.on_step(plan, result, outputs)
+        self._dispatch(outputs)
 
     def check_idle(self) -> None:
         """At idle every KV block must be free again (cached-but-free counts as free); anything else is a leak,
@@ -227,6 +237,7 @@ class EngineLoop:
         for request_id in dict.fromkeys(ids):
             if self.scheduler is not None:
                 self.scheduler.abort_requests([request_id])
+            self.observer.on_abort(request_id, "no_worker", "error")
             self._fail(request_id, UnavailableError(message))
 
     def _fail(self, request_id: str, error: EngineError) -> None:

@@ -15,8 +15,8 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import grpc_options, tls
-from services.common.log import setup_logging
+from services.common import grpc_options, observability, tls
+from services.common.metrics import MetricsServer
 from services.common.pb.steploop.v1 import engine_pb2_grpc, worker_pb2_grpc
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
@@ -30,6 +30,7 @@ ENGINE_SERVICE = "steploop.v1.Engine"
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_cli_args(parser)
     SchedulerConfig.add_cli_args(parser)
+    observability.add_cli_args(parser)
 
 
 class SchedulerService:
@@ -47,12 +48,27 @@ class SchedulerService:
         self.port = tls.add_server_port(self.server, server_config.address, server_config.tls)
         self._stop = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
+        self.metrics_server = MetricsServer(self.loop.observer.registry, "scheduler")
 
     async def start(self) -> "SchedulerService":
         await self.server.start()
+        if self.config.metrics_port:
+            await self.metrics_server.start(self.config.host, self.config.metrics_port)
         self.tasks = [asyncio.create_task(self.loop.run(), name="step-loop"),
                       asyncio.create_task(self._watch_health(), name="health")]
+        if self.config.log_stats_interval > 0:
+            self.tasks.append(asyncio.create_task(self._log_stats(self.config.log_stats_interval), name="stats"))
         return self
+
+    async def _log_stats(self, interval: float) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._stop.wait(), interval)
+            except asyncio.TimeoutError:
+                try:
+                    self.loop.observer.log_stats()
+                except Exception:  # a stats line must never take the service down
+                    log.exception("engine stats line failed")
 
     async def wait(self, stop: asyncio.Event) -> bool:
         """Until `stop` is set (returns True) or a task crashes (logged; returns False)."""
@@ -75,6 +91,7 @@ class SchedulerService:
         while self.loop.streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
         await self.server.stop(grace=1.0)
+        await self.metrics_server.stop()
         for task in self.tasks:
             task.cancel()
         log.info("scheduler stopped")
@@ -113,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="steploop scheduler", description=__doc__)
     add_cli_args(parser)
     args = parser.parse_args(argv)
-    setup_logging("scheduler")
+    observability.setup("scheduler", args)
     try:
         sched_config, server_config = SchedulerConfig.from_args(args), ServerConfig.from_args(args)
     except ValueError as exc:           # config errors say what to change; no traceback

@@ -18,6 +18,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0   # on SIGTERM, in-flight requests get this long to finish
     tls: TlsConfig = field(default_factory=TlsConfig)   # server cert; with a CA, mutual TLS
     max_waiting: int = 1024          # new requests are refused (RESOURCE_EXHAUSTED, HTTP 503) while this many wait
+    metrics_port: int = 0            # Prometheus /metrics over HTTP (0 = off; Engine.GetMetrics always answers)
+    log_stats_interval: float = 10.0  # seconds between engine stats log lines (0 = off)
 
     def validate(self) -> "ServerConfig":
         for name in ("worker_timeout", "hang_timeout", "shutdown_timeout"):
@@ -25,6 +27,9 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_waiting < 1:
             raise ValueError(f"--max-waiting must be >= 1, got {self.max_waiting}")
+        if not 0 <= self.metrics_port < 65536 or self.log_stats_interval < 0:
+            raise ValueError(f"--metrics-port must be in 0..65535 (0 = off) and --log-stats-interval >= 0, got "
+                             f"{self.metrics_port} and {self.log_stats_interval}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
         return self
@@ -47,10 +52,15 @@ class ServerConfig:
         TlsConfig.add_cli_args(parser)
         add_flag(parser, "--max-waiting", type=int, default=1024,
                  help="refuse new requests (RESOURCE_EXHAUSTED; HTTP 503 + Retry-After) while this many wait")
+        add_flag(parser, "--metrics-port", type=int, default=0,
+                 help="port for the scheduler's Prometheus /metrics (0 = off; the gateway's /metrics has them too)")
+        add_flag(parser, "--log-stats-interval", type=float, default=10.0,
+                 help="seconds between engine stats log lines, when there was activity (0 = off)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
         return cls(host=args.scheduler_host, port=args.scheduler_port, worker_timeout=args.worker_timeout,
                    hang_timeout=args.hang_timeout, shutdown_timeout=args.shutdown_timeout,
                    tls=TlsConfig.from_args(args),
-                   max_waiting=args.max_waiting).validate()
+                   max_waiting=args.max_waiting, metrics_port=args.metrics_port,
+                   log_stats_interval=args.log_stats_interval).validate()

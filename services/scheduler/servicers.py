@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from services.common import metrics, tracing
 from services.common.errors import EngineError, UnavailableError, abort_with
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from services.common.step_contract import WorkerInfo
@@ -25,7 +26,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             if not self.accepting:
                 raise UnavailableError("the scheduler is shutting down")
-            stream = self.loop.add_request(request)
+            with tracing.grpc_server_context(context):   # the caller's trace, if tracing is on
+                stream = self.loop.add_request(request)
         except EngineError as err:
             await abort_with(context, err)
         try:
@@ -42,7 +44,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Abort(self, request, context):
         live = [rid for rid in request.request_ids if rid in self.loop.streams]
         for rid in live:
-            self.loop.abort(rid)
+            self.loop.abort(rid, "abort_rpc")
         return engine_pb2.AbortResponse(num_aborted=len(live))
 
     async def GetModelInfo(self, request, context):
@@ -60,7 +62,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             return engine_pb2.LoadReport(num_waiting=len(self.loop._pending), num_steps=self.loop.num_steps)
         return engine_pb2.LoadReport(
             num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.kv.num_free_blocks,
-            num_total_blocks=s.kv.num_blocks, kv_cache_usage=s.kv.usage, num_steps=self.loop.num_steps)
+            num_total_blocks=s.kv.pool.num_blocks, kv_cache_usage=s.kv.usage, num_steps=self.loop.num_steps)
+
+
+    async def GetMetrics(self, request, context):
+        return engine_pb2.MetricsText(text=metrics.exposition(self.loop.observer.registry).decode())
 
 
 class PlanStreamServicer(worker_pb2_grpc.PlanStreamServicer):

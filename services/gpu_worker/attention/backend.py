@@ -43,7 +43,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 def create_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> AttentionBackend:
+    """name is a resolved backend (WorkerConfig.resolved_attention_backend turns "auto" into one of these)."""
     if name == "torch":
         from services.gpu_worker.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
-    raise ValueError(f"--attention-backend {name!r} is not available (choose: torch)")
+    if name == "triton":
+        from services.gpu_worker.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
+    raise ValueError(f"--attention-backend {name!r} is not available (choose: torch, triton)")

@@ -1,33 +1,31 @@
-"""Small Llama building blocks: RMSNorm and the gated MLP (gate and up fused into one matmul)."""
+"""Small Llama building blocks: RMSNorm (optionally fused with the residual add) and the gated MLP (gate and up
+fused into one matmul). `ops` picks torch or the fused Triton kernels (model/ops.py)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from services.gpu_worker.model.ops import TorchOps
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, ops=TorchOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))   # [hidden]
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; the variance in fp32, as transformers computes it."""
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [T, hidden] -> normalized x; with residual [T, hidden] -> (norm(x + residual), x + residual)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops=TorchOps):
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.intermediate_size, self.ops = intermediate_size, ops
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)  # [2I, hidden]: gate; up
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

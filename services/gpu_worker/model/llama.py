@@ -4,6 +4,10 @@ forward(input_ids [T], positions [T], kv_caches, attn_metadata, logits_indices [
 states only for the S rows that need logits; compute_logits runs lm_head on just those rows. The batch may mix
 prompt chunks starting at any offset and single decode tokens: positions and the attention metadata say where
 each token sits in its request.
+
+The residual stream is carried beside the hidden states (vLLM's form): each norm adds the residual and
+normalizes in one op (`ops.rms_norm(x, w, eps, residual)`), which the triton ops fuse into one kernel. The
+elementwise ops come from model/ops.py: torch, or the fused Triton kernels when the attention backend is triton.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 from services.gpu_worker.attention.backend import AttentionBackend
 from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
 from services.gpu_worker.model.model_config import LlamaModelConfig
+from services.gpu_worker.model.ops import ops_for
 from services.gpu_worker.model.rotary import RotaryEmbedding
 
 
@@ -45,15 +50,23 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaModelConfig, layer_idx: int, backend: AttentionBackend):
         super().__init__()
+        ops = ops_for(backend.name)
         self.self_attn = LlamaAttention(cfg, layer_idx, backend)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
-                attn_metadata: Any) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, attn_metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] this layer's input less the residual; residual [T, hidden] (None at layer 0)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, rotary, kv_cache, attn_metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -61,7 +74,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # weight [vocab, hidden]
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops_for(backend.name))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -70,7 +83,8 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.backend = cfg, backend
         self.model = LlamaModel(cfg, backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # weight [vocab, hidden]
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                      ops_for(backend.name))
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -81,10 +95,11 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
         logits_indices [S] rows that need logits -> hidden [S, hidden]."""
-        x = self.model.embed_tokens(input_ids)                  # [T, hidden]
+        x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, self.rotary, kv_cache, attn_metadata)
-        return self.model.norm(x[logits_indices])               # [S, hidden]
+            x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata)
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])   # [S, hidden]
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

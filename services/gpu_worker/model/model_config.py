@@ -29,7 +29,7 @@ class LlamaModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     @classmethod
-    def from_dir(cls, path: pathlib.Path) -> "LlamaModelConfig":
+    def from_dir(cls, path: pathlib.Path) -> LlamaModelConfig:
         raw = json.loads((path / "config.json").read_text())
         model_type = raw.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:

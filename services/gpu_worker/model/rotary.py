@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.gpu_worker.model.ops import TorchOps
+
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """[head_dim // 2] fp32 inverse frequencies, scaled as config.json's rope_scaling says."""
@@ -35,8 +37,10 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 ops=TorchOps):
         super().__init__()
+        self.ops = ops
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)   # [max_positions, head_dim]
         self.register_buffer("sin", torch.empty(0), persistent=False)   # [max_positions, head_dim]
@@ -50,12 +54,5 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D]; k [T, Hk, D] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)   # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)   # [T, 1, D]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """positions [T]; q [T, H, D]; k [T, Hk, D] -> rotated q, k (the triton ops rotate in place)."""
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)

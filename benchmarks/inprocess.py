@@ -1,0 +1,83 @@
+"""The same scheduler core and ModelRunner as the cluster, in ONE process: no gRPC, no HTTP, no tokenizer.
+
+It mirrors EngineLoop.run: schedule, execute (one forward thread, like the worker's executor), update, with one
+plan in flight under async scheduling (plan N+1 is scheduled and queued before result N is applied). Per-request
+timelines are recorded when update_from_output returns a request's tokens, so the metrics are the same
+definitions the HTTP client uses (services.bench.metrics).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import deque
+
+from services.bench.metrics import RequestResult, compute_metrics
+from services.common.sampling_params import SamplingParams
+from services.scheduler.async_scheduler import make_scheduler
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request
+
+
+class InProcessEngine:
+    def __init__(self, model_dir, num_kv_blocks: int, sched_config: SchedulerConfig | None = None,
+                 num_threads: int | None = None):
+        from services.gpu_worker.config import WorkerConfig
+        from services.gpu_worker.model_runner import ModelRunner
+
+        self.sched_config = sched_config or SchedulerConfig()
+        self.runner = ModelRunner.from_config(
+            WorkerConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks, device="cpu",
+                         num_threads=num_threads), model_dir)
+
+    def _new_scheduler(self):
+        info = self.runner.info
+        self.runner.reset()
+        return make_scheduler(self.sched_config, KVCacheManager(info.num_kv_blocks, info.block_size),
+                              info.max_model_len, list(info.eos_token_ids))
+
+    def run(self, prompts: list[tuple[list[int], int]]) -> tuple[dict, list[RequestResult]]:
+        """All prompts arrive at once (like --max-concurrency N with N prompts); greedy, ignore_eos."""
+        sched = self._new_scheduler()
+        results = {f"r{i}": RequestResult(prompt_len=len(ids)) for i, (ids, _) in enumerate(prompts)}
+        last: dict[str, float] = {}
+        window = 2 if self.sched_config.async_scheduling else 1
+        start = time.perf_counter()
+        for i, (ids, n) in enumerate(prompts):
+            sched.add_request(Request(f"r{i}", list(ids), SamplingParams(max_tokens=n, ignore_eos=True,
+                                                                         temperature=0.0)))
+        outstanding: deque = deque()
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="forward") as pool:
+            while outstanding or sched.has_unfinished_requests():
+                sent = False
+                if len(outstanding) < window and sched.has_unfinished_requests():
+                    plan = sched.schedule()
+                    if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
+                        outstanding.append((plan, pool.submit(self.runner.execute, plan)))
+                        sent = True
+                if outstanding and (len(outstanding) == window or not sent):
+                    plan, future = outstanding.popleft()
+                    outputs = sched.update_from_output(plan, future.result())
+                    now = time.perf_counter()
+                    for out in outputs:
+                        self._record(results[out.request_id], out, now, start, last)
+        duration = time.perf_counter() - start
+        ordered = list(results.values())
+        return compute_metrics(ordered, duration), ordered
+
+    @staticmethod
+    def _record(r: RequestResult, out, now: float, start: float, last: dict) -> None:
+        k = len(out.new_token_ids)
+        if k:
+            if r.output_tokens == 0:
+                r.ttft = now - start
+                r.itl.extend([0.0] * (k - 1))
+            else:
+                gap = now - last[out.request_id]
+                r.itl.extend([gap / k] * k)
+            r.output_tokens += k
+            last[out.request_id] = now
+        if out.finished:
+            r.latency, r.success = now - start, not out.error
+            r.error = out.error

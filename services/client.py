@@ -1,0 +1,27 @@
+"""The Python client of steploop's token-level gRPC API (the scheduler's Engine service).
+
+It is the gateway's own EngineClient (services/gateway/engine_client.py), exposed here so there is one client:
+
+    from services.client import EngineClient, SamplingParams
+
+    async def main():
+        client = EngineClient("127.0.0.1:50051")          # create it inside the running event loop
+        params = SamplingParams(temperature=0.7, seed=1, max_tokens=32, logprobs=2)
+        async for chunk in client.generate("my-request-1", prompt_token_ids, params):
+            print(list(chunk.token_ids), chunk.finish_reason)   # engine_pb2.GenerateChunk
+        await client.abort(["some-other-request"])         # by id; closing the generate iterator aborts too
+        info = await client.model_info()                   # max_model_len, vocab_size, eos ids, KV pool size
+        load = await client.load_report()                  # queue lengths, free KV blocks
+        await client.close()
+
+Token ids in, token ids out: tokenize with the model folder's tokenizer (see examples/grpc_generate.py).
+Errors surface as services.gateway.errors.APIError with the HTTP status and OpenAI error code the gateway
+would answer (400 invalid request, 503 overloaded or no worker, ...).
+"""
+
+from services.common.pb.steploop.v1 import engine_pb2
+from services.common.sampling_params import SamplingParams
+from services.gateway.engine_client import EngineClient
+from services.gateway.errors import APIError
+
+__all__ = ["APIError", "EngineClient", "SamplingParams", "engine_pb2"]

@@ -1,0 +1,83 @@
+"""The gateway's /metrics: its own HTTP metrics (requests by route, method and status; latency) followed by the
+scheduler's engine metrics (vllm:*, steploop:*, fetched with Engine.GetMetrics), in one scrape as on a vLLM
+server. The same outermost middleware opens the HTTP request's span when tracing is on.
+
+`install(app, engine, model)` wires it into an app; create_app calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+
+from services.common import metrics, tracing
+from services.gateway import tracing as gateway_tracing
+
+log = logging.getLogger(__name__)
+
+# prometheus-fastapi-instrumentator's names and buckets (what vLLM's API server exposes).
+HTTP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+UNMATCHED = "none"
+
+
+class GatewayMetrics:
+    def __init__(self, engine: Any, model: Any) -> None:
+        self.engine = engine
+        self.model = model                            # ModelState: served_model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                ["handler", "method", "status"], registry=self.registry)
+        self.latency = Histogram("http_request_duration_seconds", "Latency of HTTP requests (whole stream).",
+                                 ["handler", "method"], buckets=HTTP_BUCKETS, registry=self.registry)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else UNMATCHED
+        if route == "/metrics":
+            return await handler(request)
+        start, status = time.perf_counter(), 500
+        span = gateway_tracing.start_http(request, route, self.model.served_model_name) if tracing.ENABLED else None
+        try:
+            if span is None:
+                response = await handler(request)
+            else:
+                from opentelemetry.trace import use_span
+                with use_span(span, end_on_exit=False):
+                    response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = 499                               # the client went away (nginx's code for it)
+            raise
+        finally:
+            self.requests.labels(route, request.method, str(status)).inc()
+            self.latency.labels(route, request.method).observe(time.perf_counter() - start)
+            if span is not None:
+                gateway_tracing.end_http(span, status)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = metrics.exposition(self.registry)
+        try:
+            body += (await self.engine.metrics_text()).encode()
+        except Exception as err:  # noqa: BLE001 - the scheduler is down: still show the gateway's own
+            log.debug("engine metrics unavailable: %s", err)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+METRICS = web.AppKey("metrics", GatewayMetrics)
+
+
+def install(app: web.Application, engine: Any, model: Any) -> GatewayMetrics:
+    gm = app[METRICS] = GatewayMetrics(engine, model)
+    app.middlewares.insert(0, gm.middleware)          # outermost: sees the final status of every request
+    app.router.add_get("/metrics", gm.handle)
+    return gm

@@ -1,0 +1,143 @@
+"""The gateway's REST API as an OpenAPI 3.1 document, written by hand to match protocol.py's validation (ranges,
+types, required fields), so generated clients and fuzzers (schemathesis) send meaningful bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NUM = {"type": "number"}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 49151}, "minItems": 1,
+              "maxItems": 64}
+_STOP = {"oneOf": [{"type": "string", "minLength": 1},
+                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]}
+_RESPONSE_FORMAT = {"type": "object", "required": ["type"], "properties": {
+    "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+    "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                      "strict": {"type": "boolean"}}}}}
+
+# Parameters both endpoints share (OpenAI's, then vLLM's extras). Bounds mirror protocol.parse_sampling.
+_SAMPLING: dict[str, Any] = {
+    "model": {"type": "string"},
+    "temperature": {**_NUM, "minimum": 0, "maximum": 2},
+    "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1, "maximum": 4},
+    "seed": {"type": "integer", "minimum": 0},
+    "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2},
+    "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2},
+    "logit_bias": {"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100},
+                   "propertyNames": {"pattern": "^[0-9]{1,4}$"}, "maxProperties": 8},
+    "stop": _STOP,
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": "string"},
+    "response_format": _RESPONSE_FORMAT,
+    "top_k": {"type": "integer", "minimum": -1, "maximum": 1000},
+    "min_p": {**_NUM, "minimum": 0, "maximum": 1},
+    "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 2},
+    "min_tokens": {"type": "integer", "minimum": 0, "maximum": 16},
+    "ignore_eos": {"type": "boolean"},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 49151},
+                       "maxItems": 4},
+    "include_stop_str_in_output": {"type": "boolean"},
+    "skip_special_tokens": {"type": "boolean"},
+}
+_MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 16}
+
+_COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "properties": {
+    **_SAMPLING,
+    "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 200},
+                         {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 200},
+                          "minItems": 1, "maxItems": 4},
+                         _TOKEN_IDS,
+                         {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 4}]},
+    "max_tokens": {"type": "integer", "minimum": 0, "maximum": 16},
+    "echo": {"type": "boolean"},
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+}}
+
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+    "content": {"oneOf": [{"type": "string", "maxLength": 200},
+                          {"type": "array", "maxItems": 4, "items": {
+                              "type": "object", "required": ["type", "text"],
+                              "properties": {"type": {"type": "string", "enum": ["text"]},
+                                             "text": {"type": "string", "maxLength": 200}}}}]}}}
+
+_CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
+    **_SAMPLING,
+    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": 6},
+    "max_tokens": _MAX_TOKENS,
+    "max_completion_tokens": _MAX_TOKENS,
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "add_generation_prompt": {"type": "boolean"},
+    "continue_final_message": {"type": "boolean"},
+}}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "choices": {"type": "array", "items": {"type": "object"}}, "usage": _USAGE}}
+
+
+def _json_body(schema: dict) -> dict:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _responses(ok: dict, *, stream: bool = False) -> dict:
+    content = {"application/json": {"schema": ok}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    out = {"200": {"description": "OK", "content": content}}
+    for code, why in (("400", "invalid request"), ("401", "missing or wrong API key"), ("404", "unknown model"),
+                      ("413", "body too large"), ("503", "engine overloaded or unavailable (Retry-After)")):
+        out[code] = {"description": why, "content": {"application/json": {"schema": _ERROR}}}
+    return out
+
+
+def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
+    obj = {"type": "object"}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "steploop", "version": "1",
+                 "description": "OpenAI-compatible completions and chat completions, plus vLLM's utility routes."},
+        "servers": [{"url": server_url}],
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/v1/completions": {"post": {"operationId": "createCompletion", "security": [{"bearer": []}, {}],
+                                         "requestBody": _json_body(_COMPLETION_REQUEST),
+                                         "responses": _responses(_COMPLETION, stream=True)}},
+            "/v1/chat/completions": {"post": {"operationId": "createChatCompletion",
+                                              "security": [{"bearer": []}, {}],
+                                              "requestBody": _json_body(_CHAT_REQUEST),
+                                              "responses": _responses(_COMPLETION, stream=True)}},
+            "/v1/models": {"get": {"operationId": "listModels", "security": [{"bearer": []}, {}],
+                                   "responses": _responses(obj)}},
+            "/tokenize": {"post": {"operationId": "tokenize", "requestBody": _json_body({
+                "type": "object", "properties": {
+                    "model": {"type": "string"}, "prompt": {"type": "string", "maxLength": 200},
+                    "add_special_tokens": {"type": "boolean"},
+                    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": 4},
+                    "add_generation_prompt": {"type": "boolean"}}}),
+                "responses": _responses({"type": "object", "required": ["count", "tokens"], "properties": {
+                    "count": {"type": "integer"}, "tokens": {"type": "array", "items": {"type": "integer"}},
+                    "max_model_len": {"type": ["integer", "null"]}}})}},
+            "/detokenize": {"post": {"operationId": "detokenize", "requestBody": _json_body({
+                "type": "object", "required": ["tokens"],
+                "properties": {"model": {"type": "string"}, "tokens": _TOKEN_IDS}}),
+                "responses": _responses({"type": "object", "required": ["prompt"],
+                                         "properties": {"prompt": {"type": "string"}}})}},
+            "/health": {"get": {"operationId": "health", "responses": {
+                "200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+            "/version": {"get": {"operationId": "version", "responses": {"200": {
+                "description": "OK", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}}}}},
+        },
+    }

@@ -1,0 +1,59 @@
+"""vLLM's utility endpoints beside the OpenAI ones: /tokenize, /detokenize, and /openapi.json.
+
+    POST /tokenize    {"prompt": str, "add_special_tokens": bool}            -> {"count", "max_model_len", "tokens"}
+                      {"messages": [...], "add_generation_prompt": bool, ...}   (the chat template applied)
+    POST /detokenize  {"tokens": [int]}                                       -> {"prompt": str}
+    GET  /openapi.json                                                        -> the REST API (openapi.py)
+"""
+
+from __future__ import annotations
+
+import jinja2
+from aiohttp import web
+
+from services.gateway import routes, validation as v
+from services.gateway.errors import bad_request
+from services.gateway.openapi import openapi_spec
+from services.gateway.protocol import parse_chat_messages
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    serving = request.app[routes.SERVING]
+    body = v.require_object(await routes.read_json(request))
+    serving.check_model(v.get_str(body, "model"))
+    if body.get("messages") is not None:
+        messages, add_generation_prompt, continue_final = parse_chat_messages(body)
+        try:
+            tokens = await serving.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
+        except (ValueError, jinja2.TemplateError) as err:
+            raise bad_request(f"cannot apply the chat template: {err}", param="messages") from None
+    else:
+        prompt = v.get_str(body, "prompt")
+        if prompt is None:
+            raise bad_request("'prompt' or 'messages' is required", param="prompt", code="missing_required_parameter")
+        tokens = await serving.tokenizer.encode(prompt, v.get_bool(body, "add_special_tokens", True))
+    if serving.model.max_model_len == 0:
+        await serving.model.try_refresh()
+    return web.json_response({"count": len(tokens), "max_model_len": serving.model.max_model_len or None,
+                              "tokens": tokens, "token_strs": None})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    serving = request.app[routes.SERVING]
+    body = v.require_object(await routes.read_json(request))
+    serving.check_model(v.get_str(body, "model"))
+    if body.get("tokens") is None:
+        raise bad_request("'tokens' is required", param="tokens", code="missing_required_parameter")
+    tokens = v.get_token_ids(body.get("tokens"), "tokens", serving.tokenizer.vocab_size)
+    return web.json_response({"prompt": serving.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_spec(str(request.url.origin())))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/openapi.json", openapi)

@@ -1,0 +1,48 @@
+"""Paged attention with the Triton kernels: the same AttentionBackend interface as the torch oracle.
+
+    build_metadata(common)  once per step: plan the query tiles and the split count (host, numpy) -> plan
+    forward(layer, ...)     per layer: write K/V by slot (one launch), attend (one launch, two with split-KV)
+
+Requires the kernels to run: a CUDA device, or TRITON_INTERPRET=1 set before the first import (CPU tensors;
+for tests only, it is slow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.attention.metadata import CommonAttentionMetadata
+from services.gpu_worker.kernels.cache_write import write_kv_cache
+from services.gpu_worker.kernels.paged_attention import AttentionPlan, plan_attention, unified_attention
+
+
+@dataclass
+class TritonAttentionMetadata:
+    common: CommonAttentionMetadata
+    slot_mapping: torch.Tensor   # [T] int64, -1 = skip (CUDA-graph padding)
+    plan: AttentionPlan
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 num_splits: int | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.num_splits = num_splits   # None: the launcher's heuristic; tests force 1 or N
+
+    def build_metadata(self, common: CommonAttentionMetadata,
+                       max_seq_len_hint: int | None = None) -> TritonAttentionMetadata:
+        plan = plan_attention(common.query_start_loc, common.seq_lens, common.block_tables, common.query_lens_cpu,
+                              common.seq_lens_cpu, self.num_heads, self.num_kv_heads, self.num_splits,
+                              max_seq_len_hint)
+        return TritonAttentionMetadata(common, common.slot_mapping, plan)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TritonAttentionMetadata) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)    # [T, H, D]
+        return unified_attention(q, kv_cache, out, metadata.plan, self.scale)

@@ -1,0 +1,75 @@
+"""Per-row logit edits applied before penalties and sampling, batched: logit_bias, min_tokens and grammars.
+
+    logit_bias:  logits[row, token] += bias                      (OpenAI logit_bias, any row that asks)
+    min_tokens:  logits[row, eos and stop ids] = -inf            (while the row's output is shorter than min_tokens)
+    grammar:     logits[row, tokens the grammar forbids] = -inf  (structured output; a packed int32 bitmask)
+
+Nothing is built when no row uses any of them (the common case). Logprobs stay those of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.sampling_params import SamplingParams
+
+
+@dataclass
+class LogitsEdits:
+    bias_rows: torch.Tensor | None = None     # [B] int64 rows of the logit_bias entries
+    bias_cols: torch.Tensor | None = None     # [B] int64 token ids
+    bias_values: torch.Tensor | None = None   # [B] fp32
+    ban_rows: torch.Tensor | None = None      # [N] int64 rows of banned (row, token) pairs (min_tokens)
+    ban_cols: torch.Tensor | None = None      # [N] int64
+    grammar_bitmask: torch.Tensor | None = None   # [S, ceil(vocab / 32)] int32, bit set = allowed
+    grammar_rows: list[int] | None = None         # rows the bitmask applies to (others left alone)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], num_outputs: list[int], eos_token_ids: tuple[int, ...],
+              device: torch.device, grammar: tuple[torch.Tensor, list[int]] | None = None) -> "LogitsEdits | None":
+        """params/num_outputs [S]: each row's sampling params and how many output tokens precede its token."""
+        bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
+        bans = [(r, t) for r, (p, n) in enumerate(zip(params, num_outputs)) if n < p.min_tokens
+                for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)]
+        if not bias and not bans and grammar is None:
+            return None
+        edits = cls()
+        if bias:
+            rows, cols, values = zip(*bias)
+            edits.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            edits.bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+            edits.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+        if bans:
+            rows, cols = zip(*bans)
+            edits.ban_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            edits.ban_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+        if grammar is not None:
+            edits.grammar_bitmask, edits.grammar_rows = grammar
+        return edits
+
+
+def apply_logits_edits(logits: torch.Tensor, edits: LogitsEdits) -> torch.Tensor:
+    """logits [S, vocab] fp32 -> edited copy."""
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if edits.bias_rows is not None:
+        ok = edits.bias_cols < vocab
+        logits.index_put_((edits.bias_rows[ok], edits.bias_cols[ok]), edits.bias_values[ok], accumulate=True)
+    if edits.ban_rows is not None:
+        ok = edits.ban_cols < vocab
+        logits[edits.ban_rows[ok], edits.ban_cols[ok]] = float("-inf")
+    if edits.grammar_bitmask is not None:
+        apply_bitmask(logits, edits.grammar_bitmask, edits.grammar_rows)
+    return logits
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: logits[r, t] = -inf where bit t of bitmask[r] is 0, for r in rows (plain torch, any device)."""
+    vocab = logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    words = bitmask.to(logits.device)[index]                              # [R, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]   # [R, W * 32] -> [R, vocab]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

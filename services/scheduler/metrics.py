@@ -1,0 +1,252 @@
+"""EngineObserver: the scheduler's metrics (vllm:* and steploop:*), per-request log lines, the periodic stats
+line and request spans, all fed by a handful of hooks in the step loop.
+
+    add_request ─▶ on_arrival      schedule() ─▶ on_plan (send time; first admission)
+    update_from_output ─▶ on_step (one pass over the step's outputs: tokens, TTFT, ITL, finishes)
+    abort / no worker ─▶ on_abort    attach / detach ─▶ on_attach / on_detach
+
+A step costs a few int additions and list appends; histograms fold their pending values when scraped
+(`BatchHistogram`), gauges are read from the scheduler at scrape time, and counters the scheduler already keeps
+(preemptions, prefix-cache and spec-decode stats) are read from it then too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from services.common import metrics as m
+from services.common import tracing
+from services.scheduler import metrics_export
+from services.scheduler import tracing as request_tracing
+from services.scheduler.request import RequestStatus
+
+log = logging.getLogger("steploop.scheduler.stats")
+
+FINISHED_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                    RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
+
+
+class _Live:
+    """Timestamps (time.monotonic) of one live request."""
+    __slots__ = (
+        "arrival",
+        "arrival_ns",
+        "first_token",
+        "last_token",
+        "request",
+        "scheduled",
+        "span",
+        "traceparent",
+    )
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.arrival = request.arrival_time
+        self.scheduled = self.first_token = self.last_token = None
+        self.span = None
+        self.traceparent = ""
+
+
+class EngineObserver:
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop                                  # EngineLoop: scheduler, worker_info, link, _pending
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self.live: dict[str, _Live] = {}
+        self.prompt_tokens = self.generation_tokens = self.plan_bytes = self.num_steps = 0
+        self.attaches = self.detaches = 0
+        self.success: Counter[str] = Counter({r: 0 for r in FINISHED_REASONS.values()})
+        self.aborts: Counter[str] = Counter()
+        self._base = Counter()                            # counters of schedulers replaced since start
+        self._sched = None
+        self._sent: dict[int, float] = {}                 # step_id -> when its plan left
+        self._link, self._link_bytes = None, 0
+        self._last_log = (time.monotonic(), 0, 0, 0, 0)  # when, prompt, generation, prefix queries, hits
+        self.ttft = m.BatchHistogram(m.TTFT_BUCKETS)
+        self.itl = m.BatchHistogram(m.ITL_BUCKETS)        # also exported as vllm:time_per_output_token_seconds
+        self.tpot = m.BatchHistogram(m.ITL_BUCKETS)
+        self.e2e, self.queue, self.prefill, self.decode, self.inference = (
+            m.BatchHistogram(m.REQUEST_LATENCY_BUCKETS) for _ in range(5))
+        self.iteration_tokens = m.BatchHistogram(m.ITERATION_TOKENS_BUCKETS)
+        self.step_duration = m.BatchHistogram(m.STEP_SECONDS_BUCKETS)
+        self.round_trip = m.BatchHistogram(m.STEP_SECONDS_BUCKETS)
+        self.forward = m.BatchHistogram(m.STEP_SECONDS_BUCKETS)
+        self.plan_size = m.BatchHistogram(m.BYTES_BUCKETS)
+        self.req_prompt = self.req_generation = None       # sized by max_model_len once a worker attaches
+
+    @property
+    def model_name(self) -> str:
+        info = self.loop.worker_info
+        return info.model_name if info is not None else ""
+
+    # ---- hooks --------------------------------------------------------------------------------------------------
+    def on_arrival(self, request: Any) -> None:
+        rec = self.live[request.request_id] = _Live(request)
+        if tracing.ENABLED:
+            request_tracing.start(rec, request, self.model_name)
+
+    def on_plan(self, plan: Any) -> None:
+        now = self._sent[plan.step_id] = time.monotonic()
+        if not plan.new_requests:
+            return
+        by_handle, live = self.loop.scheduler.handles.by_handle, self.live
+        for new in plan.new_requests:
+            request = by_handle.get(new.handle)
+            rec = live.get(request.request_id) if request is not None else None
+            if rec is None:
+                continue
+            if rec.scheduled is None:
+                rec.scheduled = now
+                if rec.span is not None:
+                    request_tracing.scheduled(rec, plan.step_id)
+            new.traceparent = rec.traceparent
+
+    def on_step(self, plan: Any, result: Any, outputs: list) -> None:
+        now = time.monotonic()
+        self.num_steps += 1
+        sent = self._sent.pop(plan.step_id, None)
+        if sent is not None:
+            self.step_duration.pending.append(now - sent)
+            self.round_trip.pending.append(max(now - sent - result.forward_seconds, 0.0))
+        self.forward.pending.append(result.forward_seconds)
+        self.iteration_tokens.pending.append(sum(plan.num_scheduled_tokens))
+        link = self.loop.link
+        if link is not None:
+            if link is not self._link:
+                self._link, self._link_bytes = link, 0
+            self.plan_size.pending.append(link.bytes_sent - self._link_bytes)
+            self.plan_bytes += link.bytes_sent - self._link_bytes
+            self._link_bytes = link.bytes_sent
+        # The one per-request loop: a dict lookup, a subtraction and an append per request that sampled.
+        get, itl, generated = self.live.get, [], 0
+        add_itl = itl.append
+        for out in outputs:
+            rec = get(out.request_id)
+            if rec is None:
+                continue
+            tokens = out.new_token_ids
+            if tokens:
+                generated += len(tokens)
+                last = rec.last_token
+                if last is not None:
+                    add_itl(now - last)
+                else:
+                    self._first_token(rec, out, now, plan.step_id)
+                rec.last_token = now
+            if out.finish_reason is not None:
+                self._finish(rec, FINISHED_REASONS[out.finish_reason], out.num_prompt_tokens,
+                             out.num_output_tokens, out.num_cached_tokens, now, plan.step_id)
+        self.generation_tokens += generated
+        if itl:
+            self.itl.observe_many(itl)
+        if len(self.step_duration.pending) > m.BatchHistogram.FOLD_AT:
+            for h in (self.step_duration, self.round_trip, self.forward, self.iteration_tokens, self.plan_size):
+                h.fold()
+
+    def _first_token(self, rec: _Live, out: Any, now: float, step_id: int) -> None:
+        rec.first_token = now
+        self.ttft.pending.append(now - rec.arrival)
+        self.prompt_tokens += out.num_prompt_tokens
+        if rec.span is not None:
+            request_tracing.first_token(rec, step_id)
+
+    def on_abort(self, request_id: str, reason: str, finished_reason: str = "abort") -> None:
+        """A live request ended outside a step: the caller left, or it failed for want of a worker."""
+        rec = self.live.get(request_id)
+        if rec is None:
+            return
+        self.aborts[reason] += 1
+        r = rec.request
+        self._finish(rec, finished_reason, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens,
+                     time.monotonic(), -1)
+
+    def on_attach(self) -> None:
+        self.attaches += 1
+        info = self.loop.worker_info
+        if self.req_prompt is None:
+            self.req_prompt = m.BatchHistogram(m.buckets_1_2_5(info.max_model_len))
+            self.req_generation = m.BatchHistogram(m.buckets_1_2_5(info.max_model_len))
+
+    def on_detach(self) -> None:
+        self.detaches += 1
+        self._sent.clear()
+
+    # ---- finished requests --------------------------------------------------------------------------------------
+    def _finish(self, rec: _Live, reason: str, num_prompt: int, num_output: int, num_cached: int, now: float,
+                step_id: int) -> None:
+        del self.live[rec.request.request_id]
+        self.success[reason] += 1
+        e2e = now - rec.arrival
+        self.e2e.pending.append(e2e)
+        if self.req_prompt is not None:
+            self.req_prompt.pending.append(num_prompt)
+            self.req_generation.pending.append(num_output)
+        if rec.scheduled is not None:
+            self.queue.pending.append(rec.scheduled - rec.arrival)
+        ttft = None
+        if rec.first_token is not None:
+            ttft = rec.first_token - rec.arrival
+            scheduled = rec.scheduled if rec.scheduled is not None else rec.arrival
+            decode = rec.last_token - rec.first_token
+            self.prefill.pending.append(rec.first_token - scheduled)
+            self.decode.pending.append(decode)
+            self.inference.pending.append(rec.last_token - scheduled)
+            self.tpot.pending.append(decode / (num_output - 1) if num_output > 1 else 0.0)
+        if rec.span is not None:
+            request_tracing.finish(rec, reason, num_prompt, num_output, num_cached, step_id)
+        if log.isEnabledFor(logging.INFO):
+            log.info("finished %s: prompt %d, output %d, cached %d, ttft %s, e2e %.3fs, %s, preemptions %d",
+                     rec.request.request_id, num_prompt, num_output, num_cached,
+                     "-" if ttft is None else f"{ttft:.3f}s", e2e, reason, rec.request.num_preemptions,
+                     extra={"request_id": rec.request.request_id, "prompt_tokens": num_prompt,
+                            "output_tokens": num_output, "cached_tokens": num_cached, "ttft_s": ttft,
+                            "e2e_s": round(e2e, 6), "finish_reason": reason,
+                            "preemptions": rec.request.num_preemptions})
+
+    # ---- counters the scheduler keeps -----------------------------------------------------------------------
+    def scheduler_counters(self) -> Counter:
+        """Preemptions, prefix-cache and spec-decode counts since start, across scheduler rebuilds."""
+        sched = self.loop.scheduler
+        if sched is not self._sched:
+            if self._sched is not None:
+                self._base = self._base + self._counts(self._sched)
+            self._sched = sched
+        return self._base + self._counts(sched) if sched is not None else Counter(self._base)
+
+    def _counts(self, sched: Any) -> Counter:
+        stats, prefix = sched.stats, sched.kv.prefix_cache_stats
+        return Counter(preemptions=stats.num_preemptions, prefix_queries=prefix.queries,
+                                    prefix_hits=prefix.hits, spec_drafts=stats.num_spec_steps,
+                                    draft_tokens=stats.num_draft_tokens, accepted_tokens=stats.num_accepted_tokens)
+
+    # ---- Prometheus -----------------------------------------------------------------------------------------
+    def collect(self):
+        yield from metrics_export.families(self, [self.model_name])
+
+    # ---- the periodic stats line ----------------------------------------------------------------------------
+    def log_stats(self) -> None:
+        """One line of throughput and load since the last call, when anything happened."""
+        now, counts = time.monotonic(), self.scheduler_counters()
+        then, prompt, gen, queries, hits = self._last_log
+        sched = self.loop.scheduler
+        running = sched.num_running if sched is not None else 0
+        waiting = (sched.num_waiting if sched is not None else 0) + len(self.loop._pending)
+        self._last_log = (now, self.prompt_tokens, self.generation_tokens, counts["prefix_queries"],
+                          counts["prefix_hits"])
+        if self.prompt_tokens == prompt and self.generation_tokens == gen and not running and not waiting:
+            return
+        dt = max(now - then, 1e-9)
+        dq, dh = counts["prefix_queries"] - queries, counts["prefix_hits"] - hits
+        usage = sched.kv.usage * 100 if sched is not None else 0.0
+        log.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV usage %.1f%%, "
+                 "prefix cache hit rate %.1f%%", (self.prompt_tokens - prompt) / dt, (self.generation_tokens - gen)
+                 / dt, running, waiting, usage, 100 * dh / dq if dq else 0.0,
+                 extra={"prompt_throughput": round((self.prompt_tokens - prompt) / dt, 2),
+                        "generation_throughput": round((self.generation_tokens - gen) / dt, 2),
+                        "running": running, "waiting": waiting, "kv_usage_perc": round(usage, 2),
+                        "prefix_hit_rate": round(dh / dq, 4) if dq else 0.0})

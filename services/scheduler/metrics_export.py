@@ -1,0 +1,116 @@
+"""EngineObserver's state as Prometheus metric families, built at scrape time (names as vLLM's V1 engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+MODEL = ["model_name"]
+
+
+def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=MODEL)
+    family.add_metric(labels, value)
+    return family
+
+
+def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=MODEL)
+    family.add_metric(labels, value)
+    return family
+
+
+def _hist(name: str, doc: str, labels: list[str], hist: Any) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=MODEL)
+    hist.add_to(family, labels)
+    return family
+
+
+def families(obs: Any, labels: list[str]) -> Iterator:
+    loop, sched = obs.loop, obs.loop.scheduler
+    counts = obs.scheduler_counters()
+    running = sched.num_running if sched is not None else 0
+    waiting = (sched.num_waiting if sched is not None else 0) + len(loop._pending)
+    yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels, running)
+    yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, waiting)
+    yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
+                 sched.kv.usage if sched is not None else 0.0)
+    yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                   labels, counts["prefix_queries"])
+    yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels,
+                   counts["prefix_hits"])
+    yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels,
+                   counts["preemptions"])
+    yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, obs.prompt_tokens)
+    yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                   obs.generation_tokens)
+    success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                  labels=MODEL + ["finished_reason"])
+    for reason, n in sorted(obs.success.items()):
+        success.add_metric(labels + [reason], n)
+    yield success
+    yield _hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", labels,
+                obs.ttft)
+    yield _hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", labels, obs.itl)
+    yield _hist("vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds (deprecated: inter_token_latency_seconds).",
+                labels, obs.itl)
+    yield _hist("vllm:request_time_per_output_token_seconds",
+                "Histogram of time_per_output_token_seconds per request.", labels, obs.tpot)
+    yield _hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", labels, obs.e2e)
+    yield _hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", labels,
+                obs.queue)
+    yield _hist("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+                labels, obs.inference)
+    yield _hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                labels, obs.prefill)
+    yield _hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", labels,
+                obs.decode)
+    yield _hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
+                obs.iteration_tokens)
+    if obs.req_prompt is not None:
+        yield _hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, obs.req_prompt)
+        yield _hist("vllm:request_generation_tokens", "Number of generation tokens processed.", labels,
+                    obs.req_generation)
+    yield from _spec_decode(counts, labels)
+    if loop.worker_info is not None and sched is not None:
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=MODEL + ["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric(labels + [str(loop.worker_info.block_size), str(loop.worker_info.num_kv_blocks),
+                                  str(sched.kv.enable_prefix_caching)], 1.0)
+        yield info
+    yield from _steploop(obs, labels)
+
+
+def _spec_decode(counts: Any, labels: list[str]) -> Iterator:
+    yield _counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels, counts["spec_drafts"])
+    yield _counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, counts["draft_tokens"])
+    yield _counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels,
+                   counts["accepted_tokens"])
+    drafts = counts["draft_tokens"]
+    yield _gauge("steploop:spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.", labels,
+                 counts["accepted_tokens"] / drafts if drafts else 0.0)
+
+
+def _steploop(obs: Any, labels: list[str]) -> Iterator:
+    yield _counter("steploop:steps", "Steps whose result was applied.", labels, obs.num_steps)
+    yield _hist("steploop:step_duration_seconds", "Plan sent to its result applied, per step.", labels,
+                obs.step_duration)
+    yield _hist("steploop:worker_round_trip_seconds",
+                "Per step: time outside the worker's forward (transport, (de)serialization, queueing).", labels,
+                obs.round_trip)
+    yield _hist("steploop:worker_forward_seconds", "Per step: forward + sampling time the worker reported.",
+                labels, obs.forward)
+    yield _counter("steploop:plan_bytes", "Bytes of StepPlan messages sent to workers.", labels, obs.plan_bytes)
+    yield _hist("steploop:plan_size_bytes", "Size of one StepPlan message.", labels, obs.plan_size)
+    aborts = CounterMetricFamily("steploop:request_aborts", "Requests ended before finishing, by reason.",
+                                 labels=MODEL + ["reason"])
+    for reason in ("cancelled", "abort_rpc", "no_worker", "rejected"):
+        aborts.add_metric(labels + [reason], obs.aborts[reason])
+    yield aborts
+    yield _counter("steploop:worker_attaches", "Workers that attached.", labels, obs.attaches)
+    yield _counter("steploop:worker_detaches", "Workers that detached (stream broke or replaced).", labels,
+                   obs.detaches)
+    yield _gauge("steploop:workers_attached", "Workers attached now.", labels, 0 if obs.loop.link is None else 1)

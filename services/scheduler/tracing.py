@@ -1,0 +1,52 @@
+"""Request spans in the scheduler, only while `services.common.tracing.ENABLED`.
+
+One span per request's life ("steploop.scheduler.request", parent: the caller's trace from gRPC metadata) with
+GenAI attributes, a child span for its queue time, and events for the steps that mattered (first scheduled,
+first token, finished) rather than a span per step or per token. Its traceparent rides to the worker in the
+plan's NewRequest.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.common import tracing
+
+
+def start(rec: Any, request: Any, model: str) -> None:
+    from opentelemetry.trace import SpanKind
+    s = request.sampling
+    attrs = tracing.genai_request_attributes(model, s.max_tokens, s.temperature, s.top_p)
+    attrs.update({tracing.SERVICE: "scheduler", "steploop.request_id": request.request_id,
+                  "steploop.priority": request.priority, tracing.INPUT_TOKENS: request.num_prompt_tokens})
+    rec.arrival_ns = time.time_ns()
+    rec.span = tracing.tracer().start_span("steploop.scheduler.request", kind=SpanKind.SERVER, attributes=attrs,
+                                           start_time=rec.arrival_ns)
+    rec.traceparent = tracing.traceparent_of(rec.span)
+
+
+def scheduled(rec: Any, step_id: int) -> None:
+    """First admission: the queue span ends; the request span notes the step."""
+    from opentelemetry import trace
+    now = time.time_ns()
+    queue = tracing.tracer().start_span("steploop.scheduler.queue", context=trace.set_span_in_context(rec.span),
+                                        start_time=rec.arrival_ns, attributes={tracing.SERVICE: "scheduler"})
+    queue.end(end_time=now)
+    rec.span.add_event("scheduled", {"steploop.step_id": step_id}, timestamp=now)
+
+
+def first_token(rec: Any, step_id: int) -> None:
+    rec.span.add_event("first_token", {"steploop.step_id": step_id})
+
+
+def finish(rec: Any, reason: str, num_prompt: int, num_output: int, num_cached: int, step_id: int) -> None:
+    span = rec.span
+    span.set_attributes({tracing.INPUT_TOKENS: num_prompt, tracing.OUTPUT_TOKENS: num_output,
+                         tracing.FINISH_REASONS: (reason,), "steploop.cached_tokens": num_cached,
+                         "steploop.num_preemptions": rec.request.num_preemptions})
+    span.add_event("finished", {"steploop.step_id": step_id, "steploop.finish_reason": reason})
+    if reason == "error":
+        from opentelemetry.trace import Status, StatusCode
+        span.set_status(Status(StatusCode.ERROR, rec.request.error or "engine error"))
+    span.end()

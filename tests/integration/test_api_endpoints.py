@@ -1,0 +1,121 @@
+"""The REST API's other routes (/tokenize, /detokenize, /version, /v1/models, /openapi.json), the gRPC client
+against the real scheduler, and schemathesis fuzzing from /openapi.json: no 5xx, no hang, no leaked KV block."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import pytest
+
+from tests.integration.api_helpers import MODEL, client
+
+pytestmark = pytest.mark.slow
+
+
+def _get(cluster, path):
+    with urllib.request.urlopen(cluster.base_url + path, timeout=30) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def test_tokenize_detokenize_version_models(cluster, hf):
+    status, body = cluster.post("/tokenize", {"model": MODEL, "prompt": "Hello world"})
+    assert status == 200 and body["tokens"] == hf.text_ids("Hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 8192
+    messages = [{"role": "user", "content": "Hi"}]
+    status, body = cluster.post("/tokenize", {"messages": messages, "add_generation_prompt": True})
+    assert status == 200 and body["tokens"] == hf.chat_ids(messages)
+    status, body = cluster.post("/detokenize", {"tokens": hf.text_ids("Hello world")})
+    assert status == 200 and body["prompt"] == hf.tokenizer.decode(hf.text_ids("Hello world"))
+    status, body = cluster.post("/detokenize", {"tokens": [10 ** 9]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    assert _get(cluster, "/version")[1]["version"]
+    assert _get(cluster, "/openapi.json")[1]["paths"]["/v1/completions"]["post"]
+    assert [m.id for m in client(cluster).models.list().data] == [MODEL]
+
+
+def test_chat_options_and_cached_tokens(cluster):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."},
+                {"role": "assistant", "content": "The fruit is"}]
+    kwargs = dict(model=MODEL, messages=messages, temperature=0, max_tokens=4,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    first = client(cluster).chat.completions.create(**kwargs)
+    again = client(cluster).chat.completions.create(**kwargs)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0      # the same prompt hits the prefix cache
+    stream = client(cluster).chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    last = list(stream)[-1]
+    assert last.choices == [] and last.usage.prompt_tokens == first.usage.prompt_tokens
+
+
+def test_grpc_client_generate_and_abort(cluster, hf):
+    from services.client import EngineClient, SamplingParams, engine_pb2
+
+    async def run():
+        engine = EngineClient(cluster.scheduler_address)
+        ids = hf.text_ids("The quick brown fox")
+        tokens, last = [], None
+        async for chunk in engine.generate("grpc-1", ids, SamplingParams(max_tokens=6, logprobs=1)):
+            tokens.extend(chunk.token_ids)
+            last = chunk
+        assert tokens == hf.greedy_ids(ids, 6)[:len(tokens)] and last.usage.completion_tokens == len(tokens)
+        assert last.finish_reason in (engine_pb2.FINISH_REASON_LENGTH, engine_pb2.FINISH_REASON_STOP)
+        long = engine.generate("grpc-2", ids, SamplingParams(max_tokens=2000, ignore_eos=True))
+        await anext(long)
+        assert await engine.abort(["grpc-2"]) == 1
+        rest = [c async for c in long]
+        assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_ABORT
+        await engine.close()
+
+    asyncio.run(run())
+
+
+def _load_report(cluster):
+    from services.client import EngineClient
+
+    async def run():
+        engine = EngineClient(cluster.scheduler_address)
+        try:
+            return await engine.load_report()
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+def test_schemathesis_finds_no_server_errors_and_leaks_nothing(cluster):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    with urllib.request.urlopen(cluster.base_url + "/openapi.json", timeout=30) as resp:
+        schema = schemathesis.openapi.from_dict(json.loads(resp.read()))
+    failures: list[str] = []
+    deadline = time.monotonic() + 50
+    for operation in schema.get_all_operations():
+        op = operation.ok()
+        examples = 40 if op.path in ("/v1/completions", "/v1/chat/completions") else 10
+
+        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy())
+        def check(case):
+            if time.monotonic() > deadline:
+                return
+            response = case.call(base_url=cluster.base_url, timeout=60)
+            if response.status_code >= 500 and not (op.path == "/health" and response.status_code == 503):
+                failures.append(f"{op.label} {case.body!r} -> {response.status_code} {response.text[:200]}")
+
+        check()
+    assert failures == []
+    # Still answers correctly, and once idle every KV block is free (cached prefix blocks count as free).
+    r = client(cluster).completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=3)
+    assert r.choices[0].text
+    for _ in range(100):
+        load = _load_report(cluster)
+        if load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks - 1:
+            break
+        time.sleep(0.1)
+    assert (load.num_running, load.num_waiting) == (0, 0)
+    assert load.num_free_blocks == load.num_total_blocks - 1

@@ -1,0 +1,92 @@
+"""Compile every kernel ahead of time for one GPU architecture, with the constexpr configurations the launchers
+pick for real models (no GPU needed: triton.compile + GPUTarget). Run as a script (not under the interpreter):
+
+    python -m tests.kernels.aot_compile 90        # prints one line per failure, exits 1 if any
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+MODEL_SHAPES = [(9, 3, 64), (32, 8, 128)]   # (heads, kv heads, head dim): SmolLM2-135M, Llama-3-8B
+INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "tile_req_ptr", "tile_qstart_ptr"}
+FLOATS = {"scale", "eps"}
+
+
+def signature(kernel, constexprs: dict, dtype: str, pointers: dict[str, str] | None = None) -> dict:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = (pointers or {}).get(name) or ("*i32" if name in INT_POINTERS else f"*{dtype}")
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    return sig
+
+
+def configs() -> list[tuple[str, object, dict, dict]]:
+    """(label, kernel, signature, constexprs) for every configuration a launcher can pick."""
+    from services.gpu_worker.kernels import cache_write, fused
+    from services.gpu_worker.kernels import paged_attention as pa
+
+    out = []
+    for dtype, t in DTYPES.items():
+        for h, hk, d in MODEL_SHAPES:
+            modes = {"decode": (pa.choose_block_q(h // hk, 1), 1), "decode-split": (pa.choose_block_q(h // hk, 1), 8),
+                     "prefill": (pa.choose_block_q(h // hk, 512), 1)}
+            for mode, (block_q, splits) in modes.items():
+                c = pa.attention_constexprs(h, hk, d, 16, block_q, splits, dtype, interpret=False)
+                ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+                out.append((f"attention {mode} {t} h{h}/{hk} d{d}", pa.unified_attention_kernel,
+                            signature(pa.unified_attention_kernel, c, t, ptrs), c))
+            for splits in (2, 16):
+                c = {"HEAD_DIM": d, "HEAD_DIM_P": d, "NUM_SPLITS": splits}
+                ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+                out.append((f"reduce {t} d{d} s{splits}", pa.reduce_splits_kernel,
+                            signature(pa.reduce_splits_kernel, c, t, ptrs), c))
+            c = cache_write.cache_write_constexprs(hk, d, 16)
+            out.append((f"cache_write {t} hk{hk} d{d}", cache_write.cache_write_kernel,
+                        signature(cache_write.cache_write_kernel, c, t, {"slot_mapping_ptr": "*i64"}), c))
+            c = {"NUM_HEADS": h, "NUM_KV_HEADS": hk, "HEADS_P": 1 << (h - 1).bit_length(), "HALF": d // 2, "HALF_P": d // 2}
+            out.append((f"rotary {t} h{h}/{hk} d{d}", fused.rotary_neox_kernel,
+                        signature(fused.rotary_neox_kernel, c, t, {"positions_ptr": "*i64"}), c))
+        for hidden, inter in ((576, 1536), (4096, 14336)):
+            for residual in (False, True):
+                c = {"N": hidden, "BLOCK": 1 << (hidden - 1).bit_length(), "HAS_RESIDUAL": residual}
+                out.append((f"rms_norm {t} {hidden} residual={residual}", fused.rms_norm_kernel,
+                            signature(fused.rms_norm_kernel, c, t), c))
+            c = {"I": inter, "BLOCK": min(fused.SILU_BLOCK, 1 << (inter - 1).bit_length())}
+            out.append((f"silu_and_mul {t} {inter}", fused.silu_and_mul_kernel,
+                        signature(fused.silu_and_mul_kernel, c, t), c))
+    return out
+
+
+def compile_all(arch: int, workers: int = 1) -> list[str]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+
+    def one(item) -> str | None:
+        label, kernel, sig, consts = item
+        try:
+            compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target)
+            assert compiled.asm.get("cubin"), "no cubin"
+        except Exception as exc:  # noqa: BLE001 - report every failing configuration
+            return f"sm_{arch} {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        return None
+
+    with ThreadPoolExecutor(workers) as pool:
+        return [f for f in pool.map(one, configs()) if f]
+
+
+if __name__ == "__main__":
+    failures = compile_all(int(sys.argv[1]))
+    print("\n".join(failures) or f"sm_{sys.argv[1]}: {len(configs())} configurations compiled")
+    sys.exit(1 if failures else 0)

@@ -1,0 +1,1 @@
+from tests.gateway.conftest import gateway_model_dir, tokenizer  # noqa: F401 - fixtures reused here
