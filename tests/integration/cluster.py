@@ -28,7 +28,7 @@ def free_port() -> int:
 
 class Cluster:
     def __init__(self, log_dir: pathlib.Path, scheduler_args=(), worker_args=(), gateway_args=(),
-                 num_kv_blocks: int = 640, env: dict | None = None):
+                 num_kv_blocks: int = 640, env: dict | None = None, prefixes: dict | None = None):
         self.log_dir = log_dir
         self.http_port, self.grpc_port = free_port(), free_port()
         self.scheduler_address = f"127.0.0.1:{self.grpc_port}"
@@ -41,6 +41,7 @@ class Cluster:
                         *gateway_args],
         }
         self.procs: dict[str, subprocess.Popen] = {}
+        self.prefixes = prefixes or {}          # service -> argv prefix (e.g. `ip netns exec NAME`)
 
     @property
     def base_url(self) -> str:
@@ -49,7 +50,8 @@ class Cluster:
     def start_service(self, name: str) -> subprocess.Popen:
         module = {"worker": "gpu_worker"}.get(name, name)
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", f"services.{module}", *self.argv[name]], cwd=ROOT,
+        argv = [*self.prefixes.get(name, []), sys.executable, "-m", f"services.{module}", *self.argv[name]]
+        proc = subprocess.Popen(argv, cwd=ROOT,
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc

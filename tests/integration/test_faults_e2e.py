@@ -1,0 +1,112 @@
+"""Faults with real processes: each ends with a normal request served and every KV block free at idle."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+
+
+async def _load(address: str) -> engine_pb2.LoadReport:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await engine_pb2_grpc.EngineStub(channel).GetLoadReport(engine_pb2.LoadReportRequest(), timeout=5)
+
+
+def wait_idle_and_whole(cluster: Cluster, timeout: float = 30) -> engine_pb2.LoadReport:
+    deadline = time.monotonic() + timeout
+    while True:
+        load = asyncio.run(_load(cluster.scheduler_address))
+        if (load.num_running == load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks - 1) \
+                or time.monotonic() > deadline:
+            return load
+        time.sleep(0.2)
+
+
+def assert_serves(cluster: Cluster) -> None:
+    status, body = cluster.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    assert status == 200, body
+    load = wait_idle_and_whole(cluster)
+    assert load.num_free_blocks == load.num_total_blocks - 1, load
+
+
+@pytest.fixture
+def cluster(tmp_path, model_dir):
+    c = Cluster(tmp_path).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_scheduler_killed_gateway_answers_503_quickly_then_recovers(cluster):
+    cluster.stop_service("scheduler", sig=signal.SIGKILL)
+    start = time.monotonic()
+    status, body = cluster.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    assert status == 503 and body["error"]["message"], body
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 5             # /health caches its answer for half a second
+    while cluster.health() != 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.health() == 503
+    cluster.start_service("scheduler")          # the worker reattaches, the gateway reconnects
+    cluster.wait_ready(120)
+    assert_serves(cluster)
+
+
+def test_gateway_killed_scheduler_aborts_its_requests(cluster):
+    body = b'{"model": "%s", "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": true, ' \
+           b'"stream": true}' % MODEL.encode()
+
+    def stream_forever():
+        req = urllib.request.Request(cluster.base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                for _ in resp:
+                    pass
+        except Exception:
+            pass                                 # the gateway dies under it
+
+    threads = [threading.Thread(target=stream_forever, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while asyncio.run(_load(cluster.scheduler_address)).num_running < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cluster.stop_service("gateway", sig=signal.SIGKILL)
+    load = wait_idle_and_whole(cluster, timeout=20)  # its gRPC calls are cancelled: requests aborted
+    assert load.num_running == 0 and load.num_free_blocks == load.num_total_blocks - 1, load
+    cluster.start_service("gateway")
+    cluster.wait_ready(60)
+    assert_serves(cluster)
+
+
+def test_sigterm_drains_in_flight_requests(cluster):
+    """SIGTERM to the gateway: health NOT_SERVING, new requests 503, the in-flight stream still finishes."""
+    result = {}
+
+    def one():
+        result["reply"] = cluster.post("/v1/completions", {"model": MODEL, "prompt": "Count to twenty:",
+                                                           "max_tokens": 40, "ignore_eos": True})
+
+    t = threading.Thread(target=one)
+    t.start()
+    deadline = time.monotonic() + 30
+    while asyncio.run(_load(cluster.scheduler_address)).num_running < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cluster.procs["gateway"].send_signal(signal.SIGTERM)
+    t.join(60)
+    status, body = result["reply"]
+    assert status == 200 and body["usage"]["completion_tokens"] == 40, body
+    assert cluster.procs["gateway"].wait(30) == 0

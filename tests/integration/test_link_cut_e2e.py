@@ -1,0 +1,55 @@
+"""The link between scheduler and worker cut (the worker on a test host in its own network namespace, the veth
+taken down): keepalive notices within seconds, the requests are preempted, and when the link is back the worker
+reattaches and every request completes with transformers' greedy text."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from tests.integration.cluster import Cluster
+from tests.integration.netns import HOST_ADDR, LinkedNamespace, netns_available
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not netns_available(), reason="needs root and iproute2 for network namespaces")]
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of Italy is", "Photosynthesis is the process"]
+MAX_TOKENS = 40
+
+
+def test_cut_link_is_detected_and_recovered(tmp_path, model_dir, hf):
+    with LinkedNamespace(f"sl{int(time.time()) % 100000}") as ns:
+        cluster = Cluster(tmp_path, scheduler_args=["--scheduler-host", HOST_ADDR],
+                          prefixes={"worker": ns.prefix()})
+        cluster.scheduler_address = f"{HOST_ADDR}:{cluster.grpc_port}"
+        cluster.argv["worker"][1] = cluster.argv["gateway"][3] = cluster.scheduler_address
+        try:
+            cluster.start()
+
+            async def scenario():
+                client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0,
+                                            timeout=300)
+                tasks = [asyncio.create_task(client.completions.create(
+                    model=MODEL, prompt=p, temperature=0, max_tokens=MAX_TOKENS)) for p in PROMPTS]
+                await asyncio.sleep(1.5)
+                ns.cut()
+                cut_at = time.monotonic()
+                log = tmp_path / "scheduler.log"
+                while "detached" not in log.read_text() and time.monotonic() - cut_at < 40:
+                    await asyncio.sleep(0.2)
+                detected = time.monotonic() - cut_at
+                ns.restore()
+                replies = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+                await client.close()
+                return detected, [r.choices[0].text for r in replies]
+
+            detected, texts = asyncio.run(scenario())
+        finally:
+            cluster.stop()
+    assert detected < 25, f"cut link noticed only after {detected:.1f} s"
+    for prompt, text in zip(PROMPTS, texts):
+        assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS), prompt
