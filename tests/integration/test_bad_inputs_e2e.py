@@ -1,0 +1,78 @@
+"""Every bad input we try, with the status it must get. All are 4xx in OpenAI's error shape; none kills or
+stalls the engine: after the whole table, a normal request is served and every KV block is free.
+
+This table is the documentation of what the API refuses (the README links here). Deliberately accepted, as
+vLLM does: a request without `model` is served by the one model served."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.test_faults_e2e import assert_serves
+
+pytestmark = pytest.mark.slow
+
+M = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+# (name, route, body (dict, or raw bytes), expected status)
+BAD_INPUTS = [
+    ("malformed JSON", CHAT, b'{"model": ', 400),
+    ("body is a JSON array", CHAT, b"[1, 2, 3]", 400),
+    ("body is a JSON string", COMP, b'"hello"', 400),
+    ("invalid UTF-8 in the body", COMP, b'{"model": "' + M.encode() + b'", "prompt": "\xff\xfe"}', 400),
+    ("missing messages", CHAT, {"model": M}, 400),
+    ("missing prompt", COMP, {"model": M}, 400),
+    ("empty messages", CHAT, {"model": M, "messages": []}, 400),
+    ("message without content", CHAT, {"model": M, "messages": [{"role": "user"}]}, 400),
+    ("unknown role", CHAT, {"model": M, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("messages not a list", CHAT, {"model": M, "messages": "hi"}, 400),
+    ("unknown model", COMP, {"model": "gpt-17", "prompt": "hi"}, 404),
+    ("temperature a string", CHAT, {"model": M, "messages": HI, "temperature": "hot"}, 400),
+    ("temperature negative", CHAT, {"model": M, "messages": HI, "temperature": -0.5}, 400),
+    ("temperature huge", CHAT, {"model": M, "messages": HI, "temperature": 1e308}, 400),
+    ("top_p above 1", CHAT, {"model": M, "messages": HI, "top_p": 1.5}, 400),
+    ("top_k a float", COMP, {"model": M, "prompt": "hi", "top_k": 2.5}, 400),
+    ("max_tokens negative", COMP, {"model": M, "prompt": "hi", "max_tokens": -1}, 400),
+    ("max_tokens a bool", COMP, {"model": M, "prompt": "hi", "max_tokens": True}, 400),
+    ("max_tokens huge", COMP, {"model": M, "prompt": "hi", "max_tokens": 10 ** 30}, 400),
+    ("n zero", COMP, {"model": M, "prompt": "hi", "n": 0}, 400),
+    ("n above the cap", COMP, {"model": M, "prompt": "hi", "n": 10_000}, 400),
+    ("seed a string", COMP, {"model": M, "prompt": "hi", "seed": "abc"}, 400),
+    ("stop not strings", COMP, {"model": M, "prompt": "hi", "stop": [1, 2]}, 400),
+    ("out-of-vocabulary token id", COMP, {"model": M, "prompt": [1, 2, 10 ** 6]}, 400),
+    ("negative token id", COMP, {"model": M, "prompt": [1, -5]}, 400),
+    ("empty prompt", COMP, {"model": M, "prompt": ""}, 400),
+    ("empty token list", COMP, {"model": M, "prompt": []}, 400),
+    ("prompt over the context", COMP, {"model": M, "prompt": "word " * 9000, "max_tokens": 4}, 400),
+    ("prompt + max_tokens over the context", COMP, {"model": M, "prompt": "hi", "max_tokens": 9000}, 400),
+    ("stream not a bool", CHAT, {"model": M, "messages": HI, "stream": "yes"}, 400),
+]
+NAN_BODIES = [   # JSON with NaN / Infinity literals (Python's json accepts them; the API must not)
+    ("NaN temperature", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+                              b'"temperature": NaN}' % M.encode(), 400),
+    ("Infinity top_p", COMP, b'{"model": "%s", "prompt": "hi", "top_p": Infinity}' % M.encode(), 400),
+]
+
+
+@pytest.mark.parametrize("name,route,body,status", BAD_INPUTS + NAN_BODIES, ids=lambda x: x if isinstance(x, str)
+                         and not x.startswith("/") else None)
+def test_bad_input_gets_4xx_in_openai_shape(cluster, name, route, body, status):
+    got, reply = cluster.post(route, body)
+    assert got == status, (name, reply)
+    err = reply["error"]
+    assert {"message", "type", "param", "code"} <= set(err), (name, reply)
+    assert err["message"] and "Traceback" not in json.dumps(reply), name
+
+
+def test_oversize_body_is_413(cluster):
+    got, reply = cluster.post(COMP, {"model": M, "prompt": "x" * (5 * 1024 * 1024)})
+    assert got == 413 and reply["error"]["message"]
+
+
+def test_engine_still_serves_after_the_table(cluster):
+    assert_serves(cluster)
