@@ -65,14 +65,15 @@ def write(out_dir: pathlib.Path, info: dict, w, figures: dict, rows: list[dict])
     doc = {"machine": info, "workloads": vars(w), "ratios": rows, "figures": _clean(figures)}
     (out_dir / "compare.json").write_text(json.dumps(doc, indent=2, default=float))
     md = [f"# steploop compare ({'quick' if info['quick'] else 'full'} run)", "",
-          f"{info['date']} on {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
-          f"({info['torch_threads']} threads), no GPU. Load average {info['load_average_at_start'][0]:.1f} at start, "
-          f"{info['load_average_at_end'][0]:.1f} at end (other engineers' tests shared the machine, so absolute "
-          f"figures are low and noisy; ratios were measured back to back). Wall time {info['wall_seconds']:.0f} s.",
+          (f"{info['date']} on {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
+           f"({info['torch_threads']} threads per engine), no GPU. Load average "
+           f"{info['load_average_at_start'][0]:.1f} at start, {info['load_average_at_end'][0]:.1f} at end (other "
+           "engineers' tests shared the machine, so absolute figures are low and noisy; ratios were measured back "
+           f"to back). Wall time {info['wall_seconds']:.0f} s."),
           "", markdown_table(rows), "",
-          "Plots: `compare-throughput.png`, `compare-ratios.png`, `compare-ttft-itl.png` (cluster vs in-process), "
-          "`compare-chunked-prefill.png`. Raw figures: `compare.json`. Re-run: `python benchmarks/compare.py` "
-          "(`--quick` for a smoke run)."]
+          ("Plots: `compare-throughput.png`, `compare-ratios.png`, `compare-ttft-itl.png` (cluster vs in-process), "
+           "`compare-chunked-prefill.png`. Raw figures: `compare.json`. Re-run: `python benchmarks/compare.py` "
+           "(`--quick` for a smoke run).")]
     (out_dir / "compare.md").write_text("\n".join(md) + "\n")
 
 

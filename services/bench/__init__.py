@@ -1,0 +1,1 @@
+"""`steploop bench`: load generation and latency/throughput metrics for OpenAI-compatible servers."""
