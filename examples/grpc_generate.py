@@ -15,9 +15,9 @@ import uuid
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from services.client import EngineClient, SamplingParams  # noqa: E402
-from services.common.model_path import resolve_model  # noqa: E402
-from services.gateway.tokenizer import load_tokenizer  # noqa: E402
+from services.client import EngineClient, SamplingParams
+from services.common.model_path import resolve_model
+from services.gateway.tokenizer import load_tokenizer
 
 
 async def generate(address: str, model: str | None, prompt: str, max_tokens: int, temperature: float) -> str:

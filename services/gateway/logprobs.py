@@ -28,7 +28,7 @@ class TokenInfo:
 
 
 def _finite(x: float) -> float:
-    return x if x > _NEG_INF_STANDIN else _NEG_INF_STANDIN
+    return max(_NEG_INF_STANDIN, x)
 
 
 class TokenNamer:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import jinja2
 from aiohttp import web
 
-from services.gateway import routes, validation as v
+from services.gateway import routes
+from services.gateway import validation as v
 from services.gateway.errors import bad_request
 from services.gateway.openapi import openapi_spec
 from services.gateway.protocol import parse_chat_messages

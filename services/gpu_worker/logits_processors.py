@@ -28,7 +28,7 @@ class LogitsEdits:
 
     @classmethod
     def build(cls, params: list[SamplingParams], num_outputs: list[int], eos_token_ids: tuple[int, ...],
-              device: torch.device, grammar: tuple[torch.Tensor, list[int]] | None = None) -> "LogitsEdits | None":
+              device: torch.device, grammar: tuple[torch.Tensor, list[int]] | None = None) -> LogitsEdits | None:
         """params/num_outputs [S]: each row's sampling params and how many output tokens precede its token."""
         bias = [(r, t, b) for r, p in enumerate(params) for t, b in p.logit_bias]
         bans = [(r, t) for r, (p, n) in enumerate(zip(params, num_outputs)) if n < p.min_tokens

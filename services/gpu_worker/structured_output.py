@@ -39,8 +39,8 @@ class StructuredOutput:
         if self._compiler is None:
             if self.model_dir is None:
                 raise RuntimeError("structured output needs the model folder's tokenizer; none was given")
-            import xgrammar as xgr  # noqa: PLC0415 - optional: only structured requests need it
-            from transformers import AutoTokenizer  # noqa: PLC0415
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
@@ -48,14 +48,19 @@ class StructuredOutput:
         return self._compiler
 
     def compile(self, params: SamplingParams) -> Any:
+        """The grammar of a request. A schema xgrammar cannot compile falls back to "any JSON object" (logged):
+        the worker has no per-request error channel, and failing the step would fail every request in it."""
         compiler = self._get_compiler()
         if params.json_schema:
-            return compiler.compile_json_schema(params.json_schema, any_whitespace=False)
+            try:
+                return compiler.compile_json_schema(params.json_schema, any_whitespace=False)
+            except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on bad schemas
+                log.warning("cannot compile JSON schema (%s); constraining to any JSON object instead", exc)
         return compiler.compile_builtin_json_grammar()
 
     def matcher(self, state) -> Any:
         """The request's matcher, (re)built from its output tokens when new or when the handle changed owner."""
-        import xgrammar as xgr  # noqa: PLC0415
+        import xgrammar as xgr
 
         held = self._matchers.get(state.handle)
         if held is not None and held[0] is state:
@@ -73,7 +78,7 @@ class StructuredOutput:
         structured = [r for r, (state, _) in enumerate(rows) if state.sampling.structured]
         if not structured:
             return None
-        import xgrammar as xgr  # noqa: PLC0415
+        import xgrammar as xgr
 
         mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
         for r in structured:

@@ -23,7 +23,7 @@ from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.metrics import EngineObserver
-from services.scheduler.request import Request, RequestRejectedError
+from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from services.scheduler.request_stream import FailedOutput, RequestStream
 from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.scheduler import Scheduler
@@ -99,12 +99,15 @@ class EngineLoop:
             request.sampling = _with_max_tokens(request.sampling, info.max_model_len - n)
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
-        """The caller is gone: drop the request at once (its blocks come back before the next step)."""
+        """Drop the request at once (its blocks come back before the next step). A caller still listening (an
+        Abort RPC from elsewhere) gets a last chunk with FINISH_REASON_ABORT."""
         self.observer.on_abort(request_id, reason)
-        self.streams.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
         self._pending = [r for r in self._pending if r.request_id != request_id]
-        if self.scheduler is not None:
-            self.scheduler.abort_requests([request_id])
+        outputs = self.scheduler.abort_requests([request_id]) if self.scheduler is not None else []
+        if stream is not None:
+            stream.put(outputs[0] if outputs else RequestOutput(request_id, [], None, RequestStatus.FINISHED_ABORTED,
+                                                                None, 0, 0, 0))
         self._wakeup.set()
 
     def _dispatch(self, outputs) -> None:

@@ -56,6 +56,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     await asyncio.sleep(self.token_delay_s)
                 part = ids[start:start + self.tokens_per_chunk]
                 chunk = engine_pb2.GenerateChunk(token_ids=part)
+                k = request.sampling.logprobs
+                if k >= 0:   # scripted logprobs: -0.5 for the token, top k ids 0..k-1 at -1, -2, ...
+                    chunk.logprobs.extend(engine_pb2.TokenLogprob(logprob=-0.5, top_token_ids=range(k),
+                                                                  top_logprobs=[-1.0 - i for i in range(k)])
+                                          for _ in part)
+                if start == 0 and request.sampling.HasField("prompt_logprobs"):
+                    chunk.prompt_logprobs.extend(engine_pb2.TokenLogprob(logprob=-0.25)
+                                                 for _ in request.prompt_token_ids[1:])
                 if start + self.tokens_per_chunk >= len(ids):
                     chunk.finish_reason = finish
                     chunk.usage.prompt_tokens = len(request.prompt_token_ids)

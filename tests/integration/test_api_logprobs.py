@@ -48,7 +48,7 @@ def test_chat_logprobs_streamed(cluster):
 
 
 def test_completion_logprobs_shape_streamed_and_not(cluster):
-    kwargs = dict(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4, logprobs=2)
+    kwargs = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 4, "logprobs": 2}
     r = client(cluster).completions.create(**kwargs)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4

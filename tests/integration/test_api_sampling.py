@@ -16,7 +16,7 @@ PROMPT = "Once upon a time"
 
 
 def test_seeded_sampling_repeats_across_runs_and_batches(cluster):
-    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=1.0, top_p=0.95, max_tokens=12, seed=1234)
+    kwargs = {"model": MODEL, "prompt": PROMPT, "temperature": 1.0, "top_p": 0.95, "max_tokens": 12, "seed": 1234}
     alone = client(cluster).completions.create(**kwargs).choices[0].text
 
     async def crowded():
@@ -34,7 +34,7 @@ def test_seeded_sampling_repeats_across_runs_and_batches(cluster):
 
 
 def test_n_seeded_choices_differ_and_repeat(cluster):
-    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=1.2, max_tokens=8, n=4, seed=7)
+    kwargs = {"model": MODEL, "prompt": PROMPT, "temperature": 1.2, "max_tokens": 8, "n": 4, "seed": 7}
     first = client(cluster).completions.create(**kwargs)
     second = client(cluster).completions.create(**kwargs)
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]

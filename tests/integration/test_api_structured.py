@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+    "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
                    "colour": {"type": "string", "enum": ["red", "green", "blue"]}},
     "required": ["name", "age", "colour"],
     "additionalProperties": False,
@@ -34,8 +35,8 @@ def test_json_schema_output_always_validates(cluster):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
 
     def kwargs(i, prompt):
-        return dict(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0.7, seed=i,
-                    max_tokens=48, response_format=fmt)
+        return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0.7, "seed": i,
+                    "max_tokens": 64, "response_format": fmt}
 
     async def run_all():
         c = aclient(cluster)

@@ -15,6 +15,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.server import SchedulerService
 from services.scheduler.server_config import ServerConfig
 
+
 async def test_full_waiting_queue_is_resource_exhausted():
     svc = SchedulerService(SchedulerConfig(), ServerConfig(host="127.0.0.1", port=0, worker_timeout=30,
                                                            max_waiting=2))
