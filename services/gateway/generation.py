@@ -39,6 +39,8 @@ class Choice:
     echo: bool = False               # completions: the prompt text (and its logprobs) comes first
     prompt_text: str | None = None   # the prompt as sent, for echo (None: decoded from prompt_ids)
     drop_output: bool = False        # max_tokens 0 with echo: the one token the engine samples is dropped
+    priority: int = 0
+    cache_salt: str = ""             # tenants with different salts share no prefix-cache blocks
 
 
 @dataclass
@@ -69,7 +71,8 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     namer = TokenNamer(tokenizer) if choice.params.logprobs >= 0 else None
     pending: list[TokenInfo] = []
     num_tokens, first = 0, True
-    stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params)
+    stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params, priority=choice.priority,
+                             cache_salt=choice.cache_salt)
     async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
         async for chunk in stream:
             if first and choice.echo:

@@ -1,15 +1,17 @@
 """The gateway's REST API as an OpenAPI 3.1 document, written by hand to match protocol.py's validation (ranges,
-types, required fields), so generated clients and fuzzers (schemathesis) send meaningful bodies."""
+types, required fields) and its real limits, so generated clients and fuzzers send meaningful bodies. (The fuzzing
+test narrows sizes itself, for speed on small machines; the document states what the server accepts.)"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from services.gateway.protocol import MAX_LOGPROBS, MAX_N
+
 _NUM = {"type": "number"}
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 49151}, "minItems": 1,
-              "maxItems": 64}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _STOP = {"oneOf": [{"type": "string", "minLength": 1},
-                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]}
+                   {"type": "array", "items": {"type": "string", "minLength": 1}}]}
 _RESPONSE_FORMAT = {"type": "object", "required": ["type"], "properties": {
     "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
     "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
@@ -20,56 +22,55 @@ _SAMPLING: dict[str, Any] = {
     "model": {"type": "string"},
     "temperature": {**_NUM, "minimum": 0, "maximum": 2},
     "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
-    "n": {"type": "integer", "minimum": 1, "maximum": 4},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
     "seed": {"type": "integer", "minimum": 0},
     "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2},
     "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2},
     "logit_bias": {"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100},
-                   "propertyNames": {"pattern": "^[0-9]{1,4}$"}, "maxProperties": 8},
+                   "propertyNames": {"pattern": "^[0-9]+$"}},
     "stop": _STOP,
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": "string"},
     "response_format": _RESPONSE_FORMAT,
-    "top_k": {"type": "integer", "minimum": -1, "maximum": 1000},
+    "top_k": {"type": "integer", "minimum": -1},
     "min_p": {**_NUM, "minimum": 0, "maximum": 1},
     "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 2},
-    "min_tokens": {"type": "integer", "minimum": 0, "maximum": 16},
+    "min_tokens": {"type": "integer", "minimum": 0},
     "ignore_eos": {"type": "boolean"},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 49151},
-                       "maxItems": 4},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "include_stop_str_in_output": {"type": "boolean"},
     "skip_special_tokens": {"type": "boolean"},
 }
-_MAX_TOKENS = {"type": "integer", "minimum": 1, "maximum": 16}
+# Unset: what fits in the context. Prompt + max_tokens over the context is a 400 (context_length_exceeded).
+_MAX_TOKENS = {"type": "integer", "minimum": 1}
 
 _COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "properties": {
     **_SAMPLING,
-    "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": 200},
-                         {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 200},
-                          "minItems": 1, "maxItems": 4},
+    "prompt": {"oneOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                          _TOKEN_IDS,
-                         {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 4}]},
-    "max_tokens": {"type": "integer", "minimum": 0, "maximum": 16},
+                         {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
+    "max_tokens": {"type": "integer", "minimum": 0},
     "echo": {"type": "boolean"},
-    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
 }}
 
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-    "content": {"oneOf": [{"type": "string", "maxLength": 200},
-                          {"type": "array", "maxItems": 4, "items": {
+    "content": {"oneOf": [{"type": "string"},
+                          {"type": "array", "items": {
                               "type": "object", "required": ["type", "text"],
                               "properties": {"type": {"type": "string", "enum": ["text"]},
-                                             "text": {"type": "string", "maxLength": 200}}}}]}}}
+                                             "text": {"type": "string"}}}}]}}}
 
 _CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
     **_SAMPLING,
-    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": 6},
+    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
     "max_tokens": _MAX_TOKENS,
     "max_completion_tokens": _MAX_TOKENS,
     "logprobs": {"type": "boolean"},
-    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
     "add_generation_prompt": {"type": "boolean"},
     "continue_final_message": {"type": "boolean"},
 }}

@@ -52,6 +52,8 @@ class SamplingFields:
     echo: bool = False       # completions: the prompt leads the text (with prompt logprobs when logprobs >= 0)
     json_schema: str = ""    # response_format json_schema: the schema as JSON text
     json_object: bool = False  # response_format json_object
+    priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
+    cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """max_tokens 0 (echo only) runs one token that the gateway drops: the engine always samples one."""
@@ -141,6 +143,8 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         logit_bias=_parse_logit_bias(body, vocab_size),
         json_schema=json_schema,
         json_object=json_object,
+        priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
+        cache_salt=v.get_str(body, "cache_salt", "") or "",
     )
 
 

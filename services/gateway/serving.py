@@ -55,7 +55,8 @@ class Serving:
                                       include_stop_str_in_output=sampling.include_stop_str_in_output,
                                       skip_special_tokens=sampling.skip_special_tokens, echo=sampling.echo,
                                       prompt_text=prompt_texts[p] if prompt_texts else None,
-                                      drop_output=max_tokens == 0))
+                                      drop_output=max_tokens == 0, priority=sampling.priority,
+                                      cache_salt=sampling.cache_salt))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:
