@@ -39,7 +39,7 @@ def main() -> None:
               "requests_started": report.started, "completed": report.completed,
               "aborted_by_client": report.aborted_by_client, "rejected": report.rejected,
               "errors": report.errors[:20], "num_errors": len(report.errors), "output_chunks": report.output_tokens,
-              "preemptions_logged": preemptions, "rss_mb_at_end": report.rss_mb, "rss_growth_mb": report.rss_growth_mb,
+              "preemptions_logged": preemptions, "rss_mb_at_end": report.rss_mb, "peak_rss_mb": report.peak_rss_mb, "rss_growth_mb": report.rss_growth_mb,
               "blocks_leaked": report.total_blocks - 1 - report.free_blocks_at_idle}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

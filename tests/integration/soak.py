@@ -38,12 +38,14 @@ class SoakReport:
     total_blocks: int = -1
     rss_mb: dict[str, float] = field(default_factory=dict)
     rss_growth_mb: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory now (VmRSS) or at its peak (VmHWM), in MiB."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -113,4 +115,5 @@ async def run_soak(cluster, s: SoakSettings) -> SoakReport:
     report.free_blocks_at_idle, report.total_blocks = load.num_free_blocks, load.num_total_blocks
     report.rss_mb = {name: rss_mb(p.pid) for name, p in cluster.procs.items()}
     report.rss_growth_mb = {name: report.rss_mb[name] - before[name] for name in before}
+    report.peak_rss_mb = {name: rss_mb(p.pid, "VmHWM") for name, p in cluster.procs.items()}
     return report
