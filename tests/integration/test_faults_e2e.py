@@ -110,3 +110,31 @@ def test_sigterm_drains_in_flight_requests(cluster):
     status, body = result["reply"]
     assert status == 200 and body["usage"]["completion_tokens"] == 40, body
     assert cluster.procs["gateway"].wait(30) == 0
+
+
+def test_hung_worker_turns_health_off_and_back(tmp_path, model_dir):
+    """A stopped (not dead) worker while work is pending: NOT_SERVING within --hang-timeout, SERVING again
+    when it resumes, and the request it held still completes."""
+    c = Cluster(tmp_path, scheduler_args=["--hang-timeout", "3"]).start()
+    try:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(reply=c.post(
+            "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True})))
+        t.start()
+        deadline = time.monotonic() + 30
+        while asyncio.run(_load(c.scheduler_address)).num_running < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.procs["worker"].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 15
+        while c.health() != 503 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.health() == 503
+        c.procs["worker"].send_signal(signal.SIGCONT)
+        t.join(120)
+        status, body = result["reply"]
+        assert status == 200 and body["usage"]["completion_tokens"] == 30, body
+        c.wait_ready(30)
+        assert_serves(c)
+    finally:
+        c.procs["worker"].send_signal(signal.SIGCONT)
+        c.stop()
