@@ -106,9 +106,21 @@ def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool]:
         if not isinstance(schema, dict):
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               param="response_format")
+        _check_json_schema(schema)
         return json.dumps(schema), False
     raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                       param="response_format")
+
+
+def _check_json_schema(schema: dict[str, Any]) -> None:
+    """An invalid schema is the caller's error (400), caught here: the worker could only fall back to 'any JSON'."""
+    import jsonschema  # noqa: PLC0415 - only requests with a json_schema pay for the import
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise bad_request(f"'response_format.json_schema.schema' is not a valid JSON schema: {exc.message}",
+                          param="response_format") from None
 
 
 def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int | None) -> SamplingFields:

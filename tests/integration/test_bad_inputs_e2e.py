@@ -51,6 +51,11 @@ BAD_INPUTS = [
     ("prompt over the context", COMP, {"model": M, "prompt": "word " * 9000, "max_tokens": 4}, 400),
     ("prompt + max_tokens over the context", COMP, {"model": M, "prompt": "hi", "max_tokens": 9000}, 400),
     ("stream not a bool", CHAT, {"model": M, "messages": HI, "stream": "yes"}, 400),
+    ("invalid JSON schema", CHAT, {"model": M, "messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wizard"}}}}, 400),
+    ("json_schema without a schema", CHAT, {"model": M, "messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400),
+    ("unknown response_format type", CHAT, {"model": M, "messages": HI, "response_format": {"type": "xml"}}, 400),
 ]
 NAN_BODIES = [   # JSON with NaN / Infinity literals (Python's json accepts them; the API must not)
     ("NaN temperature", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
