@@ -18,7 +18,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-
 RESULTS = pathlib.Path(__file__).parent / "results" / "torch_decode_attention.json"
 G, CTX, BS, H, HK, D = 64, 256, 16, 9, 3, 64
 

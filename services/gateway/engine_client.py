@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import tracing
+from services.common import grpc_options, tracing
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.tls import TlsConfig, open_channel
@@ -22,16 +22,8 @@ from services.gateway import tracing as gateway_tracing
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Keepalive pings notice a dead scheduler (or a silent NAT drop) during long generations.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+# Message limits and keepalive (a dead scheduler or a silent NAT drop is noticed during long generations).
+CHANNEL_OPTIONS = grpc_options.CLIENT
 UNARY_TIMEOUT_S = 5.0   # model info, health, abort: cheap calls that must not hang a handler
 
 

@@ -20,7 +20,7 @@ import time
 
 import grpc
 
-from services.common import observability
+from services.common import grpc_options, observability
 from services.common.metrics import MetricsServer
 from services.common.model_path import (
     DEFAULT_MODEL,
@@ -37,14 +37,7 @@ from services.gpu_worker.model_runner import ModelRunner
 
 log = logging.getLogger("steploop.worker")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+CHANNEL_OPTIONS = grpc_options.CLIENT + [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]

@@ -20,12 +20,12 @@ from services.common.errors import EngineError, InvalidRequestError, OverloadedE
 from services.common.pb.steploop.v1 import engine_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
+from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.metrics import EngineObserver
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from services.scheduler.request_stream import FailedOutput, RequestStream
-from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import ServerConfig
 from services.scheduler.worker_link import WorkerLink, WorkerLost
