@@ -48,7 +48,7 @@ def test_greedy_text_is_schedule_independent(tmp_path, model_dir, hf, name):
     for prompt, text in zip(PROMPTS, texts):
         assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS), (name, prompt)
     if name == "tiny-kv-pool":
-        assert "preempted" in (tmp_path / "scheduler.log").read_text()
+        assert "; it will be recomputed" in (tmp_path / "scheduler.log").read_text()   # a real preemption
 
 
 def test_repeated_long_prompt_hits_the_prefix_cache(cluster, hf):

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_soak_nothing_lost_nothing_leaked(tmp_path, model_dir):
-    # 64 blocks x 16 tokens for up to 24 streams of ~40-140 tokens: preemption happens.
-    cluster = Cluster(tmp_path, worker_args=["--max-model-len", "512"], num_kv_blocks=64,
-                      scheduler_args=["--max-num-seqs", "24"])
+    # 24 blocks x 16 tokens for 16 streams of ~20-120 tokens each: preemption is certain.
+    cluster = Cluster(tmp_path, worker_args=["--max-model-len", "256"], num_kv_blocks=24,
+                      scheduler_args=["--max-num-seqs", "16"])
     try:
         cluster.start()
         report = asyncio.run(run_soak(cluster, SoakSettings(duration_s=30, concurrency=16, abort_probability=0.4, seed=1)))
@@ -29,4 +29,4 @@ def test_soak_nothing_lost_nothing_leaked(tmp_path, model_dir):
     assert report.completed >= 8 and report.aborted_by_client >= 1, report
     assert report.free_blocks_at_idle == report.total_blocks - 1, report
     assert report.rss_growth_mb["scheduler"] < 100 and report.rss_growth_mb["gateway"] < 150, report
-    assert "preempted" in (tmp_path / "scheduler.log").read_text()
+    assert "; it will be recomputed" in (tmp_path / "scheduler.log").read_text()   # real preemption pressure
