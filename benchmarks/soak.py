@@ -32,7 +32,7 @@ def main() -> None:
             cluster.start()
             report = asyncio.run(run_soak(cluster, SoakSettings(duration_s=args.minutes * 60,
                                                                 concurrency=args.concurrency)))
-            preemptions = (pathlib.Path(logs) / "scheduler.log").read_text().count("preempted")
+            preemptions = (pathlib.Path(logs) / "scheduler.log").read_text().count("; it will be recomputed")
         finally:
             cluster.stop()
     result = {"minutes": args.minutes, "concurrency": args.concurrency, "num_kv_blocks": args.num_kv_blocks,
