@@ -55,6 +55,18 @@ def child_environment(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return env
 
 
+def validate_configs(args: argparse.Namespace) -> None:
+    """Every service's config from the same flags, before any process starts: a bad flag is one clear message,
+    not a service that exits and is restarted in a loop."""
+    from services.gateway.config import GatewayConfig
+    from services.gpu_worker.config import WorkerConfig
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.server_config import ServerConfig
+
+    for config in (SchedulerConfig, ServerConfig, WorkerConfig, GatewayConfig):
+        config.from_args(args)
+
+
 def ensure_model(model: str | None) -> None:
     if model and model != model_path.DEFAULT_MODEL:
         model_path.resolve_model(model)          # fails early, with the reason, if the folder is wrong
@@ -70,8 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ[envs.LOG_FORMAT] = args.log_format
     setup_logging("serve")
     try:
+        validate_configs(args)
         ensure_model(args.model)
-    except (model_path.ModelNotFoundError, subprocess.CalledProcessError) as exc:
+    except (ValueError, model_path.ModelNotFoundError, subprocess.CalledProcessError) as exc:
         sys.exit(f"steploop serve: {exc}")
     env = child_environment(parser, args)
     specs = [ServiceSpec(name, [sys.executable, "-m", f"services.{module}"], env)

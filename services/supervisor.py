@@ -63,6 +63,11 @@ class Supervisor:
             code = await spec.process.wait()
             if self._stopping.is_set():
                 return "stopped"
+            if code == 2:       # the services' exit code for a bad flag: restarting cannot help
+                log.error("%s exited with code 2 (a configuration error; its message is above); stopping the "
+                          "cluster", spec.name)
+                self._stopping.set()
+                return "gave up"
             now = time.monotonic()
             spec.restarts = [t for t in spec.restarts if now - t < self.restart_window] + [now]
             if len(spec.restarts) > self.max_restarts:

@@ -166,8 +166,8 @@ async def _main(config: WorkerConfig, metrics_port: int = 0) -> int:
     start = time.perf_counter()
     try:
         await serve(config, stop=stop, metrics_port=metrics_port)
-    except (ValueError, FileNotFoundError) as err:
-        log.error("%s", err)
-        return 1
+    except (ValueError, FileNotFoundError) as err:   # a configuration that cannot work (too few KV blocks,
+        log.error("%s", err)                           # no model folder): exit 2, so a supervisor does not
+        return 2                                       # restart it in a loop
     log.info("worker stopped after %.0f s", time.perf_counter() - start)
     return 0

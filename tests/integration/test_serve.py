@@ -61,3 +61,22 @@ def test_serve_starts_restarts_and_stops(tmp_path):
         code = proc.wait(90)
     assert code == 0, log_path.read_text()[-3000:]
     assert not any(_alive(p) for p in children)
+
+
+def test_serve_refuses_a_bad_flag_before_starting_anything():
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--max-num-seqs", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--max-num-seqs" in out.stderr and "Traceback" not in out.stderr
+    assert "started" not in out.stderr
+
+
+def test_serve_stops_instead_of_restarting_a_service_with_an_impossible_config(tmp_path):
+    """Too few KV blocks for one full-length sequence is known only once the worker loads: it exits 2 with the
+    fix in its message, and the supervisor stops the cluster instead of restarting it in a loop."""
+    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--num-kv-blocks", "3", "--port",
+                          str(free_port()), "--scheduler-port", str(free_port())], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1
+    assert "raise --num-kv-blocks or lower --max-model-len" in out.stderr
+    assert out.stderr.count("started worker") == 1
