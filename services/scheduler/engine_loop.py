@@ -11,6 +11,7 @@ back, and their callers' streams stay open.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -96,7 +97,7 @@ class EngineLoop:
                 f"prompt tokens and asks for {max(max_tokens, 1)} completion tokens", param="max_tokens"
                 if n < info.max_model_len else "prompt", code="context_length_exceeded")
         if max_tokens == 0:   # unset: what fits in the context
-            request.sampling = _with_max_tokens(request.sampling, info.max_model_len - n)
+            request.sampling = dataclasses.replace(request.sampling, max_tokens=info.max_model_len - n)
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Drop the request at once (its blocks come back before the next step). A caller still listening (an
@@ -255,8 +256,3 @@ class EngineLoop:
         if self.link is None or self.link.closed.is_set():
             return False
         return not self.has_work() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
-
-
-def _with_max_tokens(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-    return replace(sampling, max_tokens=max_tokens)
