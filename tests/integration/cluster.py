@@ -6,6 +6,7 @@ tmp dir (printed when start-up fails). Ports are picked free at start.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -24,6 +25,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def load_report_async(address: str):
+    """The scheduler's Engine.GetLoadReport, through the project's own gRPC client."""
+    from services.client import EngineClient
+
+    engine = EngineClient(address)
+    try:
+        return await engine.load_report()
+    finally:
+        await engine.close()
 
 
 class Cluster:
@@ -103,6 +115,9 @@ class Cluster:
         for path in sorted(self.log_dir.glob("*.log")):
             parts.append(f"--- {path.name} ---\n{path.read_text(errors='replace')[-tail:]}")
         return "\n".join(parts)
+
+    def load_report(self):
+        return asyncio.run(load_report_async(self.scheduler_address))
 
     def post(self, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()

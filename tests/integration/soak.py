@@ -10,9 +10,8 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-import grpc
 
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from tests.integration.cluster import load_report_async
 
 WORDS = "the of and to in is was for on that with as by at from it his an were are which this be".split()
 
@@ -96,11 +95,6 @@ async def _client_loop(url: str, seed: int, deadline: float, s: SoakSettings, r:
                 r.errors.append(f"client error: {exc!r}")
 
 
-async def _load_report(address: str) -> engine_pb2.LoadReport:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await engine_pb2_grpc.EngineStub(channel).GetLoadReport(engine_pb2.LoadReportRequest(), timeout=5)
-
-
 async def run_soak(cluster, s: SoakSettings) -> SoakReport:
     report = SoakReport()
     before = {name: rss_mb(p.pid) for name, p in cluster.procs.items()}
@@ -108,7 +102,7 @@ async def run_soak(cluster, s: SoakSettings) -> SoakReport:
     await asyncio.gather(*(_client_loop(cluster.base_url, s.seed * 1000 + i, deadline, s, report)
                            for i in range(s.concurrency)))
     for _ in range(100):                     # aborted requests leave within a step; give the engine a moment
-        load = await _load_report(cluster.scheduler_address)
+        load = await load_report_async(cluster.scheduler_address)
         if load.num_running == load.num_waiting == 0:
             break
         await asyncio.sleep(0.1)

@@ -72,19 +72,6 @@ def test_grpc_client_generate_and_abort(cluster, hf):
     asyncio.run(run())
 
 
-def _load_report(cluster):
-    from services.client import EngineClient
-
-    async def run():
-        engine = EngineClient(cluster.scheduler_address)
-        try:
-            return await engine.load_report()
-        finally:
-            await engine.close()
-
-    return asyncio.run(run())
-
-
 def _fuzz(op, base_url: str, failures: list[str], deadline: float) -> None:
     """Up to N generated requests for one operation; a 5xx, a timeout or a dropped connection is a failure."""
     from hypothesis import HealthCheck, given, settings
@@ -143,7 +130,7 @@ def test_schemathesis_finds_no_server_errors_and_leaks_nothing(cluster):
     r = client(cluster).completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=3)
     assert r.choices[0].text
     for _ in range(100):
-        load = _load_report(cluster)
+        load = cluster.load_report()
         if load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks - 1:
             break
         time.sleep(0.1)

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 import time
 import urllib.request
 
-import grpc
 import pytest
 
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 
 
-async def _load(address: str) -> engine_pb2.LoadReport:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await engine_pb2_grpc.EngineStub(channel).GetLoadReport(engine_pb2.LoadReportRequest(), timeout=5)
-
-
-def wait_idle_and_whole(cluster: Cluster, timeout: float = 30) -> engine_pb2.LoadReport:
+def wait_idle_and_whole(cluster: Cluster, timeout: float = 30):
     deadline = time.monotonic() + timeout
     while True:
-        load = asyncio.run(_load(cluster.scheduler_address))
+        load = cluster.load_report()
         if (load.num_running == load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks - 1) \
                 or time.monotonic() > deadline:
             return load
@@ -82,7 +74,7 @@ def test_gateway_killed_scheduler_aborts_its_requests(cluster):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while asyncio.run(_load(cluster.scheduler_address)).num_running < 3 and time.monotonic() < deadline:
+    while cluster.load_report().num_running < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     cluster.stop_service("gateway", sig=signal.SIGKILL)
     load = wait_idle_and_whole(cluster, timeout=20)  # its gRPC calls are cancelled: requests aborted
@@ -103,7 +95,7 @@ def test_sigterm_drains_in_flight_requests(cluster):
     t = threading.Thread(target=one)
     t.start()
     deadline = time.monotonic() + 30
-    while asyncio.run(_load(cluster.scheduler_address)).num_running < 1 and time.monotonic() < deadline:
+    while cluster.load_report().num_running < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     cluster.procs["gateway"].send_signal(signal.SIGTERM)
     t.join(60)
@@ -122,7 +114,7 @@ def test_hung_worker_turns_health_off_and_back(tmp_path, model_dir):
             "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True})))
         t.start()
         deadline = time.monotonic() + 30
-        while asyncio.run(_load(c.scheduler_address)).num_running < 1 and time.monotonic() < deadline:
+        while c.load_report().num_running < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         c.procs["worker"].send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 15
