@@ -47,7 +47,9 @@ class BenchWorker:
             if state[1] >= state[0]:
                 state[0] += 1
                 sampled[handle] = [17]
-        return StepResult(step_id=plan.step_id, sampled=sampled)
+        # A timed step, GPU-like (10 ms + 10 us per token), so the prefill pacer fits its cost model and runs as in service.
+        tokens = sum(plan.num_scheduled_tokens)
+        return StepResult(step_id=plan.step_id, sampled=sampled, forward_seconds=0.01 + 1e-5 * tokens)
 
 
 def _request(i: int, rng: random.Random, max_tokens: int) -> Request:
@@ -58,7 +60,10 @@ def _request(i: int, rng: random.Random, max_tokens: int) -> Request:
 
 def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int) -> dict:
     rng = random.Random(num_running)
-    config = SchedulerConfig(max_num_batched_tokens=num_running + 512, max_num_seqs=num_running,
+    # Decode: a budget that admits every prompt in one step, so all num_running requests decode when measured
+    # (with a small one, admission takes longer than the requests live). Mixed: prompts keep arriving.
+    budget = num_running + 512 if mixed else num_running * (PROMPT_LEN + BLOCK_SIZE)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running,
                              async_scheduling=async_scheduling)
     num_blocks = num_running * (PROMPT_LEN + 3 * steps) // BLOCK_SIZE + 64
     sched = make_scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE), 4096, [2])
@@ -68,7 +73,8 @@ def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int) -> 
         sched.add_request(_request(next_id, rng, rng.randint(4, 40) if mixed else 2 * steps))
         next_id += 1
     plan, result = None, None
-    while sched.num_waiting:                          # admit everyone (prompts) before measuring
+    # Admit everyone and finish their prompts before measuring (decode: until a step is one token per request).
+    while sched.num_waiting or (not mixed and (plan is None or plan.total_num_scheduled_tokens != num_running)):
         plan = sched.schedule()
         sched.update_from_output(plan, worker.execute(plan))
     times, plan_bytes = [], []

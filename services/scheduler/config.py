@@ -25,6 +25,10 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     # A request gets at most this many tokens in one step, so one long prompt cannot starve others. 0 = off.
     long_prefill_token_threshold: int = 0
+    # A step that carries prompt chunks beside decodes may take at most this many times as long as its decodes
+    # alone would (predicted from the worker's measured step times, prefill_pacing.py), so streams keep a steady
+    # inter-token latency while long prompts arrive, on any hardware. 0 = off (only the token budget applies).
+    max_decode_slowdown: float = 2.0
     # Reuse the KV of full blocks whose prefix (token ids + cache salt) was computed before.
     enable_prefix_caching: bool = True
     # "fcfs": arrival order (preempted first); "priority": by (priority, arrival), and may preempt for a better one.
@@ -63,6 +67,10 @@ class SchedulerConfig:
             raise SchedulerConfigError(
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0 (0 = off); "
                 "set --long-prefill-token-threshold to 0 or a positive chunk size")
+        if self.max_decode_slowdown != 0 and not self.max_decode_slowdown >= 1.0:
+            raise SchedulerConfigError(
+                f"max_decode_slowdown={self.max_decode_slowdown} must be 0 (off) or >= 1; set "
+                "--max-decode-slowdown to e.g. 2 (a step with prompt chunks may take 2x its decodes' time)")
         self._validate_features()
 
     def _validate_features(self) -> None:
@@ -91,6 +99,8 @@ class SchedulerConfig:
                       help="requests running at once at most")
         envs.add_flag(parser, "--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold,
                       help="tokens one request may get per step at most; 0 = off")
+        envs.add_flag(parser, "--max-decode-slowdown", type=float, default=d.max_decode_slowdown,
+                      help="a step with prompt chunks may take at most this x its decodes' predicted time; 0 = off")
         envs.add_flag(parser, "--enable-prefix-caching", type=bool, default=d.enable_prefix_caching,
                       help="reuse the KV of cached full-block prefixes")
         envs.add_flag(parser, "--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
@@ -110,6 +120,7 @@ class SchedulerConfig:
     def from_args(cls, args: argparse.Namespace) -> "SchedulerConfig":
         return cls(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                    long_prefill_token_threshold=args.long_prefill_token_threshold,
+                   max_decode_slowdown=args.max_decode_slowdown,
                    enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                    async_scheduling=args.async_scheduling, admission_watermark=args.admission_watermark,
                    num_speculative_tokens=args.speculative_ngram, prompt_lookup_min=args.ngram_prompt_lookup_min,

@@ -18,6 +18,7 @@ from services.scheduler.handles import HandleTable
 from services.scheduler.integrity import check_scheduler
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.ngram_proposer import NgramProposer, propose_drafts
+from services.scheduler.prefill_pacing import PrefillPacer
 from services.scheduler.request import Request, RequestOutput, RequestStatus
 from services.scheduler.request_outputs import add_prompt_logprobs, make_output, stop_status, validate_request
 from services.scheduler.stats import SchedulerStats
@@ -43,6 +44,8 @@ class Scheduler:
         self.watermark_blocks = int(config.admission_watermark * (kv.pool.num_blocks - 1))
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max) if config.num_speculative_tokens else None)
+        self.pacer = (PrefillPacer(config.max_decode_slowdown, kv.block_size)
+                      if config.max_decode_slowdown > 0 else None)
         # step_id -> (requests scheduled, num_computed_tokens each reaches) for plans whose result is pending.
         self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}
         self._next_step_id = 0
@@ -113,10 +116,14 @@ class Scheduler:
         if self.config.scheduling_policy == "priority" and self.waiting and self.running:
             policy.preempt_for_waiting(self, plan)
         scheduled: list[Request] = []
+        if self.pacer is not None:
+            self.pacer.begin_step(len(self.running))
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens, scheduled)
         if not plan.preempted_handles:
             self._schedule_waiting(plan, budget, scheduled)
         self._after_schedule(plan, scheduled)
+        if self.pacer is not None:
+            self.pacer.end_step(plan.step_id)
         self.handles.recycle()
         return plan
 
@@ -179,11 +186,17 @@ class Scheduler:
         if 0 < threshold < gap:
             gap = threshold
         # KV is needed for positions < max_model_len - 1 only: sampling from the last position would overflow.
-        return min(gap, budget, self.max_model_len - 1 - computed)
+        num_new = min(gap, budget, self.max_model_len - 1 - computed)
+        if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
+            num_new = self.pacer.clip(num_new, computed)
+        return num_new
 
     def _add_to_batch(self, plan: StepPlan, request: Request, num_new: int) -> None:
         plan.scheduled_handles.append(request.handle)
         plan.num_scheduled_tokens.append(num_new)
+        if self.pacer is not None:
+            self.pacer.tally(num_new, request.num_computed_tokens + num_new,
+                             is_decode=num_new <= 1 + len(request.spec_token_ids))
         if request.spec_token_ids:
             # Drafts are the last tokens of the gap; send those that fall inside this step's tokens.
             known = request.num_tokens + self._num_output_placeholders(request) - request.num_computed_tokens
@@ -246,6 +259,8 @@ class Scheduler:
         in_flight = self._in_flight.pop(plan.step_id, None)
         if plan.step_id < self._first_live_step or in_flight is None:
             return []
+        if self.pacer is not None:
+            self.pacer.observe(plan.step_id, result.forward_seconds)
         if result.error:
             return self._fail_plan(in_flight[0], result.error)
         outputs, sampled, logprobs, all_drafts = [], result.sampled, result.logprobs, plan.draft_token_ids
@@ -335,6 +350,8 @@ class Scheduler:
         self.handles.worker_lost()
         self.kv.reset_prefix_cache()
         self._in_flight.clear()
+        if self.pacer is not None:
+            self.pacer.forget_in_flight()
         self._first_live_step = self._next_step_id
 
     def reset_prefix_cache(self) -> None:

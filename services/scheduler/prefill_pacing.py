@@ -1,0 +1,98 @@
+"""PrefillPacer: prompt chunks may slow a step that also decodes by at most a set ratio (stall-free batching).
+
+A fixed token budget protects inter-token latency only on the hardware it was tuned for: 2048 prompt tokens
+beside a few decodes cost ~2x a decode step on a large GPU but ~50x on a 2-core CPU. Like Sarathi-Serve, the
+pacer turns a latency bound into a token count, but online: a StepCostModel learns each step's forward time from
+its shape, and in a step with decodes the prompt chunks together get at most
+
+    (ratio - 1) * predicted time of the step's decodes alone
+
+of extra predicted time. Steps without decodes (nothing is streaming) keep the whole budget, and a step always
+gets at least `min_chunk` prompt tokens so prompts progress however small the allowance. Until the model has seen
+enough steps nothing is capped.
+
+The decode part of the step being built is not known until the running queue has been walked, so the allowance
+is derived from the previous step's decodes (one token of context apart, the same), scaled down to the requests
+still running.
+"""
+
+from __future__ import annotations
+
+import math
+
+from services.scheduler.step_cost import StepCostModel, attention_pairs
+
+
+class PrefillPacer:
+    def __init__(self, ratio: float, min_chunk: int, cost: StepCostModel | None = None) -> None:
+        self.ratio = ratio
+        self.min_chunk = min_chunk
+        self.cost = cost or StepCostModel()
+        self._allowance: float | None = None       # seconds of prompt work left in this step; None = no cap
+        self._min_left = 0                         # tokens still guaranteed this step (progress)
+        self._coef: tuple[float, float, float] | None = None
+        self._decode_tokens = 0                    # this step's decodes, tallied while it is built
+        self._decode_pairs = 0.0
+        self._step_tokens = 0                      # this step's whole shape, for the observation
+        self._step_pairs = 0.0
+        self._shapes: dict[int, tuple[int, float]] = {}    # step_id -> shape, until its result arrives
+
+    # ---------------------------------------------------------------- building a step
+    def begin_step(self, num_running: int) -> None:
+        """num_running: requests running now; fewer than last step's decodes means some of those finished."""
+        decodes, pairs = self._decode_tokens, self._decode_pairs
+        self._decode_tokens, self._decode_pairs, self._step_tokens, self._step_pairs = 0, 0.0, 0, 0.0
+        self._allowance = None
+        if decodes > num_running:
+            pairs, decodes = pairs * num_running / decodes, num_running
+        if decodes == 0:
+            return
+        self._coef = self.cost.coefficients()
+        if self._coef is None:
+            return
+        a, b, c = self._coef
+        self._allowance = (self.ratio - 1.0) * (a + b * decodes + c * pairs)
+        self._min_left = self.min_chunk
+
+    def clip(self, num_new: int, start: int) -> int:
+        """A prompt chunk of up to num_new tokens from position `start`: the tokens the allowance leaves it."""
+        if self._allowance is None or num_new <= 0:
+            return num_new
+        k = min(num_new, self._tokens_within(self._allowance, start))
+        if k < self._min_left:
+            k = min(num_new, self._min_left)
+        self._min_left = max(self._min_left - k, 0)
+        _, b, c = self._coef
+        self._allowance = max(self._allowance - (b * k + c * attention_pairs(k, start + k)), 0.0)
+        return k
+
+    def _tokens_within(self, seconds: float, start: int) -> int:
+        """Largest k with b*k + c*k*(start + (k + 1)/2) <= seconds (the chunk's matmul and attention time)."""
+        _, b, c = self._coef
+        lin = b + c * (start + 0.5)
+        if c <= 0.0:
+            return int(seconds / lin) if lin > 0.0 else 1 << 30
+        return int((-lin + math.sqrt(lin * lin + 2.0 * c * seconds)) / c)
+
+    def tally(self, num_new: int, context_end: int, is_decode: bool) -> None:
+        """A request was added to the step being built with num_new tokens ending at context_end."""
+        pairs = num_new * (context_end - (num_new - 1) * 0.5)      # attention_pairs, inlined: once per request
+        self._step_tokens += num_new
+        self._step_pairs += pairs
+        if is_decode:
+            self._decode_tokens += num_new
+            self._decode_pairs += pairs
+
+    def end_step(self, step_id: int) -> None:
+        if self._step_tokens:
+            self._shapes[step_id] = (self._step_tokens, self._step_pairs)
+
+    # ---------------------------------------------------------------- results
+    def observe(self, step_id: int, forward_seconds: float) -> None:
+        shape = self._shapes.pop(step_id, None)
+        if shape is not None:
+            self.cost.observe(shape[0], shape[1], forward_seconds)
+
+    def forget_in_flight(self) -> None:
+        """Plans sent to a lost worker never report back."""
+        self._shapes.clear()

@@ -1,0 +1,135 @@
+"""The step cost model and the prefill pacer: prompt chunks slow a decoding step by at most max_decode_slowdown."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.common.step_contract import StepPlan, StepResult
+from services.scheduler.step_cost import StepCostModel, attention_pairs
+from tests.scheduler.sched_factories import (AsyncDriver, FakeWorker, Run, create_requests, create_scheduler,
+                                             run_until_idle, step)
+
+# A CPU-like machine: 90 ms per step, 1.6 ms per token, 5 ns per (query, key) pair.
+A, B, C = 0.090, 0.0016, 5e-9
+
+
+def true_cost(tokens: int, pairs: float) -> float:
+    return A + B * tokens + C * pairs
+
+
+def plan_shape(plan: StepPlan, ends: dict[int, int]) -> tuple[int, float, int, float]:
+    """(tokens, pairs) of the whole step and of its decodes (1-token entries)."""
+    tokens = pairs = dec_tokens = dec_pairs = 0
+    for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+        p = attention_pairs(n, ends[handle])
+        tokens, pairs = tokens + n, pairs + p
+        if n == 1:
+            dec_tokens, dec_pairs = dec_tokens + 1, dec_pairs + p
+    return tokens, pairs, dec_tokens, dec_pairs
+
+
+class TimedWorker(FakeWorker):
+    """FakeWorker whose results carry the forward time the cost function gives the plan's shape."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.shapes: list[tuple[int, float, int, float]] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        ends = {h: self.held[h].num_computed if h in self.held else 0 for h in plan.scheduled_handles}
+        result = super().execute(plan)
+        for new in plan.new_requests:
+            ends[new.handle] = new.num_computed_tokens
+        ends = {h: ends[h] + n for h, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens)}
+        shape = plan_shape(plan, ends)
+        self.shapes.append(shape)
+        result.forward_seconds = true_cost(shape[0], shape[1])
+        return result
+
+
+def test_cost_model_recovers_a_linear_machine():
+    model, rng = StepCostModel(), random.Random(0)
+    for _ in range(300):
+        tokens = rng.choice([8, 16, 64]) + rng.randrange(0, 400)
+        pairs = tokens * rng.randrange(16, 2048)
+        model.observe(tokens, pairs, true_cost(tokens, pairs) * rng.uniform(0.98, 1.02))
+    a, b, c = model.coefficients()
+    assert a == pytest.approx(A, rel=0.1) and b == pytest.approx(B, rel=0.05) and c == pytest.approx(C, rel=0.2)
+
+
+def test_cost_model_needs_observations_and_ignores_untimed_steps():
+    model = StepCostModel(min_observations=4)
+    for _ in range(10):
+        model.observe(8, 800.0, 0.0)          # a worker that does not time its steps
+    assert model.predict(8, 800.0) is None
+    for tokens in (8, 9, 10, 40):
+        model.observe(tokens, tokens * 100.0, true_cost(tokens, tokens * 100.0))
+    assert model.predict(20, 2000.0) == pytest.approx(true_cost(20, 2000.0), rel=0.05)
+
+
+def test_cost_model_never_predicts_less_time_for_more_work():
+    model = StepCostModel(min_observations=2)
+    model.observe(10, 0.0, 0.5)
+    model.observe(100, 0.0, 0.1)               # noise: bigger step, less time
+    a, b, c = model.coefficients()
+    assert b >= 0.0 and c >= 0.0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_chunks_slow_decoding_steps_by_at_most_the_ratio(async_scheduling):
+    ratio = 1.5
+    sched = create_scheduler(max_num_batched_tokens=2048, max_num_seqs=32, block_size=16, num_blocks=400,
+                             max_model_len=4096, async_scheduling=async_scheduling, max_decode_slowdown=ratio)
+    worker = TimedWorker(block_size=16)
+    streams = create_requests(8, prompt_len=[20 + i for i in range(8)], max_tokens=200, ignore_eos=True)
+    for r in streams:
+        sched.add_request(r)
+    driver = AsyncDriver(sched, worker) if async_scheduling else None
+    run = driver.run if driver else Run()
+    advance = driver.step if driver else (lambda: step(sched, worker, run))
+    for _ in range(40):                       # the streams decode; the cost model learns from their steps
+        advance()
+    long = create_requests(1, prompt_len=1500, max_tokens=4, ignore_eos=True, prefix="long", seed=3)[0]
+    sched.add_request(long)
+    first = len(worker.shapes)
+    while long.request_id not in run.finish:
+        advance()
+        assert len(worker.shapes) < first + 400, "the long prompt made no progress"
+    chunk_steps = 0
+    for tokens, pairs, dec_tokens, dec_pairs in worker.shapes[first:]:
+        if dec_tokens and tokens - dec_tokens > 16:          # a decoding step with more than the minimum chunk
+            chunk_steps += 1
+            # The allowance comes from the previous step's decodes and a fitted model: a few % of slack.
+            assert true_cost(tokens, pairs) <= ratio * true_cost(dec_tokens, dec_pairs) * 1.05
+    assert chunk_steps >= 10
+    assert max(t - d for t, _, d, _ in worker.shapes[first:]) < 200     # never near the 2048 budget
+
+
+def test_a_prompt_alone_keeps_the_whole_budget():
+    sched = create_scheduler(max_num_batched_tokens=512, max_num_seqs=8, block_size=16, num_blocks=200,
+                             max_decode_slowdown=1.5)
+    worker = TimedWorker(block_size=16)
+    warm = create_requests(2, prompt_len=40, max_tokens=20, ignore_eos=True, prefix="warm")
+    for r in warm:
+        sched.add_request(r)
+    run_until_idle(sched, worker)
+    assert sched.pacer.cost.coefficients() is not None
+    sched.add_request(create_requests(1, prompt_len=1000, max_tokens=2, prefix="alone")[0])
+    plan = step(sched, worker, Run())
+    assert plan.num_scheduled_tokens == [512]
+
+
+def test_pacing_changes_no_output_and_can_be_turned_off():
+    def outputs(slowdown: float) -> dict[str, list[int]]:
+        sched = create_scheduler(max_num_batched_tokens=256, max_num_seqs=16, block_size=8, num_blocks=600,
+                                 max_decode_slowdown=slowdown)
+        reqs = create_requests(10, prompt_len=[30, 300, 12, 500, 7, 64, 200, 33, 90, 410], max_tokens=24, seed=5)
+        for r in reqs:
+            sched.add_request(r)
+        if slowdown == 0:
+            assert sched.pacer is None
+        return run_until_idle(sched, TimedWorker(block_size=8)).tokens
+
+    assert outputs(1.2) == outputs(0)
