@@ -1,7 +1,11 @@
 """Cluster: gateway, scheduler and worker as real processes on loopback, for integration tests.
 
 Each service runs as `python -m services.<name>` with explicit flags, its output in a log file under the test's
-tmp dir (printed when start-up fails). Ports are picked free at start.
+tmp dir (printed when start-up fails). Ports are picked free at start. `modules` runs a service from another
+module with the same flags (e.g. the worker from tests/integration/faulty_worker.py, which injects a failing forward).
+
+Fault tests end with `assert_healthy_and_no_leak(cluster)`: a normal request is served, then at idle every KV
+block is free again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import urllib.error
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"      # the served name of the default model
 
 
 def free_port() -> int:
@@ -40,7 +45,8 @@ async def load_report_async(address: str):
 
 class Cluster:
     def __init__(self, log_dir: pathlib.Path, scheduler_args=(), worker_args=(), gateway_args=(),
-                 num_kv_blocks: int = 640, env: dict | None = None, prefixes: dict | None = None):
+                 num_kv_blocks: int = 640, env: dict | None = None, prefixes: dict | None = None,
+                 modules: dict | None = None):
         self.log_dir = log_dir
         self.http_port, self.grpc_port = free_port(), free_port()
         self.scheduler_address = f"127.0.0.1:{self.grpc_port}"
@@ -54,15 +60,16 @@ class Cluster:
         }
         self.procs: dict[str, subprocess.Popen] = {}
         self.prefixes = prefixes or {}          # service -> argv prefix (e.g. `ip netns exec NAME`)
+        self.modules = modules or {}            # service -> module run instead of services.<name>
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start_service(self, name: str) -> subprocess.Popen:
-        module = {"worker": "gpu_worker"}.get(name, name)
+        module = self.modules.get(name) or "services." + {"worker": "gpu_worker"}.get(name, name)
         log = open(self.log_dir / f"{name}.log", "ab")
-        argv = [*self.prefixes.get(name, []), sys.executable, "-m", f"services.{module}", *self.argv[name]]
+        argv = [*self.prefixes.get(name, []), sys.executable, "-m", module, *self.argv[name]]
         proc = subprocess.Popen(argv, cwd=ROOT,
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
@@ -119,6 +126,17 @@ class Cluster:
     def load_report(self):
         return asyncio.run(load_report_async(self.scheduler_address))
 
+    def wait_idle(self, timeout: float = 30.0):
+        """Polls the load report until nothing runs or waits and every KV block is free (blocks are freed by the
+        step loop, after the reply went out). Block 0 is the reserved null block, never free: all free is
+        num_free_blocks == num_total_blocks - 1. Returns the last report, whole or not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            load = self.load_report()
+            if is_idle_and_whole(load) or time.monotonic() > deadline:
+                return load
+            time.sleep(0.2)
+
     def post(self, path: str, body, headers: dict | None = None) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method="POST",
@@ -128,3 +146,23 @@ class Cluster:
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"{}")
+
+
+def is_idle_and_whole(load) -> bool:
+    return (load.num_total_blocks > 0 and load.num_running == load.num_waiting == 0
+            and load.num_free_blocks == load.num_total_blocks - 1)
+
+
+def assert_healthy_and_no_leak(cluster: Cluster, prompt: str = "Hello", max_tokens: int = 6,
+                               expect_text: str | None = None, timeout: float = 30.0) -> dict:
+    """How every fault test ends: a normal greedy request is served (with `expect_text`, that exact text), then at
+    idle no request is left and every KV block is free. Returns the completion body."""
+    status, body = cluster.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                    "temperature": 0})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] >= 1, body
+    if expect_text is not None:
+        assert body["choices"][0]["text"] == expect_text, body
+    load = cluster.wait_idle(timeout)
+    assert is_idle_and_whole(load), f"not idle with every KV block free {timeout} s after the last reply: {load}"
+    return body

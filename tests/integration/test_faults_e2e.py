@@ -9,27 +9,14 @@ import urllib.request
 
 import pytest
 
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import MODEL, Cluster, assert_healthy_and_no_leak, is_idle_and_whole
 
 pytestmark = pytest.mark.slow
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def wait_idle_and_whole(cluster: Cluster, timeout: float = 30):
-    deadline = time.monotonic() + timeout
-    while True:
-        load = cluster.load_report()
-        if (load.num_running == load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks - 1) \
-                or time.monotonic() > deadline:
-            return load
-        time.sleep(0.2)
 
 
 def assert_serves(cluster: Cluster) -> None:
-    status, body = cluster.post("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3})
-    assert status == 200, body
-    load = wait_idle_and_whole(cluster)
-    assert load.num_free_blocks == load.num_total_blocks - 1, load
+    """The shared end-of-fault check (cluster.assert_healthy_and_no_leak); test_bad_inputs_e2e imports this name."""
+    assert_healthy_and_no_leak(cluster)
 
 
 @pytest.fixture
@@ -53,7 +40,7 @@ def test_scheduler_killed_gateway_answers_503_quickly_then_recovers(cluster):
     assert cluster.health() == 503
     cluster.start_service("scheduler")          # the worker reattaches, the gateway reconnects
     cluster.wait_ready(120)
-    assert_serves(cluster)
+    assert_healthy_and_no_leak(cluster)
 
 
 def test_gateway_killed_scheduler_aborts_its_requests(cluster):
@@ -77,11 +64,11 @@ def test_gateway_killed_scheduler_aborts_its_requests(cluster):
     while cluster.load_report().num_running < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     cluster.stop_service("gateway", sig=signal.SIGKILL)
-    load = wait_idle_and_whole(cluster, timeout=20)  # its gRPC calls are cancelled: requests aborted
-    assert load.num_running == 0 and load.num_free_blocks == load.num_total_blocks - 1, load
+    load = cluster.wait_idle(timeout=20)            # its gRPC calls are cancelled: requests aborted
+    assert is_idle_and_whole(load), load
     cluster.start_service("gateway")
     cluster.wait_ready(60)
-    assert_serves(cluster)
+    assert_healthy_and_no_leak(cluster)
 
 
 def test_sigterm_drains_in_flight_requests(cluster):
@@ -102,6 +89,9 @@ def test_sigterm_drains_in_flight_requests(cluster):
     status, body = result["reply"]
     assert status == 200 and body["usage"]["completion_tokens"] == 40, body
     assert cluster.procs["gateway"].wait(30) == 0
+    cluster.start_service("gateway")                # the scheduler and worker served on: a new gateway is ready
+    cluster.wait_ready(60)
+    assert_healthy_and_no_leak(cluster)
 
 
 def test_hung_worker_turns_health_off_and_back(tmp_path, model_dir):
@@ -126,7 +116,7 @@ def test_hung_worker_turns_health_off_and_back(tmp_path, model_dir):
         status, body = result["reply"]
         assert status == 200 and body["usage"]["completion_tokens"] == 30, body
         c.wait_ready(30)
-        assert_serves(c)
+        assert_healthy_and_no_leak(c)
     finally:
         c.procs["worker"].send_signal(signal.SIGCONT)
         c.stop()

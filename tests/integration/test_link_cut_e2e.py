@@ -1,6 +1,7 @@
 """The link between scheduler and worker cut (the worker on a test host in its own network namespace, the veth
 taken down): keepalive notices within seconds, the requests are preempted, and when the link is back the worker
-reattaches and every request completes with transformers' greedy text."""
+reattaches and every request completes with transformers' greedy text; then a new request is served, still
+greedy-exact, and at idle every KV block is free."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import openai
 import pytest
 
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, assert_healthy_and_no_leak
 from tests.integration.netns import HOST_ADDR, LinkedNamespace, netns_available
 
 pytestmark = [pytest.mark.slow,
@@ -48,6 +49,8 @@ def test_cut_link_is_detected_and_recovered(tmp_path, model_dir, hf):
                 return detected, [r.choices[0].text for r in replies]
 
             detected, texts = asyncio.run(scenario())
+            assert_healthy_and_no_leak(cluster, PROMPTS[0], 8,
+                                       expect_text=hf.greedy_text(hf.text_ids(PROMPTS[0]), 8))
         finally:
             cluster.stop()
     assert detected < 25, f"cut link noticed only after {detected:.1f} s"

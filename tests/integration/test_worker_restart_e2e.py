@@ -1,5 +1,6 @@
 """Killing the worker in the middle of streamed requests: a restarted worker reattaches, every request is
-recomputed and completes with the same text as transformers' greedy generation."""
+recomputed and completes with the same text as transformers' greedy generation; then a new request is served,
+still greedy-exact, and at idle every KV block is free."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import openai
 import pytest
 
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, assert_healthy_and_no_leak
 
 pytestmark = pytest.mark.slow
 
@@ -50,5 +51,6 @@ def test_killed_worker_restarts_and_requests_finish_unchanged(tmp_path, model_di
         for prompt, text in zip(PROMPTS, texts):
             assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS), prompt
         assert "detached" in (tmp_path / "scheduler.log").read_text()
+        assert_healthy_and_no_leak(cluster, PROMPTS[0], 8, expect_text=hf.greedy_text(hf.text_ids(PROMPTS[0]), 8))
     finally:
         cluster.stop()
