@@ -65,6 +65,7 @@ def validate_configs(args: argparse.Namespace) -> None:
 
     for config in (SchedulerConfig, ServerConfig, WorkerConfig, GatewayConfig):
         config.from_args(args)
+    observability.validate(args)
 
 
 def ensure_model(model: str | None) -> None:

@@ -18,6 +18,10 @@ from prometheus_client.core import HistogramMetricFamily
 
 log = logging.getLogger(__name__)
 
+# False under --disable-log-stats (set by observability.setup before a service builds anything): the services
+# build no-op observers instead of their metric recorders, and /metrics answers with no samples.
+ENABLED = True
+
 # The boundaries vLLM's V1 engine uses (vllm/v1/metrics/loggers.py), so dashboards' quantiles line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -1,13 +1,14 @@
-"""The observability flags every service takes (--log-format, --otlp-traces-endpoint) and one call that
-applies them: logging first, then tracing."""
+"""The observability flags every service takes (--log-format, --otlp-traces-endpoint, --disable-log-stats) and
+one call that applies them: logging first, then metrics on or off, then tracing."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
-from services.common import envs, tracing
+from services.common import envs, metrics, tracing
 from services.common.log import LOG_FORMATS, setup_logging
 
 
@@ -16,7 +17,16 @@ def add_cli_args(parser: argparse.ArgumentParser | Any) -> argparse.ArgumentPars
                   help="text: one readable line per record; json: one JSON object per line")
     envs.add_flag(parser, "--otlp-traces-endpoint", default="",
                   help="OTLP/gRPC collector (e.g. http://127.0.0.1:4317) to export traces to; empty = tracing off")
+    envs.add_flag(parser, "--disable-log-stats", type=bool, default=False,
+                  help="record no metrics (/metrics answers with no samples) and log no per-request or periodic "
+                       "stats lines, as vLLM's flag; not with --otlp-traces-endpoint (spans need those hooks)")
     return parser
+
+
+def validate(args: argparse.Namespace) -> None:
+    """ValueError for flags that cannot go together."""
+    if getattr(args, "disable_log_stats", False) and getattr(args, "otlp_traces_endpoint", ""):
+        raise ValueError("--disable-log-stats turns off the hooks tracing needs: drop it or --otlp-traces-endpoint")
 
 
 def add_worker_metrics_arg(parser: argparse.ArgumentParser | Any) -> None:
@@ -32,4 +42,10 @@ def add_worker_metrics_arg(parser: argparse.ArgumentParser | Any) -> None:
 def setup(service: str, args: argparse.Namespace) -> None:
     os.environ[envs.LOG_FORMAT] = getattr(args, "log_format", None) or os.environ.get(envs.LOG_FORMAT, "text")
     setup_logging(service)
+    try:
+        validate(args)
+    except ValueError as exc:            # a configuration error: exit 2, which `steploop serve` does not restart
+        print(f"steploop {service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    metrics.ENABLED = not getattr(args, "disable_log_stats", False)
     tracing.setup_tracing(service, getattr(args, "otlp_traces_endpoint", ""))

@@ -77,7 +77,10 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 
 
 def install(app: web.Application, engine: Any, model: Any) -> GatewayMetrics:
+    """Under --disable-log-stats there is no middleware (no HTTP metrics, no spans: the flag excludes tracing);
+    /metrics still answers, with no samples."""
     gm = app[METRICS] = GatewayMetrics(engine, model)
-    app.middlewares.insert(0, gm.middleware)          # outermost: sees the final status of every request
+    if metrics.ENABLED:
+        app.middlewares.insert(0, gm.middleware)      # outermost: sees the final status of every request
     app.router.add_get("/metrics", gm.handle)
     return gm

@@ -1,6 +1,7 @@
 """WorkerObserver: the worker's few metrics (forward time, tokens per step, KV blocks) and, when tracing is
 on, one span per traced request from the plan that brought it to the step that sampled its first token
-(or dropped it). Fed once per step by the plan-stream loop; scraped on --worker-metrics-port."""
+(or dropped it). Fed once per step by the plan-stream loop; scraped on --worker-metrics-port. Under
+--disable-log-stats the worker uses NullWorkerObserver, whose hooks do nothing."""
 
 from __future__ import annotations
 
@@ -84,3 +85,24 @@ class WorkerObserver:
             family = HistogramMetricFamily(name, doc, labels=names)
             hist.add_to(family, labels)
             yield family
+
+
+class NullWorkerObserver:
+    """--disable-log-stats: WorkerObserver's hooks as no-ops; its registry is empty."""
+
+    def __init__(self, info: Any) -> None:
+        self.info = info
+        self.registry = CollectorRegistry(auto_describe=False)
+
+    def before(self, plan: Any) -> None:
+        pass
+
+    def after(self, plan: Any, result: Any) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def make_observer(info: Any) -> WorkerObserver | NullWorkerObserver:
+    return WorkerObserver(info) if m.ENABLED else NullWorkerObserver(info)

@@ -32,7 +32,7 @@ from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
 from services.common.step_contract import StepPlan
 from services.common.tls import open_channel
 from services.gpu_worker.config import WorkerConfig, add_cli_args
-from services.gpu_worker.metrics import WorkerObserver
+from services.gpu_worker.metrics import WorkerObserver, make_observer
 from services.gpu_worker.model_runner import ModelRunner
 
 log = logging.getLogger("steploop.worker")
@@ -63,7 +63,7 @@ async def serve(config: WorkerConfig, runner: ModelRunner | None = None,
     try:
         if runner is None:
             runner = await loop.run_in_executor(executor, ModelRunner.from_config, config, model_path_for(config))
-        obs = WorkerObserver(runner.info)
+        obs = make_observer(runner.info)
         if metrics_port:
             metrics_server = await MetricsServer(obs.registry, "worker").start("0.0.0.0", metrics_port)
         await _attach_forever(config, runner, executor, stop, obs)

@@ -24,7 +24,7 @@ from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.metrics import EngineObserver
+from services.scheduler.metrics import make_observer
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from services.scheduler.request_stream import FailedOutput, RequestStream
 from services.scheduler.scheduler import Scheduler
@@ -47,7 +47,7 @@ class EngineLoop:
         self.num_steps = 0
         self.last_progress = time.monotonic()       # last finished step, or when work arrived while idle
         self.lost_since: float | None = time.monotonic()
-        self.observer = EngineObserver(self)            # metrics, request logs and spans (metrics.py)
+        self.observer = make_observer(self)             # metrics, request logs and spans (metrics.py)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: engine_pb2.GenerateRequest) -> RequestStream:

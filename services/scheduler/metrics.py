@@ -8,6 +8,9 @@ line and request spans, all fed by a handful of hooks in the step loop.
 A step costs a few int additions and list appends; histograms fold their pending values when scraped
 (`BatchHistogram`), gauges are read from the scheduler at scrape time, and counters the scheduler already keeps
 (preemptions, prefix-cache and spec-decode stats) are read from it then too.
+
+Under --disable-log-stats (`common.metrics.ENABLED` False) `make_observer` returns a NullEngineObserver instead:
+the same hooks, doing nothing.
 """
 
 from __future__ import annotations
@@ -250,3 +253,22 @@ class EngineObserver:
                         "generation_throughput": round((self.generation_tokens - gen) / dt, 2),
                         "running": running, "waiting": waiting, "kv_usage_perc": round(usage, 2),
                         "prefix_hit_rate": round(dh / dq, 4) if dq else 0.0})
+
+
+def _ignore(*_: Any, **__: Any) -> None:
+    return None
+
+
+class NullEngineObserver:
+    """--disable-log-stats: EngineObserver's hooks as no-ops (no metrics, no per-request or stats log lines,
+    no spans); its registry is empty, so /metrics and Engine.GetMetrics answer with no samples."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.registry = CollectorRegistry(auto_describe=False)
+
+    on_arrival = on_plan = on_step = on_abort = on_attach = on_detach = log_stats = staticmethod(_ignore)
+
+
+def make_observer(loop: Any) -> EngineObserver | NullEngineObserver:
+    return EngineObserver(loop) if m.ENABLED else NullEngineObserver(loop)
