@@ -1,13 +1,20 @@
 """Side-by-side ratios on this machine, same model, same prompts, ONE run:  python benchmarks/compare.py [--quick]
 
  (a)  steploop (gRPC cluster, 64 concurrent, mixed lengths) vs transformers `generate` fp32: one request at a
-      time (target >= 6x) and padded static batches (>= 1.5x), output-token throughput
+      time (target >= 6x) and padded static batches of 64 (>= 1.5x), output-token throughput. The workload is
+      2 x 64 = 128 requests with at most 64 in flight (closed loop: a new request starts when one finishes), so
+      the batch stays at 64 instead of draining; HF's static batches are 2 padded batches of 64 over the same 128
+      requests, HF one-at-a-time a subset of them
  (a') steploop output tok/s x 2 x params / fp32 matmul FLOP/s on the model's layer shapes (>= 60%)
- (b)  gRPC cluster vs the same scheduler + ModelRunner in one process (>= 0.92x throughput, <= +1 ms mean TPOT)
+ (b)  gRPC cluster vs the same scheduler + ModelRunner in one process, same 128 requests, same closed loop of 64
+      (>= 0.92x throughput, <= +1 ms mean TPOT)
  (c)  prefix caching on vs off: TTFT on a 1024-token shared prefix (>= 5x); throughput at 0% hits (>= 0.99x)
  (d)  chunked prefill: p99 ITL of running streams while 2k-token prompts arrive, default budget vs a budget that
       takes each prompt whole (target: p99 <= 2x median with the default budget)
- (e)  steploop vs llama.cpp (llama-cpp-python) on the GGUF: skipped when not installed
+ (e)  steploop vs llama.cpp (llama-cpp-python) on the GGUF at 16 concurrent streams (>= 2x output tok/s): the
+      same 32 requests (fewer output tokens in quick mode) through the cluster at --max-concurrency 16 and through
+      llama.cpp's own multi-sequence batching (n_seq_max 16, one llama_decode per step for every live sequence),
+      same threads; llama.cpp one stream at a time is an extra, informational row. Skipped when not installed
 
 Writes benchmarks/results/compare.{json,md} and compare-*.png. Clusters are real processes on free ports
 (tests/integration/cluster.py). Other processes on the machine skew absolute figures; ratios are measured
@@ -46,22 +53,46 @@ class Workloads:
     def __init__(self, quick: bool):
         self.quick = quick
         self.concurrency = 16 if quick else 64
+        self.requests = 2 * self.concurrency          # closed loop: at most `concurrency` in flight, never draining
         # decode-heavy, like chat: (a') divides output tok/s by the FLOP limit, so prompt tokens must be the minority
         self.input_len, self.output_len, self.range_ratio = (32, 16, 0.5) if quick else (32, 64, 0.5)
-        self.hf_single = 2 if quick else 4             # requests timed one at a time (a subset of the 64)
-        self.hf_batch = self.concurrency               # one padded static batch of all of them
+        self.hf_single = 2 if quick else 4             # requests timed one at a time (a subset of `requests`)
+        self.hf_batch = self.concurrency               # padded static batches of `concurrency`: 2 over `requests`
         self.prefix_len, self.suffix_len, self.prefix_requests = 1024, 32, (2 if quick else 4)
         self.miss_requests, self.miss_input, self.miss_output = (8, 64, 8) if quick else (32, 128, 16)
         self.streams, self.stream_output = (4, 40) if quick else (8, 96)
         self.long_prompts, self.long_len, self.long_every = (1, 2048, 1.5) if quick else (2, 2048, 3.0)
+        # (e): 16 concurrent streams, the same request set for steploop and llama.cpp
+        self.llama_streams = 16
+        self.llama_requests = 2 * self.llama_streams    # closed loop too: a request takes a stream as one leaves
+        self.llama_input_len, self.llama_output_len = (32, 12) if quick else (32, 64)
+        self.llama_single = 2 if quick else 4          # llama.cpp one stream at a time (a subset, informational)
 
 
 def machine_info() -> dict:
+    import importlib.metadata
+
     import torch
     lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    mem = next((int(line.split()[1]) for line in (pathlib.Path("/proc/meminfo").read_text().splitlines()
+                                                   if os.path.exists("/proc/meminfo") else [])
+                if line.startswith("MemTotal")), 0)
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16",
+                                                                         "amx_tile") if f in flags],
+            "memory_gib": round(mem / 2**20, 1), "os": f"{platform.system()} {platform.release()}",
+            "gpu": gpu, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": version("transformers"), "llama_cpp_python": version("llama_cpp_python"),
             "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_average_at_start": os.getloadavg()}
 
@@ -146,9 +177,12 @@ def main(argv=None) -> None:
     model_dir = resolve_model(None)
     tok = datasets.load_tokenizer(None)
     info = machine_info()
+    info["engine_threads"] = args.threads or os.cpu_count()     # worker, in-process, HF and llama.cpp alike
     print(f"machine: {info}", flush=True)
-    mixed = datasets.random_dataset(w.concurrency, w.input_len, w.output_len, w.range_ratio, tok, seed=1,
+    mixed = datasets.random_dataset(w.requests, w.input_len, w.output_len, w.range_ratio, tok, seed=1,
                                     as_ids=True)
+    streams16 = datasets.random_dataset(w.llama_requests, w.llama_input_len, w.llama_output_len, w.range_ratio, tok,
+                                        seed=5, as_ids=True)
     figures: dict = {}
     raw: dict = {}
 
@@ -180,7 +214,7 @@ def main(argv=None) -> None:
     from benchmarks.inprocess import InProcessEngine
     engine = InProcessEngine(model_dir, NUM_KV_BLOCKS, num_threads=args.threads)
     engine.run(ids_of(datasets.random_dataset(2, 16, 4, 0.0, tok, seed=9, as_ids=True)))     # warm-up
-    figures["inprocess"], raw["inprocess"] = engine.run(pairs)
+    figures["inprocess"], raw["inprocess"] = engine.run(pairs, max_concurrency=w.concurrency)
     print(f"in-process: {report.short(figures['inprocess'])}", flush=True)
     del engine
 
@@ -193,6 +227,8 @@ def main(argv=None) -> None:
     try:
         figures["cluster"], raw["cluster"] = bench(cluster, mixed, warm, concurrency=w.concurrency)
         print(f"cluster: {report.short(figures['cluster'])}", flush=True)
+        figures["cluster_16"], _ = bench(cluster, streams16, concurrency=w.llama_streams)
+        print(f"cluster, 16 streams: {report.short(figures['cluster_16'])}", flush=True)
         figures["prefix_on"], _ = bench(cluster, prefix_reqs[1:], prefix_reqs[:1], concurrency=1)
         figures["misses_on"], _ = bench(cluster, misses, concurrency=w.miss_requests)
         figures["chunked_default"] = chunked_prefill(cluster, w, tok)
@@ -218,7 +254,7 @@ def main(argv=None) -> None:
         finally:
             cluster.stop()
 
-    figures["llama_cpp"] = llama_cpp_figures(single, args.threads)
+    figures["llama_cpp_16"], figures["llama_cpp"] = llama_cpp_figures(w, ids_of(streams16), info["engine_threads"])
     info["load_average_at_end"] = os.getloadavg()
     info["wall_seconds"] = time.perf_counter() - began
     info["quick"] = w.quick
@@ -229,13 +265,20 @@ def main(argv=None) -> None:
     print(f"done in {info['wall_seconds']:.0f} s; results in {out_dir}")
 
 
-def llama_cpp_figures(single, threads: int | None) -> dict:
+def llama_cpp_figures(w: Workloads, pairs, threads: int) -> tuple[dict, dict]:
+    """(16 concurrent streams through llama.cpp's batching, one stream at a time on a subset) of the (e) set."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return {"skipped": "not installed (pip install llama-cpp-python; building it takes ~9 minutes)"}
-    from benchmarks.llama_cpp_baseline import one_at_a_time
-    return one_at_a_time(single, threads)
+        skipped = {"skipped": "not installed (pip install llama-cpp-python; building it takes ~9 minutes)"}
+        return skipped, skipped
+    from benchmarks.llama_cpp_baseline import batched, one_at_a_time
+    many = batched(pairs, n_parallel=w.llama_streams, threads=threads)
+    print(f"llama.cpp, {w.llama_streams} streams: {many['output_throughput']:.1f} out tok/s, TTFT mean "
+          f"{many['mean_ttft_ms']:.0f} ms, TPOT mean {many['mean_tpot_ms']:.1f} ms", flush=True)
+    one = one_at_a_time(pairs[::max(1, len(pairs) // w.llama_single)][:w.llama_single], threads)
+    print(f"llama.cpp, one stream: {one['output_throughput']:.1f} out tok/s", flush=True)
+    return many, one
 
 
 def write_plots(out_dir: pathlib.Path, figures: dict, raw: dict, ratios: list[dict]) -> None:
@@ -253,11 +296,15 @@ def write_bar_plots(out_dir: pathlib.Path, figures: dict, ratios: list[dict]) ->
             "steploop in-process": figures["inprocess"]["output_throughput"],
             "hf static batch": figures["hf_static_batch"]["output_throughput"],
             "hf one at a time": figures["hf_one_at_a_time"]["output_throughput"]}
+    if "cluster_16" in figures:
+        tput["steploop cluster, 16 streams"] = figures["cluster_16"]["output_throughput"]
+    if "output_throughput" in figures.get("llama_cpp_16", {}):
+        tput["llama.cpp, 16 streams"] = figures["llama_cpp_16"]["output_throughput"]
     if "output_throughput" in figures["llama_cpp"]:
         tput["llama.cpp one at a time"] = figures["llama_cpp"]["output_throughput"]
     plots.plot_bars(list(tput), list(tput.values()), "output tok/s, mixed-length requests", "tok/s",
                     out_dir / "compare-throughput.png")
-    shown = [r for r in ratios if r["value"] is not None and r["unit"] != "ms"]
+    shown = [r for r in ratios if r["value"] is not None and r["target"] is not None and r["unit"] != "ms"]
     labels = [r["name"].replace(", ", "\n", 1) + ("" if r["higher_is_better"] else " (inv.)") for r in shown]
     scores = [r["value"] / r["target"] if r["higher_is_better"] else r["target"] / max(r["value"], 1e-9)
               for r in shown]

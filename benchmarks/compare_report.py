@@ -11,9 +11,10 @@ def short(s: dict) -> str:
             f"TPOT mean {s['mean_tpot_ms']:.1f} ms, {s['completed']} ok")
 
 
-def _ratio(name: str, value, target: float, op: str, detail: str, unit: str = "x") -> dict:
-    ok = None if value is None else (value >= target if op == ">=" else value <= target)
-    return {"name": name, "value": value, "target": target, "op": op, "unit": unit,
+def _ratio(key: str, name: str, value, target: float | None, op: str, detail: str, unit: str = "x") -> dict:
+    """One row. target None: informational (no pass/fail)."""
+    ok = None if value is None or target is None else (value >= target if op == ">=" else value <= target)
+    return {"key": key, "name": name, "value": value, "target": target, "op": op, "unit": unit,
             "pass": ok, "higher_is_better": op == ">=", "detail": detail}
 
 
@@ -21,39 +22,84 @@ def ratios(f: dict) -> list[dict]:
     cl, ip = f["cluster"], f["inprocess"]
     tput = cl["output_throughput"]
     limit = f["matmul_gflops"]["64"] * 1e9 / (2 * f["params"])
+    load = f"{cl['completed']} requests, at most {cl.get('max_concurrency') or cl['completed']} in flight"
+    st = f["hf_static_batch"]
     out = [
-        _ratio("(a) vs HF generate, one at a time", tput / f["hf_one_at_a_time"]["output_throughput"], 6.0, ">=",
-               f"{tput:.1f} vs {f['hf_one_at_a_time']['output_throughput']:.1f} out tok/s"),
-        _ratio("(a) vs HF generate, padded static batch", tput / f["hf_static_batch"]["output_throughput"], 1.5,
-               ">=", f"{tput:.1f} vs {f['hf_static_batch']['output_throughput']:.1f} out tok/s "
-               f"(batch {f['hf_static_batch']['batch_size']})"),
-        _ratio("(a') share of fp32 matmul limit", tput / limit, 0.60, ">=",
+        _ratio("a_one_at_a_time", "(a) vs HF generate, one at a time",
+               tput / f["hf_one_at_a_time"]["output_throughput"], 6.0, ">=",
+               f"{tput:.1f} vs {f['hf_one_at_a_time']['output_throughput']:.1f} out tok/s (steploop: {load}; HF: "
+               f"{f['hf_one_at_a_time']['requests']} of them, one at a time)"),
+        _ratio("a_static_batch", "(a) vs HF generate, padded static batch", tput / st["output_throughput"], 1.5,
+               ">=", f"{tput:.1f} vs {st['output_throughput']:.1f} out tok/s (HF: the same {st['requests']} "
+               f"requests in {str(st['batches']) + ' ' if 'batches' in st else ''}padded batches of "
+               f"{st['batch_size']})"),
+        _ratio("a_share_of_limit", "(a') share of fp32 matmul limit", tput / limit, 0.60, ">=",
                f"{tput:.1f} tok/s x 2 x {f['params'] / 1e6:.1f} M params / {f['matmul_gflops']['64']:.0f} GFLOP/s "
                f"(limit {limit:.0f} tok/s)", unit="share"),
-        _ratio("(b) gRPC cluster / in-process, throughput", tput / ip["output_throughput"], 0.92, ">=",
-               f"{tput:.1f} vs {ip['output_throughput']:.1f} out tok/s"),
-        _ratio("(b) gRPC cluster - in-process, mean TPOT", cl["mean_tpot_ms"] - ip["mean_tpot_ms"], 1.0, "<=",
-               f"{cl['mean_tpot_ms']:.1f} vs {ip['mean_tpot_ms']:.1f} ms", unit="ms"),
-        _ratio("(c) prefix cache off / on, mean TTFT", f["prefix_off"]["mean_ttft_ms"] / f["prefix_on"]["mean_ttft_ms"],
-               5.0, ">=", f"{f['prefix_off']['mean_ttft_ms']:.0f} vs {f['prefix_on']['mean_ttft_ms']:.0f} ms "
+        _ratio("b_throughput", "(b) gRPC cluster / in-process, throughput", tput / ip["output_throughput"], 0.92,
+               ">=", f"{tput:.1f} vs {ip['output_throughput']:.1f} out tok/s ({load}, both)"),
+        _ratio("b_tpot", "(b) gRPC cluster - in-process, mean TPOT", cl["mean_tpot_ms"] - ip["mean_tpot_ms"], 1.0,
+               "<=", f"{cl['mean_tpot_ms']:.1f} vs {ip['mean_tpot_ms']:.1f} ms", unit="ms"),
+        _ratio("c_prefix_ttft", "(c) prefix cache off / on, mean TTFT",
+               f["prefix_off"]["mean_ttft_ms"] / f["prefix_on"]["mean_ttft_ms"], 5.0, ">=",
+               f"{f['prefix_off']['mean_ttft_ms']:.0f} vs {f['prefix_on']['mean_ttft_ms']:.0f} ms "
                "(1024-token shared prefix, one request at a time)"),
-        _ratio("(c) prefix cache on / off, throughput at 0% hits",
+        _ratio("c_miss_throughput", "(c) prefix cache on / off, throughput at 0% hits",
                f["misses_on"]["output_throughput"] / f["misses_off"]["output_throughput"], 0.99, ">=",
                f"{f['misses_on']['output_throughput']:.1f} vs {f['misses_off']['output_throughput']:.1f} out tok/s"),
     ]
     d, whole = f["chunked_default"], f["chunked_whole"]
     extra = f"; budget 256: {f['chunked_256']['p99_over_median']:.1f}x" if "chunked_256" in f else ""
-    out.append(_ratio("(d) chunked prefill, p99 / median ITL (default budget)", d["p99_over_median"], 2.0, "<=",
+    out.append(_ratio("d_p99_over_median", "(d) chunked prefill, p99 / median ITL (default budget)",
+                      d["p99_over_median"], 2.0, "<=",
                       f"p99 {d['p99_itl_ms']:.0f} / median {d['median_itl_ms']:.0f} ms; whole-prompt budget: "
                       f"{whole['p99_over_median']:.1f}x (p99 {whole['p99_itl_ms']:.0f} ms){extra}"))
-    ll = f["llama_cpp"]
-    if "skipped" in ll:
-        out.append({**_ratio("(e) vs llama.cpp (llama-cpp-python)", None, 1.0, ">=", ll["skipped"]),
-                    "pass": None})
-    else:
-        out.append(_ratio("(e) vs llama.cpp (llama-cpp-python)", tput / ll["output_throughput"], 1.0, ">=",
-                          f"{tput:.1f} vs {ll['output_throughput']:.1f} out tok/s (llama.cpp one stream, Q4_1)"))
+    out += _llama_cpp_rows(f)
     return out
+
+
+def _llama_cpp_rows(f: dict) -> list[dict]:
+    many, one = f.get("llama_cpp_16", {"skipped": "not measured"}), f["llama_cpp"]
+    name = "(e) vs llama.cpp (llama-cpp-python), 16 concurrent streams"
+    if "skipped" in many:
+        return [_ratio("e_llama_cpp_16_streams", name, None, 2.0, ">=", many["skipped"])]
+    ours = f["cluster_16"]["output_throughput"]
+    rows = [_ratio("e_llama_cpp_16_streams", name, ours / many["output_throughput"], 2.0, ">=",
+                   f"{ours:.1f} vs {many['output_throughput']:.1f} out tok/s: the same {many['requests']} requests, "
+                   f"at most {many['streams']} in flight in both (steploop gRPC cluster fp32; llama.cpp's "
+                   f"multi-sequence batching, {many['weights']}, {many['threads']} threads); mean TPOT "
+                   f"{f['cluster_16']['mean_tpot_ms']:.0f} vs {many['mean_tpot_ms']:.0f} ms")]
+    if "output_throughput" in one:
+        rows.append(_ratio("e_llama_cpp_one_stream", "(e) informational: vs llama.cpp one stream at a time",
+                           ours / one["output_throughput"], None, ">=",
+                           f"steploop 16 streams {ours:.1f} vs llama.cpp one stream {one['output_throughput']:.1f} "
+                           f"out tok/s ({one['requests']} of the requests, one at a time; llama.cpp's own 16-stream "
+                           f"batching is {many['output_throughput'] / one['output_throughput']:.2f}x its one stream)"))
+    return rows
+
+
+def targets(rows: list[dict]) -> dict:
+    """{key: {measured, target, op, pass}} for every row, the informational ones with target None."""
+    return {r.get("key", r["name"]): {"name": r["name"], "measured": r["value"], "target": r["target"], "op": r["op"],
+                       "unit": r["unit"], "pass": r["pass"]} for r in rows}
+
+
+def machine_line(info: dict) -> str:
+    """What the machine was, in one sentence (compare.json's "machine" has the fields)."""
+    parts = [f"{info['cpu']}, {info['cores']} cores"]
+    if info.get("simd"):
+        parts.append("/".join(info["simd"]))
+    if info.get("memory_gib"):
+        parts.append(f"{info['memory_gib']:.0f} GiB RAM")
+    if info.get("os"):
+        parts.append(info["os"])
+    parts.append(f"GPU: {info['gpu']} (not used)" if info.get("gpu") else "no GPU")
+    versions = [f"torch {info['torch']}"] + [f"{k.replace('_', '-')} {info[k]}" for k in ("transformers",
+                                                                                          "llama_cpp_python")
+                                            if info.get(k)]
+    threads = info.get("engine_threads", info["torch_threads"])
+    return (f"{', '.join(parts)}; {', '.join(versions)}, Python {info['python']}; {threads} threads per engine "
+            "(gRPC worker, in-process engine, transformers and llama.cpp alike)")
 
 
 def _clean(f: dict) -> dict:
@@ -62,19 +108,37 @@ def _clean(f: dict) -> dict:
 
 
 def write(out_dir: pathlib.Path, info: dict, w, figures: dict, rows: list[dict]) -> None:
-    doc = {"machine": info, "workloads": vars(w), "ratios": rows, "figures": _clean(figures)}
+    doc = {"machine": info, "workloads": vars(w), "targets": targets(rows), "ratios": rows,
+           "figures": _clean(figures)}
     (out_dir / "compare.json").write_text(json.dumps(doc, indent=2, default=float))
     md = [f"# steploop compare ({'quick' if info['quick'] else 'full'} run)", "",
-          (f"{info['date']} on {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
-           f"({info['torch_threads']} threads per engine), no GPU. Load average "
-           f"{info['load_average_at_start'][0]:.1f} at start, {info['load_average_at_end'][0]:.1f} at end (other "
-           "engineers' tests shared the machine, so absolute figures are low and noisy; ratios were measured back "
-           f"to back). Wall time {info['wall_seconds']:.0f} s."),
-          "", markdown_table(rows), "",
+          f"Machine: {machine_line(info)}.", "",
+          (f"Run {info['date']}. Load average {info['load_average_at_start'][0]:.1f} at start, "
+           f"{info['load_average_at_end'][0]:.1f} at end (other engineers' tests shared the machine, so absolute "
+           f"figures are low and noisy; ratios were measured back to back). Wall time {info['wall_seconds']:.0f} s."),
+          "", workload_text(w), "", markdown_table(rows), "",
           ("Plots: `compare-throughput.png`, `compare-ratios.png`, `compare-ttft-itl.png` (cluster vs in-process), "
            "`compare-chunked-prefill.png`. Raw figures: `compare.json`. Re-run: `python benchmarks/compare.py` "
            "(`--quick` for a smoke run).")]
     (out_dir / "compare.md").write_text("\n".join(md) + "\n")
+
+
+def workload_text(w) -> str:
+    """The (a)/(b)/(e) workloads as run (w: compare.Workloads, or its vars from compare.json)."""
+    requests = getattr(w, "requests", w.concurrency)
+    lo, hi = round(w.output_len * (1 - w.range_ratio)), round(w.output_len * (1 + w.range_ratio))
+    text = (f"Workload (a), (a'), (b): {requests} requests of mixed lengths (prompts ~{w.input_len} tokens, outputs "
+            f"{lo}-{hi}, mean {w.output_len}; greedy, EOS ignored), at most {w.concurrency} in flight: a closed loop "
+            "in which a new request starts as one finishes (the bench client's --max-concurrency for the cluster, "
+            "InProcessEngine.run(max_concurrency=...) for the in-process engine). transformers `generate` (fp32) "
+            f"runs the same {requests} requests as padded static batches of {w.hf_batch}, and {w.hf_single} of them "
+            "one at a time.")
+    if hasattr(w, "llama_streams"):
+        text += (f" Workload (e): {w.llama_requests} requests (prompts ~{w.llama_input_len} tokens, outputs mean "
+                 f"{w.llama_output_len}), at most {w.llama_streams} in flight, through the steploop cluster and "
+                 f"through llama.cpp's batched decoding of {w.llama_streams} sequences (llama-cpp-python low-level "
+                 f"API, Q4_1 GGUF); {w.llama_single} of them through llama.cpp one stream at a time.")
+    return text
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -83,8 +147,10 @@ def markdown_table(rows: list[dict]) -> str:
         value = "—" if r["value"] is None else (
             f"{r['value']:.0%}" if r["unit"] == "share" else f"{r['value']:+.2f} ms" if r["unit"] == "ms"
             else f"{r['value']:.2f}x")
-        target = f"{r['op']} " + (f"{r['target']:.0%}" if r["unit"] == "share" else
-                                  f"+{r['target']:g} ms" if r["unit"] == "ms" else f"{r['target']:g}x")
-        result = "skipped" if r["pass"] is None else "pass" if r["pass"] else "FAIL"
+        target = "—" if r["target"] is None else f"{r['op']} " + (
+            f"{r['target']:.0%}" if r["unit"] == "share" else
+            f"+{r['target']:g} ms" if r["unit"] == "ms" else f"{r['target']:g}x")
+        result = ("info" if r["target"] is None else "skipped" if r["value"] is None
+                  else "pass" if r["pass"] else "FAIL")
         lines.append(f"| {r['name']} | {value} | {target} | {result} | {r['detail']} |")
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """HuggingFace transformers `generate` on the same weights (fp32, the converted model folder): one request at a
 time, and padded static batches (left padding; every row runs to the batch's longest output, only each
-request's own output tokens count)."""
+request's own output tokens count; batches run one after another, like compare.py's 2 batches of 64 over 128)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def static_batches(model, prompts: list[tuple[list[int], int]], batch_size: int)
         computed += (out.shape[1] - width) * len(batch)
         useful += sum(k for _, k in batch)
     seconds = time.perf_counter() - start
-    return {"requests": len(prompts), "batch_size": batch_size, "output_tokens": useful,
+    return {"requests": len(prompts), "batch_size": batch_size, "batches": -(-len(prompts) // batch_size),
+            "output_tokens": useful,
             "generated_incl_padding": computed, "seconds": seconds, "output_throughput": useful / seconds}
 
 

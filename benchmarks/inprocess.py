@@ -37,32 +37,53 @@ class InProcessEngine:
         return make_scheduler(self.sched_config, KVCacheManager(info.num_kv_blocks, info.block_size),
                               info.max_model_len, list(info.eos_token_ids))
 
-    def run(self, prompts: list[tuple[list[int], int]]) -> tuple[dict, list[RequestResult]]:
-        """All prompts arrive at once (like --max-concurrency N with N prompts); greedy, ignore_eos."""
+    def run(self, prompts: list[tuple[list[int], int]],
+            max_concurrency: int | None = None) -> tuple[dict, list[RequestResult]]:
+        """Greedy, ignore_eos. Without max_concurrency every prompt arrives at once; with it, a closed loop like
+        the bench client's --max-concurrency N: at most N requests are in the scheduler, and each time one
+        finishes the next prompt is added (before the next step is scheduled). TTFT and latency count from the
+        moment a request is added, as the client counts from when it sends."""
         sched = self._new_scheduler()
         results = {f"r{i}": RequestResult(prompt_len=len(ids)) for i, (ids, _) in enumerate(prompts)}
+        limit = max_concurrency or len(prompts)
+        pending = deque(enumerate(prompts))
+        live = 0
+        sent: dict[str, float] = {}
         last: dict[str, float] = {}
+
+        def admit() -> None:
+            nonlocal live
+            while pending and live < limit:
+                i, (ids, n) = pending.popleft()
+                rid = f"r{i}"
+                sent[rid] = results[rid].start_time = time.perf_counter()
+                sched.add_request(Request(rid, list(ids), SamplingParams(max_tokens=n, ignore_eos=True,
+                                                                          temperature=0.0)))
+                live += 1
+
         window = 2 if self.sched_config.async_scheduling else 1
         start = time.perf_counter()
-        for i, (ids, n) in enumerate(prompts):
-            sched.add_request(Request(f"r{i}", list(ids), SamplingParams(max_tokens=n, ignore_eos=True,
-                                                                         temperature=0.0)))
+        admit()
         outstanding: deque = deque()
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="forward") as pool:
             while outstanding or sched.has_unfinished_requests():
-                sent = False
+                sent_plan = False
                 if len(outstanding) < window and sched.has_unfinished_requests():
                     plan = sched.schedule()
                     if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
                         outstanding.append((plan, pool.submit(self.runner.execute, plan)))
-                        sent = True
-                if outstanding and (len(outstanding) == window or not sent):
+                        sent_plan = True
+                if outstanding and (len(outstanding) == window or not sent_plan):
                     plan, future = outstanding.popleft()
                     outputs = sched.update_from_output(plan, future.result())
                     now = time.perf_counter()
                     for out in outputs:
-                        self._record(results[out.request_id], out, now, start, last)
+                        self._record(results[out.request_id], out, now, sent[out.request_id], last)
+                        live -= bool(out.finished)
+                    admit()
         duration = time.perf_counter() - start
+        if pending or live:
+            raise RuntimeError(f"in-process run ended with {len(pending)} requests never added, {live} unfinished")
         ordered = list(results.values())
         return compute_metrics(ordered, duration), ordered
 
