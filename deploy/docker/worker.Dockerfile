@@ -6,6 +6,9 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX=""
 ENV PYTHONUNBUFFERED=1 STEPLOOP_CACHE_DIR=/models
 WORKDIR /app
+# gcc builds the fused CPU attention kernel (services/gpu_worker/cpu_kernels) for the CPU the container runs on,
+# once, at the first start (a second); without it the worker falls back to gather + SDPA.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY protos ./protos
 COPY scripts ./scripts

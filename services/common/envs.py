@@ -13,9 +13,10 @@ from typing import Any
 PREFIX = "STEPLOOP_"
 
 # Variables that are not flags.
-CACHE_DIR = PREFIX + "CACHE_DIR"      # where converted models live (default ~/.cache/steploop)
+CACHE_DIR = PREFIX + "CACHE_DIR"      # converted models, compiled CPU kernels (default ~/.cache/steploop)
 LOG_LEVEL = PREFIX + "LOG_LEVEL"      # DEBUG, INFO (default), WARNING
 LOG_FORMAT = PREFIX + "LOG_FORMAT"    # text (default) or json; also every service's --log-format
+CPU_ATTENTION_KERNEL = PREFIX + "CPU_ATTENTION_KERNEL"   # 0: the torch backend skips the fused C kernel on the CPU
 
 
 def env_name(flag: str) -> str:

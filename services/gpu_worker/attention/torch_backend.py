@@ -1,7 +1,12 @@
 """Paged attention in plain torch: the reference backend (and the CPU serving path).
 
 Per step (build_metadata), requests are split into two groups, decodes (1 query token) and the rest, so a
-long prompt chunk does not pad every decode to its length. For each group it builds, once:
+long prompt chunk does not pad every decode to its length. On the CPU in fp32, when the fused C kernel
+(cpu_kernels/paged_attention.c, built once when the backend is constructed; STEPLOOP_CPU_ATTENTION_KERNEL=0
+turns it off) is available, the first group is instead every request with query_len <= KERNEL_MAX_QUERY_LEN
+(decodes and short chunks such as draft verification): the kernel reads K/V straight from the paged cache, one
+call per layer, no gather and no mask. Longer chunks keep the path below, whose GEMMs beat the kernel's loops.
+For each SDPA group it builds, once:
 
     q_index   [g, max_q]          flat token index of each padded query (padding -> 0)
     q_valid   [g, max_q]          which padded queries are real
@@ -16,14 +21,21 @@ No per-request Python loop runs inside a layer.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from services.common import envs
 from services.gpu_worker.attention.backend import AttentionBackend, write_kv
 from services.gpu_worker.attention.metadata import CommonAttentionMetadata
+
+log = logging.getLogger(__name__)
+
+KERNEL_MAX_QUERY_LEN = 8   # longer chunks: gather + SDPA (the kernel's per-query loops lose to GEMMs)
 
 
 @dataclass
@@ -37,29 +49,80 @@ class _Group:
 
 
 @dataclass
+class _KernelGroup:
+    """Requests served by the C kernel: its arguments, sliced to these requests once per step."""
+    idx: torch.Tensor                # [g] int64 requests (for the SDPA fallback when the dtype is not fp32)
+    rows: torch.Tensor | None        # [n] int64 flat token index of each query; None: the whole batch, in order
+    block_tables: torch.Tensor       # [g, max_blocks] int32
+    query_start_loc: torch.Tensor    # [g + 1] int32, into the group's own n queries
+    seq_lens: torch.Tensor           # [g] int32
+    num_threads: int
+    fallback: _Group | None = None
+
+
+@dataclass
 class TorchAttentionMetadata:
     common: CommonAttentionMetadata
-    groups: list[_Group]
+    groups: list[_Group | _KernelGroup]
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.cpu_kernel = None       # the C kernel's entry point, used for fp32 steps on the CPU
+        if os.environ.get(envs.CPU_ATTENTION_KERNEL, "1").lower() in ("0", "false", "no", "off"):
+            why = f"{envs.CPU_ATTENTION_KERNEL}=0"
+        else:
+            from services.gpu_worker.cpu_kernels import paged_attention
+            if not paged_attention.supports(num_heads, num_kv_heads, head_dim):
+                why = f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim}: past the kernel's limits"
+            elif paged_attention.available():
+                self.cpu_kernel = paged_attention.paged_attention
+            else:
+                why = "the kernel did not build"
+        log.info("CPU attention: %s", f"fused C paged kernel for query_len <= {KERNEL_MAX_QUERY_LEN} (fp32), "
+                 "gather + SDPA for longer chunks" if self.cpu_kernel else f"gather + SDPA ({why})")
+
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        is_decode = common.query_lens_cpu == 1
-        groups = []
-        for selected in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode)):
-            if len(selected):
-                groups.append(_build_group(common, torch.from_numpy(selected).to(common.seq_lens.device)))
+        device = common.seq_lens.device
+        if self.cpu_kernel is not None and device.type == "cpu":
+            short = common.query_lens_cpu <= KERNEL_MAX_QUERY_LEN
+            kernel, rest = np.flatnonzero(short), np.flatnonzero(~short)
+            groups = [_build_kernel_group(common, kernel)] if len(kernel) else []
+        else:
+            is_decode = common.query_lens_cpu == 1
+            groups, rest = [], np.flatnonzero(~is_decode)
+            if is_decode.any():
+                groups.append(_build_group(common, torch.from_numpy(np.flatnonzero(is_decode)).to(device)))
+        if len(rest):
+            groups.append(_build_group(common, torch.from_numpy(rest).to(device)))
         return TorchAttentionMetadata(common, groups)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.common.slot_mapping)
-        out = torch.empty_like(q)                                         # [T, H, D]
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, H, D]
         for g in metadata.groups:
-            out[g.out_index] = self._attend(q, kv_cache, g)
+            if isinstance(g, _Group):
+                out[g.out_index] = self._attend(q, kv_cache, g)
+            elif q.dtype == kv_cache.dtype == torch.float32:
+                self._attend_kernel(q, kv_cache, g, out)
+            else:                                                         # e.g. --dtype bfloat16 on the CPU
+                g.fallback = g.fallback or _build_group(metadata.common, g.idx)
+                out[g.fallback.out_index] = self._attend(q, kv_cache, g.fallback)
         return out
+
+    def _attend_kernel(self, q: torch.Tensor, kv_cache: torch.Tensor, g: _KernelGroup, out: torch.Tensor) -> None:
+        if g.rows is None:
+            self.cpu_kernel(out, q.contiguous(), kv_cache, g.block_tables, g.query_start_loc, g.seq_lens, self.scale,
+                            g.num_threads)
+            return
+        o = q.new_empty((len(g.rows), self.num_heads, self.head_dim))
+        self.cpu_kernel(o, q[g.rows], kv_cache, g.block_tables, g.query_start_loc, g.seq_lens, self.scale,
+                        g.num_threads)
+        out[g.rows] = o
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, g: _Group) -> torch.Tensor:
         # index_select on the contiguous [blocks, ...] K and V views copies whole blocks; advanced indexing on dim 1
@@ -71,6 +134,22 @@ class TorchAttentionBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         return o.transpose(1, 2)[g.q_valid]                    # [n, H, D]
+
+
+def _build_kernel_group(common: CommonAttentionMetadata, selected: np.ndarray) -> _KernelGroup:
+    """selected [g]: the requests (batch rows, ascending) whose queries the C kernel serves."""
+    idx = torch.from_numpy(selected)
+    if len(selected) == common.num_reqs:
+        return _KernelGroup(idx, None, common.block_tables.contiguous(), common.query_start_loc, common.seq_lens,
+                            torch.get_num_threads())
+    q_lens = common.query_lens_cpu[selected]
+    query_start_loc = np.zeros(len(selected) + 1, np.int32)
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    batch_starts = np.cumsum(common.query_lens_cpu) - common.query_lens_cpu
+    shift = (batch_starts[selected] - query_start_loc[:-1]).astype(np.int64)    # batch index - group index
+    rows = np.repeat(shift, q_lens) + np.arange(query_start_loc[-1])
+    return _KernelGroup(idx, torch.from_numpy(rows), common.block_tables[idx].contiguous(),
+                        torch.from_numpy(query_start_loc), common.seq_lens[idx].contiguous(), torch.get_num_threads())
 
 
 def _build_group(common: CommonAttentionMetadata, idx: torch.Tensor) -> _Group:

@@ -1,0 +1,154 @@
+/* Paged decode attention on the CPU, fused: reads K/V straight from the paged cache (no gather copy), fp32.
+
+   One OpenMP work item per (query token, KV head): the G = H / Hk query heads sharing that KV head walk the
+   request's block table in order, scores by dot products over head_dim, online softmax (running max and sum,
+   one rescale per tile of <= 32 keys inside one block), V accumulated in L1; out[t, h, :] written at the end.
+   Query i of a request with seq_len L and query_len n attends keys j <= L - n + i (causal inside a short chunk).
+   Each work item reduces its keys in a fixed order, so a token's result does not depend on the rest of the batch.
+
+   The sums over head_dim and over a tile are plain loops that gcc vectorizes because build.py compiles with
+   -fassociative-math (+ -fno-signed-zeros -fno-trapping-math, which it requires): it then adds the vector lanes
+   pairwise. An `omp simd reduction` adds them one after another (16 dependent adds per dot product), which made
+   the kernel ~1.9x slower with K/V in cache, ~1.3x from DRAM. The reassociation is fixed at compile time, so
+   results stay deterministic.
+
+   Layouts (all contiguous): q, out [T, H, D]; kv_cache [2, num_blocks, block_size, Hk, D] (0 = K, 1 = V);
+   block_tables [R, max_blocks] int32; query_start_loc [R + 1] int32; seq_lens [R] int32.
+   Returns 0, or -1 when an argument is out of range (e.g. a block id past num_blocks, query_start_loc past q's
+   num_q_tokens rows); the plan is checked before any K/V is read, and out is then left untouched. */
+
+#include <math.h>
+#include <stdint.h>
+
+#define MAX_G 64      /* query heads per KV head */
+#define MAX_D 256     /* head_dim */
+#define MAX_GD 8192   /* G * head_dim: the stack holds the group's scaled queries and accumulators */
+#define TILE 32       /* keys scored per softmax rescale */
+
+/* exp(x) for x <= 0 (and -inf), ~2 ulp, vectorizable (glibc's expf is a scalar call without -ffast-math):
+   exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a degree-6 polynomial (Cephes). */
+static inline float exp_nonpos(float x)
+{
+    x = x > -87.0f ? x : -87.0f;                            /* exp(-87) ~ 1.6e-38: 0 for our sums */
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;    /* ln 2 split in two for an exact product */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
+    return p * two_n.f;
+}
+
+static inline __attribute__((always_inline)) void attend(
+    float *restrict out, const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+    const int32_t *restrict table, int64_t num_keys, int64_t G, int64_t D, int64_t block_size, int64_t row,
+    float scale)
+{
+    float qs[MAX_GD] __attribute__((aligned(64)));
+    float acc[MAX_GD] __attribute__((aligned(64)));
+    float s[MAX_G * TILE], m[MAX_G], l[MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            qs[g * D + d] = q[g * D + d] * scale;
+            acc[g * D + d] = 0.0f;
+        }
+    }
+    for (int64_t first = 0, n; first < num_keys; first += n) {   /* a tile never crosses a block boundary */
+        int64_t off = first % block_size;
+        n = block_size - off;
+        n = n < TILE ? n : TILE;
+        n = n < num_keys - first ? n : num_keys - first;
+        int64_t base = ((int64_t)table[first / block_size] * block_size + off) * row;
+        const float *kt = k_cache + base, *vt = v_cache + base;
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            float *sg = s + g * TILE;
+            for (int64_t j = 0; j < n; j++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; d++)
+                    dot += qg[d] * kt[j * row + d];
+                sg[j] = dot;
+            }
+            float mx = m[g], sum = 0.0f;
+            #pragma omp simd reduction(max:mx)
+            for (int64_t j = 0; j < n; j++)
+                mx = sg[j] > mx ? sg[j] : mx;
+            for (int64_t j = 0; j < n; j++) {
+                sg[j] = exp_nonpos(sg[j] - mx);
+                sum += sg[j];
+            }
+            float alpha = exp_nonpos(m[g] - mx);
+            l[g] = l[g] * alpha + sum;
+            m[g] = mx;
+            float *ag = acc + g * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++)
+                ag[d] *= alpha;
+            for (int64_t j = 0; j < n; j++) {
+                float p = sg[j];
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++)
+                    ag[d] += p * vt[j * row + d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++)
+            out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
+int steploop_paged_attention(float *out, const float *q, const float *kv_cache, const int32_t *block_tables,
+                             const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_q_tokens,
+                             int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
+                             int num_threads)
+{
+    if (num_reqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_G
+        || head_dim <= 0 || head_dim > MAX_D || num_heads / num_kv_heads * head_dim > MAX_GD
+        || block_size <= 0 || num_threads <= 0 || query_start_loc[0] < 0 || query_start_loc[num_reqs] > num_q_tokens)
+        return -1;
+    /* Validate the plan first, so the parallel loop cannot read outside the cache. */
+    for (int64_t r = 0; r < num_reqs; r++) {
+        int64_t n = query_start_loc[r + 1] - query_start_loc[r], len = seq_lens[r];
+        if (n < 0 || len < n || (len + block_size - 1) / block_size > max_blocks)
+            return -1;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
+            if (block_tables[r * max_blocks + b] < 0 || block_tables[r * max_blocks + b] >= num_blocks)
+                return -1;
+    }
+    const int64_t G = num_heads / num_kv_heads, D = head_dim, row = num_kv_heads * head_dim;
+    const int64_t num_tokens = query_start_loc[num_reqs] - query_start_loc[0];
+    const float *v_all = kv_cache + num_blocks * block_size * row;
+
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_tokens * num_kv_heads; item++) {
+        int64_t t = query_start_loc[0] + item / num_kv_heads, hk = item % num_kv_heads;
+        int64_t lo = 0, hi = num_reqs - 1;          /* the request owning token t: last r with start <= t */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (query_start_loc[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        int64_t r = lo, n = query_start_loc[r + 1] - query_start_loc[r];
+        int64_t num_keys = seq_lens[r] - n + (t - query_start_loc[r]) + 1;
+        const float *qh = q + (t * num_heads + hk * G) * D;
+        float *oh = out + (t * num_heads + hk * G) * D;
+        const int32_t *table = block_tables + r * max_blocks;
+        const float *k = kv_cache + hk * D, *v = v_all + hk * D;
+        /* Constant head sizes let the compiler keep the accumulators in vector registers. */
+        if (D == 64)
+            attend(oh, qh, k, v, table, num_keys, G, 64, block_size, row, scale);
+        else if (D == 128)
+            attend(oh, qh, k, v, table, num_keys, G, 128, block_size, row, scale);
+        else
+            attend(oh, qh, k, v, table, num_keys, G, D, block_size, row, scale);
+    }
+    return 0;
+}
