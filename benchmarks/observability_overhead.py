@@ -19,7 +19,8 @@
               next configuration's run.
 
    Reports output tok/s per configuration (median, min-max), the per-round ratios on/off (median, min-max), the
-   cost (1 - median ratio) and the spans received.
+   cost (1 - median ratio) and the spans received; and CPU time per output token of the three service processes
+   (/proc/PID/stat), the steadier measure on a shared machine, with its on/off ratios.
 2. Scheduler-only loop (the worst case: no forward, no gRPC). The real Scheduler with a fake worker, the
    EngineObserver hooks called where EngineLoop calls them: off (no hooks) / metrics / tracing (SDK provider,
    spans dropped). Time per step, the ratio, and that added time as a share of a step with a --forward-ms forward.
@@ -167,6 +168,21 @@ async def _load(base_url: str, reqs, concurrency: int, scrape_interval: float) -
     return summary, scrapes
 
 
+def cpu_seconds(cluster) -> dict[str, float]:
+    """CPU time (user + system) each service process has used so far, from /proc/PID/stat. On a shared 2-core
+    machine wall-clock throughput swings by +-10% between identical runs; CPU time per token hardly does, and
+    metrics or tracing cost CPU time, so it is the finer measure of what they cost."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, proc in cluster.procs.items():
+        try:
+            fields = pathlib.Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick     # utime, stime (fields 14, 15 of stat)
+    return out
+
+
 def metric_samples(base_url: str) -> int:
     """Samples in one /metrics scrape of the gateway (its own and the engine's)."""
     import urllib.request
@@ -214,19 +230,26 @@ def measure(args: argparse.Namespace, tok, sink: SpanSink):
             for config in CONFIGS[r % 3:] + CONFIGS[:r % 3]:
                 time.sleep(args.pause)
                 interval = args.scrape_interval if config != "off" else 0
+                cpu_before = cpu_seconds(clusters[config])
                 summary, took = asyncio.run(_load(clusters[config].base_url, reqs, args.concurrency, interval))
+                cpu_after = cpu_seconds(clusters[config])
                 if summary["total_output_tokens"] != args.requests * args.output_len:
                     raise RuntimeError(f"{config}: {summary['total_output_tokens']} output tokens, expected "
                                        f"{args.requests * args.output_len} (ignore_eos not honoured?)")
                 if config == "tracing":       # its spans reach the collector before the next run starts
                     expected += SPANS_PER_REQUEST * args.requests
                     drains.append(sink.wait_for(expected, args.drain_timeout))
+                    cpu_after = cpu_seconds(clusters[config])      # exporting is part of tracing's cost
+                tokens = summary["total_output_tokens"]
+                cpu_ms = {k: 1e3 * (cpu_after[k] - cpu_before[k]) / tokens for k in cpu_after if k in cpu_before}
                 scrapes[config] += took
                 runs[config].append({"round": r, "output_throughput": summary["output_throughput"],
                                      "duration": summary["duration"], "median_ttft_ms": summary["median_ttft_ms"],
-                                     "median_tpot_ms": summary["median_tpot_ms"]})
+                                     "median_tpot_ms": summary["median_tpot_ms"],
+                                     "cpu_ms_per_token": {**cpu_ms, "total": sum(cpu_ms.values())}})
                 print(f"round {r + 1}/{args.rounds} {config:8s} {summary['output_throughput']:7.1f} tok/s "
-                      f"({summary['duration']:.1f} s, {len(took)} scrapes)", flush=True)
+                      f"({summary['duration']:.1f} s, {len(took)} scrapes), CPU {sum(cpu_ms.values()):.2f} ms/token "
+                      f"({', '.join(f'{k} {v:.2f}' for k, v in cpu_ms.items())})", flush=True)
         samples = {config: metric_samples(clusters[config].base_url) for config in CONFIGS}
     finally:
         stop_clusters(clusters)          # SIGTERM: each service flushes its last spans at exit
@@ -256,6 +279,17 @@ def run_e2e(args: argparse.Namespace) -> dict:
 
     ratios = {"metrics_vs_off": ratio("metrics", "off"), "tracing_vs_off": ratio("tracing", "off"),
               "tracing_vs_metrics": ratio("tracing", "metrics")}
+    cpu = {c: [run["cpu_ms_per_token"]["total"] for run in runs[c]] for c in CONFIGS}
+    cpu_by_round = {c: {run["round"]: run["cpu_ms_per_token"]["total"] for run in runs[c]} for c in CONFIGS}
+
+    def cpu_ratio(on: str, off: str) -> dict:
+        per_round = [cpu_by_round[on][r] / cpu_by_round[off][r] for r in range(args.rounds)]
+        return {**spread(per_round), "per_round": per_round,
+                "ratio_of_medians": statistics.median(cpu[on]) / statistics.median(cpu[off])}
+
+    cpu_ratios = {"metrics_vs_off": cpu_ratio("metrics", "off"), "tracing_vs_off": cpu_ratio("tracing", "off")}
+    per_service = {c: {k: statistics.median(run["cpu_ms_per_token"][k] for run in runs[c])
+                       for k in runs[c][0]["cpu_ms_per_token"]} for c in CONFIGS}
     cost = {"metrics": 1 - ratios["metrics_vs_off"]["median"],
             "metrics_and_tracing": 1 - ratios["tracing_vs_off"]["median"],
             "tracing_over_metrics": 1 - ratios["tracing_vs_metrics"]["median"]}
@@ -280,6 +314,10 @@ def run_e2e(args: argparse.Namespace) -> dict:
         "runs": runs,
         "ratios": ratios,
         "cost": cost,
+        "cpu_ms_per_token": {"median_by_service": per_service, "ratios": cpu_ratios,
+                             "outside_forward": outside_forward_cost(per_service),
+                             "cost": {"metrics": cpu_ratios["metrics_vs_off"]["median"] - 1,
+                                      "metrics_and_tracing": cpu_ratios["tracing_vs_off"]["median"] - 1}},
         "target": f"cost <= {TARGET_COST:.0%} of output-token throughput",
         "verdict": {"metrics": verdict(ratios["metrics_vs_off"]),
                     "metrics_and_tracing": verdict(ratios["tracing_vs_off"])},
@@ -435,6 +473,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"results in {out_path}")
 
 
+def outside_forward_cost(per_service: dict) -> dict:
+    """The worker's CPU time is its forward pass (two threads, busy or spinning), which swings with the machine's
+    load by far more than 2%; the gateway's and scheduler's are where per-request and per-token metrics and spans
+    are recorded. Their extra CPU ms per token over `off`, as a share of all CPU ms per token with `off`."""
+    def outside(config: str) -> float:
+        return per_service[config].get("gateway", 0.0) + per_service[config].get("scheduler", 0.0)
+
+    base = per_service["off"]["total"]
+    return {config: {"extra_ms_per_token": outside(config) - outside("off"),
+                     "share_of_total": (outside(config) - outside("off")) / base}
+            for config in ("metrics", "tracing")}
+
+
 def print_summary(e2e: dict) -> None:
     print("\noutput tok/s, median [min-max] over", e2e["workload"]["rounds"], "rounds:")
     for config, t in e2e["output_throughput"].items():
@@ -446,6 +497,16 @@ def print_summary(e2e: dict) -> None:
           f"(target <= {TARGET_COST:.0%}; off runs spread {e2e['noise_off_runs_spread']:.1%})")
     for name, text in e2e["verdict"].items():
         print(f"  {name}: {text}")
+    c = e2e["cpu_ms_per_token"]
+    print("CPU ms per output token (all three services), median by service:")
+    for config, by in c["median_by_service"].items():
+        print(f"  {config:8s} " + ", ".join(f"{k} {v:.2f}" for k, v in by.items()))
+    for name, r in c["ratios"].items():
+        print(f"  {name:20s} {r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]")
+    print("  CPU cost:", ", ".join(f"{k} {v:+.1%}" for k, v in c["cost"].items()))
+    print("  gateway + scheduler CPU added per token:", ", ".join(
+        f"{k} {v['extra_ms_per_token']:+.3f} ms ({v['share_of_total']:+.2%} of all CPU per token)"
+        for k, v in c["outside_forward"].items()))
     s = e2e["spans"]
     print(f"  spans received {s['received']} of {s['expected']} expected, {s['exports']} exports, "
           f"{s['by_service']}")
