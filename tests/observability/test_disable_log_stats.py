@@ -6,30 +6,22 @@ samples, and the scheduler logs no per-request line."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 import aiohttp
 import pytest
 
 from services.common import metrics, observability
-from services.gateway.app import create_app
-from services.gateway.config import GatewayConfig
 from services.gateway.config import add_cli_args as gateway_args
-from services.gateway.engine_client import EngineClient
-from services.gateway.server import bound_port, start_site
 from services.gpu_worker import metrics as worker_metrics
 from services.gpu_worker import server as worker_server
-from services.gpu_worker.config import WorkerConfig
 from services.scheduler import server as scheduler_server
-from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import EngineObserver, NullEngineObserver
 from services.scheduler.server import SchedulerService
-from services.scheduler.server_config import ServerConfig
 from services.serve import build_parser as serve_parser
 from services.serve import validate_configs
+from tests.observability.inprocess_cluster import MODEL, inprocess_cluster
 from tests.observability.scrape import parse
-from tests.observability.test_tracing import FakeRunner
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
@@ -59,9 +51,6 @@ def test_not_with_tracing():
 async def one_request(tokenizer, monkeypatch) -> tuple[SchedulerService, str, list]:
     """One completion through the three services; returns the scheduler, the gateway's /metrics text and the
     worker observers built, after everything stopped."""
-    svc = await SchedulerService(SchedulerConfig(), ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=1.0,
-                                                                 log_stats_interval=0)).start()
-    address = f"127.0.0.1:{svc.port}"
     built, make = [], worker_metrics.make_observer
 
     def keep(info):
@@ -69,32 +58,15 @@ async def one_request(tokenizer, monkeypatch) -> tuple[SchedulerService, str, li
         return built[-1]
 
     monkeypatch.setattr(worker_server, "make_observer", keep)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(worker_server.serve(WorkerConfig(scheduler_address=address, block_size=4),
-                                                     runner=FakeRunner(), stop=stop))
-    engine = EngineClient(address)
-    app = create_app(GatewayConfig(port=0, served_model_name="test-model"), engine, tokenizer)
-    runner, _ = await start_site(app, "127.0.0.1", 0, 1.0)
-    try:
-        while svc.loop.link is None:
-            await asyncio.sleep(0.01)
-        base = f"http://127.0.0.1:{bound_port(runner)}"
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"{base}/v1/completions", json={
-                    "model": "test-model", "prompt": "Hi", "max_tokens": 4, "temperature": 0,
-                    "ignore_eos": True}) as resp:
-                assert resp.status == 200, await resp.text()
-                assert (await resp.json())["usage"]["completion_tokens"] == 4
-            async with http.get(f"{base}/metrics") as resp:
-                assert resp.status == 200
-                text = await resp.text()
-    finally:
-        await runner.cleanup()
-        await engine.close()
-        stop.set()
-        await worker
-        await svc.stop()
-    return svc, text, built
+    async with inprocess_cluster(tokenizer) as cluster, aiohttp.ClientSession() as http:
+        async with http.post(f"{cluster.base_url}/v1/completions", json={
+                "model": MODEL, "prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["usage"]["completion_tokens"] == 4
+        async with http.get(f"{cluster.base_url}/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+    return cluster.scheduler, text, built
 
 
 async def test_disabled_serves_and_records_nothing(tokenizer, monkeypatch, caplog):

@@ -4,8 +4,6 @@ one tracer provider whose exporter keeps spans in memory. And with tracing off, 
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -13,64 +11,21 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common import tracing
-from services.common.step_contract import WorkerInfo
-from services.gateway.app import create_app
-from services.gateway.config import GatewayConfig
-from services.gateway.engine_client import EngineClient
-from services.gateway.server import bound_port, start_site
-from services.gpu_worker import server as worker_server
-from services.gpu_worker.config import WorkerConfig
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.server import SchedulerService
-from services.scheduler.server_config import ServerConfig
-from tests.scheduler.sched_factories import EOS, FakeWorker
+from tests.observability.inprocess_cluster import MODEL, inprocess_cluster
 
 pytestmark = pytest.mark.asyncio
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
-class FakeRunner:
-    """What gpu_worker.server needs of a ModelRunner: info, execute(plan), reset()."""
-
-    def __init__(self) -> None:
-        self.info = WorkerInfo(worker_id="fake-0", model_name="fake-model", block_size=4, num_kv_blocks=256,
-                               max_model_len=2048, vocab_size=49152, eos_token_ids=(EOS,))
-        self.reset()
-
-    def execute(self, plan):
-        return self.worker.execute(plan)
-
-    def reset(self) -> None:
-        self.worker = FakeWorker(block_size=4)
-
-
 async def one_request(tokenizer, headers: dict) -> dict:
-    """Gateway + scheduler + worker in this loop; one chat completion; everything stopped again."""
-    svc = await SchedulerService(SchedulerConfig(), ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=1.0,
-                                                                 log_stats_interval=0)).start()
-    address = f"127.0.0.1:{svc.port}"
-    stop = asyncio.Event()
-    worker = asyncio.create_task(worker_server.serve(WorkerConfig(scheduler_address=address, block_size=4),
-                                                     runner=FakeRunner(), stop=stop))
-    engine = EngineClient(address)
-    app = create_app(GatewayConfig(port=0, served_model_name="test-model"), engine, tokenizer)
-    runner, _ = await start_site(app, "127.0.0.1", 0, 1.0)
-    try:
-        while svc.loop.link is None:
-            await asyncio.sleep(0.01)
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"http://127.0.0.1:{bound_port(runner)}/v1/chat/completions", headers=headers,
-                                 json={"model": "test-model", "max_tokens": 4, "temperature": 0,
-                                       "messages": [{"role": "user", "content": "Hi"}]}) as resp:
-                assert resp.status == 200, await resp.text()
-                return await resp.json()
-    finally:
-        await runner.cleanup()
-        await engine.close()
-        stop.set()
-        await worker
-        await svc.stop()
+    """One chat completion through gateway + scheduler + worker in this loop; everything stopped again."""
+    async with (inprocess_cluster(tokenizer) as cluster, aiohttp.ClientSession() as http,
+                http.post(f"{cluster.base_url}/v1/chat/completions", headers=headers,
+                          json={"model": MODEL, "max_tokens": 4, "temperature": 0,
+                                "messages": [{"role": "user", "content": "Hi"}]}) as resp):
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
 
 
 @pytest.fixture
