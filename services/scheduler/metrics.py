@@ -213,7 +213,7 @@ class EngineObserver:
 
     # ---- counters the scheduler keeps -----------------------------------------------------------------------
     def scheduler_counters(self) -> Counter:
-        """Preemptions, prefix-cache and spec-decode counts since start, across scheduler rebuilds."""
+        """Preemptions, prefix-cache, spec-decode and prefill-pacing counts since start, across scheduler rebuilds."""
         sched = self.loop.scheduler
         if sched is not self._sched:
             if self._sched is not None:
@@ -222,10 +222,12 @@ class EngineObserver:
         return self._base + self._counts(sched) if sched is not None else Counter(self._base)
 
     def _counts(self, sched: Any) -> Counter:
-        stats, prefix = sched.stats, sched.kv.prefix_cache_stats
+        stats, prefix, pacer = sched.stats, sched.kv.prefix_cache_stats, sched.pacer
         return Counter(preemptions=stats.num_preemptions, prefix_queries=prefix.queries,
-                                    prefix_hits=prefix.hits, spec_drafts=stats.num_spec_steps,
-                                    draft_tokens=stats.num_draft_tokens, accepted_tokens=stats.num_accepted_tokens)
+                       prefix_hits=prefix.hits, spec_drafts=stats.num_spec_steps,
+                       draft_tokens=stats.num_draft_tokens, accepted_tokens=stats.num_accepted_tokens,
+                       paced_steps=pacer.num_paced_steps if pacer else 0,
+                       deferred_prompt_tokens=pacer.num_deferred_tokens if pacer else 0)
 
     # ---- Prometheus -----------------------------------------------------------------------------------------
     def collect(self):

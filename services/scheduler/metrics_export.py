@@ -82,6 +82,7 @@ def families(obs: Any, labels: list[str]) -> Iterator:
                                   str(sched.kv.enable_prefix_caching)], 1.0)
         yield info
     yield from _steploop(obs, labels)
+    yield from _pacing(counts, sched, labels)
 
 
 def _spec_decode(counts: Any, labels: list[str]) -> Iterator:
@@ -92,6 +93,19 @@ def _spec_decode(counts: Any, labels: list[str]) -> Iterator:
     drafts = counts["draft_tokens"]
     yield _gauge("steploop:spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.", labels,
                  counts["accepted_tokens"] / drafts if drafts else 0.0)
+
+
+def _pacing(counts: Any, sched: Any, labels: list[str]) -> Iterator:
+    """Prefill pacing (--max-decode-slowdown): how often it held prompt tokens back, and the step-time model."""
+    yield _counter("steploop:prefill_paced_steps", "Steps in which prefill pacing cut a prompt chunk.", labels,
+                   counts["paced_steps"])
+    yield _counter("steploop:prefill_deferred_tokens", "Per step, prompt tokens the budget allowed but prefill pacing held back, summed.", labels,
+                   counts["deferred_prompt_tokens"])
+    coef = sched.pacer.cost.coefficients() if sched is not None and sched.pacer is not None else None
+    if coef is not None:
+        yield _gauge("steploop:step_cost_base_seconds", "Learned step time with no tokens (a).", labels, coef[0])
+        yield _gauge("steploop:step_cost_token_seconds", "Learned step time per scheduled token (b).", labels,
+                     coef[1])
 
 
 def _steploop(obs: Any, labels: list[str]) -> Iterator:

@@ -36,6 +36,9 @@ class PrefillPacer:
         self._step_tokens = 0                      # this step's whole shape, for the observation
         self._step_pairs = 0.0
         self._shapes: dict[int, tuple[int, float]] = {}    # step_id -> shape, until its result arrives
+        self.num_paced_steps = 0                   # steps in which pacing cut a prompt chunk (metrics)
+        self.num_deferred_tokens = 0               # per step, prompt tokens held back by those cuts, summed
+        self._cut_this_step = False
 
     # ---------------------------------------------------------------- building a step
     def begin_step(self, num_running: int) -> None:
@@ -43,6 +46,7 @@ class PrefillPacer:
         decodes, pairs = self._decode_tokens, self._decode_pairs
         self._decode_tokens, self._decode_pairs, self._step_tokens, self._step_pairs = 0, 0.0, 0, 0.0
         self._allowance = None
+        self._cut_this_step = False
         if decodes > num_running:
             pairs, decodes = pairs * num_running / decodes, num_running
         if decodes == 0:
@@ -62,6 +66,11 @@ class PrefillPacer:
         if k < self._min_left:
             k = min(num_new, self._min_left)
         self._min_left = max(self._min_left - k, 0)
+        if k < num_new:
+            self.num_deferred_tokens += num_new - k
+            if not self._cut_this_step:
+                self._cut_this_step = True
+                self.num_paced_steps += 1
         _, b, c = self._coef
         self._allowance = max(self._allowance - (b * k + c * attention_pairs(k, start + k)), 0.0)
         return k

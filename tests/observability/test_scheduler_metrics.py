@@ -85,6 +85,8 @@ async def test_counts_and_histograms_match_the_workload():
     assert value(s, "vllm:kv_cache_usage_perc") == 0
     assert value(s, "vllm:cache_config_info", block_size="4", num_gpu_blocks="256") == 1
     assert value(s, "steploop:worker_attaches_total") == 1 and value(s, "steploop:plan_bytes_total") > 0
+    # the fake worker reports no forward time, so the pacer's model never fits and never cuts a chunk
+    assert value(s, "steploop:prefill_paced_steps_total") == value(s, "steploop:prefill_deferred_tokens_total") == 0
     exported = {name for name, _ in s}
     for name in dashboard_metrics():                                # the Grafana dashboard reads only these
         assert name in exported, name

@@ -104,6 +104,7 @@ def test_prompt_chunks_slow_decoding_steps_by_at_most_the_ratio(async_scheduling
             # The allowance comes from the previous step's decodes and a fitted model: a few % of slack.
             assert true_cost(tokens, pairs) <= ratio * true_cost(dec_tokens, dec_pairs) * 1.05
     assert chunk_steps >= 10
+    assert sched.pacer.num_paced_steps >= 10 and sched.pacer.num_deferred_tokens > 1000    # what /metrics shows
     assert max(t - d for t, _, d, _ in worker.shapes[first:]) < 200     # never near the 2048 budget
 
 
@@ -119,6 +120,7 @@ def test_a_prompt_alone_keeps_the_whole_budget():
     sched.add_request(create_requests(1, prompt_len=1000, max_tokens=2, prefix="alone")[0])
     plan = step(sched, worker, Run())
     assert plan.num_scheduled_tokens == [512]
+    assert sched.pacer.num_paced_steps == 0
 
 
 def test_pacing_changes_no_output_and_can_be_turned_off():
