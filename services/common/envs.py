@@ -17,6 +17,7 @@ CACHE_DIR = PREFIX + "CACHE_DIR"      # converted models, compiled CPU kernels (
 LOG_LEVEL = PREFIX + "LOG_LEVEL"      # DEBUG, INFO (default), WARNING
 LOG_FORMAT = PREFIX + "LOG_FORMAT"    # text (default) or json; also every service's --log-format
 CPU_ATTENTION_KERNEL = PREFIX + "CPU_ATTENTION_KERNEL"   # 0: the torch backend skips the fused C kernel on the CPU
+CPU_PACKED_WEIGHTS = PREFIX + "CPU_PACKED_WEIGHTS"       # 0: CPU fp32 linears stay torch matmuls (no packed kernel)
 
 
 def env_name(flag: str) -> str:

@@ -26,6 +26,7 @@ from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.logits_processors import LogitsEdits
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import load_model
+from services.gpu_worker.model.packed_linear_layer import pack_linear_layers
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from services.gpu_worker.penalties import PenaltyInputs
 from services.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
@@ -70,6 +71,10 @@ class ModelRunner:
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
+        if device.type == "cpu" and dtype == torch.float32:
+            start = time.perf_counter()
+            summary = pack_linear_layers(model)
+            log.info("CPU linear layers: %s (%.2f s)", summary, time.perf_counter() - start)
         profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)  # noqa: E731
         num_blocks = kv_cache.decide_num_blocks(config, cfg, max_len, dtype, device, profile)
         caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)

@@ -20,7 +20,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    path = build()
+    path = build("paged_attention")
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))

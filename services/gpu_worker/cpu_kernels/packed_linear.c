@@ -1,0 +1,143 @@
+/* y = x @ W.T on the CPU in fp32, with W held in a lossless packed form of its block-quantized values.
+
+   Checkpoints dequantized from GGUF (the default model's Q4_1 layers and Q8_0 embedding) hold fp32 weights that are
+   exactly d * q + m per block of 32 along K. packed_weights.py recovers (d, m, q) and checks the round trip bit for
+   bit, so this kernel multiplies by the very same fp32 weights while reading 6 (Q4_1) or 9 (Q8_0) bits per weight
+   from memory instead of 32: at decode batch sizes the fp32 matmul is memory-bound on a small CPU.
+
+   Layout, per group of 16 output rows (g = n / 16), so one vector load yields 16 rows' values at one k:
+     Q4_1: qs uint8 [N/16][K/2][16]: byte = q(k even) | q(k odd) << 4;  d, m float [N/16][K/32][16]
+     Q8_0: qs int8  [N/16][K][16];                                       d      float [N/16][K/32][16]
+   A tile of 32 output rows is dequantized into a [K][32] fp32 scratch (exact: d * q is exact in fp32 since d is an
+   fp16 value and |q| < 256, so the fused multiply-add rounds once, as numpy's d * q + m does), then an MR x 32
+   register block accumulates broadcast(x[r, k]) * scratch[k, :] over k.
+
+   Every output y[r, n] is one fma chain over k = 0 .. K-1 in order, whatever M, the row's place in the batch, or
+   the register block it fell in: a token's result does not depend on the rest of the batch. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16s8 __attribute__((vector_size(16)));
+
+#define QK 32    /* weights per quantization block along K */
+#define G 16     /* output rows per layout group (one vector) */
+#define NR 32    /* output rows per tile (two groups) */
+#define MR 8     /* x rows per register block */
+
+enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
+
+static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* dequantize group g (16 rows) into scratch columns [col, col + 16) of a [K][NR] tile */
+static void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t g, int64_t K, float *tile,
+                         int64_t col)
+{
+    const uint8_t *q = qs + g * (K / 2) * G;
+    const float *dg = d + g * (K / QK) * G, *mg = m + g * (K / QK) * G;
+    for (int64_t b = 0; b < K / QK; b++) {
+        v16f db = load16(dg + b * G), mb = load16(mg + b * G);
+        for (int64_t p = 0; p < QK / 2; p++) {
+            int64_t k = b * QK + 2 * p;
+            v16u8 bytes;
+            memcpy(&bytes, q + (k / 2) * G, sizeof bytes);
+            v16i iv = __builtin_convertvector(bytes, v16i);
+            store16(tile + k * NR + col, __builtin_convertvector(iv & 15, v16f) * db + mb);
+            store16(tile + (k + 1) * NR + col, __builtin_convertvector(iv >> 4, v16f) * db + mb);
+        }
+    }
+}
+
+static void dequant_q8_0(const int8_t *qs, const float *d, int64_t g, int64_t K, float *tile, int64_t col)
+{
+    const int8_t *q = qs + g * K * G;
+    const float *dg = d + g * (K / QK) * G;
+    for (int64_t b = 0; b < K / QK; b++) {
+        v16f db = load16(dg + b * G);
+        for (int64_t j = 0; j < QK; j++) {
+            int64_t k = b * QK + j;
+            v16s8 bytes;
+            memcpy(&bytes, q + k * G, sizeof bytes);
+            store16(tile + k * NR + col, __builtin_convertvector(__builtin_convertvector(bytes, v16i), v16f) * db);
+        }
+    }
+}
+
+/* y[r, 0:16*nv] = sum_k x[r, k] * tile[k, 0:16*nv] for r < mr; mr and nv are constants after inlining */
+static inline __attribute__((always_inline)) void block(int mr, int nv, const float *restrict x, int64_t K,
+                                                        const float *restrict tile, float *restrict y, int64_t N)
+{
+    v16f acc[MR][2];
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++)
+            acc[r][v] = (v16f){0};
+    for (int64_t k = 0; k < K; k++) {
+        v16f w0 = load16(tile + k * NR), w1 = nv > 1 ? load16(tile + k * NR + G) : (v16f){0};
+        for (int r = 0; r < mr; r++) {
+            float xv = x[r * K + k];
+            acc[r][0] += xv * w0;
+            if (nv > 1)
+                acc[r][1] += xv * w1;
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++)
+            store16(y + r * N + v * G, acc[r][v]);
+}
+
+#define BLOCK_CASE(R)                                   \
+    case R:                                             \
+        if (nv == 2)                                    \
+            block(R, 2, x, K, tile, y, N);              \
+        else                                            \
+            block(R, 1, x, K, tile, y, N);              \
+        break;
+
+static void block_dispatch(int mr, int nv, const float *x, int64_t K, const float *tile, float *y, int64_t N)
+{
+    switch (mr) {
+        BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4)
+        BLOCK_CASE(5) BLOCK_CASE(6) BLOCK_CASE(7) BLOCK_CASE(8)
+    }
+}
+
+/* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 32 == 0. Returns 0, or -1 on bad sizes or no memory. */
+int steploop_packed_linear(float *y, const float *x, const void *qs, const float *d, const float *m, int64_t M,
+                           int64_t N, int64_t K, int kind, int num_threads)
+{
+    if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK || (kind != KIND_Q4_1 && kind != KIND_Q8_0))
+        return -1;
+    if (M == 0)
+        return 0;
+    int64_t num_tiles = (N + NR - 1) / NR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *tile = aligned_alloc(64, (size_t)K * NR * sizeof(float));
+        if (!tile)
+            failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; t++) {
+            if (!tile)
+                continue;
+            int nv = (N - t * NR) >= NR ? 2 : 1;
+            for (int v = 0; v < nv; v++) {
+                if (kind == KIND_Q4_1)
+                    dequant_q4_1(qs, d, m, t * 2 + v, K, tile, v * G);
+                else
+                    dequant_q8_0(qs, d, t * 2 + v, K, tile, v * G);
+            }
+            for (int64_t r = 0; r < M; r += MR) {
+                int mr = M - r < MR ? (int)(M - r) : MR;
+                block_dispatch(mr, nv, x + r * K, K, tile, y + r * N + t * NR, N);
+            }
+        }
+        free(tile);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,56 @@
+"""ctypes front end of packed_linear.c: y = x @ W.T in fp32 with W read from its packed Q4_1 / Q8_0 form.
+
+    if available():                       # builds/loads the library on first call
+        y = packed_linear(x, packed, num_threads)      # packed: packed_weights.pack(weight)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from services.gpu_worker.cpu_kernels.build import build
+from services.gpu_worker.cpu_kernels.packed_weights import PackedWeight
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    path = build("packed_linear")
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    fn = lib.steploop_packed_linear
+    fn.argtypes = [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32 on the CPU -> [..., N] fp32."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] != packed.in_features:
+        raise ValueError(f"packed_linear: expected fp32 CPU input [..., {packed.in_features}], got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, packed.in_features).contiguous()
+    y = out if out is not None else torch.empty(x2.shape[0], packed.out_features, dtype=torch.float32)
+    if y.shape != (x2.shape[0], packed.out_features) or y.dtype != torch.float32 or not y.is_contiguous():
+        raise ValueError(f"packed_linear: out must be a contiguous fp32 [{x2.shape[0]}, {packed.out_features}]")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the packed linear library is not available (see build.py's warning)")
+    m = packed.m if packed.m is not None else packed.d
+    rc = lib.steploop_packed_linear(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(),
+                                    m.data_ptr(), x2.shape[0], packed.out_features, packed.in_features, packed.kind,
+                                    num_threads)
+    if rc:
+        raise RuntimeError("packed_linear: bad sizes or out of memory")
+    return y.view(*lead, packed.out_features)

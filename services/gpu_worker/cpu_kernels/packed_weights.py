@@ -1,0 +1,119 @@
+"""Lossless packing of fp32 weights that came from GGUF block quantization (Q4_1, Q8_0), for packed_linear.c.
+
+A checkpoint dequantized from GGUF holds, per block of 32 weights along K, exactly
+    Q4_1: w = d * q + m,  q in 0..15,      d, m fp16 values (llama.cpp sets m to the block minimum: q = 0 there)
+    Q8_0: w = d * q,      q in -127..127,  d an fp16 value (the block's largest |w| has |q| = 127)
+pack() recovers (d, m, q) from the fp32 values and keeps the result only when d * q + m gives back every weight bit
+for bit, so the kernel computes with the checkpoint's own numbers. Weights that never were quantized fail the check
+and stay fp32. The layout groups 16 output rows so one vector load reads one k of 16 rows (see packed_linear.c).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QK = 32          # weights per block along K
+GROUP = 16       # output rows per layout group
+Q4_1, Q8_0 = 0, 1
+KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+
+
+@dataclass
+class PackedWeight:
+    kind: int
+    qs: torch.Tensor          # Q4_1: uint8 [N/16, K/2, 16] (k even low nibble); Q8_0: int8 [N/16, K, 16]
+    d: torch.Tensor           # fp32 [N/16, K/32, 16]
+    m: torch.Tensor | None    # fp32 [N/16, K/32, 16] (Q4_1 only)
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.view(torch.int32) == b.view(torch.int32)).all(-1)
+
+
+def _is_fp16(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t)
+
+
+def _fp16_candidates(d: torch.Tensor) -> list[torch.Tensor]:
+    """fp16 values at and next to d: llama.cpp rounds d to fp16 from values we no longer have."""
+    bits = d.half().view(torch.int16)
+    return [(bits + step).clamp(min=0).view(torch.float16).float() for step in (0, 1, -1, 2, -2)]
+
+
+def _recover_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    m = blocks.amin(-1)
+    if not _is_fp16(m):
+        return None
+    q_out = torch.zeros(blocks.shape, dtype=torch.uint8)
+    d_out = torch.zeros_like(m)
+    done = torch.zeros(m.shape, dtype=torch.bool)
+    offset = blocks - m[..., None]
+    for d in _fp16_candidates((blocks.amax(-1) - m) / 15):
+        positive = d > 0
+        q = torch.where(positive[..., None], torch.round(offset / torch.where(positive, d, 1.0)[..., None]),
+                        0.0).clamp(0, 15).to(torch.uint8)              # checked as stored: integers
+        ok = _same_bits(d[..., None] * q.float() + m[..., None], blocks) & ~done
+        q_out[ok], d_out[ok] = q[ok], d[ok]
+        done |= ok
+        if bool(done.all()):
+            return q_out, d_out, m
+    return None
+
+
+def _recover_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    d = blocks.abs().amax(-1) / 127
+    if not _is_fp16(d):
+        return None
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0)[..., None]).clamp(-127, 127).to(torch.int8)
+    if not bool(_same_bits(d[..., None] * q.float(), blocks).all()):     # an integer q: no -0.0
+        return None
+    return q, d
+
+
+def _grouped(scales: torch.Tensor) -> torch.Tensor:
+    """[N, K/32] -> [N/16, K/32, 16]"""
+    n, nb = scales.shape
+    return scales.view(n // GROUP, GROUP, nb).permute(0, 2, 1).contiguous()
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """weight [N, K] fp32 -> its packed form (Q4_1 tried first), or None when it is not exactly either."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if n % GROUP or k % QK or n == 0:
+        return None
+    blocks = weight.detach().cpu().reshape(n, k // QK, QK)
+    q4 = _recover_q4_1(blocks)
+    if q4 is not None:
+        q, d, m = q4
+        pairs = q.view(n // GROUP, GROUP, k // 2, 2).permute(0, 2, 1, 3)      # [N/16, K/2, 16, (even, odd)]
+        qs = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+        return PackedWeight(Q4_1, qs, _grouped(d), _grouped(m), n, k)
+    q8 = _recover_q8_0(blocks)
+    if q8 is not None:
+        q, d = q8
+        qs = q.view(n // GROUP, GROUP, k).permute(0, 2, 1).contiguous()       # [N/16, K, 16]
+        return PackedWeight(Q8_0, qs, _grouped(d), None, n, k)
+    return None
+
+
+def unpack(packed: PackedWeight) -> torch.Tensor:
+    """The fp32 weight [N, K] back (tests and checks)."""
+    n, k = packed.out_features, packed.in_features
+    d = packed.d.permute(0, 2, 1).reshape(n, k // QK, 1)
+    if packed.kind == Q4_1:
+        qs = packed.qs.permute(0, 2, 1).reshape(n, k // 2)                   # [N, K/2] bytes
+        q = torch.stack([qs & 15, qs >> 4], dim=-1).reshape(n, k // QK, QK).float()
+        m = packed.m.permute(0, 2, 1).reshape(n, k // QK, 1)
+        return (d * q + m).reshape(n, k)
+    q = packed.qs.permute(0, 2, 1).reshape(n, k // QK, QK).float()
+    return (d * q).reshape(n, k)

@@ -1,0 +1,129 @@
+"""Lossless weight packing (cpu_kernels/packed_weights.py) and the packed fp32 matmul (packed_linear.c): the packed
+form gives back every weight bit for bit, the kernel matches x @ W.T, a row's result does not depend on its batch,
+and the worker swaps exactly the packable layers of the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from services.common import envs
+from services.gpu_worker.cpu_kernels import packed_linear as kernel
+from services.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q8_0, pack, unpack
+from services.gpu_worker.model.packed_linear_layer import PackedLinear, pack_linear_layers
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="the C kernel did not build (no gcc?)")
+
+
+def gguf_q4_1(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random weights through llama.cpp's quantize_row_q4_1_ref and its dequantizer (fp16 d and min, fp32 math)."""
+    x = torch.randn(n, k // 32, 32, generator=torch.Generator().manual_seed(seed)) * 0.05
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.clamp(((x - lo) / torch.where(d > 0, d, 1.0) + 0.5).floor(), max=15)
+    return (d.half().float() * q + lo.half().float()).reshape(n, k)
+
+
+def gguf_q8_0(n: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(n, k // 32, 32, generator=torch.Generator().manual_seed(seed))
+    d = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(x / d).to(torch.int8).float()          # stored as int8 by llama.cpp: no -0.0
+    return (d.half().float() * q).reshape(n, k)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("make, kind", [(gguf_q4_1, Q4_1), (gguf_q8_0, Q8_0)])
+def test_pack_round_trip_is_bit_exact(make, kind):
+    w = make(48, 96, seed=1)
+    w[5, :32] = 0.25 if kind == Q4_1 else 0.0            # a constant block: d = 0
+    packed = pack(w)
+    assert packed is not None and packed.kind == kind and (packed.out_features, packed.in_features) == (48, 96)
+    assert same_bits(unpack(packed), w)
+    assert packed.nbytes < w.numel() * 4 / 3
+
+
+def test_weights_that_are_not_quantized_stay_fp32():
+    w = torch.randn(32, 64)
+    assert pack(w) is None                               # plain fp32
+    q = gguf_q4_1(32, 64, seed=2)
+    q[3, 7] = torch.nextafter(q[3, 7], torch.tensor(1.0))   # one weight off its grid
+    assert pack(q) is None
+    assert pack(gguf_q4_1(24, 64, seed=3)) is None       # N not a multiple of 16
+    assert pack(gguf_q4_1(32, 64, seed=3)[:, :48]) is None   # K not a multiple of 32
+    assert pack(gguf_q4_1(32, 64, seed=3).double()) is None
+
+
+@pytest.mark.parametrize("n, k", [(48, 64), (64, 96), (16, 32)])      # 48: a tail tile of 16 rows
+@pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0])
+def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k):
+    w = make(n, k, seed=n + k)
+    packed = pack(w)
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(7))
+    full = kernel.packed_linear(x, packed, num_threads=2)
+    ref = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    for m in (1, 7, 8, 9, 13):                           # register blocks of 8 rows: full, partial, both
+        part = kernel.packed_linear(x[:m], packed, num_threads=1)
+        assert same_bits(part, full[:m]), m
+    alone = kernel.packed_linear(x[12:13], packed, num_threads=2)
+    assert same_bits(alone[0], full[12])
+    assert kernel.packed_linear(x[:0], packed, 2).shape == (0, n)
+    assert kernel.packed_linear(x.view(3, 7, k), packed, 2).shape == (3, 7, n)
+
+
+def test_kernel_rejects_bad_input():
+    packed = pack(gguf_q4_1(32, 64, seed=4))
+    with pytest.raises(ValueError, match="fp32 CPU input"):
+        kernel.packed_linear(torch.randn(2, 32), packed, 1)
+    with pytest.raises(ValueError, match="fp32 CPU input"):
+        kernel.packed_linear(torch.randn(2, 64, dtype=torch.float64), packed, 1)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        kernel.packed_linear(torch.randn(2, 64), packed, 1, out=torch.empty(2, 16))
+
+
+def test_packed_linear_module_adds_bias():
+    linear = nn.Linear(64, 32)
+    linear.weight.data = gguf_q4_1(32, 64, seed=5)
+    layer = PackedLinear(pack(linear.weight.data), linear.bias)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-6)
+
+
+def test_real_model_weights_pack_losslessly(model_dir):
+    """Every linear weight of the default model (GGUF Q4_1 layers, Q8_0 embedding) packs and unpacks bit for bit."""
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        for name, kind in (("model.layers.0.self_attn.q_proj.weight", Q4_1), ("model.layers.7.mlp.down_proj.weight",
+                                                                               Q4_1),
+                           ("model.embed_tokens.weight", Q8_0)):
+            w = f.get_tensor(name)
+            packed = pack(w)
+            assert packed is not None and packed.kind == kind, name
+            assert same_bits(unpack(packed), w), name
+
+
+def test_pack_linear_layers_swaps_only_packable_layers(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 32, bias=False))
+    model[0].weight.data = gguf_q4_1(32, 64, seed=6)
+    x = torch.randn(3, 64)
+    expected = model(x)
+    monkeypatch.setenv(envs.CPU_PACKED_WEIGHTS, "0")
+    assert "=0" in pack_linear_layers(model) and isinstance(model[0], nn.Linear)
+    monkeypatch.delenv(envs.CPU_PACKED_WEIGHTS)
+    summary = pack_linear_layers(model)
+    assert summary.startswith("packed 1 of 2 linear weights losslessly (1 Q4_1)")
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2], nn.Linear)     # random weights stay fp32
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_worker_packs_the_default_model(runner):
+    """The session's ModelRunner (CPU, fp32) runs every linear layer, lm_head included, on packed weights; the
+    greedy-vs-transformers tests in this folder therefore check the kernel end to end."""
+    model = runner.model
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    assert model.lm_head.packed.kind == Q8_0 and model.model.layers[0].mlp.down_proj.packed.kind == Q4_1
