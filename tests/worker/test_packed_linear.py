@@ -63,17 +63,18 @@ def test_weights_that_are_not_quantized_stay_fp32():
 def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k):
     w = make(n, k, seed=n + k)
     packed = pack(w)
-    x = torch.randn(21, k, generator=torch.Generator().manual_seed(7))
-    full = kernel.packed_linear(x, packed, num_threads=2)
+    x = torch.randn(45, k, generator=torch.Generator().manual_seed(7))
+    full = kernel.packed_linear(x, packed, num_threads=2)           # > 32 rows: the scratch-tile path
     ref = (x.double() @ w.double().T).float()
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
-    for m in (1, 7, 8, 9, 13):                           # register blocks of 8 rows: full, partial, both
+    # the fused path (<= 32 rows, passes of 16) and the scratch path's register blocks of 8, full and partial
+    for m in (1, 7, 8, 9, 13, 16, 17, 32, 33, 40):
         part = kernel.packed_linear(x[:m], packed, num_threads=1)
         assert same_bits(part, full[:m]), m
     alone = kernel.packed_linear(x[12:13], packed, num_threads=2)
     assert same_bits(alone[0], full[12])
     assert kernel.packed_linear(x[:0], packed, 2).shape == (0, n)
-    assert kernel.packed_linear(x.view(3, 7, k), packed, 2).shape == (3, 7, n)
+    assert kernel.packed_linear(x[:21].view(3, 7, k), packed, 2).shape == (3, 7, n)
 
 
 def test_kernel_rejects_bad_input():

@@ -8,9 +8,10 @@
    Layout, per group of 16 output rows (g = n / 16), so one vector load yields 16 rows' values at one k:
      Q4_1: qs uint8 [N/16][K/2][16]: byte = q(k even) | q(k odd) << 4;  d, m float [N/16][K/32][16]
      Q8_0: qs int8  [N/16][K][16];                                       d      float [N/16][K/32][16]
-   A tile of 32 output rows is dequantized into a [K][32] fp32 scratch (exact: d * q is exact in fp32 since d is an
-   fp16 value and |q| < 256, so the fused multiply-add rounds once, as numpy's d * q + m does), then an MR x 32
-   register block accumulates broadcast(x[r, k]) * scratch[k, :] over k.
+   Dequantizing is exact: d * q is exact in fp32 since d is an fp16 value and |q| < 256, so the fused multiply-add
+   rounds once, as numpy's d * q + m does. Up to 32 rows of x (decode batches), each 16-row group is dequantized in
+   registers and used at once; larger batches dequantize a tile of 32 output rows into a [K][32] fp32 scratch once,
+   then MR x 32 register blocks accumulate broadcast(x[r, k]) * scratch[k, :] over k.
 
    Every output y[r, n] is one fma chain over k = 0 .. K-1 in order, whatever M, the row's place in the batch, or
    the register block it fell in: a token's result does not depend on the rest of the batch. */
@@ -28,6 +29,8 @@ typedef int8_t v16s8 __attribute__((vector_size(16)));
 #define G 16     /* output rows per layout group (one vector) */
 #define NR 32    /* output rows per tile (two groups) */
 #define MR 8     /* x rows per register block */
+#define FUSED_M 16        /* x rows per pass of the fused path */
+#define FUSED_MAX_M 32    /* batches up to this many rows take the fused path (measured: faster up to 32) */
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
@@ -106,6 +109,79 @@ static void block_dispatch(int mr, int nv, const float *x, int64_t K, const floa
     }
 }
 
+/* Small batches (M <= FUSED_MAX_M): no scratch; each group of 16 output rows is dequantized in registers, one pair
+   of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 32 fmas). */
+static inline __attribute__((always_inline)) void fused_q4_1(int mr, const float *restrict x, int64_t K,
+                                                             const uint8_t *restrict qs, const float *restrict d,
+                                                             const float *restrict m, int64_t g,
+                                                             float *restrict y, int64_t N)
+{
+    v16f acc[FUSED_M];
+    const uint8_t *q = qs + g * (K / 2) * G;
+    const float *dg = d + g * (K / QK) * G, *mg = m + g * (K / QK) * G;
+    for (int r = 0; r < mr; r++)
+        acc[r] = (v16f){0};
+    for (int64_t b = 0; b < K / QK; b++) {
+        v16f db = load16(dg + b * G), mb = load16(mg + b * G);
+        for (int64_t p = 0; p < QK / 2; p++) {
+            int64_t k = b * QK + 2 * p;
+            v16u8 bytes;
+            memcpy(&bytes, q + (k / 2) * G, sizeof bytes);
+            v16i iv = __builtin_convertvector(bytes, v16i);
+            v16f w0 = __builtin_convertvector(iv & 15, v16f) * db + mb;
+            v16f w1 = __builtin_convertvector(iv >> 4, v16f) * db + mb;
+            for (int r = 0; r < mr; r++)
+                acc[r] += x[r * K + k] * w0;
+            for (int r = 0; r < mr; r++)
+                acc[r] += x[r * K + k + 1] * w1;
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        store16(y + r * N + g * G, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float *restrict x, int64_t K,
+                                                             const int8_t *restrict qs, const float *restrict d,
+                                                             int64_t g, float *restrict y, int64_t N)
+{
+    v16f acc[FUSED_M];
+    const int8_t *q = qs + g * K * G;
+    const float *dg = d + g * (K / QK) * G;
+    for (int r = 0; r < mr; r++)
+        acc[r] = (v16f){0};
+    for (int64_t b = 0; b < K / QK; b++) {
+        v16f db = load16(dg + b * G);
+        for (int64_t j = 0; j < QK; j++) {
+            int64_t k = b * QK + j;
+            v16s8 bytes;
+            memcpy(&bytes, q + k * G, sizeof bytes);
+            v16f w = __builtin_convertvector(__builtin_convertvector(bytes, v16i), v16f) * db;
+            for (int r = 0; r < mr; r++)
+                acc[r] += x[r * K + k] * w;
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        store16(y + r * N + g * G, acc[r]);
+}
+
+#define FUSED_CASE(R)                                                  \
+    case R:                                                            \
+        if (kind == KIND_Q4_1)                                         \
+            fused_q4_1(R, x, K, qs, d, m, g, y, N);                    \
+        else                                                           \
+            fused_q8_0(R, x, K, qs, d, g, y, N);                       \
+        break;
+
+static void fused_dispatch(int mr, int kind, const float *x, int64_t K, const void *qs, const float *d,
+                           const float *m, int64_t g, float *y, int64_t N)
+{
+    switch (mr) {
+        FUSED_CASE(1) FUSED_CASE(2) FUSED_CASE(3) FUSED_CASE(4) FUSED_CASE(5) FUSED_CASE(6) FUSED_CASE(7)
+        FUSED_CASE(8) FUSED_CASE(9) FUSED_CASE(10) FUSED_CASE(11) FUSED_CASE(12) FUSED_CASE(13) FUSED_CASE(14)
+        FUSED_CASE(15) FUSED_CASE(16)
+    }
+}
+
 /* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 32 == 0. Returns 0, or -1 on bad sizes or no memory. */
 int steploop_packed_linear(float *y, const float *x, const void *qs, const float *d, const float *m, int64_t M,
                            int64_t N, int64_t K, int kind, int num_threads)
@@ -114,6 +190,14 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         return -1;
     if (M == 0)
         return 0;
+    if (M <= FUSED_MAX_M) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t g = 0; g < N / G; g++)
+            for (int64_t r = 0; r < M; r += FUSED_M)
+                fused_dispatch((int)(M - r < FUSED_M ? M - r : FUSED_M), kind, x + r * K, K, qs, d, m, g, y + r * N,
+                               N);
+        return 0;
+    }
     int64_t num_tiles = (N + NR - 1) / NR;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
