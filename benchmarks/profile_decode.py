@@ -39,6 +39,13 @@ def _phase_timer(runner):
 
     mr.prepare_step_inputs = timed("inputs", mr.prepare_step_inputs)
     runner.model.forward = timed("forward", runner.model.forward)
+    # inside forward: every linear layer but lm_head, and attention (summed per step below)
+    times["forward: linear layers"], times["forward: attention"] = [], []
+    for module in runner.model.model.modules():
+        if hasattr(module, "in_features") and hasattr(module, "out_features"):
+            module.forward = timed("forward: linear layers", module.forward)
+    backend = runner.model.backend
+    backend.forward = timed("forward: attention", backend.forward)
     runner.model.compute_logits = timed("logits", runner.model.compute_logits)
     runner.sampler = timed("sample", runner.sampler)
     return times
@@ -73,8 +80,13 @@ def main(argv=None) -> None:
     table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25)
     print(table)
     step = statistics.median(step_times)
-    phases = {k: statistics.median(v) * 1000 for k, v in times.items() if v}
-    phases["other (apply_plan, record, python)"] = step * 1000 - sum(phases.values())
+    layers = runner.model.config.num_hidden_layers
+    per_step = {"forward: linear layers": 4 * layers, "forward: attention": layers}     # calls per step
+    phases = {k: statistics.median(v) * 1000 * per_step.get(k, 1) for k, v in times.items() if v}
+    inner = sum(v for k, v in phases.items() if k.startswith("forward: "))
+    phases["forward: rest (norms, rotary, KV write, silu, python)"] = phases["forward"] - inner
+    phases["other (apply_plan, record, python)"] = step * 1000 - sum(v for k, v in phases.items()
+                                                                      if not k.startswith("forward: "))
     print(f"decode step, {args.batch} requests: median {step * 1000:.1f} ms ({args.batch / step:.0f} tok/s)")
     for k, v in phases.items():
         print(f"  {k:<40}{v:8.1f} ms {v / (step * 1000):6.1%}")

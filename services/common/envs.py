@@ -16,8 +16,17 @@ PREFIX = "STEPLOOP_"
 CACHE_DIR = PREFIX + "CACHE_DIR"      # converted models, compiled CPU kernels (default ~/.cache/steploop)
 LOG_LEVEL = PREFIX + "LOG_LEVEL"      # DEBUG, INFO (default), WARNING
 LOG_FORMAT = PREFIX + "LOG_FORMAT"    # text (default) or json; also every service's --log-format
+CPU_KERNELS = PREFIX + "CPU_KERNELS"                     # 0: no C kernel on the CPU at all (plain torch, the reference)
 CPU_ATTENTION_KERNEL = PREFIX + "CPU_ATTENTION_KERNEL"   # 0: the torch backend skips the fused C kernel on the CPU
 CPU_PACKED_WEIGHTS = PREFIX + "CPU_PACKED_WEIGHTS"       # 0: CPU fp32 linears stay torch matmuls (no packed kernel)
+
+
+def switched_off(*names: str) -> str | None:
+    """The first of these variables set to 0/false/no/off (then the feature they guard is off), else None."""
+    for name in names:
+        if os.environ.get(name, "1").lower() in ("0", "false", "no", "off"):
+            return name
+    return None
 
 
 def env_name(flag: str) -> str:

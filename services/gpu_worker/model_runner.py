@@ -25,6 +25,7 @@ from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.logits_processors import LogitsEdits
 from services.gpu_worker.model.llama import LlamaForCausalLM
+from services.gpu_worker.model.cpu_ops import use_cpu_ops
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.model.packed_linear_layer import pack_linear_layers
 from services.gpu_worker.model.model_config import LlamaModelConfig
@@ -75,6 +76,7 @@ class ModelRunner:
             start = time.perf_counter()
             summary = pack_linear_layers(model)
             log.info("CPU linear layers: %s (%.2f s)", summary, time.perf_counter() - start)
+            log.info("CPU elementwise ops: %s", use_cpu_ops(model))
         profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)  # noqa: E731
         num_blocks = kv_cache.decide_num_blocks(config, cfg, max_len, dtype, device, profile)
         caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)

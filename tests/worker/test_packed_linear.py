@@ -128,3 +128,5 @@ def test_worker_packs_the_default_model(runner):
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
     assert model.lm_head.packed.kind == Q8_0 and model.model.layers[0].mlp.down_proj.packed.kind == Q4_1
+    from services.gpu_worker.model.cpu_ops import CpuOps
+    assert model.model.layers[3].mlp.ops is CpuOps and model.rotary.ops is CpuOps    # and the C elementwise ops

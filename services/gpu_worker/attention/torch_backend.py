@@ -22,7 +22,6 @@ No per-request Python loop runs inside a layer.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,8 +71,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.cpu_kernel = None       # the C kernel's entry point, used for fp32 steps on the CPU
-        if os.environ.get(envs.CPU_ATTENTION_KERNEL, "1").lower() in ("0", "false", "no", "off"):
-            why = f"{envs.CPU_ATTENTION_KERNEL}=0"
+        off = envs.switched_off(envs.CPU_KERNELS, envs.CPU_ATTENTION_KERNEL)
+        if off:
+            why = f"{off}=0"
         else:
             from services.gpu_worker.cpu_kernels import paged_attention
             if not paged_attention.supports(num_heads, num_kv_heads, head_dim):

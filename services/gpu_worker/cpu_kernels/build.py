@@ -32,6 +32,8 @@ KERNELS = {
     "paged_attention": _COMMON + ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"],
     # explicit vector types; no reassociation, so each output stays one fma chain in k order
     "packed_linear": _COMMON,
+    # products and sums round one by one, as torch's separate elementwise ops do
+    "elementwise": _COMMON + ["-ffp-contract=off"],
 }
 
 

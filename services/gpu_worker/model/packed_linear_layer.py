@@ -3,13 +3,10 @@ PackedLinear (cpu_kernels/packed_linear.c): the same fp32 weights and fp32 arith
 per weight instead of 32. Decoding on a CPU is bound by reading the weights once per step, so this is what makes
 small batches fast; the fp32 copies are dropped (the embedding keeps its own table for lookups).
 
-STEPLOOP_CPU_PACKED_WEIGHTS=0 keeps every layer fp32 torch.
+STEPLOOP_CPU_PACKED_WEIGHTS=0 (or STEPLOOP_CPU_KERNELS=0) keeps every layer fp32 torch.
 """
 
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 from torch import nn
@@ -17,9 +14,6 @@ from torch import nn
 from services.common import envs
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, PackedWeight, pack
-
-log = logging.getLogger(__name__)
-
 
 class PackedLinear(nn.Module):
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None):
@@ -36,14 +30,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {KIND_NAMES[self.packed.kind]}"
 
 
-def disabled_by_env() -> bool:
-    return os.environ.get(envs.CPU_PACKED_WEIGHTS, "1").lower() in ("0", "false", "no", "off")
-
-
 def pack_linear_layers(model: nn.Module) -> str:
     """Replace each packable nn.Linear of a CPU fp32 model in place; returns a one-line summary for the log."""
-    if disabled_by_env():
-        return f"fp32 torch matmuls ({envs.CPU_PACKED_WEIGHTS}=0)"
+    off = envs.switched_off(envs.CPU_KERNELS, envs.CPU_PACKED_WEIGHTS)
+    if off:
+        return f"fp32 torch matmuls ({off}=0)"
     if not kernel.available():
         return "fp32 torch matmuls (the packed linear kernel did not build)"
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()

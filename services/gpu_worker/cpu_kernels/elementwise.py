@@ -1,0 +1,100 @@
+"""ctypes front end of elementwise.c: RMSNorm (+ residual), rotary (NeoX halves) and SiLU-and-mul, fp32 on the CPU.
+
+model/ops.py's CpuOps calls these with the same interface as TorchOps; `available()` builds the library once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from services.gpu_worker.cpu_kernels.build import build
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    path = build("elementwise")
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.steploop_rms_norm.argtypes = [_PTR] * 4 + [_I64, _I64, _F32, _INT]
+    lib.steploop_rotary_neox.argtypes = [_PTR] * 5 + [_I64] * 7 + [_INT]
+    lib.steploop_silu_and_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
+    for fn in (lib.steploop_rms_norm, lib.steploop_rotary_neox, lib.steploop_silu_and_mul):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _fp32_rows(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != dim or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous {dim}-d fp32 CPU tensor, got {tuple(t.shape)} {t.dtype} "
+                         f"on {t.device} (contiguous: {t.is_contiguous()})")
+
+
+def _call(rc: int, what: str) -> None:
+    if rc:
+        raise ValueError(f"{what}: bad arguments")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [T, H]: -> y (a new tensor); with residual [T, H]: residual += x, x = norm(residual), returns (x, residual)
+    (in place, as the Triton ops do)."""
+    _fp32_rows("x", x, 2)
+    _fp32_rows("weight", weight, 1)
+    if residual is not None:
+        _fp32_rows("residual", residual, 2)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    if weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    y = x if residual is not None else torch.empty_like(x)
+    _call(_library().steploop_rms_norm(y.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                                       weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()),
+          "rms_norm")
+    return y if residual is None else (y, residual)
+
+
+def _heads_view(name: str, t: torch.Tensor) -> None:
+    """[T, heads, D] with heads and D contiguous inside a row (a column slice of the fused qkv output is fine)."""
+    if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 3 or t.stride(2) != 1 \
+            or t.stride(1) != t.shape[2]:
+        raise ValueError(f"{name}: expected fp32 CPU [T, heads, D] with contiguous rows of heads, got "
+                         f"{tuple(t.shape)} strides {t.stride()} {t.dtype} on {t.device}")
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, Hk, D] rotated in place (returned); cos, sin [P, D]; positions [T]."""
+    _heads_view("q", q)
+    _heads_view("k", k)
+    _fp32_rows("cos", cos, 2)
+    _fp32_rows("sin", sin, 2)
+    pos = positions.to(torch.int64).contiguous()
+    t, h, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or pos.shape != (t,) or cos.shape != sin.shape or cos.shape[1] != d:
+        raise ValueError(f"rotary: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(pos.shape)}, "
+                         f"cos {tuple(cos.shape)}")
+    _call(_library().steploop_rotary_neox(q.data_ptr(), k.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                          t, h, k.shape[1], d, q.stride(0), k.stride(0), cos.shape[0],
+                                          torch.get_num_threads()),
+          "rotary (a position past the cos/sin table?)")
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:] as a new [T, I] tensor."""
+    _fp32_rows("x", x, 2)
+    if x.shape[1] % 2:
+        raise ValueError(f"silu_and_mul: odd width {x.shape[1]}")
+    out = x.new_empty((x.shape[0], x.shape[1] // 2))
+    _call(_library().steploop_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2,
+                                           torch.get_num_threads()), "silu_and_mul")
+    return out

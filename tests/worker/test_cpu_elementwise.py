@@ -1,0 +1,77 @@
+"""The C elementwise ops (cpu_kernels/elementwise.c via model/cpu_ops.py's CpuOps) against TorchOps, the reference:
+RMSNorm (+ residual), rotary and SiLU-and-mul, in place where the interface says so, rows independent of the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common import envs
+from services.gpu_worker.cpu_kernels import elementwise as kernel
+from services.gpu_worker.model.cpu_ops import CpuOps, use_cpu_ops
+from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
+from services.gpu_worker.model.ops import TorchOps
+from services.gpu_worker.model.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="the C kernels did not build (no gcc?)")
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("t, h", [(1, 576), (16, 576), (40, 64), (3, 100)])     # 100: not a multiple of 16
+def test_rms_norm_matches_torch(t, h):
+    x, res, w = rand(t, h, seed=1), rand(t, h, seed=2), rand(h, seed=3)
+    want_y, want_res = TorchOps.rms_norm(x.clone(), w, 1e-5, res.clone())
+    x2, res2 = x.clone(), res.clone()
+    y, new_res = CpuOps.rms_norm(x2, w, 1e-5, res2)
+    assert y.data_ptr() == x2.data_ptr() and new_res.data_ptr() == res2.data_ptr()     # in place, like triton
+    assert torch.equal(new_res, want_res)                              # the residual add rounds as torch's
+    torch.testing.assert_close(y, want_y, rtol=2e-6, atol=1e-6)        # only the sum of squares' order differs
+    plain = CpuOps.rms_norm(x, w, 1e-5)                                # no residual: x is kept (layer 0 needs it)
+    assert torch.equal(x, rand(t, h, seed=1))
+    torch.testing.assert_close(plain, TorchOps.rms_norm(x, w, 1e-5), rtol=2e-6, atol=1e-6)
+    assert torch.equal(CpuOps.rms_norm(x[-1:].clone(), w, 1e-5), plain[-1:])      # a row alone: same bits
+
+
+def test_rotary_matches_torch_bit_for_bit_on_qkv_slices():
+    rope = RotaryEmbedding(64, 300, 10000.0, None)
+    rope.build_cache(torch.device("cpu"), torch.float32)
+    t, hq, hk = 12, 9, 3
+    qkv = rand(t, (hq + 2 * hk) * 64, seed=4)
+    positions = torch.tensor([0, 1, 2, 299, 5, 17, 40, 41, 100, 7, 8, 250])
+    q, k, _ = qkv.split([hq * 64, hk * 64, hk * 64], dim=-1)
+    q, k = q.view(t, hq, 64), k.view(t, hk, 64)                        # strided views, as the model makes them
+    want_q, want_k = TorchOps.rotary(positions, q.clone(), k.clone(), rope.cos, rope.sin)
+    v_before = qkv[:, -hk * 64:].clone()
+    got_q, got_k = CpuOps.rotary(positions, q, k, rope.cos, rope.sin)
+    assert got_q.data_ptr() == q.data_ptr()                           # in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv[:, -hk * 64:], v_before)                    # v untouched
+    with pytest.raises(ValueError, match="position"):
+        kernel.rotary(torch.tensor([300] * t), q, k, rope.cos, rope.sin)
+
+
+@pytest.mark.parametrize("t, inter", [(1, 1536), (16, 1536), (5, 40)])     # 40: a tail of 8 lanes
+def test_silu_and_mul_matches_torch(t, inter):
+    x = rand(t, 2 * inter, seed=5) * 4
+    x[0, :3] = torch.tensor([-120.0, 90.0, 0.0])                       # exp's clamps
+    got = CpuOps.silu_and_mul(x)
+    torch.testing.assert_close(got, TorchOps.silu_and_mul(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(CpuOps.silu_and_mul(x[-1:]), got[-1:])          # a row alone: same bits
+
+
+def test_other_dtypes_fall_back_to_torch():
+    x, w = rand(4, 64).double(), rand(64).double()
+    torch.testing.assert_close(CpuOps.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5))
+    torch.testing.assert_close(CpuOps.silu_and_mul(x), TorchOps.silu_and_mul(x))
+
+
+def test_use_cpu_ops_swaps_modules_and_obeys_the_switch(monkeypatch):
+    model = torch.nn.ModuleList([RMSNorm(64, 1e-5), LlamaMLP(64, 128, False), RMSNorm(64, 1e-5, ops=CpuOps)])
+    monkeypatch.setenv(envs.CPU_KERNELS, "0")
+    assert "CPU_KERNELS=0" in use_cpu_ops(model) and model[0].ops is TorchOps
+    monkeypatch.delenv(envs.CPU_KERNELS)
+    assert use_cpu_ops(model).startswith("C kernels in 2 modules")
+    assert model[0].ops is CpuOps and model[1].ops is CpuOps
