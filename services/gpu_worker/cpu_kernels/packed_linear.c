@@ -9,8 +9,8 @@
      Q4_1: qs uint8 [N/16][K/2][16]: byte = q(k even) | q(k odd) << 4;  d, m float [N/16][K/32][16]
      Q8_0: qs int8  [N/16][K][16];                                       d      float [N/16][K/32][16]
    Dequantizing is exact: d * q is exact in fp32 since d is an fp16 value and |q| < 256, so the fused multiply-add
-   rounds once, as numpy's d * q + m does. Up to 32 rows of x (decode batches), each 16-row group is dequantized in
-   registers and used at once; larger batches dequantize a tile of 32 output rows into a [K][32] fp32 scratch once,
+   rounds once, as numpy's d * q + m does. For small batches each 16-row group is dequantized in registers and used
+   at once; larger batches dequantize a tile of 32 output rows into a [K][32] fp32 scratch once,
    then MR x 32 register blocks accumulate broadcast(x[r, k]) * scratch[k, :] over k.
 
    Every output y[r, n] is one fma chain over k = 0 .. K-1 in order, whatever M, the row's place in the batch, or
@@ -22,20 +22,53 @@
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int8_t v16s8 __attribute__((vector_size(16)));
 
 #define QK 32    /* weights per quantization block along K */
 #define G 16     /* output rows per layout group (one vector) */
 #define NR 32    /* output rows per tile (two groups) */
 #define MR 8     /* x rows per register block */
 #define FUSED_M 16        /* x rows per pass of the fused path */
-#define FUSED_MAX_M 32    /* batches up to this many rows take the fused path (measured: faster up to 32) */
+/* batches up to this many rows take the fused path (measured in benchmarks/packed_linear.py: the scratch tile is
+   faster from 16 rows for Q4_1, whose dequantizing is cheap, and from ~32 for Q8_0) */
+#define FUSED_MAX_M_Q4_1 12
+#define FUSED_MAX_M_Q8_0 32
+#define MAX_GB 4          /* 16-row groups walked side by side in the fused path */
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
 static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+
+/* 16 bytes widened to 16 int32 lanes. gcc scalarizes __builtin_convertvector from 8-bit lanes (dozens of byte
+   inserts per vector, which made dequantizing ~4x slower), so the x86 widening instructions are spelled out. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline v16i widen_u8(const uint8_t *p) { return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline v16i widen_s8(const int8_t *p) { return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline v16i widen_u8(const uint8_t *p)
+{
+    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    v16i v;
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+}
+static inline v16i widen_s8(const int8_t *p)
+{
+    __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    v16i v;
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+}
+#else
+static inline v16i widen_u8(const uint8_t *p) { v16i v; for (int i = 0; i < 16; i++) v[i] = p[i]; return v; }
+static inline v16i widen_s8(const int8_t *p) { v16i v; for (int i = 0; i < 16; i++) v[i] = p[i]; return v; }
+#endif
 
 /* dequantize group g (16 rows) into scratch columns [col, col + 16) of a [K][NR] tile */
 static void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t g, int64_t K, float *tile,
@@ -47,9 +80,7 @@ static void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int6
         v16f db = load16(dg + b * G), mb = load16(mg + b * G);
         for (int64_t p = 0; p < QK / 2; p++) {
             int64_t k = b * QK + 2 * p;
-            v16u8 bytes;
-            memcpy(&bytes, q + (k / 2) * G, sizeof bytes);
-            v16i iv = __builtin_convertvector(bytes, v16i);
+            v16i iv = widen_u8(q + (k / 2) * G);
             store16(tile + k * NR + col, __builtin_convertvector(iv & 15, v16f) * db + mb);
             store16(tile + (k + 1) * NR + col, __builtin_convertvector(iv >> 4, v16f) * db + mb);
         }
@@ -64,9 +95,7 @@ static void dequant_q8_0(const int8_t *qs, const float *d, int64_t g, int64_t K,
         v16f db = load16(dg + b * G);
         for (int64_t j = 0; j < QK; j++) {
             int64_t k = b * QK + j;
-            v16s8 bytes;
-            memcpy(&bytes, q + k * G, sizeof bytes);
-            store16(tile + k * NR + col, __builtin_convertvector(__builtin_convertvector(bytes, v16i), v16f) * db);
+            store16(tile + k * NR + col, __builtin_convertvector(widen_s8(q + k * G), v16f) * db);
         }
     }
 }
@@ -109,76 +138,103 @@ static void block_dispatch(int mr, int nv, const float *x, int64_t K, const floa
     }
 }
 
-/* Small batches (M <= FUSED_MAX_M): no scratch; each group of 16 output rows is dequantized in registers, one pair
-   of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 32 fmas). */
-static inline __attribute__((always_inline)) void fused_q4_1(int mr, const float *restrict x, int64_t K,
+/* Small batches (M <= FUSED_MAX_M_*): no scratch; each group of 16 output rows is dequantized in registers, one pair
+   of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 32 fmas). With
+   few rows, gb groups are walked side by side: their fma chains are independent, so the CPU overlaps them instead
+   of waiting out each fma's latency (each output is still one chain in k order). */
+static inline __attribute__((always_inline)) void fused_q4_1(int mr, int gb, const float *restrict x, int64_t K,
                                                              const uint8_t *restrict qs, const float *restrict d,
-                                                             const float *restrict m, int64_t g,
+                                                             const float *restrict m, int64_t g0,
                                                              float *restrict y, int64_t N)
 {
-    v16f acc[FUSED_M];
-    const uint8_t *q = qs + g * (K / 2) * G;
-    const float *dg = d + g * (K / QK) * G, *mg = m + g * (K / QK) * G;
+    v16f acc[FUSED_M][MAX_GB];
     for (int r = 0; r < mr; r++)
-        acc[r] = (v16f){0};
+        for (int j = 0; j < gb; j++)
+            acc[r][j] = (v16f){0};
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db = load16(dg + b * G), mb = load16(mg + b * G);
+        v16f db[MAX_GB], mb[MAX_GB];
+        for (int j = 0; j < gb; j++) {
+            db[j] = load16(d + ((g0 + j) * (K / QK) + b) * G);
+            mb[j] = load16(m + ((g0 + j) * (K / QK) + b) * G);
+        }
         for (int64_t p = 0; p < QK / 2; p++) {
             int64_t k = b * QK + 2 * p;
-            v16u8 bytes;
-            memcpy(&bytes, q + (k / 2) * G, sizeof bytes);
-            v16i iv = __builtin_convertvector(bytes, v16i);
-            v16f w0 = __builtin_convertvector(iv & 15, v16f) * db + mb;
-            v16f w1 = __builtin_convertvector(iv >> 4, v16f) * db + mb;
-            for (int r = 0; r < mr; r++)
-                acc[r] += x[r * K + k] * w0;
-            for (int r = 0; r < mr; r++)
-                acc[r] += x[r * K + k + 1] * w1;
+            for (int j = 0; j < gb; j++) {
+                v16i iv = widen_u8(qs + ((g0 + j) * (K / 2) + k / 2) * G);
+                v16f w0 = __builtin_convertvector(iv & 15, v16f) * db[j] + mb[j];
+                v16f w1 = __builtin_convertvector(iv >> 4, v16f) * db[j] + mb[j];
+                for (int r = 0; r < mr; r++)
+                    acc[r][j] += x[r * K + k] * w0;
+                for (int r = 0; r < mr; r++)
+                    acc[r][j] += x[r * K + k + 1] * w1;
+            }
         }
     }
     for (int r = 0; r < mr; r++)
-        store16(y + r * N + g * G, acc[r]);
+        for (int j = 0; j < gb; j++)
+            store16(y + r * N + (g0 + j) * G, acc[r][j]);
 }
 
-static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float *restrict x, int64_t K,
+static inline __attribute__((always_inline)) void fused_q8_0(int mr, int gb, const float *restrict x, int64_t K,
                                                              const int8_t *restrict qs, const float *restrict d,
-                                                             int64_t g, float *restrict y, int64_t N)
+                                                             int64_t g0, float *restrict y, int64_t N)
 {
-    v16f acc[FUSED_M];
-    const int8_t *q = qs + g * K * G;
-    const float *dg = d + g * (K / QK) * G;
+    v16f acc[FUSED_M][MAX_GB];
     for (int r = 0; r < mr; r++)
-        acc[r] = (v16f){0};
+        for (int j = 0; j < gb; j++)
+            acc[r][j] = (v16f){0};
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db = load16(dg + b * G);
-        for (int64_t j = 0; j < QK; j++) {
-            int64_t k = b * QK + j;
-            v16s8 bytes;
-            memcpy(&bytes, q + k * G, sizeof bytes);
-            v16f w = __builtin_convertvector(__builtin_convertvector(bytes, v16i), v16f) * db;
-            for (int r = 0; r < mr; r++)
-                acc[r] += x[r * K + k] * w;
+        v16f db[MAX_GB];
+        for (int j = 0; j < gb; j++)
+            db[j] = load16(d + ((g0 + j) * (K / QK) + b) * G);
+        for (int64_t i = 0; i < QK; i++) {
+            int64_t k = b * QK + i;
+            for (int j = 0; j < gb; j++) {
+                v16f w = __builtin_convertvector(widen_s8(qs + ((g0 + j) * K + k) * G), v16f) * db[j];
+                for (int r = 0; r < mr; r++)
+                    acc[r][j] += x[r * K + k] * w;
+            }
         }
     }
     for (int r = 0; r < mr; r++)
-        store16(y + r * N + g * G, acc[r]);
+        for (int j = 0; j < gb; j++)
+            store16(y + r * N + (g0 + j) * G, acc[r][j]);
 }
+
+#define FUSED_GB(R, GB)                                                \
+    if (kind == KIND_Q4_1)                                             \
+        fused_q4_1(R, GB, x, K, qs, d, m, g, y, N);                    \
+    else                                                               \
+        fused_q8_0(R, GB, x, K, qs, d, g, y, N);
 
 #define FUSED_CASE(R)                                                  \
     case R:                                                            \
-        if (kind == KIND_Q4_1)                                         \
-            fused_q4_1(R, x, K, qs, d, m, g, y, N);                    \
-        else                                                           \
-            fused_q8_0(R, x, K, qs, d, g, y, N);                       \
+        if (gb == 4) {                                                 \
+            FUSED_GB(R, 4)                                             \
+        } else if (gb == 2) {                                          \
+            FUSED_GB(R, 2)                                             \
+        } else {                                                       \
+            FUSED_GB(R, 1)                                             \
+        }                                                              \
         break;
 
-static void fused_dispatch(int mr, int kind, const float *x, int64_t K, const void *qs, const float *d,
+static void fused_dispatch(int mr, int gb, int kind, const float *x, int64_t K, const void *qs, const float *d,
                            const float *m, int64_t g, float *y, int64_t N)
 {
     switch (mr) {
         FUSED_CASE(1) FUSED_CASE(2) FUSED_CASE(3) FUSED_CASE(4) FUSED_CASE(5) FUSED_CASE(6) FUSED_CASE(7)
         FUSED_CASE(8) FUSED_CASE(9) FUSED_CASE(10) FUSED_CASE(11) FUSED_CASE(12) FUSED_CASE(13) FUSED_CASE(14)
         FUSED_CASE(15) FUSED_CASE(16)
+    }
+}
+
+/* rows [0, M) of x through groups [g0, g0 + gb): passes of up to FUSED_M rows */
+static void fused_groups(int64_t M, int gb, int kind, const float *x, int64_t K, const void *qs, const float *d,
+                         const float *m, int64_t g0, float *y, int64_t N)
+{
+    for (int64_t r = 0; r < M; r += FUSED_M) {
+        int mr = (int)(M - r < FUSED_M ? M - r : FUSED_M);
+        fused_dispatch(mr, gb, kind, x + r * K, K, qs, d, m, g0, y + r * N, N);
     }
 }
 
@@ -190,12 +246,14 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         return -1;
     if (M == 0)
         return 0;
-    if (M <= FUSED_MAX_M) {
+    if (M <= (kind == KIND_Q4_1 ? FUSED_MAX_M_Q4_1 : FUSED_MAX_M_Q8_0)) {
+        int gb = M <= FUSED_M / 4 ? 4 : M <= FUSED_M / 2 ? 2 : 1;     /* <= 16 accumulators in flight */
+        int64_t num_groups = N / G, num_blocks = num_groups / gb;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t g = 0; g < N / G; g++)
-            for (int64_t r = 0; r < M; r += FUSED_M)
-                fused_dispatch((int)(M - r < FUSED_M ? M - r : FUSED_M), kind, x + r * K, K, qs, d, m, g, y + r * N,
-                               N);
+        for (int64_t i = 0; i < num_blocks + num_groups % gb; i++) {
+            int64_t g0 = i < num_blocks ? i * gb : num_blocks * gb + (i - num_blocks);
+            fused_groups(M, i < num_blocks ? gb : 1, kind, x, K, qs, d, m, g0, y, N);
+        }
         return 0;
     }
     int64_t num_tiles = (N + NR - 1) / NR;

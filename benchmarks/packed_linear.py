@@ -1,0 +1,93 @@
+"""The packed fp32 matmul (cpu_kernels/packed_linear.c) vs torch's fp32 matmul on the default model's real weights:
+    python -m benchmarks.packed_linear [--rows 1 4 8 16 32 64 256] [--rounds 5]
+
+One "pass" is what a forward does with the weights: for each of the 30 layers qkv, o, gate_up and down on [M, in]
+activations, then lm_head, so the weights stream from memory as in serving (one layer's weights would sit in
+cache). torch and packed alternate round by round (this machine is noisy); the best round of each is reported, as
+ms per pass, GFLOP/s and the ratio. Writes benchmarks/results/packed_linear.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+from safetensors import safe_open
+
+from services.common.model_path import resolve_model
+from services.gpu_worker.cpu_kernels import packed_linear as kernel
+from services.gpu_worker.cpu_kernels.packed_weights import pack
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "packed_linear.json"
+
+
+def layer_weights(model_dir: pathlib.Path) -> list[torch.Tensor]:
+    """[N, K] fp32 weights in forward order, fused like the worker's model (qkv, gate_up)."""
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+        get = f.get_tensor
+        layers = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.")})
+        out = []
+        for i in layers:
+            p = f"model.layers.{i}."
+            out.append(torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]))
+            out.append(get(p + "self_attn.o_proj.weight"))
+            out.append(torch.cat([get(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]))
+            out.append(get(p + "mlp.down_proj.weight"))
+        out.append(get("lm_head.weight") if "lm_head.weight" in names else get("model.embed_tokens.weight"))
+    return out
+
+
+def time_pass(fns: list, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for fn in fns:
+            fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    weights = layer_weights(resolve_model(None))
+    packed = [pack(w) for w in weights]
+    if any(pk is None for pk in packed) or not kernel.available():
+        raise SystemExit("the model's weights do not all pack, or the kernel did not build")
+    fp32_mb = sum(w.numel() * 4 for w in weights) / 2**20
+    packed_mb = sum(pk.nbytes for pk in packed) / 2**20
+    print(f"{len(weights)} weights: {fp32_mb:.0f} MiB fp32, {packed_mb:.0f} MiB packed; {threads} threads", flush=True)
+    rows = []
+    for m in args.rows:
+        xs = [torch.randn(m, w.shape[1]) for w in weights]
+        flop = sum(2 * m * w.numel() for w in weights)
+        torch_fns = [lambda x=x, w=w: torch.matmul(x, w.T) for x, w in zip(xs, weights)]
+        packed_fns = [lambda x=x, pk=pk: kernel.packed_linear(x, pk, threads) for x, pk in zip(xs, packed)]
+        torch_s = packed_s = float("inf")
+        for _ in range(args.rounds):                       # alternate, so drift hits both alike
+            torch_s = min(torch_s, time_pass(torch_fns, 1))
+            packed_s = min(packed_s, time_pass(packed_fns, 1))
+        row = {"rows": m, "torch_ms": torch_s * 1e3, "packed_ms": packed_s * 1e3,
+               "torch_gflops": flop / torch_s / 1e9, "packed_gflops": flop / packed_s / 1e9,
+               "speedup": torch_s / packed_s}
+        rows.append(row)
+        print(f"M={m:4d}: torch {row['torch_ms']:7.1f} ms ({row['torch_gflops']:5.1f} GFLOP/s)   packed "
+              f"{row['packed_ms']:7.1f} ms ({row['packed_gflops']:5.1f} GFLOP/s)   {row['speedup']:.2f}x", flush=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"threads": threads, "fp32_mib": fp32_mb, "packed_mib": packed_mb,
+                                   "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
