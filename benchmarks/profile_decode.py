@@ -1,8 +1,9 @@
 """Where a 64-concurrent decode step's time goes in the worker (CPU): python -m benchmarks.profile_decode
 
 Admits 64 requests (128-token prompts) into an in-process ModelRunner, runs their prefill, then times decode-only
-steps split into phases (plan -> inputs, forward, logits, sampling) and runs torch.profiler over a few steps.
-Prints the phase table and the top operators by self CPU time; writes benchmarks/results/profile_decode.json.
+steps split into phases (plan -> inputs, forward, logits, sampling; forward split into linear layers, attention
+and the rest with STEPLOOP_CPU_DECODER=0, which keeps the layer-by-layer path) and runs torch.profiler over a few
+steps. Prints the phase table and the top operators by self CPU time; writes benchmarks/results/profile_decode.json.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _phase_timer(runner):
 
     mr.prepare_step_inputs = timed("inputs", mr.prepare_step_inputs)
     runner.model.forward = timed("forward", runner.model.forward)
-    # inside forward: every linear layer but lm_head, and attention (summed per step below)
+    # inside forward, on the layer-by-layer path: every linear layer but lm_head, and attention (summed per step)
     times["forward: linear layers"], times["forward: attention"] = [], []
     for module in runner.model.model.modules():
         if hasattr(module, "in_features") and hasattr(module, "out_features"):
@@ -84,7 +85,8 @@ def main(argv=None) -> None:
     per_step = {"forward: linear layers": 4 * layers, "forward: attention": layers}     # calls per step
     phases = {k: statistics.median(v) * 1000 * per_step.get(k, 1) for k, v in times.items() if v}
     inner = sum(v for k, v in phases.items() if k.startswith("forward: "))
-    phases["forward: rest (norms, rotary, KV write, silu, python)"] = phases["forward"] - inner
+    if inner:          # the layer-by-layer path; the C decoder (cpu_kernels/decoder.c) runs all layers in one call
+        phases["forward: rest (norms, rotary, KV write, silu, python)"] = phases["forward"] - inner
     phases["other (apply_plan, record, python)"] = step * 1000 - sum(v for k, v in phases.items()
                                                                       if not k.startswith("forward: "))
     print(f"decode step, {args.batch} requests: median {step * 1000:.1f} ms ({args.batch / step:.0f} tok/s)")

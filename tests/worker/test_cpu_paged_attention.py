@@ -97,19 +97,17 @@ def test_bad_arguments_raise():
 
 def test_build_cache_key_and_failure(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
-    path = build.build("paged_attention")
+    path = build.build()
     assert path is not None and path.parent == tmp_path / "kernels" and path.is_file()
-    assert build.build("paged_attention") == path
-    assert [p.name for p in path.parent.iterdir()] == [path.name]                # cached, no temp file left
-    assert build.build("packed_linear") not in (None, path)                      # one library per kernel
+    assert build.build() == path and [p.name for p in path.parent.iterdir()] == [path.name]   # cached, no temp
     version = "gcc 1.0"
     monkeypatch.setattr(build, "_cpu_flags", lambda: "sse2")
-    other_cpu = build.library_path("paged_attention", version)
+    other_cpu = build.library_path(version)
     monkeypatch.setattr(build, "_cpu_flags", lambda: "sse2 avx2")
-    assert build.library_path("paged_attention", version) != other_cpu                     # another CPU: another library
+    assert build.library_path(version) != other_cpu                     # another CPU: another library
     monkeypatch.setenv("CC", "false")                                    # `false --version` fails
     with caplog.at_level(logging.WARNING):
-        assert build.build("paged_attention") is None
+        assert build.build() is None
     assert "not built" in caplog.text
 
 

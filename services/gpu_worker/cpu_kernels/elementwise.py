@@ -10,17 +10,16 @@ import functools
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import build
+from services.gpu_worker.cpu_kernels.build import load
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    path = build("elementwise")
-    if path is None:
+    lib = load()
+    if lib is None:
         return None
-    lib = ctypes.CDLL(str(path))
     lib.steploop_rms_norm.argtypes = [_PTR] * 4 + [_I64, _I64, _F32, _INT]
     lib.steploop_rotary_neox.argtypes = [_PTR] * 5 + [_I64] * 7 + [_INT]
     lib.steploop_silu_and_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import build
+from services.gpu_worker.cpu_kernels.build import load
 from services.gpu_worker.cpu_kernels.packed_weights import PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -19,10 +19,9 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    path = build("packed_linear")
-    if path is None:
+    lib = load()
+    if lib is None:
         return None
-    lib = ctypes.CDLL(str(path))
     fn = lib.steploop_packed_linear
     fn.argtypes = [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int

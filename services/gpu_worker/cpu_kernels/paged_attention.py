@@ -13,17 +13,16 @@ import functools
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import build
+from services.gpu_worker.cpu_kernels.build import load
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    path = build("paged_attention")
-    if path is None:
+    lib = load()
+    if lib is None:
         return None
-    lib = ctypes.CDLL(str(path))
     fn = lib.steploop_paged_attention
     fn.argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int

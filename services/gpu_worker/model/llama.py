@@ -85,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # weight [vocab, hidden]
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                       ops_for(backend.name))
+        self.cpu_decoder = None   # cpu_kernels/decoder.py's CpuDecoder, set by the worker on CPU fp32 when it applies
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -96,8 +97,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T]; kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
         logits_indices [S] rows that need logits -> hidden [S, hidden]."""
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata)
+        common = getattr(attn_metadata, "common", None)
+        if self.cpu_decoder is not None and common is not None and self.cpu_decoder.accepts(common):
+            x, residual = self.cpu_decoder.forward(x, positions, common)     # every layer in one C call
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata)
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])   # [S, hidden]
         return x
 

@@ -1,0 +1,117 @@
+/* Every decoder layer of a Llama-family model in one call, on the CPU in fp32, for steps whose requests all have
+   query_len <= 8 (decodes and short chunks): the same kernels model/llama.py calls one by one through CpuOps and
+   PackedLinear, in the same order on the same buffers, so the result is bit for bit the Python path's. What it
+   saves is the Python between them: ~15 ctypes calls and ~40 torch ops per layer, ~5 ms of a decode step on 2 cores.
+
+   Per layer: [residual +=] x; x = rms_norm(residual); qkv = x @ Wqkv; rotary(q, k); K/V written at their slots;
+   attention over the paged cache (q copied out of qkv first: the kernel wants [T, H, D]); x = attn @ Wo;
+   residual += x; x = rms_norm(residual); x = silu(x @ Wgate) * (x @ Wup); x = x @ Wdown.
+   Layer 0 takes x as the residual (no add), as LlamaDecoderLayer does. */
+
+#include <stdint.h>
+#include <string.h>
+
+int steploop_packed_linear(float *y, const float *x, const void *qs, const float *d, const float *m, int64_t M,
+                           int64_t N, int64_t K, int kind, int num_threads);
+int steploop_rms_norm(float *y, float *x, float *residual, const float *w, int64_t T, int64_t H, float eps,
+                      int num_threads);
+int steploop_rotary_neox(float *q, float *k, const int64_t *positions, const float *cos_table,
+                         const float *sin_table, int64_t T, int64_t Hq, int64_t Hk, int64_t D, int64_t q_row,
+                         int64_t k_row, int64_t P, int num_threads);
+int steploop_silu_and_mul(float *out, const float *x, int64_t T, int64_t I, int num_threads);
+int steploop_paged_attention(float *out, const float *q, const float *kv_cache, const int32_t *block_tables,
+                             const int32_t *query_start_loc, const int32_t *seq_lens, int64_t num_q_tokens,
+                             int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
+                             int num_threads);
+
+typedef struct {
+    const void *qs;
+    const float *d, *m;
+    int64_t out_features, in_features;
+    int64_t kind;
+} PackedMatrix;
+
+typedef struct {
+    const float *input_norm, *post_norm;      /* [hidden] */
+    PackedMatrix qkv, o, gate_up, down;
+    float *kv_cache;                          /* [2, num_blocks, block_size, Hk, D] */
+} Layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks, block_size;
+    int64_t max_positions;
+    float eps, scale;
+    const Layer *layers;
+    const float *cos, *sin;                   /* [max_positions, head_dim] */
+} Model;
+
+typedef struct {
+    int64_t num_tokens, num_reqs, max_blocks;
+    const int64_t *positions, *slot_mapping;  /* [num_tokens] */
+    const int32_t *block_tables;              /* [num_reqs, max_blocks] */
+    const int32_t *query_start_loc;           /* [num_reqs + 1] */
+    const int32_t *seq_lens;                  /* [num_reqs] */
+} Step;
+
+/* floats of scratch steploop_decoder_forward needs for T tokens */
+int64_t steploop_decoder_scratch(const Model *model, int64_t T)
+{
+    int64_t qd = model->num_heads * model->head_dim;
+    return T * (model->layers[0].qkv.out_features + 2 * qd + 3 * model->intermediate);
+}
+
+static int linear(float *y, const float *x, const PackedMatrix *w, int64_t T, int num_threads)
+{
+    return steploop_packed_linear(y, x, w->qs, w->d, w->m, T, w->out_features, w->in_features, (int)w->kind,
+                                  num_threads);
+}
+
+/* x [T, hidden]: the embeddings in, the last layer's MLP output out; residual [T, hidden]: the residual stream out
+   (the caller adds the two and applies the final norm). Returns 0, or -1 (bad sizes, a slot or position out of
+   range, a failed allocation inside a kernel); x and residual are then undefined. */
+int steploop_decoder_forward(const Model *model, const Step *step, float *x, float *residual, float *scratch,
+                             int num_threads)
+{
+    const int64_t T = step->num_tokens, H = model->hidden, Hq = model->num_heads, Hk = model->num_kv_heads;
+    const int64_t D = model->head_dim, I = model->intermediate, qkv_n = model->layers[0].qkv.out_features;
+    const int64_t slots = model->num_blocks * model->block_size, kv_row = Hk * D;
+    if (T <= 0 || qkv_n != (Hq + 2 * Hk) * D)
+        return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (step->slot_mapping[t] < 0 || step->slot_mapping[t] >= slots)
+            return -1;
+    float *qkv = scratch, *q = qkv + T * qkv_n, *attn = q + T * Hq * D, *gate_up = attn + T * Hq * D;
+    float *act = gate_up + T * 2 * I;
+    int rc = 0;
+    for (int64_t l = 0; l < model->num_layers && !rc; l++) {
+        const Layer *layer = &model->layers[l];
+        if (l == 0) {
+            memcpy(residual, x, (size_t)(T * H) * sizeof(float));
+            rc |= steploop_rms_norm(x, residual, NULL, layer->input_norm, T, H, model->eps, num_threads);
+        } else {
+            rc |= steploop_rms_norm(x, x, residual, layer->input_norm, T, H, model->eps, num_threads);
+        }
+        rc |= linear(qkv, x, &layer->qkv, T, num_threads);
+        rc |= steploop_rotary_neox(qkv, qkv + Hq * D, step->positions, model->cos, model->sin, T, Hq, Hk, D, qkv_n,
+                                   qkv_n, model->max_positions, num_threads);
+        if (rc)
+            break;
+        float *k_cache = layer->kv_cache, *v_cache = layer->kv_cache + slots * kv_row;
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = qkv + t * qkv_n;
+            memcpy(q + t * Hq * D, row, (size_t)(Hq * D) * sizeof(float));
+            memcpy(k_cache + step->slot_mapping[t] * kv_row, row + Hq * D, (size_t)kv_row * sizeof(float));
+            memcpy(v_cache + step->slot_mapping[t] * kv_row, row + Hq * D + kv_row, (size_t)kv_row * sizeof(float));
+        }
+        rc |= steploop_paged_attention(attn, q, layer->kv_cache, step->block_tables, step->query_start_loc,
+                                       step->seq_lens, T, step->num_reqs, Hq, Hk, D, model->num_blocks,
+                                       model->block_size, step->max_blocks, model->scale, num_threads);
+        rc |= linear(x, attn, &layer->o, T, num_threads);
+        rc |= steploop_rms_norm(x, x, residual, layer->post_norm, T, H, model->eps, num_threads);
+        rc |= linear(gate_up, x, &layer->gate_up, T, num_threads);
+        rc |= steploop_silu_and_mul(act, gate_up, T, I, num_threads);
+        rc |= linear(x, act, &layer->down, T, num_threads);
+    }
+    return rc ? -1 : 0;
+}
