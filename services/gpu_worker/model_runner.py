@@ -25,7 +25,6 @@ from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.logits_processors import LogitsEdits
 from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.cpu_kernels.decoder import MAX_QUERY_LEN as DECODER_MAX_QUERY_LEN
 from services.gpu_worker.cpu_kernels.decoder import CpuDecoder
 from services.gpu_worker.model.cpu_ops import use_cpu_ops
 from services.gpu_worker.model.loader import load_model
@@ -84,7 +83,7 @@ class ModelRunner:
         caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)
         if device.type == "cpu" and dtype == torch.float32:
             model.cpu_decoder, why = CpuDecoder.build(model, caches)
-            log.info("CPU decode steps (query_len <= %d): %s", DECODER_MAX_QUERY_LEN, why)
+            log.info("CPU steps the attention kernel takes whole (decodes, short chunks): %s", why)
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids)

@@ -1,12 +1,14 @@
 """decoder.c (all layers in one C call) against the layer-by-layer path on the real model: the same logits and the
-same KV cache, bit for bit, for decode steps and short chunks; longer chunks stay on the Python path."""
+same KV cache, bit for bit, for decodes, short chunks and prompt chunks over short contexts; a step with a long
+chunk over a long context stays on the Python path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.gpu_worker.cpu_kernels.decoder import MAX_QUERY_LEN, why_not
+from services.gpu_worker.attention.torch_backend import KERNEL_MAX_CHUNK_WORK
+from services.gpu_worker.cpu_kernels.decoder import why_not
 from tests.worker.test_forward import run_flat
 
 
@@ -44,20 +46,21 @@ def both_paths(runner, chunks):
 
 
 def test_decode_and_short_chunks_are_bit_identical(decoder_runner):
-    a, b, c = tokens(40, 1), tokens(23, 2), tokens(18, 3)
-    ba, bb, bc = [5, 6, 7], [10, 11], [20, 21]
+    a, b, c, d = tokens(40, 1), tokens(23, 2), tokens(18, 3), tokens(35, 4)
+    ba, bb, bc, bd = [5, 6, 7], [10, 11], [20, 21], [25, 26, 27]
     run_flat(decoder_runner.model, decoder_runner.kv_caches, 16,
-             [(a, ba, 0, 33), (b, bb, 0, 20), (c, bc, 0, 10)])                 # prompts (the Python path)
-    used, fast, slow, fast_kv, slow_kv = both_paths(
-        decoder_runner, [(a, ba, 33, 1), (b, bb, 20, 3), (c, bc, 10, MAX_QUERY_LEN)])   # decode + chunks <= 8
+             [(a, ba, 0, 33), (b, bb, 0, 20), (c, bc, 0, 10)])                 # earlier prompt steps
+    used, fast, slow, fast_kv, slow_kv = both_paths(                           # a decode, chunks of 3, 8, 35
+        decoder_runner, [(a, ba, 33, 1), (b, bb, 20, 3), (c, bc, 10, 8), (d, bd, 0, 35)])
     assert used
     assert torch.equal(fast, slow)
     assert all(torch.equal(x, y) for x, y in zip(fast_kv, slow_kv))
 
 
 def test_longer_chunks_take_the_python_path(decoder_runner):
-    a = tokens(30, 4)
-    used, fast, slow, _, _ = both_paths(decoder_runner, [(a, [30, 31], 0, MAX_QUERY_LEN + 1)])
+    a = tokens(200, 5)
+    assert 200 * 200 > KERNEL_MAX_CHUNK_WORK
+    used, fast, slow, _, _ = both_paths(decoder_runner, [(a, list(range(30, 43)), 0, 200), (tokens(9, 6), [50], 0, 1)])
     assert not used and torch.equal(fast, slow)
 
 

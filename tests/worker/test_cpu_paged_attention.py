@@ -12,7 +12,13 @@ import torch
 from services.common import envs
 from services.gpu_worker.attention.backend import create_backend
 from services.gpu_worker.attention.metadata import build_common_metadata
-from services.gpu_worker.attention.torch_backend import KERNEL_MAX_QUERY_LEN, _Group, _KernelGroup
+from services.gpu_worker.attention.torch_backend import (
+    KERNEL_MAX_CHUNK_WORK,
+    KERNEL_MAX_QUERY_LEN,
+    _Group,
+    _KernelGroup,
+    kernel_eligible,
+)
 from services.gpu_worker.cpu_kernels import build
 from services.gpu_worker.cpu_kernels import paged_attention as cpu_pa
 from services.gpu_worker.model.llama import LlamaForCausalLM
@@ -112,13 +118,16 @@ def test_build_cache_key_and_failure(tmp_path, monkeypatch, caplog):
 
 
 def test_backend_groups_and_env_switch(monkeypatch):
-    case = make_case([1, 20, 8, 1, 9], [30, 0, 17, 16, 3], heads=(6, 2), seed=5)
+    # request 1: 200 new tokens over 300 (60000 > KERNEL_MAX_CHUNK_WORK): SDPA; request 4: 40 over 43: the kernel
+    case = make_case([1, 200, 8, 1, 40], [30, 100, 17, 16, 3], heads=(6, 2), seed=5)
     backend = create_backend("torch", 6, 2, 64, 0.125)
     assert backend.cpu_kernel is not None
     meta = backend.build_metadata(case.common)
     kinds = [type(g) for g in meta.groups]
-    assert kinds == [_KernelGroup, _Group] and KERNEL_MAX_QUERY_LEN == 8
-    assert meta.groups[0].rows.tolist() == [0, 21, 22, 23, 24, 25, 26, 27, 28, 29]   # requests 0, 2, 3
+    assert kinds == [_KernelGroup, _Group] and KERNEL_MAX_QUERY_LEN == 8 and KERNEL_MAX_CHUNK_WORK == 32768
+    assert meta.groups[0].rows.tolist() == [0, *range(201, 250)]                       # requests 0, 2, 3, 4
+    assert kernel_eligible(np.array([9, 128, 129, 300]), np.array([4000, 256, 256, 300])).tolist() == \
+        [False, True, False, False]
     cache = case.kv_cache.clone()
     got = backend.forward(0, case.q, case.k, case.v, cache, meta)
     want = reference(case.q, cache, case.query_lens, case.seq_lens, case.block_tables, 0.125)

@@ -3,9 +3,10 @@
 Per step (build_metadata), requests are split into two groups, decodes (1 query token) and the rest, so a
 long prompt chunk does not pad every decode to its length. On the CPU in fp32, when the fused C kernel
 (cpu_kernels/paged_attention.c, built once when the backend is constructed; STEPLOOP_CPU_ATTENTION_KERNEL=0
-turns it off) is available, the first group is instead every request with query_len <= KERNEL_MAX_QUERY_LEN
-(decodes and short chunks such as draft verification): the kernel reads K/V straight from the paged cache, one
-call per layer, no gather and no mask. Longer chunks keep the path below, whose GEMMs beat the kernel's loops.
+turns it off) is available, the first group is instead every request kernel_eligible() names (decodes, draft
+verification, and prompt chunks whose query_len x seq_len is small): the kernel reads K/V straight from the paged
+cache, one call per layer, no gather and no mask. Long chunks over long contexts keep the path below, whose GEMMs
+beat the kernel's loops there.
 For each SDPA group it builds, once:
 
     q_index   [g, max_q]          flat token index of each padded query (padding -> 0)
@@ -34,7 +35,17 @@ from services.gpu_worker.attention.metadata import CommonAttentionMetadata
 
 log = logging.getLogger(__name__)
 
-KERNEL_MAX_QUERY_LEN = 8   # longer chunks: gather + SDPA (the kernel's per-query loops lose to GEMMs)
+KERNEL_MAX_QUERY_LEN = 8        # decodes, draft verification: always the kernel
+# Longer chunks too while query_len x seq_len stays under this: measured on 2 cores (9 query / 3 KV heads), the
+# kernel beats gather + SDPA on prompt chunks with short contexts (64 new tokens over 192: 0.46 vs 0.57 ms per
+# layer) and breaks even near 128 x 384; with long cached contexts SDPA's GEMMs win (256 over 1280: 6.8 vs 10.4 ms).
+KERNEL_MAX_CHUNK_WORK = 32768
+
+
+def kernel_eligible(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """[num_reqs] bool: the requests whose attention the C kernel computes (a property of each request alone, so a
+    request takes the same path whatever else is in the batch)."""
+    return (query_lens <= KERNEL_MAX_QUERY_LEN) | (query_lens.astype(np.int64) * seq_lens <= KERNEL_MAX_CHUNK_WORK)
 
 
 @dataclass
@@ -82,13 +93,14 @@ class TorchAttentionBackend(AttentionBackend):
                 self.cpu_kernel = paged_attention.paged_attention
             else:
                 why = "the kernel did not build"
-        log.info("CPU attention: %s", f"fused C paged kernel for query_len <= {KERNEL_MAX_QUERY_LEN} (fp32), "
+        log.info("CPU attention: %s", f"fused C paged kernel for query_len <= {KERNEL_MAX_QUERY_LEN} or "
+                 f"query_len x seq_len <= {KERNEL_MAX_CHUNK_WORK} (fp32), "
                  "gather + SDPA for longer chunks" if self.cpu_kernel else f"gather + SDPA ({why})")
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         device = common.seq_lens.device
         if self.cpu_kernel is not None and device.type == "cpu":
-            short = common.query_lens_cpu <= KERNEL_MAX_QUERY_LEN
+            short = kernel_eligible(common.query_lens_cpu, common.seq_lens_cpu)
             kernel, rest = np.flatnonzero(short), np.flatnonzero(~short)
             groups = [_build_kernel_group(common, kernel)] if len(kernel) else []
         else:

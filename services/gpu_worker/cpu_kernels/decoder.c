@@ -1,5 +1,5 @@
-/* Every decoder layer of a Llama-family model in one call, on the CPU in fp32, for steps whose requests all have
-   query_len <= 8 (decodes and short chunks): the same kernels model/llama.py calls one by one through CpuOps and
+/* Every decoder layer of a Llama-family model in one call, on the CPU in fp32, for steps whose attention the C
+   kernel computes whole (decodes, short chunks, prompt chunks over short contexts): the same kernels model/llama.py calls one by one through CpuOps and
    PackedLinear, in the same order on the same buffers, so the result is bit for bit the Python path's. What it
    saves is the Python between them: ~15 ctypes calls and ~40 torch ops per layer, ~5 ms of a decode step on 2 cores.
 

@@ -1,4 +1,5 @@
-"""ctypes front end of decoder.c: every decoder layer in one C call, for CPU fp32 steps of short queries.
+"""ctypes front end of decoder.c: every decoder layer in one C call, for CPU fp32 steps whose attention the C
+kernel computes (decodes, short chunks, prompt chunks over short contexts).
 
     decoder = CpuDecoder.build(model, kv_caches)      # None unless every layer can run in C (see why_not)
     if decoder is not None and decoder.accepts(metadata):
@@ -17,10 +18,10 @@ import functools
 import torch
 
 from services.common import envs
+from services.gpu_worker.attention.torch_backend import kernel_eligible
 from services.gpu_worker.cpu_kernels.build import load
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-MAX_QUERY_LEN = 8             # the attention kernel's range (TorchAttentionBackend uses it up to this length)
 
 
 class _Matrix(ctypes.Structure):
@@ -113,8 +114,9 @@ class CpuDecoder:
 
     @staticmethod
     def accepts(common) -> bool:
-        """Steps whose every request has at most MAX_QUERY_LEN new tokens (the attention kernel's range)."""
-        return common.num_tokens > 0 and common.max_query_len <= MAX_QUERY_LEN
+        """Steps whose every request's attention the C kernel computes (torch_backend.kernel_eligible: decodes,
+        short chunks, prompt chunks over short contexts)."""
+        return common.num_tokens > 0 and bool(kernel_eligible(common.query_lens_cpu, common.seq_lens_cpu).all())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, common) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] embeddings -> (last layer's MLP output, residual stream), both [T, hidden]."""
