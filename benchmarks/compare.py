@@ -61,7 +61,8 @@ class Workloads:
         self.hf_batch = self.concurrency               # padded static batches of `concurrency`: 2 over `requests`
         self.prefix_len, self.suffix_len, self.prefix_requests = 1024, 32, (2 if quick else 4)
         self.miss_requests, self.miss_input, self.miss_output = (8, 64, 8) if quick else (32, 128, 16)
-        self.streams, self.stream_output = (4, 40) if quick else (8, 96)
+        # (d): the streams must outlast both long prompts' arrival (1 s, then every long_every s) and prefill
+        self.streams, self.stream_output = (4, 40) if quick else (8, 320)
         self.long_prompts, self.long_len, self.long_every = (1, 2048, 1.5) if quick else (2, 2048, 3.0)
         # (e): 16 concurrent streams, the same request set for steploop and llama.cpp
         self.llama_streams = 16
