@@ -36,8 +36,17 @@ def ratios(f: dict) -> list[dict]:
         _ratio("a_share_of_limit", "(a') share of fp32 matmul limit", tput / limit, 0.60, ">=",
                f"{tput:.1f} tok/s x 2 x {f['params'] / 1e6:.1f} M params / {f['matmul_gflops']['64']:.0f} GFLOP/s "
                f"(limit {limit:.0f} tok/s)", unit="share"),
+    ]
+    if "packed_gflops" in f:
+        packed_limit = f["packed_gflops"]["64"] * 1e9 / (2 * f["params"])
+        out.append(_ratio("a_share_of_packed_limit", "(a') informational: share of the packed kernel's rate",
+                          tput / packed_limit, None, ">=",
+                          f"the worker multiplies by the same fp32 weights read from their packed Q4_1/Q8_0 form: "
+                          f"{f['packed_gflops']['64']:.0f} GFLOP/s on the same shapes (limit {packed_limit:.0f} "
+                          f"tok/s)", unit="share"))
+    out += [
         _ratio("b_throughput", "(b) gRPC cluster / in-process, throughput", tput / ip["output_throughput"], 0.92,
-               ">=", f"{tput:.1f} vs {ip['output_throughput']:.1f} out tok/s ({load}, both)"),
+               ">=", f"{tput:.1f} vs {ip['output_throughput']:.1f} out tok/s ({load}, both{_rounds(f, 'cluster')})"),
         _ratio("b_tpot", "(b) gRPC cluster - in-process, mean TPOT", cl["mean_tpot_ms"] - ip["mean_tpot_ms"], 1.0,
                "<=", f"{cl['mean_tpot_ms']:.1f} vs {ip['mean_tpot_ms']:.1f} ms", unit="ms"),
         _ratio("c_prefix_ttft", "(c) prefix cache off / on, mean TTFT",
@@ -46,17 +55,36 @@ def ratios(f: dict) -> list[dict]:
                "(1024-token shared prefix, one request at a time)"),
         _ratio("c_miss_throughput", "(c) prefix cache on / off, throughput at 0% hits",
                f["misses_on"]["output_throughput"] / f["misses_off"]["output_throughput"], 0.99, ">=",
-               f"{f['misses_on']['output_throughput']:.1f} vs {f['misses_off']['output_throughput']:.1f} out tok/s"),
+               f"{f['misses_on']['output_throughput']:.1f} vs {f['misses_off']['output_throughput']:.1f} out tok/s"
+               f"{_rounds(f, 'misses_on')}"),
     ]
     d, whole = f["chunked_default"], f["chunked_whole"]
     extra = (f"; budget 256 alone: {f['chunked_256']['p99_over_median']:.1f}x" if "chunked_256" in f else "")
     out.append(_ratio("d_p99_over_median", "(d) chunked prefill, p99 / median ITL (default flags)",
                       d["p99_over_median"], 2.0, "<=",
-                      f"p99 {d['p99_itl_ms']:.0f} / median {d['median_itl_ms']:.0f} ms (prefill pacing on); without pacing, "
+                      f"p99 {d['p99_itl_ms']:.0f} / median {d['median_itl_ms']:.0f} ms (prefill pacing on"
+                      f"{_window(d)}); without pacing, "
                       f"whole-prompt budget: "
                       f"{whole['p99_over_median']:.1f}x (p99 {whole['p99_itl_ms']:.0f} ms){extra}"))
     out += _llama_cpp_rows(f)
     return out
+
+
+def _rounds(f: dict, key: str) -> str:
+    """'; best of alternating rounds: a, b vs c, d' when the run alternated rounds (older results did not)."""
+    other = {"cluster": "inprocess", "misses_on": "misses_off"}[key]
+    r = f.get("rounds", {})
+    if len(r.get(key, [])) < 2:
+        return ""
+    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)      # noqa: E731
+    return f"; best of alternating rounds: {fmt(r[key])} vs {fmt(r[other])}"
+
+
+def _window(d: dict) -> str:
+    if "window_tokens" not in d:
+        return ""
+    return (f"; {d['window_tokens']} stream tokens in the {d['window_s']:.1f} s while the long prompts arrived; "
+            f"whole run p99 {d['whole_run_p99_itl_ms']:.0f} / median {d['whole_run_median_itl_ms']:.0f} ms")
 
 
 def _llama_cpp_rows(f: dict) -> list[dict]:

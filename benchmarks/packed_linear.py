@@ -41,6 +41,28 @@ def layer_weights(model_dir: pathlib.Path) -> list[torch.Tensor]:
     return out
 
 
+def packed_flops(model_dir: pathlib.Path, rows=(64, 256), windows: int = 6, seconds: float = 0.4) -> dict[int, float]:
+    """The packed kernel's FLOP/s on layer 0's real weights (qkv, o, gate_up, down), measured the way
+    hf_baseline.matmul_flops measures torch's (one layer's weights, so they sit in cache; best of `windows`)."""
+    weights = layer_weights(model_dir)[:4]
+    packed = [pack(w) for w in weights]
+    threads = torch.get_num_threads()
+    out = {}
+    for m in rows:
+        xs = [torch.randn(m, w.shape[1]) for w in weights]
+        flop = sum(2 * m * w.numel() for w in weights)
+        best = 0.0
+        for _ in range(windows):
+            reps, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                for x, pk in zip(xs, packed):
+                    kernel.packed_linear(x, pk, threads)
+                reps += 1
+            best = max(best, flop * reps / (time.perf_counter() - start))
+        out[m] = best
+    return out
+
+
 def time_pass(fns: list, rounds: int) -> float:
     best = float("inf")
     for _ in range(rounds):

@@ -104,3 +104,12 @@ def test_write_maps_ratios_and_describes_machine_and_workload(tmp_path):
     # --replot reads the workloads back from compare.json
     report.write(tmp_path, doc["machine"], argparse.Namespace(**doc["workloads"]), doc["figures"], doc["ratios"])
     assert (tmp_path / "compare.md").read_text() == md
+
+
+def test_packed_kernel_rate_is_an_informational_row_beside_the_limit():
+    f = figures()
+    f["packed_gflops"] = {"64": 160.0, "256": 200.0}
+    targets = report.targets(report.ratios(f))
+    assert list(targets)[:4] == ["a_one_at_a_time", "a_static_batch", "a_share_of_limit", "a_share_of_packed_limit"]
+    assert targets["a_share_of_packed_limit"]["measured"] == pytest.approx(200 * 2 * 1e8 / 160e9)
+    assert targets["a_share_of_packed_limit"]["target"] is None and targets["a_share_of_limit"]["target"] == 0.60
