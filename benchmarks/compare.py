@@ -7,7 +7,8 @@
       requests, HF one-at-a-time a subset of them
  (a') steploop output tok/s x 2 x params / fp32 matmul FLOP/s on the model's layer shapes (>= 60%)
  (b)  gRPC cluster vs the same scheduler + ModelRunner in one process, same 128 requests, same closed loop of 64
-      (>= 0.92x throughput, <= +1 ms mean TPOT); two alternating rounds each, the best of each counts
+      (>= 0.92x throughput, <= +1 ms mean TPOT); two alternating rounds each (round 2 on fresh prompts of the same
+      lengths, so the cluster's prefix cache does not hit), the best of each counts
  (c)  prefix caching on vs off: TTFT on a 1024-token shared prefix (>= 5x); throughput at 0% hits (>= 0.99x),
       two clusters up side by side, alternating rounds
  (d)  chunked prefill: p99 ITL of running streams while 2k-token prompts arrive (the gaps of tokens that came
@@ -228,7 +229,7 @@ def main(argv=None) -> None:
                                      kv_heads * head_dim)
     figures["matmul_gflops"] = {str(k): v / 1e9 for k, v in flops.items()}
     print(f"fp32 matmul on layer shapes: {figures['matmul_gflops']} GFLOP/s", flush=True)
-    from benchmarks.packed_linear import packed_flops      # the worker's own fp32 matmul, on the packed weights
+    from benchmarks.packed_linear import packed_flops  # the worker's own fp32 matmul, on the packed weights
     from services.gpu_worker.cpu_kernels import packed_linear as packed_kernel
     if packed_kernel.available():
         figures["packed_gflops"] = {str(k): v / 1e9 for k, v in packed_flops(model_dir).items()}
@@ -260,10 +261,12 @@ def main(argv=None) -> None:
     cluster = start_cluster("default")
     try:
         bench(cluster, warm)
-        for _ in range(w.ab_rounds):
-            rounds["inprocess"].append(engine.run(pairs, max_concurrency=w.concurrency))
+        for i in range(w.ab_rounds):          # fresh prompts each round: no prefix-cache hits from the last one
+            reqs = mixed if i == 0 else datasets.random_dataset(w.requests, w.input_len, w.output_len,
+                                                                w.range_ratio, tok, seed=100 + i, as_ids=True)
+            rounds["inprocess"].append(engine.run(ids_of(reqs), max_concurrency=w.concurrency))
             print(f"in-process: {report.short(rounds['inprocess'][-1][0])}", flush=True)
-            rounds["cluster"].append(bench(cluster, mixed, concurrency=w.concurrency))
+            rounds["cluster"].append(bench(cluster, reqs, concurrency=w.concurrency))
             print(f"cluster: {report.short(rounds['cluster'][-1][0])}", flush=True)
         del engine
         figures["cluster_16"], _ = bench(cluster, streams16, concurrency=w.llama_streams)
@@ -275,9 +278,11 @@ def main(argv=None) -> None:
         try:
             bench(other, warm)
             figures["prefix_off"], _ = bench(other, prefix_reqs[1:], prefix_reqs[:1], concurrency=1)
-            for _ in range(w.ab_rounds):
-                rounds["misses_on"].append(bench(cluster, misses, concurrency=w.miss_requests))
-                rounds["misses_off"].append(bench(other, misses, concurrency=w.miss_requests))
+            for i in range(w.ab_rounds):      # fresh prompts each round, or round 2 would hit round 1's blocks
+                reqs = misses if i == 0 else datasets.random_dataset(w.miss_requests, w.miss_input, w.miss_output,
+                                                                     0.0, tok, seed=200 + i, as_ids=True)
+                rounds["misses_on"].append(bench(cluster, reqs, concurrency=w.miss_requests))
+                rounds["misses_off"].append(bench(other, reqs, concurrency=w.miss_requests))
         finally:
             other.stop()
     finally:
@@ -313,7 +318,7 @@ def main(argv=None) -> None:
 def llama_cpp_figures(w: Workloads, pairs, threads: int) -> tuple[dict, dict]:
     """(16 concurrent streams through llama.cpp's batching, one stream at a time on a subset) of the (e) set."""
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp
     except ImportError:
         skipped = {"skipped": "not installed (pip install llama-cpp-python; building it takes ~9 minutes)"}
         return skipped, skipped

@@ -76,7 +76,7 @@ def _rounds(f: dict, key: str) -> str:
     r = f.get("rounds", {})
     if len(r.get(key, [])) < 2:
         return ""
-    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)      # noqa: E731
+    fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)
     return f"; best of alternating rounds: {fmt(r[key])} vs {fmt(r[other])}"
 
 

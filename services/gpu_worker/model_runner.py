@@ -21,15 +21,15 @@ from services.common.step_contract import StepPlan, StepResult, TokenLogprob, Wo
 from services.gpu_worker import kv_cache
 from services.gpu_worker.attention.backend import create_backend
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.cpu_kernels.decoder import CpuDecoder
 from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.logits_processors import LogitsEdits
-from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.cpu_kernels.decoder import CpuDecoder
 from services.gpu_worker.model.cpu_ops import use_cpu_ops
+from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import load_model
-from services.gpu_worker.model.packed_linear_layer import pack_linear_layers
 from services.gpu_worker.model.model_config import LlamaModelConfig
+from services.gpu_worker.model.packed_linear_layer import pack_linear_layers
 from services.gpu_worker.penalties import PenaltyInputs
 from services.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
 from services.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -56,7 +56,7 @@ class ModelRunner:
         self.structured = StructuredOutput(None, self.vocab_size)   # from_config gives it the tokenizer folder
 
     @classmethod
-    def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> "ModelRunner":
+    def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
         device = torch.device(config.resolved_device())
         dtype = config.resolved_dtype(device.type)
         if device.type == "cpu":
@@ -78,7 +78,7 @@ class ModelRunner:
             summary = pack_linear_layers(model)
             log.info("CPU linear layers: %s (%.2f s)", summary, time.perf_counter() - start)
             log.info("CPU elementwise ops: %s", use_cpu_ops(model))
-        profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)  # noqa: E731
+        profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)
         num_blocks = kv_cache.decide_num_blocks(config, cfg, max_len, dtype, device, profile)
         caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)
         if device.type == "cpu" and dtype == torch.float32:
@@ -105,7 +105,7 @@ class ModelRunner:
             if not plan.scheduled_handles:
                 return StepResult(step_id=plan.step_id)
             result = self._run(plan)
-        except Exception as exc:  # noqa: BLE001 - a failed step is reported, the worker lives on
+        except Exception as exc:     # a failed step is reported, the worker lives on
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         result.forward_seconds = time.perf_counter() - start

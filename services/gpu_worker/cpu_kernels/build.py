@@ -13,6 +13,7 @@ gcc's flags, -fopenmp included).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -99,11 +100,20 @@ def build() -> pathlib.Path | None:
 
 
 @functools.cache
-def load():
-    """The library loaded with ctypes (built on first use), or None. Each front end declares its own functions."""
-    import ctypes
+def load() -> ctypes.CDLL | None:
+    """The library loaded with ctypes (built on first use), or None."""
     path = build()
     return None if path is None else ctypes.CDLL(str(path))
+
+
+def function(name: str, argtypes: list, restype=ctypes.c_int):
+    """The library's C function `name` with its signature declared, or None when the library is not built."""
+    lib = load()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from types import SimpleNamespace
 
 import torch
 
 from services.common import envs
 from services.gpu_worker.attention.torch_backend import kernel_eligible
-from services.gpu_worker.cpu_kernels.build import load
+from services.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -47,16 +48,11 @@ class _Step(ctypes.Structure):
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load()
-    if lib is None:
-        return None
-    lib.steploop_decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), _PTR, _PTR, _PTR,
-                                             ctypes.c_int]
-    lib.steploop_decoder_forward.restype = ctypes.c_int
-    lib.steploop_decoder_scratch.argtypes = [ctypes.POINTER(_Model), _I64]
-    lib.steploop_decoder_scratch.restype = _I64
-    return lib
+def _kernels() -> SimpleNamespace | None:
+    fns = {"forward": function("steploop_decoder_forward", [ctypes.POINTER(_Model), ctypes.POINTER(_Step), _PTR,
+                                                             _PTR, _PTR, ctypes.c_int]),
+           "scratch": function("steploop_decoder_scratch", [ctypes.POINTER(_Model), _I64], _I64)}
+    return None if None in fns.values() else SimpleNamespace(**fns)
 
 
 def _matrix(linear) -> _Matrix:
@@ -72,7 +68,7 @@ def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:
     off = envs.switched_off(envs.CPU_KERNELS, envs.CPU_DECODER)
     if off:
         return f"layer by layer ({off}=0)"
-    if _library() is None:
+    if _kernels() is None:
         return "the CPU kernels did not build"
     if getattr(model.backend, "cpu_kernel", None) is None:
         return "the C attention kernel is off"
@@ -91,7 +87,7 @@ def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:
 class CpuDecoder:
     def __init__(self, model, kv_caches: list[torch.Tensor]):
         cfg, layers = model.config, model.model.layers
-        self.lib = _library()
+        self.kernels = _kernels()
         self._keep = [model.rotary.cos, model.rotary.sin, *kv_caches]       # the structs point into these
         self.layers = (_Layer * len(layers))(*[
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
@@ -107,7 +103,7 @@ class CpuDecoder:
         self.hidden = cfg.hidden_size
 
     @classmethod
-    def build(cls, model, kv_caches: list[torch.Tensor]) -> tuple["CpuDecoder | None", str]:
+    def build(cls, model, kv_caches: list[torch.Tensor]) -> tuple[CpuDecoder | None, str]:
         """(decoder, why) -- the decoder is None when some layer cannot run in C; `why` says so for the log."""
         reason = why_not(model, kv_caches)
         return (None, reason) if reason else (cls(model, kv_caches), "all layers in one C call per step")
@@ -131,9 +127,9 @@ class CpuDecoder:
             raise ValueError(f"decoder: {t} tokens but {positions.shape[0]} positions, {slots.shape[0]} slots")
         step = _Step(t, common.num_reqs, tables.shape[1], positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                      query_start_loc.data_ptr(), seq_lens.data_ptr())
-        scratch = torch.empty(self.lib.steploop_decoder_scratch(ctypes.byref(self.model), t), dtype=torch.float32)
-        rc = self.lib.steploop_decoder_forward(ctypes.byref(self.model), ctypes.byref(step), x.data_ptr(),
-                                               residual.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+        scratch = torch.empty(self.kernels.scratch(ctypes.byref(self.model), t), dtype=torch.float32)
+        rc = self.kernels.forward(ctypes.byref(self.model), ctypes.byref(step), x.data_ptr(),
+                                   residual.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
         if rc:
             raise RuntimeError("decoder: bad step (a slot, position or block id out of range)")
         return x, residual

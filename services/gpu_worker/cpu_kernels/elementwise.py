@@ -7,29 +7,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from types import SimpleNamespace
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import load
+from services.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load()
-    if lib is None:
-        return None
-    lib.steploop_rms_norm.argtypes = [_PTR] * 4 + [_I64, _I64, _F32, _INT]
-    lib.steploop_rotary_neox.argtypes = [_PTR] * 5 + [_I64] * 7 + [_INT]
-    lib.steploop_silu_and_mul.argtypes = [_PTR, _PTR, _I64, _I64, _INT]
-    for fn in (lib.steploop_rms_norm, lib.steploop_rotary_neox, lib.steploop_silu_and_mul):
-        fn.restype = ctypes.c_int
-    return lib
+def _kernels() -> SimpleNamespace | None:
+    fns = {"rms_norm": function("steploop_rms_norm", [_PTR] * 4 + [_I64, _I64, _F32, _INT]),
+           "rotary": function("steploop_rotary_neox", [_PTR] * 5 + [_I64] * 7 + [_INT]),
+           "silu_and_mul": function("steploop_silu_and_mul", [_PTR, _PTR, _I64, _I64, _INT])}
+    return None if None in fns.values() else SimpleNamespace(**fns)
 
 
 def available() -> bool:
-    return _library() is not None
+    return _kernels() is not None
 
 
 def _fp32_rows(name: str, t: torch.Tensor, dim: int) -> None:
@@ -55,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if weight.shape[0] != x.shape[1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     y = x if residual is not None else torch.empty_like(x)
-    _call(_library().steploop_rms_norm(y.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+    _call(_kernels().rms_norm(y.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                                        weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()),
           "rms_norm")
     return y if residual is None else (y, residual)
@@ -81,7 +77,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     if k.shape[0] != t or k.shape[2] != d or pos.shape != (t,) or cos.shape != sin.shape or cos.shape[1] != d:
         raise ValueError(f"rotary: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(pos.shape)}, "
                          f"cos {tuple(cos.shape)}")
-    _call(_library().steploop_rotary_neox(q.data_ptr(), k.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    _call(_kernels().rotary(q.data_ptr(), k.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                           t, h, k.shape[1], d, q.stride(0), k.stride(0), cos.shape[0],
                                           torch.get_num_threads()),
           "rotary (a position past the cos/sin table?)")
@@ -94,6 +90,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[1] % 2:
         raise ValueError(f"silu_and_mul: odd width {x.shape[1]}")
     out = x.new_empty((x.shape[0], x.shape[1] // 2))
-    _call(_library().steploop_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2,
+    _call(_kernels().silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2,
                                            torch.get_num_threads()), "silu_and_mul")
     return out

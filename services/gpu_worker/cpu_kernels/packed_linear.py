@@ -11,25 +11,19 @@ import functools
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import load
+from services.gpu_worker.cpu_kernels.build import function
 from services.gpu_worker.cpu_kernels.packed_weights import PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load()
-    if lib is None:
-        return None
-    fn = lib.steploop_packed_linear
-    fn.argtypes = [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
+def _kernel():
+    return function("steploop_packed_linear", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int])
 
 
 def available() -> bool:
-    return _library() is not None
+    return _kernel() is not None
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
@@ -43,11 +37,11 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
     y = out if out is not None else torch.empty(x2.shape[0], packed.out_features, dtype=torch.float32)
     if y.shape != (x2.shape[0], packed.out_features) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError(f"packed_linear: out must be a contiguous fp32 [{x2.shape[0]}, {packed.out_features}]")
-    lib = _library()
-    if lib is None:
+    kernel = _kernel()
+    if kernel is None:
         raise RuntimeError("the packed linear library is not available (see build.py's warning)")
     m = packed.m if packed.m is not None else packed.d
-    rc = lib.steploop_packed_linear(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(),
+    rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(),
                                     m.data_ptr(), x2.shape[0], packed.out_features, packed.in_features, packed.kind,
                                     num_threads)
     if rc:

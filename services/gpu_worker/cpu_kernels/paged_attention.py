@@ -13,24 +13,18 @@ import functools
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import load
+from services.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load()
-    if lib is None:
-        return None
-    fn = lib.steploop_paged_attention
-    fn.argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
+def _kernel():
+    return function("steploop_paged_attention", [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int])
 
 
 def available() -> bool:
-    return _library() is not None
+    return _kernel() is not None
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -61,10 +55,10 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(block_tables.shape)}, query_start_loc "
                          f"{tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}")
-    lib = _library()
-    if lib is None:
+    kernel = _kernel()
+    if kernel is None:
         raise RuntimeError("the CPU paged attention library is not available (see build.py's warning)")
-    rc = lib.steploop_paged_attention(
+    rc = kernel(
         out.data_ptr(), q.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(), query_start_loc.data_ptr(),
         seq_lens.data_ptr(), q.shape[0], num_reqs, q.shape[1], num_kv_heads, head_dim, num_blocks, block_size,
         block_tables.shape[1], scale, num_threads)

@@ -15,6 +15,7 @@ from services.common import envs
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, PackedWeight, pack
 
+
 class PackedLinear(nn.Module):
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None):
         super().__init__()
