@@ -10,7 +10,7 @@
       (>= 0.92x throughput, <= +1 ms mean TPOT); two alternating rounds each (round 2 on fresh prompts of the same
       lengths, so the cluster's prefix cache does not hit), the best of each counts
  (c)  prefix caching on vs off: TTFT on a 1024-token shared prefix (>= 5x); throughput at 0% hits (>= 0.99x),
-      two clusters up side by side, alternating rounds
+      two clusters up side by side, three alternating rounds on fresh prompts, the best of each counts
  (d)  chunked prefill: p99 ITL of running streams while 2k-token prompts arrive (the gaps of tokens that came
       between the first long prompt's send and the last one's first token), default flags (budget 2048 and
       prefill pacing, --max-decode-slowdown 2) vs the budget alone (pacing off): 256, and one that
@@ -66,7 +66,8 @@ class Workloads:
         self.hf_batch = self.concurrency               # padded static batches of `concurrency`: 2 over `requests`
         self.prefix_len, self.suffix_len, self.prefix_requests = 1024, 32, (2 if quick else 4)
         self.miss_requests, self.miss_input, self.miss_output = (8, 64, 8) if quick else (32, 128, 16)
-        self.ab_rounds = 1 if quick else 2             # (b) and (c) at 0% hits: alternating rounds, best of each
+        self.ab_rounds = 1 if quick else 2             # (b): alternating rounds, best of each
+        self.miss_rounds = 1 if quick else 3           # (c) at 0% hits: short runs, so more rounds
         # (d): the streams must outlast both long prompts' arrival (1 s, then every long_every s) and prefill
         self.streams, self.stream_output = (4, 320) if quick else (8, 480)
         self.long_prompts, self.long_len, self.long_every = (1, 2048, 1.5) if quick else (2, 2048, 3.0)
@@ -278,7 +279,7 @@ def main(argv=None) -> None:
         try:
             bench(other, warm)
             figures["prefix_off"], _ = bench(other, prefix_reqs[1:], prefix_reqs[:1], concurrency=1)
-            for i in range(w.ab_rounds):      # fresh prompts each round, or round 2 would hit round 1's blocks
+            for i in range(w.miss_rounds):    # fresh prompts each round, or round 2 would hit round 1's blocks
                 reqs = misses if i == 0 else datasets.random_dataset(w.miss_requests, w.miss_input, w.miss_output,
                                                                      0.0, tok, seed=200 + i, as_ids=True)
                 rounds["misses_on"].append(bench(cluster, reqs, concurrency=w.miss_requests))
