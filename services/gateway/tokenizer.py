@@ -43,6 +43,8 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._rust = _rust_decoder(hf_tokenizer)
+        self._clean_up = bool(getattr(hf_tokenizer, "clean_up_tokenization_spaces", False))
 
     @property
     def vocab_size(self) -> int:
@@ -53,7 +55,12 @@ class Tokenizer:
         return self.hf.eos_token_id
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        """What hf.decode returns. The detokenizer calls this twice per streamed token; transformers' wrapper
+        around the Rust decoder cost ~6x the decode itself (0.44 of 0.85 s of gateway CPU while 64 streams ran)."""
+        if self._rust is None:
+            return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        text = self._rust.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self.hf.clean_up_tokenization(text) if self._clean_up else text
 
     def encode_sync(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -81,6 +88,19 @@ class Tokenizer:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _rust_decoder(hf_tokenizer: Any) -> Any | None:
+    """The `tokenizers` object behind a fast tokenizer whose decode is transformers' plain one (Rust decode, then
+    the optional clean-up); None for slow tokenizers and for classes that override decoding."""
+    if not getattr(hf_tokenizer, "is_fast", False):
+        return None
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers is imported by now
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: PLC0415
+    cls = type(hf_tokenizer)
+    if cls._decode is not PreTrainedTokenizerFast._decode or cls.decode is not PreTrainedTokenizerBase.decode:
+        return None
+    return hf_tokenizer.backend_tokenizer
 
 
 def load_tokenizer(model_dir: str | pathlib.Path) -> Tokenizer:

@@ -81,3 +81,16 @@ def test_stop_string_flush_releases_tail_at_end():
 def test_no_stop_strings_passes_through():
     m = StopStringMatcher([])
     assert m.feed("abc") == "abc" and m.flush() == ""
+
+
+def test_tokenizer_decode_is_transformers_decode(tokenizer):
+    """Tokenizer.decode goes straight to the Rust decoder; it must return what transformers' decode does."""
+    assert tokenizer._rust is not None
+    hf = tokenizer.hf
+    texts = MULTIBYTE + ["  leading spaces", "tabs\tand\nnewlines", "it's don't", "a , b . c ?"]
+    ids = [hf.encode(t) for t in texts]
+    ids += [[hf.eos_token_id, *i, hf.eos_token_id] for i in ids[:3]]            # special tokens around text
+    ids += [i[:k] for i in ids[:4] for k in range(1, len(i))]                   # every prefix: split characters
+    for seq in ids:
+        for skip in (True, False):
+            assert tokenizer.decode(seq, skip_special_tokens=skip) == hf.decode(seq, skip_special_tokens=skip)
