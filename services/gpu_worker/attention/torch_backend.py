@@ -75,6 +75,12 @@ class TorchAttentionMetadata:
     common: CommonAttentionMetadata
     groups: list[_Group | _KernelGroup]
 
+    @property
+    def whole_batch_in_kernel(self) -> bool:
+        """Every request's attention is the C kernel's, in batch order (what cpu_kernels/decoder.c runs)."""
+        return (len(self.groups) == 1 and isinstance(self.groups[0], _KernelGroup) and self.groups[0].rows is None
+                and self.common.num_tokens > 0)
+
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"

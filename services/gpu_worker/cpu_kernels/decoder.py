@@ -1,9 +1,9 @@
 """ctypes front end of decoder.c: every decoder layer in one C call, for CPU fp32 steps whose attention the C
 kernel computes (decodes, short chunks, prompt chunks over short contexts).
 
-    decoder = CpuDecoder.build(model, kv_caches)      # None unless every layer can run in C (see why_not)
-    if decoder is not None and decoder.accepts(metadata):
-        x, residual = decoder.forward(x, positions, metadata)
+    decoder, why = CpuDecoder.build(model, kv_caches)   # None (and why) unless every layer can run in C
+    if decoder is not None and metadata.whole_batch_in_kernel:     # the torch backend's TorchAttentionMetadata
+        x, residual = decoder.forward(x, positions, metadata.common)
 
 The Model and Layer structs point at the packed weights, norm weights and KV caches, which live as long as the
 model; each step passes its own Step struct (positions, slots, block tables). The result is bit for bit the
@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import torch
 
 from services.common import envs
-from services.gpu_worker.attention.torch_backend import kernel_eligible
 from services.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -107,12 +106,6 @@ class CpuDecoder:
         """(decoder, why) -- the decoder is None when some layer cannot run in C; `why` says so for the log."""
         reason = why_not(model, kv_caches)
         return (None, reason) if reason else (cls(model, kv_caches), "all layers in one C call per step")
-
-    @staticmethod
-    def accepts(common) -> bool:
-        """Steps whose every request's attention the C kernel computes (torch_backend.kernel_eligible: decodes,
-        short chunks, prompt chunks over short contexts)."""
-        return common.num_tokens > 0 and bool(kernel_eligible(common.query_lens_cpu, common.seq_lens_cpu).all())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, common) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] embeddings -> (last layer's MLP output, residual stream), both [T, hidden]."""

@@ -97,9 +97,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T]; kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
         logits_indices [S] rows that need logits -> hidden [S, hidden]."""
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
-        common = getattr(attn_metadata, "common", None)
-        if self.cpu_decoder is not None and common is not None and self.cpu_decoder.accepts(common):
-            x, residual = self.cpu_decoder.forward(x, positions, common)     # every layer in one C call
+        if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False):
+            x, residual = self.cpu_decoder.forward(x, positions, attn_metadata.common)   # all layers in one C call
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
                 x, residual = layer(positions, x, residual, self.rotary, kv_cache, attn_metadata)
