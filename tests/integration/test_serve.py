@@ -43,7 +43,10 @@ def test_serve_starts_restarts_and_stops(tmp_path):
         status, body = cluster.post("/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi",
                                                         "max_tokens": 3})
         assert status == 200, body
-        text = log_path.read_text()
+        # the supervisor logs "ready in" when its own /health poll succeeds, which may be just after ours
+        deadline = time.monotonic() + 30
+        while "ready in" not in (text := log_path.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert "ready in" in text and "loading" in text.lower()       # the model load is shown
         worker_pid = _pids(text, "worker")[-1]
         os.kill(worker_pid, signal.SIGKILL)                            # a service dies...
