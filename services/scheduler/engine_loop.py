@@ -173,8 +173,10 @@ class EngineLoop:
         """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied."""
         outstanding: deque[StepPlan] = deque()
         window = 2 if self.sched_config.async_scheduling else 1
+        link: WorkerLink | None = None
         while True:
-            link = self.link if outstanding else await self._wait_for_work()
+            if not outstanding:          # plans in flight are answered on the link they went out on, or not at all
+                link = await self._wait_for_work()
             sent = False
             try:
                 if len(outstanding) < window and self.has_work():
@@ -191,7 +193,12 @@ class EngineLoop:
                     await self._wait(timeout=0.05)   # nothing fits right now: wait for an abort or a finish
             except WorkerLost as exc:
                 outstanding.clear()
-                self.detach(link, str(exc))
+                if self.link is link:
+                    self.detach(link, str(exc))
+                elif self.scheduler is not None:
+                    # The Attach handler detached this link first (and a new worker may be attached by now): the
+                    # plans this loop scheduled on it since then died with it, so preempt those requests too.
+                    self.scheduler.preempt_all()
 
     def _apply(self, plan: StepPlan, result: StepResult) -> None:
         self.num_steps += 1
