@@ -99,7 +99,6 @@ class CpuDecoder:
                             layers[0].mlp.intermediate_size, num_blocks, block_size, model.rotary.cos.shape[0],
                             layers[0].input_layernorm.eps, model.backend.scale, self.layers,
                             model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr())
-        self.hidden = cfg.hidden_size
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> tuple[CpuDecoder | None, str]:

@@ -28,8 +28,19 @@ def available() -> bool:
     return _kernels() is not None
 
 
+def fits_rows(t: torch.Tensor, dim: int) -> bool:
+    """A contiguous `dim`-d fp32 CPU tensor: what these kernels take (CpuOps falls back to torch otherwise)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == dim and t.is_contiguous()
+
+
+def fits_heads(t: torch.Tensor) -> bool:
+    """fp32 CPU [T, heads, D] with heads and D contiguous inside a row (a column slice of the fused qkv output)."""
+    return (t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3 and t.stride(2) == 1
+            and t.stride(1) == t.shape[2])
+
+
 def _fp32_rows(name: str, t: torch.Tensor, dim: int) -> None:
-    if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != dim or not t.is_contiguous():
+    if not fits_rows(t, dim):
         raise ValueError(f"{name}: expected a contiguous {dim}-d fp32 CPU tensor, got {tuple(t.shape)} {t.dtype} "
                          f"on {t.device} (contiguous: {t.is_contiguous()})")
 
@@ -52,15 +63,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
     y = x if residual is not None else torch.empty_like(x)
     _call(_kernels().rms_norm(y.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                                       weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()),
-          "rms_norm")
+                              weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads()), "rms_norm")
     return y if residual is None else (y, residual)
 
 
 def _heads_view(name: str, t: torch.Tensor) -> None:
-    """[T, heads, D] with heads and D contiguous inside a row (a column slice of the fused qkv output is fine)."""
-    if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 3 or t.stride(2) != 1 \
-            or t.stride(1) != t.shape[2]:
+    if not fits_heads(t):
         raise ValueError(f"{name}: expected fp32 CPU [T, heads, D] with contiguous rows of heads, got "
                          f"{tuple(t.shape)} strides {t.stride()} {t.dtype} on {t.device}")
 
@@ -77,9 +85,8 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     if k.shape[0] != t or k.shape[2] != d or pos.shape != (t,) or cos.shape != sin.shape or cos.shape[1] != d:
         raise ValueError(f"rotary: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(pos.shape)}, "
                          f"cos {tuple(cos.shape)}")
-    _call(_kernels().rotary(q.data_ptr(), k.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                          t, h, k.shape[1], d, q.stride(0), k.stride(0), cos.shape[0],
-                                          torch.get_num_threads()),
+    _call(_kernels().rotary(q.data_ptr(), k.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, h,
+                            k.shape[1], d, q.stride(0), k.stride(0), cos.shape[0], torch.get_num_threads()),
           "rotary (a position past the cos/sin table?)")
     return q, k
 
@@ -91,5 +98,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_and_mul: odd width {x.shape[1]}")
     out = x.new_empty((x.shape[0], x.shape[1] // 2))
     _call(_kernels().silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2,
-                                           torch.get_num_threads()), "silu_and_mul")
+                                  torch.get_num_threads()), "silu_and_mul")
     return out

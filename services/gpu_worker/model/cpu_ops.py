@@ -14,31 +14,26 @@ from services.gpu_worker.cpu_kernels import elementwise as kernel
 from services.gpu_worker.model.ops import TorchOps
 
 
-def _fits(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-
-
 class CpuOps:
     name = "cpu"
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-        parts = (x, weight) if residual is None else (x, weight, residual)
-        if _fits(*parts) and x.dim() == 2 and all(t.is_contiguous() for t in parts):
+        if kernel.fits_rows(x, 2) and kernel.fits_rows(weight, 1) and (residual is None
+                                                                        or kernel.fits_rows(residual, 2)):
             return kernel.rms_norm(x, weight, eps, residual)
         return TorchOps.rms_norm(x, weight, eps, residual)
 
     @staticmethod
     def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows_ok = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k))
-        if _fits(q, k, cos, sin) and rows_ok and cos.is_contiguous() and sin.is_contiguous():
+        if kernel.fits_heads(q) and kernel.fits_heads(k) and kernel.fits_rows(cos, 2) and kernel.fits_rows(sin, 2):
             return kernel.rotary(positions, q, k, cos, sin)
         return TorchOps.rotary(positions, q, k, cos, sin)
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        if _fits(x) and x.dim() == 2 and x.is_contiguous():
+        if kernel.fits_rows(x, 2):
             return kernel.silu_and_mul(x)
         return TorchOps.silu_and_mul(x)
 
