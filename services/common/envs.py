@@ -20,6 +20,7 @@ CPU_KERNELS = PREFIX + "CPU_KERNELS"                     # 0: no C kernel on the
 CPU_ATTENTION_KERNEL = PREFIX + "CPU_ATTENTION_KERNEL"   # 0: the torch backend skips the fused C kernel on the CPU
 CPU_PACKED_WEIGHTS = PREFIX + "CPU_PACKED_WEIGHTS"       # 0: CPU fp32 linears stay torch matmuls (no packed kernel)
 CPU_DECODER = PREFIX + "CPU_DECODER"                     # 0: CPU decode steps run layer by layer from Python
+CPU_HUGEPAGES = PREFIX + "CPU_HUGEPAGES"                 # 0: the CPU KV cache stays in 4 KiB pages (no MADV_HUGEPAGE)
 
 
 def switched_off(*names: str) -> str | None:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from services.gpu_worker import host_memory
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.model.model_config import LlamaModelConfig
 
@@ -90,4 +91,6 @@ def allocate_kv_caches(cfg: LlamaModelConfig, num_blocks: int, block_size: int, 
                        device: torch.device) -> list[torch.Tensor]:
     """[num_layers] x [2, num_blocks, block_size, Hk, D], zeroed."""
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    if device.type == "cpu":       # blocks are read scattered: huge pages spare a TLB miss per block
+        return [host_memory.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]

@@ -63,14 +63,17 @@ def test_weights_that_are_not_quantized_stay_fp32():
 def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k):
     w = make(n, k, seed=n + k)
     packed = pack(w)
-    x = torch.randn(45, k, generator=torch.Generator().manual_seed(7))
-    full = kernel.packed_linear(x, packed, num_threads=2)           # > 32 rows: the scratch-tile path
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(7))
+    full = kernel.packed_linear(x, packed, num_threads=2)           # > 48 rows: the scratch-tile path
     ref = (x.double() @ w.double().T).float()
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
-    # the fused path (<= 32 rows, passes of 16) and the scratch path's register blocks of 8, full and partial
-    for m in (1, 7, 8, 9, 13, 16, 17, 32, 33, 40):
+    # the fused path (<= 48 rows: passes of 16, then the rest) and the scratch path's register blocks of 8, full
+    # and partial; every row bitwise as in the 70-row batch
+    for m in (1, 7, 8, 9, 13, 16, 17, 32, 33, 40, 48, 49, 57, 64, 65):
         part = kernel.packed_linear(x[:m], packed, num_threads=1)
         assert same_bits(part, full[:m]), m
+        if m > 1:
+            assert same_bits(kernel.packed_linear(x[1:m], packed, num_threads=2), full[1:m]), m
     alone = kernel.packed_linear(x[12:13], packed, num_threads=2)
     assert same_bits(alone[0], full[12])
     assert kernel.packed_linear(x[:0], packed, 2).shape == (0, n)

@@ -28,11 +28,10 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define NR 32    /* output rows per tile (two groups) */
 #define MR 8     /* x rows per register block */
 #define FUSED_M 16        /* x rows per pass of the fused path */
-/* batches up to this many rows take the fused path (measured in benchmarks/packed_linear.py: the scratch tile is
-   faster from 16 rows for Q4_1, whose dequantizing is cheap, and from ~32 for Q8_0) */
-#define FUSED_MAX_M_Q4_1 12
-#define FUSED_MAX_M_Q8_0 32
-#define MAX_GB 4          /* 16-row groups walked side by side in the fused path */
+/* batches up to this many rows take the fused path (benchmarks/packed_linear.py, a whole forward's weights: with x
+   transposed it beats the scratch tile up to ~48 rows, 187 vs 162 GFLOP/s at 20; the tile wins from ~64) */
+#define FUSED_MAX_M_Q4_1 48
+#define FUSED_MAX_M_Q8_0 48
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
@@ -139,86 +138,66 @@ static void block_dispatch(int mr, int nv, const float *x, int64_t K, const floa
 }
 
 /* Small batches (M <= FUSED_MAX_M_*): no scratch; each group of 16 output rows is dequantized in registers, one pair
-   of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 32 fmas). With
-   few rows, gb groups are walked side by side: their fma chains are independent, so the CPU overlaps them instead
-   of waiting out each fma's latency (each output is still one chain in k order). */
-static inline __attribute__((always_inline)) void fused_q4_1(int mr, int gb, const float *restrict x, int64_t K,
+   of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 32 fmas). x comes
+   transposed (xt[k][r], see steploop_packed_linear) so all rows broadcast from one pointer: with x[r * K + k], gcc
+   kept a pointer per row and, past ~12 rows, spilled them into vector registers inside the loop. One
+   group per work item: walking 2 or 4 groups side by side (independent fma chains for few rows) measured slower
+   at every M from 1 to 16 on a whole forward's weights (M = 4: 9.9 vs 8.1 ms), and coarser items split a
+   576-row matrix unevenly over the threads. */
+static inline __attribute__((always_inline)) void fused_q4_1(int mr, const float *restrict xt, int64_t K,
                                                              const uint8_t *restrict qs, const float *restrict d,
-                                                             const float *restrict m, int64_t g0,
+                                                             const float *restrict m, int64_t g,
                                                              float *restrict y, int64_t N)
 {
-    v16f acc[FUSED_M][MAX_GB];
+    v16f acc[FUSED_M];
     for (int r = 0; r < mr; r++)
-        for (int j = 0; j < gb; j++)
-            acc[r][j] = (v16f){0};
+        acc[r] = (v16f){0};
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db[MAX_GB], mb[MAX_GB];
-        for (int j = 0; j < gb; j++) {
-            db[j] = load16(d + ((g0 + j) * (K / QK) + b) * G);
-            mb[j] = load16(m + ((g0 + j) * (K / QK) + b) * G);
-        }
+        v16f db = load16(d + (g * (K / QK) + b) * G), mb = load16(m + (g * (K / QK) + b) * G);
         for (int64_t p = 0; p < QK / 2; p++) {
             int64_t k = b * QK + 2 * p;
-            for (int j = 0; j < gb; j++) {
-                v16i iv = widen_u8(qs + ((g0 + j) * (K / 2) + k / 2) * G);
-                v16f w0 = __builtin_convertvector(iv & 15, v16f) * db[j] + mb[j];
-                v16f w1 = __builtin_convertvector(iv >> 4, v16f) * db[j] + mb[j];
-                for (int r = 0; r < mr; r++)
-                    acc[r][j] += x[r * K + k] * w0;
-                for (int r = 0; r < mr; r++)
-                    acc[r][j] += x[r * K + k + 1] * w1;
-            }
+            v16i iv = widen_u8(qs + (g * (K / 2) + k / 2) * G);
+            v16f w0 = __builtin_convertvector(iv & 15, v16f) * db + mb;
+            v16f w1 = __builtin_convertvector(iv >> 4, v16f) * db + mb;
+            for (int r = 0; r < mr; r++)
+                acc[r] += xt[k * mr + r] * w0;
+            for (int r = 0; r < mr; r++)
+                acc[r] += xt[(k + 1) * mr + r] * w1;
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int j = 0; j < gb; j++)
-            store16(y + r * N + (g0 + j) * G, acc[r][j]);
+        store16(y + r * N + g * G, acc[r]);
 }
 
-static inline __attribute__((always_inline)) void fused_q8_0(int mr, int gb, const float *restrict x, int64_t K,
+static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float *restrict xt, int64_t K,
                                                              const int8_t *restrict qs, const float *restrict d,
-                                                             int64_t g0, float *restrict y, int64_t N)
+                                                             int64_t g, float *restrict y, int64_t N)
 {
-    v16f acc[FUSED_M][MAX_GB];
+    v16f acc[FUSED_M];
     for (int r = 0; r < mr; r++)
-        for (int j = 0; j < gb; j++)
-            acc[r][j] = (v16f){0};
+        acc[r] = (v16f){0};
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db[MAX_GB];
-        for (int j = 0; j < gb; j++)
-            db[j] = load16(d + ((g0 + j) * (K / QK) + b) * G);
+        v16f db = load16(d + (g * (K / QK) + b) * G);
         for (int64_t i = 0; i < QK; i++) {
             int64_t k = b * QK + i;
-            for (int j = 0; j < gb; j++) {
-                v16f w = __builtin_convertvector(widen_s8(qs + ((g0 + j) * K + k) * G), v16f) * db[j];
-                for (int r = 0; r < mr; r++)
-                    acc[r][j] += x[r * K + k] * w;
-            }
+            v16f w = __builtin_convertvector(widen_s8(qs + (g * K + k) * G), v16f) * db;
+            for (int r = 0; r < mr; r++)
+                acc[r] += xt[k * mr + r] * w;
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int j = 0; j < gb; j++)
-            store16(y + r * N + (g0 + j) * G, acc[r][j]);
+        store16(y + r * N + g * G, acc[r]);
 }
-
-#define FUSED_GB(R, GB)                                                \
-    if (kind == KIND_Q4_1)                                             \
-        fused_q4_1(R, GB, x, K, qs, d, m, g, y, N);                    \
-    else                                                               \
-        fused_q8_0(R, GB, x, K, qs, d, g, y, N);
 
 #define FUSED_CASE(R)                                                  \
     case R:                                                            \
-        if (gb == 4) {                                                 \
-            FUSED_GB(R, 4)                                             \
-        } else if (gb == 2) {                                          \
-            FUSED_GB(R, 2)                                             \
-        } else {                                                       \
-            FUSED_GB(R, 1)                                             \
-        }                                                              \
+        if (kind == KIND_Q4_1)                                         \
+            fused_q4_1(R, xt, K, qs, d, m, g, y, N);                   \
+        else                                                           \
+            fused_q8_0(R, xt, K, qs, d, g, y, N);                      \
         break;
 
-static void fused_dispatch(int mr, int gb, int kind, const float *x, int64_t K, const void *qs, const float *d,
+static void fused_dispatch(int mr, int kind, const float *xt, int64_t K, const void *qs, const float *d,
                            const float *m, int64_t g, float *y, int64_t N)
 {
     switch (mr) {
@@ -228,14 +207,20 @@ static void fused_dispatch(int mr, int gb, int kind, const float *x, int64_t K, 
     }
 }
 
-/* rows [0, M) of x through groups [g0, g0 + gb): passes of up to FUSED_M rows */
-static void fused_groups(int64_t M, int gb, int kind, const float *x, int64_t K, const void *qs, const float *d,
-                         const float *m, int64_t g0, float *y, int64_t N)
+/* The calling thread's buffer for x transposed (grown as needed, kept for the next call: this runs ~120 times a
+   step). NULL when out of memory. */
+static float *transposed_buffer(int64_t n)
 {
-    for (int64_t r = 0; r < M; r += FUSED_M) {
-        int mr = (int)(M - r < FUSED_M ? M - r : FUSED_M);
-        fused_dispatch(mr, gb, kind, x + r * K, K, qs, d, m, g0, y + r * N, N);
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (n > cap) {
+        free(buf);
+        cap = (n + 4095) & ~(int64_t)4095;
+        buf = aligned_alloc(64, (size_t)cap * sizeof(float));
+        if (!buf)
+            cap = 0;
     }
+    return buf;
 }
 
 /* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 32 == 0. Returns 0, or -1 on bad sizes or no memory. */
@@ -247,12 +232,24 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
     if (M == 0)
         return 0;
     if (M <= (kind == KIND_Q4_1 ? FUSED_MAX_M_Q4_1 : FUSED_MAX_M_Q8_0)) {
-        int gb = M <= FUSED_M / 4 ? 4 : M <= FUSED_M / 2 ? 2 : 1;     /* <= 16 accumulators in flight */
-        int64_t num_groups = N / G, num_blocks = num_groups / gb;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t i = 0; i < num_blocks + num_groups % gb; i++) {
-            int64_t g0 = i < num_blocks ? i * gb : num_blocks * gb + (i - num_blocks);
-            fused_groups(M, i < num_blocks ? gb : 1, kind, x, K, qs, d, m, g0, y, N);
+        /* passes of up to FUSED_M rows; pass p's rows transposed to xt + p * FUSED_M * K as [K][rows] */
+        float *xt = transposed_buffer(M * K);
+        if (!xt)
+            return -1;
+#pragma omp parallel num_threads(num_threads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t r0 = 0; r0 < M; r0 += FUSED_M) {
+                    int64_t mr = M - r0 < FUSED_M ? M - r0 : FUSED_M;
+                    for (int64_t r = 0; r < mr; r++)
+                        xt[r0 * K + k * mr + r] = x[(r0 + r) * K + k];
+                }
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < N / G; g++)
+                for (int64_t r0 = 0; r0 < M; r0 += FUSED_M)
+                    fused_dispatch(M - r0 < FUSED_M ? (int)(M - r0) : FUSED_M, kind, xt + r0 * K, K, qs, d, m, g,
+                                   y + r0 * N, N);
         }
         return 0;
     }

@@ -1,0 +1,63 @@
+"""host_memory: the CPU KV cache in transparent huge pages, zeroed, writable, and plain torch when switched off."""
+
+from __future__ import annotations
+
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.common import envs
+from services.gpu_worker import host_memory, kv_cache
+
+THP_MODE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _vma_field(ptr: int, field: str) -> str | None:
+    """`field` of the /proc/self/smaps entry whose range holds address ptr."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def test_zeros_is_a_zeroed_writable_tensor():
+    t = host_memory.zeros((3, 1024, 1024), torch.float32)       # 12 MiB
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    assert not t.any()
+    t[1, 2, 3] = 5.0
+    assert t.sum().item() == 5.0
+    small = host_memory.zeros((4, 4), torch.float16)             # under one huge page: plain torch
+    assert small.dtype == torch.float16 and not small.any()
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="this host has no transparent huge pages")
+def test_zeros_asks_for_huge_pages():
+    t = host_memory.zeros((4, 1024, 1024), torch.float32)
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+    assert _vma_field(t.data_ptr(), "THPeligible") == "1"
+
+
+def test_switched_off_gives_plain_torch(monkeypatch):
+    monkeypatch.setenv(envs.CPU_HUGEPAGES, "0")
+    t = host_memory.zeros((4, 1024, 1024), torch.float32)
+    assert not t.any()
+    if THP_MODE.exists() and "[madvise]" in THP_MODE.read_text():
+        assert _vma_field(t.data_ptr(), "THPeligible") == "0"
+
+
+def test_cpu_kv_cache_comes_from_host_memory(monkeypatch):
+    calls = []
+    real = host_memory.zeros
+    monkeypatch.setattr(host_memory, "zeros", lambda shape, dtype: calls.append(shape) or real(shape, dtype))
+    cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
+    caches = kv_cache.allocate_kv_caches(cfg, 8, 16, torch.float32, torch.device("cpu"))
+    assert len(caches) == 2 and calls == [(2, 8, 16, 2, 16)] * 2
+    assert all(c.shape == (2, 8, 16, 2, 16) and not c.any() for c in caches)
