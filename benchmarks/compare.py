@@ -7,8 +7,8 @@
       requests, HF one-at-a-time a subset of them
  (a') steploop output tok/s x 2 x params / fp32 matmul FLOP/s on the model's layer shapes (>= 60%)
  (b)  gRPC cluster vs the same scheduler + ModelRunner in one process, same 128 requests, same closed loop of 64
-      (>= 0.92x throughput, <= +1 ms mean TPOT); two alternating rounds each (round 2 on fresh prompts of the same
-      lengths, so the cluster's prefix cache does not hit), the best of each counts
+      (>= 0.92x throughput, <= +1 ms mean TPOT); three alternating rounds each (rounds 2 and 3 on fresh prompts of
+      the same lengths, so the cluster's prefix cache does not hit), the best of each counts
  (c)  prefix caching on vs off: TTFT on a 1024-token shared prefix (>= 5x); throughput at 0% hits (>= 0.99x),
       two clusters up side by side, three alternating rounds on fresh prompts, the best of each counts
  (d)  chunked prefill: p99 ITL of running streams while 2k-token prompts arrive (the gaps of tokens that came
@@ -18,7 +18,8 @@
  (e)  steploop vs llama.cpp (llama-cpp-python) on the GGUF at 16 concurrent streams (>= 2x output tok/s): the
       same 32 requests (fewer output tokens in quick mode) through the cluster at --max-concurrency 16 and through
       llama.cpp's own multi-sequence batching (n_seq_max 16, one llama_decode per step for every live sequence),
-      same threads; llama.cpp one stream at a time is an extra, informational row. Skipped when not installed
+      same threads, in three alternating rounds on fresh requests (best of each); llama.cpp one stream at a
+      time is an extra, informational row. Skipped when not installed
 
 Writes benchmarks/results/compare.{json,md} and compare-*.png. Clusters are real processes on free ports
 (tests/integration/cluster.py). Other processes on the machine skew absolute figures; ratios are measured
@@ -66,7 +67,7 @@ class Workloads:
         self.hf_batch = self.concurrency               # padded static batches of `concurrency`: 2 over `requests`
         self.prefix_len, self.suffix_len, self.prefix_requests = 1024, 32, (2 if quick else 4)
         self.miss_requests, self.miss_input, self.miss_output = (8, 64, 8) if quick else (32, 128, 16)
-        self.ab_rounds = 1 if quick else 2             # (b): alternating rounds, best of each
+        self.ab_rounds = 1 if quick else 3             # (b): alternating rounds, best of each
         self.miss_rounds = 1 if quick else 3           # (c) at 0% hits: short runs, so more rounds
         # (d): the streams must outlast both long prompts' arrival (1 s, then every long_every s) and prefill
         self.streams, self.stream_output = (4, 320) if quick else (8, 480)
@@ -76,6 +77,10 @@ class Workloads:
         self.llama_requests = 2 * self.llama_streams    # closed loop too: a request takes a stream as one leaves
         self.llama_input_len, self.llama_output_len = (32, 12) if quick else (32, 64)
         self.llama_single = 2 if quick else 4          # llama.cpp one stream at a time (a subset, informational)
+        self.llama_rounds = 1 if quick else 3          # the cluster and llama.cpp take turns: best of each
+
+
+LLAMA_CPP_MISSING = "not installed (pip install llama-cpp-python; building it takes ~9 minutes)"
 
 
 def machine_info() -> dict:
@@ -257,7 +262,8 @@ def main(argv=None) -> None:
     prefix_reqs = datasets.shared_prefix_dataset(1, w.prefix_requests + 1, w.prefix_len, w.suffix_len, 8, tok,
                                                  seed=3, as_ids=True)
     misses = datasets.random_dataset(w.miss_requests, w.miss_input, w.miss_output, 0.0, tok, seed=4, as_ids=True)
-    rounds: dict[str, list] = {"inprocess": [], "cluster": [], "misses_on": [], "misses_off": []}
+    rounds: dict[str, list] = {"inprocess": [], "cluster": [], "misses_on": [], "misses_off": [], "cluster_16": [],
+                               "llama_cpp_16": []}
     # cluster A: default flags -- (a), (b), (c) on, (d) default budget
     cluster = start_cluster("default")
     try:
@@ -270,8 +276,18 @@ def main(argv=None) -> None:
             rounds["cluster"].append(bench(cluster, reqs, concurrency=w.concurrency))
             print(f"cluster: {report.short(rounds['cluster'][-1][0])}", flush=True)
         del engine
-        figures["cluster_16"], _ = bench(cluster, streams16, concurrency=w.llama_streams)
-        print(f"cluster, 16 streams: {report.short(figures['cluster_16'])}", flush=True)
+        # (e) the cluster and llama.cpp take turns on the same requests (fresh ones each round, so the cluster's
+        # prefix cache does not hit); llama.cpp loads in this process while the idle cluster waits
+        for i in range(w.llama_rounds):
+            reqs = streams16 if i == 0 else datasets.random_dataset(
+                w.llama_requests, w.llama_input_len, w.llama_output_len, w.range_ratio, tok, seed=300 + i, as_ids=True)
+            rounds["cluster_16"].append(bench(cluster, reqs, concurrency=w.llama_streams))
+            print(f"cluster, 16 streams: {report.short(rounds['cluster_16'][-1][0])}", flush=True)
+            llama = llama_cpp_batched(w, ids_of(reqs), info["engine_threads"])
+            if "skipped" in llama:
+                figures["llama_cpp_16"] = llama
+                break
+            rounds["llama_cpp_16"].append((llama, None))
         figures["prefix_on"], _ = bench(cluster, prefix_reqs[1:], prefix_reqs[:1], concurrency=1)
         figures["chunked_default"] = chunked_prefill(cluster, w, tok)
         # (c) at 0% hits: cluster B (no prefix caching) beside A, alternating rounds of the same misses
@@ -289,7 +305,8 @@ def main(argv=None) -> None:
     finally:
         cluster.stop()
     for key, runs in rounds.items():
-        figures[key], raw[key] = max(runs, key=lambda run: run[0]["output_throughput"])
+        if runs:
+            figures[key], raw[key] = max(runs, key=lambda run: run[0]["output_throughput"])
     figures["rounds"] = {key: [run[0]["output_throughput"] for run in runs] for key, runs in rounds.items()}
     whole = str(w.long_len + 2 * w.streams + 64)
     # The baselines are the token budget alone (no prefill pacing), as an engine without it would schedule.
@@ -305,7 +322,7 @@ def main(argv=None) -> None:
         finally:
             cluster.stop()
 
-    figures["llama_cpp_16"], figures["llama_cpp"] = llama_cpp_figures(w, ids_of(streams16), info["engine_threads"])
+    figures["llama_cpp"] = llama_cpp_one_stream(w, ids_of(streams16), info["engine_threads"])
     info["load_average_at_end"] = os.getloadavg()
     info["wall_seconds"] = time.perf_counter() - began
     info["quick"] = w.quick
@@ -316,20 +333,29 @@ def main(argv=None) -> None:
     print(f"done in {info['wall_seconds']:.0f} s; results in {out_dir}")
 
 
-def llama_cpp_figures(w: Workloads, pairs, threads: int) -> tuple[dict, dict]:
-    """(16 concurrent streams through llama.cpp's batching, one stream at a time on a subset) of the (e) set."""
+def llama_cpp_batched(w: Workloads, pairs, threads: int) -> dict:
+    """llama.cpp's own batching of 16 streams over these requests, or {"skipped": why} when it is not installed."""
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: F401
     except ImportError:
-        skipped = {"skipped": "not installed (pip install llama-cpp-python; building it takes ~9 minutes)"}
-        return skipped, skipped
-    from benchmarks.llama_cpp_baseline import batched, one_at_a_time
+        return {"skipped": LLAMA_CPP_MISSING}
+    from benchmarks.llama_cpp_baseline import batched
     many = batched(pairs, n_parallel=w.llama_streams, threads=threads)
     print(f"llama.cpp, {w.llama_streams} streams: {many['output_throughput']:.1f} out tok/s, TTFT mean "
           f"{many['mean_ttft_ms']:.0f} ms, TPOT mean {many['mean_tpot_ms']:.1f} ms", flush=True)
+    return many
+
+
+def llama_cpp_one_stream(w: Workloads, pairs, threads: int) -> dict:
+    """A subset of the (e) requests through llama.cpp one at a time (informational)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return {"skipped": LLAMA_CPP_MISSING}
+    from benchmarks.llama_cpp_baseline import one_at_a_time
     one = one_at_a_time(pairs[::max(1, len(pairs) // w.llama_single)][:w.llama_single], threads)
     print(f"llama.cpp, one stream: {one['output_throughput']:.1f} out tok/s", flush=True)
-    return many, one
+    return one
 
 
 def write_plots(out_dir: pathlib.Path, figures: dict, raw: dict, ratios: list[dict]) -> None:

@@ -72,7 +72,7 @@ def ratios(f: dict) -> list[dict]:
 
 def _rounds(f: dict, key: str) -> str:
     """'; best of alternating rounds: a, b vs c, d' when the run alternated rounds (older results did not)."""
-    other = {"cluster": "inprocess", "misses_on": "misses_off"}[key]
+    other = {"cluster": "inprocess", "misses_on": "misses_off", "cluster_16": "llama_cpp_16"}[key]
     r = f.get("rounds", {})
     if len(r.get(key, [])) < 2:
         return ""
@@ -97,7 +97,7 @@ def _llama_cpp_rows(f: dict) -> list[dict]:
                    f"{ours:.1f} vs {many['output_throughput']:.1f} out tok/s: the same {many['requests']} requests, "
                    f"at most {many['streams']} in flight in both (steploop gRPC cluster fp32; llama.cpp's "
                    f"multi-sequence batching, {many['weights']}, {many['threads']} threads); mean TPOT "
-                   f"{f['cluster_16']['mean_tpot_ms']:.0f} vs {many['mean_tpot_ms']:.0f} ms")]
+                   f"{f['cluster_16']['mean_tpot_ms']:.0f} vs {many['mean_tpot_ms']:.0f} ms{_rounds(f, 'cluster_16')}")]
     if "output_throughput" in one:
         rows.append(_ratio("e_llama_cpp_one_stream", "(e) informational: vs llama.cpp one stream at a time",
                            ours / one["output_throughput"], None, ">=",

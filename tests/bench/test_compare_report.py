@@ -113,3 +113,12 @@ def test_packed_kernel_rate_is_an_informational_row_beside_the_limit():
     assert list(targets)[:4] == ["a_one_at_a_time", "a_static_batch", "a_share_of_limit", "a_share_of_packed_limit"]
     assert targets["a_share_of_packed_limit"]["measured"] == pytest.approx(200 * 2 * 1e8 / 160e9)
     assert targets["a_share_of_packed_limit"]["target"] is None and targets["a_share_of_limit"]["target"] == 0.60
+
+
+def test_llama_cpp_row_shows_its_alternating_rounds():
+    f = figures()
+    f["rounds"] = {"cluster_16": [110.0, 120.0, 115.0], "llama_cpp_16": [48.0, 50.0, 49.0]}
+    e = next(r for r in report.ratios(f) if r["key"] == "e_llama_cpp_16_streams")
+    assert e["value"] == pytest.approx(120 / 50)
+    assert "best of alternating rounds: 110.0, 120.0, 115.0 vs 48.0, 50.0, 49.0" in e["detail"]
+    assert Workloads(False).llama_rounds == 3 and Workloads(True).llama_rounds == 1
