@@ -308,6 +308,7 @@ def main(argv=None) -> None:
         if runs:
             figures[key], raw[key] = max(runs, key=lambda run: run[0]["output_throughput"])
     figures["rounds"] = {key: [run[0]["output_throughput"] for run in runs] for key, runs in rounds.items()}
+    figures["rounds_tpot_ms"] = {key: [run[0]["mean_tpot_ms"] for run in rounds[key]] for key in ("cluster", "inprocess")}
     whole = str(w.long_len + 2 * w.streams + 64)
     # The baselines are the token budget alone (no prefill pacing), as an engine without it would schedule.
     cluster = start_cluster("whole-prompt-budget", ["--max-num-batched-tokens", whole, "--max-decode-slowdown", "0"])

@@ -122,3 +122,12 @@ def test_llama_cpp_row_shows_its_alternating_rounds():
     assert e["value"] == pytest.approx(120 / 50)
     assert "best of alternating rounds: 110.0, 120.0, 115.0 vs 48.0, 50.0, 49.0" in e["detail"]
     assert Workloads(False).llama_rounds == 3 and Workloads(True).llama_rounds == 1
+
+
+def test_tpot_row_lists_each_rounds_tpot_and_the_paired_mean():
+    f = figures()
+    f["rounds_tpot_ms"] = {"cluster": [130.0, 125.0, 121.0], "inprocess": [128.0, 124.0, 123.0]}
+    b = next(r for r in report.ratios(f) if r["key"] == "b_tpot")
+    assert b["value"] == pytest.approx(0.5)                     # the best-throughput rounds' figures
+    assert "per round 130.0, 125.0, 121.0 vs 128.0, 124.0, 123.0 ms" in b["detail"]
+    assert "mean of the paired differences +0.33 ms" in b["detail"]
