@@ -59,3 +59,45 @@ async def test_attach_serve_reconnect(fresh_runner):
     assert len(fake.results) >= 2 and fake.hellos[0].num_kv_blocks == 256 and fake.hellos[0].block_size == 16
     assert [r.error for r in fake.results[:2]] == ["", ""]
     assert fake.results[0].sampled[1] and fake.results[1].sampled[2]   # handle 1 was forgotten after detach
+
+
+class PipelinedScheduler(worker_pb2_grpc.PlanStreamServicer):
+    """Sends two plans before reading any result (as the step loop keeps two outstanding), then keeps the stream
+    open until the test ends."""
+
+    def __init__(self):
+        self.results: list[StepResult] = []
+        self.hold = asyncio.Event()
+
+    async def Attach(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        await it.__anext__()                                       # hello
+        for step in (1, 2):
+            plan = StepPlan(step_id=step, new_requests=[NewRequestData(step, [1, 2, 3 + step], [], SamplingParams(),
+                                                                       [step], 0)],
+                            scheduled_handles=[step], num_scheduled_tokens=[3])
+            yield worker_pb2.SchedulerMessage(plan=plan.to_pb())
+        for _ in (1, 2):
+            self.results.append(StepResult.from_pb((await it.__anext__()).result))
+        await self.hold.wait()
+
+
+async def test_plans_sent_ahead_are_answered_in_order_and_stop_ends_an_open_stream(fresh_runner):
+    server = grpc.aio.server()
+    fake = PipelinedScheduler()
+    worker_pb2_grpc.add_PlanStreamServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = WorkerConfig(scheduler_address=f"127.0.0.1:{port}", num_kv_blocks=256, max_model_len=1024)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, runner=fresh_runner, stop=stop))
+    for _ in range(200):
+        if len(fake.results) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert [(r.step_id, r.error) for r in fake.results] == [(1, ""), (2, "")]
+    assert set(fake.results[0].sampled) == {1} and set(fake.results[1].sampled) == {2}
+    stop.set()                                                     # the stream is still open: stop must end it
+    await asyncio.wait_for(task, 10)
+    fake.hold.set()
+    await server.stop(None)
