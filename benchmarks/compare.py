@@ -135,6 +135,14 @@ def bench(cluster: Cluster, reqs, warm=(), concurrency=None, tokenizer=None):
     return summary, results
 
 
+def round_requests(i: int, first, tok, n: int, input_len: int, output_len: int, range_ratio: float, seed: int):
+    """Round i's requests: `first` in round 0, then fresh prompts of the same shape (seed + i), so a cluster's
+    prefix cache never hits a previous round's blocks."""
+    if i == 0:
+        return first
+    return datasets.random_dataset(n, input_len, output_len, range_ratio, tok, seed=seed + i, as_ids=True)
+
+
 def ids_of(reqs) -> list[tuple[list[int], int]]:
     return [(list(r.token_ids), r.output_len) for r in reqs]
 
@@ -268,9 +276,8 @@ def main(argv=None) -> None:
     cluster = start_cluster("default")
     try:
         bench(cluster, warm)
-        for i in range(w.ab_rounds):          # fresh prompts each round: no prefix-cache hits from the last one
-            reqs = mixed if i == 0 else datasets.random_dataset(w.requests, w.input_len, w.output_len,
-                                                                w.range_ratio, tok, seed=100 + i, as_ids=True)
+        for i in range(w.ab_rounds):
+            reqs = round_requests(i, mixed, tok, w.requests, w.input_len, w.output_len, w.range_ratio, seed=100)
             rounds["inprocess"].append(engine.run(ids_of(reqs), max_concurrency=w.concurrency))
             print(f"in-process: {report.short(rounds['inprocess'][-1][0])}", flush=True)
             rounds["cluster"].append(bench(cluster, reqs, concurrency=w.concurrency))
@@ -279,8 +286,8 @@ def main(argv=None) -> None:
         # (e) the cluster and llama.cpp take turns on the same requests (fresh ones each round, so the cluster's
         # prefix cache does not hit); llama.cpp loads in this process while the idle cluster waits
         for i in range(w.llama_rounds):
-            reqs = streams16 if i == 0 else datasets.random_dataset(
-                w.llama_requests, w.llama_input_len, w.llama_output_len, w.range_ratio, tok, seed=300 + i, as_ids=True)
+            reqs = round_requests(i, streams16, tok, w.llama_requests, w.llama_input_len, w.llama_output_len,
+                                  w.range_ratio, seed=300)
             rounds["cluster_16"].append(bench(cluster, reqs, concurrency=w.llama_streams))
             print(f"cluster, 16 streams: {report.short(rounds['cluster_16'][-1][0])}", flush=True)
             llama = llama_cpp_batched(w, ids_of(reqs), info["engine_threads"])
@@ -295,9 +302,8 @@ def main(argv=None) -> None:
         try:
             bench(other, warm)
             figures["prefix_off"], _ = bench(other, prefix_reqs[1:], prefix_reqs[:1], concurrency=1)
-            for i in range(w.miss_rounds):    # fresh prompts each round, or round 2 would hit round 1's blocks
-                reqs = misses if i == 0 else datasets.random_dataset(w.miss_requests, w.miss_input, w.miss_output,
-                                                                     0.0, tok, seed=200 + i, as_ids=True)
+            for i in range(w.miss_rounds):
+                reqs = round_requests(i, misses, tok, w.miss_requests, w.miss_input, w.miss_output, 0.0, seed=200)
                 rounds["misses_on"].append(bench(cluster, reqs, concurrency=w.miss_requests))
                 rounds["misses_off"].append(bench(other, reqs, concurrency=w.miss_requests))
         finally:
@@ -308,7 +314,8 @@ def main(argv=None) -> None:
         if runs:
             figures[key], raw[key] = max(runs, key=lambda run: run[0]["output_throughput"])
     figures["rounds"] = {key: [run[0]["output_throughput"] for run in runs] for key, runs in rounds.items()}
-    figures["rounds_tpot_ms"] = {key: [run[0]["mean_tpot_ms"] for run in rounds[key]] for key in ("cluster", "inprocess")}
+    figures["rounds_tpot_ms"] = {key: [run[0]["mean_tpot_ms"] for run in rounds[key]]
+                                 for key in ("cluster", "inprocess")}
     whole = str(w.long_len + 2 * w.streams + 64)
     # The baselines are the token budget alone (no prefill pacing), as an engine without it would schedule.
     cluster = start_cluster("whole-prompt-budget", ["--max-num-batched-tokens", whole, "--max-decode-slowdown", "0"])
@@ -334,11 +341,17 @@ def main(argv=None) -> None:
     print(f"done in {info['wall_seconds']:.0f} s; results in {out_dir}")
 
 
-def llama_cpp_batched(w: Workloads, pairs, threads: int) -> dict:
-    """llama.cpp's own batching of 16 streams over these requests, or {"skipped": why} when it is not installed."""
+def llama_cpp_installed() -> bool:
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def llama_cpp_batched(w: Workloads, pairs, threads: int) -> dict:
+    """llama.cpp's own batching of 16 streams over these requests, or {"skipped": why} when it is not installed."""
+    if not llama_cpp_installed():
         return {"skipped": LLAMA_CPP_MISSING}
     from benchmarks.llama_cpp_baseline import batched
     many = batched(pairs, n_parallel=w.llama_streams, threads=threads)
@@ -349,9 +362,7 @@ def llama_cpp_batched(w: Workloads, pairs, threads: int) -> dict:
 
 def llama_cpp_one_stream(w: Workloads, pairs, threads: int) -> dict:
     """A subset of the (e) requests through llama.cpp one at a time (informational)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    if not llama_cpp_installed():
         return {"skipped": LLAMA_CPP_MISSING}
     from benchmarks.llama_cpp_baseline import one_at_a_time
     one = one_at_a_time(pairs[::max(1, len(pairs) // w.llama_single)][:w.llama_single], threads)

@@ -73,7 +73,8 @@ class ModelRunner:
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
-        if device.type == "cpu" and dtype == torch.float32:
+        cpu_fp32 = device.type == "cpu" and dtype == torch.float32     # the C kernels' case
+        if cpu_fp32:
             start = time.perf_counter()
             summary = pack_linear_layers(model)
             log.info("CPU linear layers: %s (%.2f s)", summary, time.perf_counter() - start)
@@ -81,7 +82,7 @@ class ModelRunner:
         profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)
         num_blocks = kv_cache.decide_num_blocks(config, cfg, max_len, dtype, device, profile)
         caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)
-        if device.type == "cpu" and dtype == torch.float32:
+        if cpu_fp32:
             model.cpu_decoder, why = CpuDecoder.build(model, caches)
             log.info("CPU steps the attention kernel takes whole (decodes, short chunks): %s", why)
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),

@@ -5,7 +5,8 @@
        └──── stream broke or scheduler not up: reset the persistent batch, back off 0.2 s .. 2 s ┘
 
 The forward runs in a single-thread executor, so the event loop keeps answering gRPC keepalives during a long
-step, and reads the next plan and writes the last result meanwhile. Breaking the stream makes the scheduler preempt everything this worker held, so the worker forgets it all.
+step, and reads the next plan and writes the last result meanwhile. Breaking the stream makes the scheduler
+preempt everything this worker held, so the worker forgets it all.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop
             served = True
             log.info("attached to scheduler %s as %s (%d KV blocks of %d tokens)", config.scheduler_address,
                      runner.info.worker_id, runner.info.num_kv_blocks, runner.info.block_size)
-            await _serve_stream(call, runner, executor, stopper, obs)
+            await _serve_stream(call, runner, executor, stopper, obs, config.scheduler_address)
         except grpc.aio.AioRpcError as err:
             level = logging.WARNING if served else logging.DEBUG
             log.log(level, "plan stream to %s ended: %s %s", config.scheduler_address, err.code().name,
@@ -118,7 +119,8 @@ async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop
     return served
 
 
-async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Future, obs: WorkerObserver) -> None:
+async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Future, obs: WorkerObserver,
+                        address: str) -> None:
     """Serve the stream's plans until it ends (EOF), breaks (raises AioRpcError) or `stopper` fires.
 
     The forward thread runs one loop for the whole stream: it takes the next plan from a queue that the event loop
@@ -158,7 +160,7 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
                 return
             msg = reader.result()
             if msg is grpc.aio.EOF:
-                log.warning("the scheduler closed the plan stream")
+                log.warning("scheduler %s closed the plan stream", address)
                 return
             if msg.HasField("plan"):
                 plan = StepPlan.from_pb(msg.plan)

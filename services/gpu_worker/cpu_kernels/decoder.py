@@ -56,8 +56,7 @@ def _kernels() -> SimpleNamespace | None:
 
 def _matrix(linear) -> _Matrix:
     p = linear.packed
-    m = p.m if p.m is not None else p.d
-    return _Matrix(p.qs.data_ptr(), p.d.data_ptr(), m.data_ptr(), p.out_features, p.in_features, p.kind)
+    return _Matrix(p.qs.data_ptr(), p.d.data_ptr(), p.m_or_d.data_ptr(), p.out_features, p.in_features, p.kind)
 
 
 def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:

@@ -1,6 +1,6 @@
 """ctypes front end of elementwise.c: RMSNorm (+ residual), rotary (NeoX halves) and SiLU-and-mul, fp32 on the CPU.
 
-model/ops.py's CpuOps calls these with the same interface as TorchOps; `available()` builds the library once.
+model/cpu_ops.py's CpuOps calls these with the same interface as TorchOps; `available()` builds the library once.
 """
 
 from __future__ import annotations

@@ -40,10 +40,8 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the packed linear library is not available (see build.py's warning)")
-    m = packed.m if packed.m is not None else packed.d
-    rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(),
-                                    m.data_ptr(), x2.shape[0], packed.out_features, packed.in_features, packed.kind,
-                                    num_threads)
+    rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(), packed.m_or_d.data_ptr(),
+                x2.shape[0], packed.out_features, packed.in_features, packed.kind, num_threads)
     if rc:
         raise RuntimeError("packed_linear: bad sizes or out of memory")
     return y.view(*lead, packed.out_features)

@@ -30,6 +30,11 @@ class PackedWeight:
     in_features: int
 
     @property
+    def m_or_d(self) -> torch.Tensor:
+        """The kernel's m argument: Q8_0 has no m, and d stands in (the kernel does not read it)."""
+        return self.m if self.m is not None else self.d
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
