@@ -112,6 +112,15 @@ def grpc_server_context(servicer_context: Any):
     return _attached(otel_context, extract(metadata))
 
 
+def traceparent_context(traceparent: str):
+    """A context manager making the trace of a W3C traceparent string current (a Session request carries its
+    caller's in the message, as it cannot ride on per-call metadata); a shared no-op when tracing is off."""
+    if not ENABLED or not traceparent:
+        return _NULL
+    from opentelemetry import context as otel_context
+    return _attached(otel_context, context_from_traceparent(traceparent))
+
+
 @contextlib.contextmanager
 def _attached(otel_context: Any, ctx: Any):
     token = otel_context.attach(ctx)

@@ -24,6 +24,7 @@ class GatewayConfig:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies get 413
     shutdown_timeout: float = 30.0            # seconds in-flight requests may take to finish on SIGTERM
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
+    engine_session: bool = True               # all requests on one Session stream; False: a Generate call each
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -38,7 +39,7 @@ class GatewayConfig:
         return cls(host=args.host, port=args.port, scheduler_address=args.scheduler_address, model=args.model,
                    served_model_name=args.served_model_name, api_key=args.api_key or None,
                    max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-                   tls=TlsConfig.from_args(args))
+                   tls=TlsConfig.from_args(args), engine_session=args.engine_session)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,5 +58,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   help="larger request bodies are refused with 413")
     envs.add_flag(parser, "--shutdown-timeout", type=float, default=d.shutdown_timeout,
                   help="seconds in-flight requests may take to finish after SIGTERM")
+    envs.add_flag(parser, "--engine-session", type=bool, default=d.engine_session,
+                  help="carry every request on one multiplexed Session stream to the scheduler (one message per "
+                       "step); --no-engine-session gives each request its own Generate call")
     TlsConfig.add_cli_args(parser)
     return parser

@@ -1,8 +1,10 @@
 """EngineClient: the gateway's only door to the scheduler's Engine gRPC service (token ids in, token ids out).
 
-Cancellation is abort: `generate` is an async generator wrapping one server-streaming call; closing it (break,
-aclose, task cancellation when the HTTP client goes away) cancels the call, and the scheduler aborts the request.
-gRPC failures leave this module as `errors.APIError`, mapped in errors.py.
+Cancellation is abort: `generate` is an async generator over one request's chunks; closing it (break, aclose,
+task cancellation when the HTTP client goes away) aborts the request in the scheduler. By default every request
+rides on one shared Session stream (engine_session.py: one message per step for all of them); multiplex=False
+gives each request its own Generate call instead. gRPC failures leave this module as `errors.APIError`, mapped
+in errors.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.tls import TlsConfig, open_channel
 from services.gateway import errors
 from services.gateway import tracing as gateway_tracing
+from services.gateway.engine_session import SessionStream
 
 logger = logging.getLogger(__name__)
 
@@ -30,30 +33,62 @@ UNARY_TIMEOUT_S = 5.0   # model info, health, abort: cheap calls that must not h
 class EngineClient:
     """Async client for one scheduler replica. Create it inside the running event loop."""
 
-    def __init__(self, address: str, *, channel: grpc.aio.Channel | None = None, tls: TlsConfig | None = None):
+    def __init__(self, address: str, *, channel: grpc.aio.Channel | None = None, tls: TlsConfig | None = None,
+                 multiplex: bool = True):
         self.address = address
+        self.multiplex = multiplex
         self._channel = channel or open_channel(address, tls or TlsConfig(), CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._session: SessionStream | None = None
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str = "") -> AsyncIterator[engine_pb2.GenerateChunk]:
-        """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it."""
+        """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it.
+        request_id must be unique among this engine's live requests."""
         request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
                                              sampling=params.to_pb(), priority=priority, cache_salt=cache_salt)
         span = gateway_tracing.start_generate(request) if tracing.ENABLED else None
+        chunks = self._on_session(request, span) if self.multiplex else self._on_call(request, span)
+        try:
+            async for chunk in chunks:
+                if span is not None and chunk.finish_reason:
+                    gateway_tracing.record_finish(span, chunk)
+                yield chunk
+        finally:
+            await chunks.aclose()
+            if span is not None:
+                span.end()
+
+    async def _on_session(self, request: engine_pb2.GenerateRequest, span) -> AsyncIterator[engine_pb2.GenerateChunk]:
+        if self._session is None or self._session.closed:
+            self._session = SessionStream(self._stub)
+        session = self._session
+        queue = session.open(request, tracing.traceparent_of(span) if span is not None else "")
+        finished = False
+        try:
+            while not finished:
+                entry = await queue.get()
+                if callable(entry):     # the stream broke: the scheduler dropped the request with it
+                    finished = True
+                    raise entry()
+                if entry.HasField("error"):
+                    finished = True
+                    raise errors.from_request_error(entry.error)
+                finished = bool(entry.chunk.finish_reason)
+                yield entry.chunk
+        finally:
+            session.close(request.request_id, abort=not finished)
+
+    async def _on_call(self, request: engine_pb2.GenerateRequest, span) -> AsyncIterator[engine_pb2.GenerateChunk]:
         call = self._stub.Generate(request, metadata=tracing.grpc_metadata(span))
         try:
             async for chunk in call:
-                if span is not None and chunk.finish_reason:
-                    gateway_tracing.record_finish(span, chunk)
                 yield chunk
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
         finally:
             call.cancel()   # no-op once the stream ended; otherwise the scheduler sees the cancel and aborts
-            if span is not None:
-                span.end()
 
     async def abort(self, request_ids: Sequence[str]) -> int:
         try:
@@ -92,4 +127,6 @@ class EngineClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        if self._session is not None:
+            self._session.cancel()
         await self._channel.close()

@@ -63,7 +63,23 @@ def _metadata(err: grpc.aio.AioRpcError) -> dict[str, str]:
 
 def from_grpc_error(err: grpc.aio.AioRpcError) -> APIError:
     """Maps an engine RPC failure to the HTTP error the client sees."""
-    status, details, meta = err.code(), err.details() or "", _metadata(err)
+    return from_status(err.code(), err.details() or "", _metadata(err))
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_request_error(err) -> APIError:
+    """Maps the RequestError a Session stream ends one request with, as from_grpc_error maps a call's status."""
+    meta = {ERROR_CODE_KEY: err.code} if err.code else {}
+    if err.param:
+        meta[ERROR_PARAM_KEY] = err.param
+    if err.retry_after_s:
+        meta[RETRY_AFTER_KEY] = str(err.retry_after_s)
+    return from_status(_STATUS_CODES.get(err.status_code, grpc.StatusCode.UNKNOWN), err.message, meta)
+
+
+def from_status(status: grpc.StatusCode, details: str, meta: dict[str, str]) -> APIError:
     param, code = meta.get(ERROR_PARAM_KEY), meta.get(ERROR_CODE_KEY)
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         # The engine validated the request: its message is meant for the caller.

@@ -43,7 +43,7 @@ def bound_port(runner: web.AppRunner) -> int:
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     path = model_path.resolve_model(config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
-    engine = EngineClient(config.scheduler_address, tls=config.tls)
+    engine = EngineClient(config.scheduler_address, tls=config.tls, multiplex=config.engine_session)
     app = create_app(config, engine, tokenizer)
     runner, _ = await start_site(app, config.host, config.port, config.shutdown_timeout)
     logger.info("gateway serving %s on http://%s:%d (engine %s)", app[routes.SERVING].model.served_model_name,

@@ -2,7 +2,8 @@
 
     schedule() -> StepPlan ──▶ worker (plan stream) ──▶ StepResult ──▶ update_from_output() ──▶ caller streams
 
-It owns the transport-free Scheduler, the attached WorkerLink and one RequestStream per live request. The KV pool
+It owns the transport-free Scheduler, the attached WorkerLink and one output sink per live request (a
+RequestStream for a Generate call, a SessionSink for a request on a Session stream). The KV pool
 is sized by the first worker that attaches; requests that arrive before that wait (up to --worker-timeout).
 A worker that is lost is preemption of everything it held: the requests stay, are recomputed when a worker is
 back, and their callers' streams stay open.
@@ -16,6 +17,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 from services.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
 from services.common.pb.steploop.v1 import engine_pb2
@@ -26,7 +28,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.metrics import make_observer
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
-from services.scheduler.request_stream import FailedOutput, RequestStream
+from services.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import ServerConfig
 from services.scheduler.worker_link import WorkerLink, WorkerLost
@@ -41,7 +43,7 @@ class EngineLoop:
         self.scheduler: Scheduler | None = None     # built when the first worker says how many blocks it has
         self.worker_info: WorkerInfo | None = None  # of the first worker; later ones must match its model
         self.link: WorkerLink | None = None
-        self.streams: dict[str, RequestStream] = {}
+        self.streams: dict[str, OutputSink] = {}
         self._pending: list[Request] = []           # arrived before any worker attached
         self._wakeup = asyncio.Event()
         self.num_steps = 0
@@ -50,8 +52,10 @@ class EngineLoop:
         self.observer = make_observer(self)             # metrics, request logs and spans (metrics.py)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def add_request(self, req: engine_pb2.GenerateRequest) -> RequestStream:
-        """Validates and queues one request; raises InvalidRequestError / OverloadedError."""
+    def add_request(self, req: engine_pb2.GenerateRequest,
+                    make_sink: Callable[[str], OutputSink] = RequestStream) -> OutputSink:
+        """Validates and queues one request; raises InvalidRequestError / OverloadedError. Its outputs go to
+        make_sink(request_id), made only once the request is accepted."""
         num_waiting = len(self._pending) + (self.scheduler.num_waiting if self.scheduler is not None else 0)
         if num_waiting >= self.server_config.max_waiting:
             raise OverloadedError(f"{num_waiting} requests are waiting (--max-waiting "
@@ -73,9 +77,9 @@ class EngineLoop:
         else:
             self._admit(request)
         self.observer.on_arrival(request)
-        stream = self.streams[request_id] = RequestStream(request_id)
+        sink = self.streams[request_id] = make_sink(request_id)
         self._wakeup.set()
-        return stream
+        return sink
 
     def _admit(self, request: Request) -> None:
         self._validate(request)

@@ -1,4 +1,5 @@
-"""Thin gRPC servicers: Engine (the public token API) and PlanStream (workers attach). Errors map in one place
+"""Thin gRPC servicers: Engine (the public token API: per-request Generate calls, or many requests on one
+Session stream) and PlanStream (workers attach). Errors map in one place
 (services.common.errors); everything else lives in EngineLoop."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from services.common.errors import EngineError, UnavailableError, abort_with
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from services.common.step_contract import WorkerInfo
 from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.session import EngineSession
 from services.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             if not stream.finished:          # the caller cancelled: abort, no polling
                 self.loop.abort(stream.request_id)
+
+    async def Session(self, request_iterator, context):
+        session = EngineSession(self.loop, lambda: self.accepting)
+        await session.serve(request_iterator, context.write)
 
     async def Abort(self, request, context):
         live = [rid for rid in request.request_ids if rid in self.loop.streams]

@@ -1,5 +1,6 @@
 """A fake Engine gRPC server for gateway tests: streams scripted token ids, honours max_tokens and EOS,
-reports grpc health, and records every request, finish and cancellation (an abort) it sees."""
+reports grpc health, and records every request, finish and cancellation (an abort) it sees. It serves the same
+script on per-request Generate calls and on the multiplexed Session stream (the gateway's default)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,69 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     cancelled: list = field(default_factory=list)  # request ids whose call the client cancelled
     aborted: list = field(default_factory=list)    # ids sent to the Abort RPC
 
+    sessions: int = 0                              # Session streams opened
+    _drop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def drop_sessions(self) -> None:
+        """Ends every open Session stream with UNAVAILABLE (a scheduler restart, as the gateway sees it)."""
+        self._drop.set()
+
     async def Generate(self, request, context):
         self.requests.append(request)
         if self.status is not None:
             await context.abort(self.status, "scripted failure", trailing_metadata=self.status_metadata)
+        async for chunk in self._script(request):
+            yield chunk
+
+    async def Session(self, request_iterator, context):
+        """One task per request runs the script; every chunk goes out as its own SessionOutputs (the real engine
+        merges per step; the gateway must not care)."""
+        self.sessions += 1
+        out: asyncio.Queue = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
+
+        async def run(request):
+            try:
+                if self.status is not None:
+                    meta = dict(self.status_metadata)
+                    out.put_nowait(engine_pb2.SessionChunk(request_id=request.request_id, error=engine_pb2.RequestError(
+                        status_code=self.status.value[0], message="scripted failure",
+                        code=meta.get("steploop-error-code", ""), param=meta.get("steploop-error-param", ""),
+                        retry_after_s=int(meta.get("retry-after", 0)))))
+                    return
+                async for chunk in self._script(request):
+                    out.put_nowait(engine_pb2.SessionChunk(request_id=request.request_id, chunk=chunk))
+            finally:
+                tasks.pop(request.request_id, None)
+
+        async def read():
+            async for message in request_iterator:
+                if message.WhichOneof("kind") == "generate":
+                    self.requests.append(message.generate)
+                    tasks[message.generate.request_id] = asyncio.create_task(run(message.generate))
+                elif message.WhichOneof("kind") == "abort":
+                    for request_id in message.abort.request_ids:
+                        if request_id in tasks:
+                            tasks[request_id].cancel()
+
+        reader = asyncio.create_task(read())
+        self._drop.clear()
+        dropped = asyncio.create_task(self._drop.wait())
+        try:
+            while True:
+                chunk = asyncio.create_task(out.get())
+                await asyncio.wait([chunk, dropped], return_when=asyncio.FIRST_COMPLETED)
+                if dropped.done():
+                    chunk.cancel()
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the session was dropped")
+                await context.write(engine_pb2.SessionOutputs(chunks=[chunk.result()]))
+        finally:
+            dropped.cancel()
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
+
+    async def _script(self, request):
         ids = list(self.reply_fn(request) if self.reply_fn else self.reply_ids)
         if not request.sampling.ignore_eos and self.eos_token_id in ids:
             ids = ids[:ids.index(self.eos_token_id) + 1]

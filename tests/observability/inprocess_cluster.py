@@ -45,15 +45,16 @@ class InProcessCluster:
 
 
 @contextlib.asynccontextmanager
-async def inprocess_cluster(tokenizer) -> AsyncIterator[InProcessCluster]:
-    """Serves MODEL until the block exits; then everything is stopped (the worker and scheduler too)."""
+async def inprocess_cluster(tokenizer, engine_session: bool = True) -> AsyncIterator[InProcessCluster]:
+    """Serves MODEL until the block exits; then everything is stopped (the worker and scheduler too).
+    engine_session=False: the gateway makes one Generate call per request."""
     svc = await SchedulerService(SchedulerConfig(), ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=1.0,
                                                                  log_stats_interval=0)).start()
     address = f"127.0.0.1:{svc.port}"
     stop = asyncio.Event()
     worker = asyncio.create_task(worker_server.serve(WorkerConfig(scheduler_address=address, block_size=4),
                                                      runner=FakeRunner(), stop=stop))
-    engine = EngineClient(address)
+    engine = EngineClient(address, multiplex=engine_session)
     app = create_app(GatewayConfig(port=0, served_model_name=MODEL), engine, tokenizer)
     runner, _ = await start_site(app, "127.0.0.1", 0, 1.0)
     try:

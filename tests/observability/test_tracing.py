@@ -18,9 +18,9 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 
-async def one_request(tokenizer, headers: dict) -> dict:
+async def one_request(tokenizer, headers: dict, engine_session: bool = True) -> dict:
     """One chat completion through gateway + scheduler + worker in this loop; everything stopped again."""
-    async with (inprocess_cluster(tokenizer) as cluster, aiohttp.ClientSession() as http,
+    async with (inprocess_cluster(tokenizer, engine_session) as cluster, aiohttp.ClientSession() as http,
                 http.post(f"{cluster.base_url}/v1/chat/completions", headers=headers,
                           json={"model": MODEL, "max_tokens": 4, "temperature": 0,
                                 "messages": [{"role": "user", "content": "Hi"}]}) as resp):
@@ -37,10 +37,11 @@ def exporter():
     tracing.disable()
 
 
-async def test_one_trace_across_the_three_services(tokenizer, exporter):
+@pytest.mark.parametrize("engine_session", [True, False], ids=["session", "generate-calls"])
+async def test_one_trace_across_the_three_services(tokenizer, exporter, engine_session):
     memory, provider = exporter
     tracing.enable(provider)
-    body = await one_request(tokenizer, {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
+    body = await one_request(tokenizer, {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}, engine_session)
     spans = memory.get_finished_spans()
     assert {format(s.context.trace_id, "032x") for s in spans} == {TRACE_ID}     # one trace, the client's
     by_name = {s.name: s for s in spans}
@@ -51,7 +52,7 @@ async def test_one_trace_across_the_three_services(tokenizer, exporter):
     prefill = by_name["steploop.worker.prefill"]
     assert format(http.parent.span_id, "016x") == CLIENT_SPAN
     assert client.parent.span_id == http.context.span_id
-    assert request.parent.span_id == client.context.span_id                        # via gRPC metadata
+    assert request.parent.span_id == client.context.span_id                        # in the Session message, or gRPC metadata
     assert queue.parent.span_id == request.context.span_id
     assert prefill.parent.span_id == request.context.span_id                       # via the plan's NewRequest
     assert {s.attributes[tracing.SERVICE] for s in spans} == {"gateway", "scheduler", "worker"}
