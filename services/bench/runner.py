@@ -63,6 +63,17 @@ class Progress:
             print(file=sys.stderr)
 
 
+def run_sync(coro):
+    """Runs a load-generating coroutine to completion on uvloop when it is installed, else on asyncio's default
+    loop. The client shares the machine with the server under test, so its CPU counts: at 64 streams uvloop
+    cut it by ~10% (0.33 -> 0.30 s per 20 s run)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 async def run(target: Target, requests: list[SampleRequest], *, request_rate: float = float("inf"),
               burstiness: float = 1.0, max_concurrency: int | None = None, warmups: list[SampleRequest] = (),
               seed: int = 0, tokenizer=None, slos: dict | None = None, percentiles=(50.0, 90.0, 99.0),

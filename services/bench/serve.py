@@ -10,7 +10,6 @@ against throughput is drawn across them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import pathlib
@@ -165,8 +164,4 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.num_prompts < 1:
         raise SystemExit("steploop bench serve: --num-prompts must be >= 1")
-    try:
-        import uvloop
-        uvloop.run(bench(args))
-    except ImportError:
-        asyncio.run(bench(args))
+    runner.run_sync(bench(args))

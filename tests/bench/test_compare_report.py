@@ -124,10 +124,17 @@ def test_llama_cpp_row_shows_its_alternating_rounds():
     assert Workloads(False).llama_rounds == 3 and Workloads(True).llama_rounds == 1
 
 
-def test_tpot_row_lists_each_rounds_tpot_and_the_paired_mean():
+def test_tpot_row_is_the_mean_of_the_paired_round_differences():
     f = figures()
     f["rounds_tpot_ms"] = {"cluster": [130.0, 125.0, 121.0], "inprocess": [128.0, 124.0, 123.0]}
     b = next(r for r in report.ratios(f) if r["key"] == "b_tpot")
-    assert b["value"] == pytest.approx(0.5)                     # the best-throughput rounds' figures
+    assert b["value"] == pytest.approx(1 / 3)                   # (2 + 1 - 2) / 3
+    assert "mean of 3 back-to-back round differences (2.0, 1.0, -2.0 ms), standard error 1.2 ms" in b["detail"]
     assert "per round 130.0, 125.0, 121.0 vs 128.0, 124.0, 123.0 ms" in b["detail"]
-    assert "mean of the paired differences +0.33 ms" in b["detail"]
+    assert "the best-throughput rounds 205.5 vs 205.0 ms" in b["detail"]
+    assert Workloads(False).ab_rounds == 5 and Workloads(True).ab_rounds == 1
+
+
+def test_tpot_row_of_a_single_round_is_its_difference():
+    b = next(r for r in report.ratios(figures()) if r["key"] == "b_tpot")
+    assert b["value"] == pytest.approx(0.5) and b["pass"] is True
