@@ -241,9 +241,12 @@ def main(argv=None) -> None:
     cfg = _json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    flops = hf_baseline.matmul_flops(cfg["hidden_size"], cfg["intermediate_size"], heads * head_dim,
-                                     kv_heads * head_dim)
-    figures["matmul_gflops"] = {str(k): v / 1e9 for k, v in flops.items()}
+    def measure_limit() -> dict:
+        flops = hf_baseline.matmul_flops(cfg["hidden_size"], cfg["intermediate_size"], heads * head_dim,
+                                         kv_heads * head_dim)
+        return {str(k): v / 1e9 for k, v in flops.items()}
+
+    figures["matmul_gflops"] = measure_limit()
     print(f"fp32 matmul on layer shapes: {figures['matmul_gflops']} GFLOP/s", flush=True)
     from benchmarks.packed_linear import packed_flops  # the worker's own fp32 matmul, on the packed weights
     from services.gpu_worker.cpu_kernels import packed_linear as packed_kernel
@@ -333,6 +336,12 @@ def main(argv=None) -> None:
             cluster.stop()
 
     figures["llama_cpp"] = llama_cpp_one_stream(w, ids_of(streams16), info["engine_threads"])
+    # The limit again, now that everything of ours has stopped: the best of both, as a busy moment on a shared host
+    # lowers one measurement (and would raise (a')'s share with it).
+    again = measure_limit()
+    figures["matmul_gflops_runs"] = [figures["matmul_gflops"], again]
+    figures["matmul_gflops"] = {k: max(v, again[k]) for k, v in figures["matmul_gflops"].items()}
+    print(f"fp32 matmul on layer shapes, at the end: {again} GFLOP/s", flush=True)
     info["load_average_at_end"] = os.getloadavg()
     info["wall_seconds"] = time.perf_counter() - began
     info["quick"] = w.quick

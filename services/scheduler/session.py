@@ -27,6 +27,8 @@ from services.scheduler.request_stream import FailedOutput, is_final, merge_into
 
 log = logging.getLogger(__name__)
 
+MESSAGE_BYTES = 4 * 1024 * 1024   # a step's outputs are split into messages of about this size at most
+
 
 class SessionSink:
     """What EngineLoop.streams holds for a session's request: its outputs go to the session's outbox."""
@@ -118,20 +120,36 @@ class EngineSession:
                 await self.ready.wait()
                 continue
             pending, self.pending = self.pending, {}
-            await write(outputs_message(pending))
+            for message in outputs_messages(pending):
+                await write(message)
 
 
-def outputs_message(pending: dict[str, list]) -> engine_pb2.SessionOutputs:
-    message = engine_pb2.SessionOutputs()
+def outputs_messages(pending: dict[str, list], max_bytes: int = MESSAGE_BYTES) -> list[engine_pb2.SessionOutputs]:
+    """One message for everything pending, or several when prompt logprobs make it large: each stays under
+    max_bytes unless a single request's chunk is larger (gRPC's own limit is 64 MiB)."""
+    messages = [engine_pb2.SessionOutputs()]
+    size = 0
     for request_id, outputs in pending.items():
-        entry = message.chunks.add(request_id=request_id)
-        try:
-            merge_into(entry.chunk, outputs)
-        except EngineError as err:
-            entry.ClearField("chunk")
-            entry.error.status_code = err.grpc_status.value[0]
-            entry.error.message = err.message
-            entry.error.code = err.code
-            entry.error.param = err.param or ""
-            entry.error.retry_after_s = int(dict(trailing_metadata(err)).get(RETRY_AFTER_KEY, 0))
-    return message
+        chunks = messages[-1].chunks
+        entry = chunks.add(request_id=request_id)
+        _fill(entry, outputs)
+        entry_size = entry.ByteSize()
+        if size and size + entry_size > max_bytes:     # rare: move it to a message of its own
+            messages.append(engine_pb2.SessionOutputs(chunks=[entry]))
+            del chunks[-1]
+            size = 0
+        size += entry_size
+    return messages
+
+
+def _fill(entry: engine_pb2.SessionChunk, outputs: list) -> None:
+    """The request's outputs merged into one chunk, or its error (what Generate would end its call with)."""
+    try:
+        merge_into(entry.chunk, outputs)
+    except EngineError as err:
+        entry.ClearField("chunk")
+        entry.error.status_code = err.grpc_status.value[0]
+        entry.error.message = err.message
+        entry.error.code = err.code
+        entry.error.param = err.param or ""
+        entry.error.retry_after_s = int(dict(trailing_metadata(err)).get(RETRY_AFTER_KEY, 0))

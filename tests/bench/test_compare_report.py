@@ -138,3 +138,10 @@ def test_tpot_row_is_the_mean_of_the_paired_round_differences():
 def test_tpot_row_of_a_single_round_is_its_difference():
     b = next(r for r in report.ratios(figures()) if r["key"] == "b_tpot")
     assert b["value"] == pytest.approx(0.5) and b["pass"] is True
+
+
+def test_limit_is_the_better_of_its_two_measurements():
+    f = figures()
+    f["matmul_gflops_runs"] = [{"64": 114.0, "256": 150.0}, dict(f["matmul_gflops"])]
+    a = next(r for r in report.ratios(f) if r["key"] == "a_share_of_limit")
+    assert f"the better of 114 and {f['matmul_gflops']['64']:.0f} GFLOP/s, measured first and last" in a["detail"]
