@@ -39,6 +39,8 @@ class SessionStream:
     def open(self, request: engine_pb2.GenerateRequest, traceparent: str = "") -> asyncio.Queue:
         """Sends the request; its SessionChunks, then an APIError factory if the stream breaks first, arrive on
         the returned queue. An id already live here is refused (its chunks could not be told apart)."""
+        if self._failure is not None:
+            raise self._failure()
         if request.request_id in self._queues:
             raise errors.bad_request(f"request id {request.request_id!r} is already live", param="request_id",
                                      code="duplicate_request_id")
@@ -80,7 +82,7 @@ class SessionStream:
         except grpc.aio.AioRpcError as err:
             failure = lambda e=err: errors.from_grpc_error(e)   # one fresh APIError per request
         except asyncio.CancelledError:
-            pass
+            pass   # read() raises this when the call was cancelled here (EngineClient.close, a failed write)
         finally:
             self._failure = failure
             self._writer.cancel()

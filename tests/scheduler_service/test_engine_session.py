@@ -19,6 +19,14 @@ def generate(req: engine_pb2.GenerateRequest) -> engine_pb2.SessionRequest:
     return engine_pb2.SessionRequest(generate=req)
 
 
+async def open_session(stub, *requests: engine_pb2.GenerateRequest):
+    """A Session call with these requests sent, in order."""
+    call = stub.Session()
+    for req in requests:
+        await call.write(generate(req))
+    return call
+
+
 def abort(*ids: str) -> engine_pb2.SessionRequest:
     return engine_pb2.SessionRequest(abort=engine_pb2.AbortRequest(request_ids=ids))
 
@@ -53,9 +61,7 @@ async def test_one_stream_carries_many_requests_one_message_per_step(service, en
     stub, _ = engine
     worker = FakeGrpcWorker(service.address).start()
     prompts = [[21 + i] * (3 + 5 * i) for i in range(6)]
-    call = stub.Session()
-    for i, prompt in enumerate(prompts):
-        await call.write(generate(request(f"s{i}", prompt, max_tokens=12)))
+    call = await open_session(stub, *(request(f"s{i}", prompt, max_tokens=12) for i, prompt in enumerate(prompts)))
     tokens, last, messages = await drain(call, {f"s{i}" for i in range(6)})
     for i, prompt in enumerate(prompts):
         assert tokens[f"s{i}"] == expected(prompt, 12)
@@ -73,12 +79,9 @@ async def test_one_stream_carries_many_requests_one_message_per_step(service, en
 async def test_a_bad_request_fails_alone_and_the_stream_goes_on(service, engine):
     stub, _ = engine
     worker = FakeGrpcWorker(service.address, max_model_len=64).start()
-    call = stub.Session()
-    await call.write(generate(request("ok", [31] * 4, max_tokens=5)))
-    await call.write(generate(request("long", [31] * 60, max_tokens=10)))
-    await call.write(generate(request("", [31] * 4)))
-    await call.write(generate(request("twice", [32] * 4, max_tokens=50)))
-    await call.write(generate(request("twice", [32] * 4)))     # a live id again: both end, with one error
+    call = await open_session(stub, request("ok", [31] * 4, max_tokens=5), request("long", [31] * 60, max_tokens=10),
+                              request("", [31] * 4), request("twice", [32] * 4, max_tokens=50),
+                              request("twice", [32] * 4))     # a live id again: both end, with one error
     tokens, last, _ = await drain(call, {"ok", "long", "", "twice"})
     assert tokens["ok"] == expected([31] * 4, 5)
     assert last["twice"].error.code == "duplicate_request_id"
@@ -95,9 +98,7 @@ async def test_a_bad_request_fails_alone_and_the_stream_goes_on(service, engine)
 async def test_abort_message_drops_the_request_and_no_chunk_follows(service, engine):
     stub, _ = engine
     worker = FakeGrpcWorker(service.address, step_delay=0.01).start()
-    call = stub.Session()
-    await call.write(generate(request("slow", [41] * 30, max_tokens=400)))
-    await call.write(generate(request("short", [42] * 5, max_tokens=30)))
+    call = await open_session(stub, request("slow", [41] * 30, max_tokens=400), request("short", [42] * 5, max_tokens=30))
     first = await asyncio.wait_for(call.read(), 20)
     assert first.chunks
     await call.write(abort("slow", "unknown-id"))
@@ -113,9 +114,7 @@ async def test_abort_message_drops_the_request_and_no_chunk_follows(service, eng
 async def test_closing_the_stream_aborts_every_live_request(service, engine):
     stub, _ = engine
     worker = FakeGrpcWorker(service.address, step_delay=0.01).start()
-    call = stub.Session()
-    for i in range(4):
-        await call.write(generate(request(f"c{i}", [51 + i] * 20, max_tokens=400)))
+    call = await open_session(stub, *(request(f"c{i}", [51 + i] * 20, max_tokens=400) for i in range(4)))
     await asyncio.wait_for(call.read(), 20)
     assert len(service.loop.streams) == 4
     call.cancel()                                   # the gateway went away
@@ -126,8 +125,7 @@ async def test_closing_the_stream_aborts_every_live_request(service, engine):
 
 async def test_no_worker_fails_each_request_with_unavailable(service, engine):
     stub, _ = engine
-    call = stub.Session()
-    await call.write(generate(request("orphan", [14] * 4)))
+    call = await open_session(stub, request("orphan", [14] * 4))
     _, last, _ = await drain(call, {"orphan"})
     assert last["orphan"].error.status_code == grpc.StatusCode.UNAVAILABLE.value[0]
     assert "worker" in last["orphan"].error.message
