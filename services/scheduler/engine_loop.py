@@ -44,6 +44,7 @@ class EngineLoop:
         self.worker_info: WorkerInfo | None = None  # of the first worker; later ones must match its model
         self.link: WorkerLink | None = None
         self.streams: dict[str, OutputSink] = {}
+        self.accepting = True                       # False once shutdown began: new requests get UNAVAILABLE
         self._pending: list[Request] = []           # arrived before any worker attached
         self._wakeup = asyncio.Event()
         self.num_steps = 0
@@ -56,6 +57,8 @@ class EngineLoop:
                     make_sink: Callable[[str], OutputSink] = RequestStream) -> OutputSink:
         """Validates and queues one request; raises InvalidRequestError / OverloadedError. Its outputs go to
         make_sink(request_id), made only once the request is accepted."""
+        if not self.accepting:
+            raise UnavailableError("the scheduler is shutting down")
         num_waiting = len(self._pending) + (self.scheduler.num_waiting if self.scheduler is not None else 0)
         if num_waiting >= self.server_config.max_waiting:
             raise OverloadedError(f"{num_waiting} requests are waiting (--max-waiting "

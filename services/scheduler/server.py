@@ -86,7 +86,7 @@ class SchedulerService:
                  self.config.shutdown_timeout)
         self._stop.set()
         await self.health.enter_graceful_shutdown()
-        self.engine.accepting = False
+        self.loop.accepting = False
         deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout
         while self.loop.streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)

@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from services.common import metrics, tracing
-from services.common.errors import EngineError, UnavailableError, abort_with
+from services.common.errors import EngineError, abort_with
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from services.common.step_contract import WorkerInfo
 from services.scheduler.engine_loop import EngineLoop
@@ -22,12 +22,9 @@ log = logging.getLogger(__name__)
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop):
         self.loop = loop
-        self.accepting = True
 
     async def Generate(self, request, context):
         try:
-            if not self.accepting:
-                raise UnavailableError("the scheduler is shutting down")
             with tracing.grpc_server_context(context):   # the caller's trace, if tracing is on
                 stream = self.loop.add_request(request)
         except EngineError as err:
@@ -44,7 +41,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 self.loop.abort(stream.request_id)
 
     async def Session(self, request_iterator, context):
-        session = EngineSession(self.loop, lambda: self.accepting)
+        session = EngineSession(self.loop)
         await session.serve(request_iterator, context.write)
 
     async def Abort(self, request, context):

@@ -10,22 +10,18 @@ and the stream goes on.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from services.common import tracing
 from services.common.errors import (
     RETRY_AFTER_KEY,
     EngineError,
     InvalidRequestError,
-    UnavailableError,
     trailing_metadata,
 )
 from services.common.pb.steploop.v1 import engine_pb2
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.request_stream import FailedOutput, is_final, merge_into
-
-log = logging.getLogger(__name__)
 
 MESSAGE_BYTES = 4 * 1024 * 1024   # a step's outputs are split into messages of about this size at most
 
@@ -43,9 +39,8 @@ class SessionSink:
 
 
 class EngineSession:
-    def __init__(self, loop: EngineLoop, accepting: Callable[[], bool]):
+    def __init__(self, loop: EngineLoop):
         self.loop = loop
-        self.accepting = accepting
         self.live: dict[str, SessionSink] = {}     # accepted and not yet finished
         self.pending: dict[str, list] = {}         # request id -> outputs not sent yet, oldest first
         self.ready = asyncio.Event()
@@ -92,8 +87,6 @@ class EngineSession:
                 self._abort([request_id])
                 raise InvalidRequestError(f"request id {request_id!r} is already live on this session",
                                           param="request_id", code="duplicate_request_id")
-            if not self.accepting():
-                raise UnavailableError("the scheduler is shutting down")
             with tracing.traceparent_context(traceparent):
                 self.loop.add_request(request, self._sink)
         except EngineError as err:

@@ -130,3 +130,20 @@ async def test_no_worker_fails_each_request_with_unavailable(service, engine):
     assert last["orphan"].error.status_code == grpc.StatusCode.UNAVAILABLE.value[0]
     assert "worker" in last["orphan"].error.message
     call.cancel()
+
+
+async def test_once_shutdown_began_new_requests_are_unavailable_on_both_rpcs(service, engine):
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address).start()
+    service.loop.accepting = False                  # what SchedulerService.stop does first
+    call = await open_session(stub, request("late", [15] * 4))
+    _, last, _ = await drain(call, {"late"})
+    assert last["late"].error.status_code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "shutting down" in last["late"].error.message
+    call.cancel()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.Generate(request("late-call", [15] * 4)):
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    service.loop.accepting = True
+    await worker.kill()
