@@ -11,7 +11,9 @@ decode a small window twice and emit the difference:
     delta       = new_text[len(prefix_text):]
 
 If new_text ends in U+FFFD the last token(s) are an incomplete UTF-8 sequence: emit nothing and keep the window,
-so the character comes out whole once its last byte arrives. Otherwise slide the window forward.
+so the character comes out whole once its last byte arrives. Otherwise slide the window forward. When the
+generation ends on such a sequence, `flush` emits it as decode() renders it (U+FFFD), so the streamed text always
+adds up to decode(output ids).
 """
 
 from __future__ import annotations
@@ -42,12 +44,21 @@ class IncrementalDetokenizer:
         self.output_text += delta
         return delta
 
+    def flush(self) -> str:
+        """The text still held back at the end of the generation (half a character: decoded as U+FFFD)."""
+        delta = self._emit(final=True) if len(self._ids) > self._read_offset else ""
+        self.output_text += delta
+        return delta
+
     def _step(self, token_id: int) -> str:
         self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def _emit(self, final: bool) -> str:
         decode = self._tokenizer.decode
         prefix_text = decode(self._ids[:self._read_offset], skip_special_tokens=self._skip_special)
         new_text = decode(self._ids, skip_special_tokens=self._skip_special)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not final):
             return ""    # a special token that was skipped, or half a character: wait for more
         # Slide: the old read offset becomes the prefix offset. Ids left of it are dropped, which keeps each
         # step O(window) rather than O(output).

@@ -85,7 +85,10 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
             num_tokens += len(chunk.token_ids)
             if namer is not None:
                 pending.extend(namer.info(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs))
-            text = stops.feed(detok.add(chunk.token_ids))
+            delta = detok.add(chunk.token_ids)
+            if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
+                delta += detok.flush()    # it ended on half a character: that comes out as decode() renders it
+            text = stops.feed(delta)
             lps = tuple(pending) if namer is not None and (text or chunk.finish_reason or stops.stopped) else None
             if lps is not None:
                 pending = []

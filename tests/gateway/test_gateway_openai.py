@@ -121,3 +121,15 @@ async def test_models_health_version(gateway):
             assert resp.status == 200
         async with http.get(f"{gateway.url}/version") as resp:
             assert "version" in await resp.json()
+
+
+async def test_text_cut_inside_a_character_is_decode_of_the_tokens(gateway, tokenizer, reply_ids):
+    """max_tokens ends the reply between the byte-level tokens of one emoji: streamed or not, the text is what
+    decode() gives for the tokens generated (U+FFFD for the half character), not the text with them dropped."""
+    cut = next(n for n in range(1, len(reply_ids)) if tokenizer.decode(reply_ids[:n]).endswith("\ufffd"))
+    expected = tokenizer.decode(reply_ids[:cut])
+    client = gateway.openai()
+    whole = await client.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=cut)
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    stream = await client.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=cut, stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == expected

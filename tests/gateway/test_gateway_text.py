@@ -30,6 +30,21 @@ def test_detokenizer_split_emoji_waits_for_last_byte(tokenizer):
     assert detok.add([ids[-1]]) == "🎉"
 
 
+def test_detokenizer_flush_emits_a_trailing_half_character_as_decode_does(tokenizer):
+    """A generation that stops (max_tokens) inside a multi-token character: the streamed text still adds up to
+    decode(output ids), U+FFFD included, instead of silently dropping the last tokens."""
+    ids = tokenizer.encode_sync("ok 🎉", add_special_tokens=False)[:-1]
+    detok = IncrementalDetokenizer(tokenizer, [])
+    streamed = "".join(detok.add([i]) for i in ids)
+    assert "\ufffd" not in streamed
+    tail = detok.flush()
+    assert tail.endswith("\ufffd")
+    assert streamed + tail == tokenizer.decode(ids) == detok.output_text
+    assert detok.flush() == ""
+    whole = IncrementalDetokenizer(tokenizer, [])
+    assert whole.add(tokenizer.encode_sync("fine", add_special_tokens=False)) == "fine" and whole.flush() == ""
+
+
 def test_detokenizer_skips_special_tokens_and_keeps_spaces(tokenizer):
     text = "Hello world, how are you?"
     ids = tokenizer.encode_sync(text, add_special_tokens=False) + [tokenizer.eos_token_id]
