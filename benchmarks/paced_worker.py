@@ -14,7 +14,7 @@ import asyncio
 import sys
 import time
 
-from services.common import observability
+from services.common import event_loop, observability
 from services.common.model_path import DEFAULT_MODEL
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.gpu_worker.config import WorkerConfig
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     info = WorkerInfo(worker_id="paced-0", model_name=DEFAULT_MODEL, block_size=config.block_size,
                       num_kv_blocks=config.num_kv_blocks or 4096, max_model_len=config.max_model_len or 8192,
                       vocab_size=49152, eos_token_ids=(EOS,))
-    asyncio.run(serve(config, runner=PacedRunner(info, args.step_ms / 1000.0)))
+    event_loop.run(serve(config, runner=PacedRunner(info, args.step_ms / 1000.0)))
     return 0
 
 

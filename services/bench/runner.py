@@ -18,6 +18,7 @@ import numpy as np
 from services.bench.client import Target, send_request
 from services.bench.datasets import SampleRequest
 from services.bench.metrics import RequestResult, compute_metrics
+from services.common import event_loop
 
 
 def arrival_intervals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -67,11 +68,7 @@ def run_sync(coro):
     """Runs a load-generating coroutine to completion on uvloop when it is installed, else on asyncio's default
     loop. The client shares the machine with the server under test, so its CPU counts: at 64 streams uvloop
     cut it by ~10% (0.33 -> 0.30 s per 20 s run)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+    return event_loop.run(coro)
 
 
 async def run(target: Target, requests: list[SampleRequest], *, request_rate: float = float("inf"),

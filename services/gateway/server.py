@@ -1,4 +1,4 @@
-"""`python -m services.gateway`: the gateway process. uvloop, one aiohttp site, graceful shutdown.
+"""`python -m services.gateway`: the gateway process. One aiohttp site on uvloop, graceful shutdown.
 
 Shutdown is a sequence: on SIGTERM/SIGINT /health turns 503 (load balancers stop routing here), the listening
 socket closes, in-flight requests get `--shutdown-timeout` seconds to finish, then the rest are cancelled (which
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from services.common import model_path, observability
+from services.common import event_loop, model_path, observability
 from services.gateway import routes
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig, add_cli_args
@@ -71,11 +71,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = GatewayConfig.from_args(args)
     observability.setup("gateway", args)
-    try:
-        import uvloop  # noqa: PLC0415 - optional on platforms without it
-    except ImportError:
-        uvloop = None
-    if uvloop is not None:
-        uvloop.run(serve(config))
-    else:
-        asyncio.run(serve(config))
+    event_loop.run(serve(config))

@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from services.common import grpc_options, observability
+from services.common import event_loop, grpc_options, observability
 from services.common.metrics import MetricsServer
 from services.common.model_path import (
     DEFAULT_MODEL,
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return asyncio.run(_main(config, args.worker_metrics_port))
+    return event_loop.run(_main(config, args.worker_metrics_port))
 
 
 async def _main(config: WorkerConfig, metrics_port: int = 0) -> int:

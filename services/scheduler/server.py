@@ -15,7 +15,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import grpc_options, observability, tls
+from services.common import event_loop, grpc_options, observability, tls
 from services.common.metrics import MetricsServer
 from services.common.pb.steploop.v1 import engine_pb2_grpc, worker_pb2_grpc
 from services.scheduler.config import SchedulerConfig
@@ -135,9 +135,4 @@ def main(argv: list[str] | None = None) -> None:
         sched_config, server_config = SchedulerConfig.from_args(args), ServerConfig.from_args(args)
     except ValueError as exc:           # config errors say what to change; no traceback
         parser.exit(2, f"steploop scheduler: {exc}\n")
-    try:
-        import uvloop
-        run = uvloop.run
-    except ImportError:             # uvloop is optional (not on Windows)
-        run = asyncio.run
-    sys.exit(0 if run(serve(sched_config, server_config)) else 1)
+    sys.exit(0 if event_loop.run(serve(sched_config, server_config)) else 1)
