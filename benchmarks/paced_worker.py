@@ -10,7 +10,6 @@ Takes the worker's own flags (it is started the way the real worker is) plus --s
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 
