@@ -56,13 +56,31 @@ _COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "properties": {
     "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
 }}
 
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+# content may be null only on an assistant message that carries tool_calls; a tool message needs tool_call_id.
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
     "content": {"oneOf": [{"type": "string"},
                           {"type": "array", "items": {
                               "type": "object", "required": ["type", "text"],
                               "properties": {"type": {"type": "string", "enum": ["text"]},
-                                             "text": {"type": "string"}}}}]}}}
+                                             "text": {"type": "string"}}}},
+                          {"type": "null"}]},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL},
+    "tool_call_id": {"type": "string"}}}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"type": "string", "enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.\\-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
+_TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                          {"type": "object", "required": ["type", "function"], "properties": {
+                              "type": {"type": "string", "enum": ["function"]},
+                              "function": {"type": "object", "required": ["name"],
+                                           "properties": {"name": {"type": "string"}}}}}]}
 
 _CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
     **_SAMPLING,
@@ -73,6 +91,9 @@ _CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
     "add_generation_prompt": {"type": "boolean"},
     "continue_final_message": {"type": "boolean"},
+    "tools": {"type": "array", "items": _TOOL},
+    "tool_choice": _TOOL_CHOICE,
+    "parallel_tool_calls": {"type": "boolean"},
 }}
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {

@@ -11,6 +11,7 @@ from services.gateway import responses
 from services.gateway.generation import TextEvent, Usage, total_usage
 from services.gateway.logprobs import TokenInfo, chat_logprobs, completion_logprobs
 from services.gateway.responses import Meta
+from services.gateway.tools import ContentSplitter, ToolCall, ToolRequest, new_call_id
 
 
 @dataclass
@@ -40,10 +41,19 @@ async def completion_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, 
     return responses.completion(meta, got.texts, got.finish, total_usage(got.usages, n), lps)
 
 
-async def chat_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logprobs: bool) -> dict[str, Any]:
+async def chat_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logprobs: bool,
+                    tools: ToolRequest | None = None) -> dict[str, Any]:
     got = await collect(events)
     lps = {i: chat_logprobs(got.logprobs.get(i, ())) for i in got.texts} if logprobs else {}
-    return responses.chat_completion(meta, got.texts, got.finish, total_usage(got.usages, n), lps)
+    messages = {}
+    for i, text in got.texts.items():
+        messages[i] = {"role": "assistant", "content": text}
+        if tools is not None:
+            content, calls = tools.parse(text)
+            if calls:
+                messages[i] = {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}
+                got.finish[i] = tools.finish_reason(calls, got.finish.get(i))
+    return responses.chat_completion(meta, messages, got.finish, total_usage(got.usages, n), lps)
 
 
 async def completion_chunks(meta: Meta, events: AsyncIterator[TextEvent], n: int, include_usage: bool,
@@ -65,10 +75,12 @@ async def completion_chunks(meta: Meta, events: AsyncIterator[TextEvent], n: int
 
 
 async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Sequence[int], n: int,
-                      include_usage: bool, logprobs: bool = False) -> AsyncIterator[dict[str, Any]]:
-    """Per choice: a first delta with the role, then content deltas, then one with finish_reason.
+                      include_usage: bool, logprobs: bool = False,
+                      tools: ToolRequest | None = None) -> AsyncIterator[dict[str, Any]]:
+    """Per choice: a first delta with the role, then content (or tool call) deltas, then one with finish_reason.
     The role deltas wait for the first event, so an engine that fails at once still gets a real HTTP status."""
     usages: dict[int, Usage] = {}
+    calling = {index: ToolCallStream(tools) for index in indices} if tools is not None else {}
     started = False
     async with contextlib.aclosing(events):
         async for event in events:
@@ -78,9 +90,67 @@ async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Seq
                     yield responses.chat_chunk(meta, index, {"role": "assistant", "content": ""}, None)
             if event.usage is not None:
                 usages[event.index] = event.usage
-            if event.text or event.finish_reason:
-                delta = {"content": event.text} if event.text else {}
-                lps = chat_logprobs(event.logprobs or ()) if logprobs else None
-                yield responses.chat_chunk(meta, event.index, delta, event.finish_reason, lps)
+            if not (event.text or event.finish_reason):
+                continue
+            if calling:
+                for delta, finish, infos in calling[event.index].feed(event):
+                    lps = chat_logprobs(infos) if logprobs and (infos or finish) else None
+                    yield responses.chat_chunk(meta, event.index, delta, finish, lps)
+                continue
+            delta = {"content": event.text} if event.text else {}
+            lps = chat_logprobs(event.logprobs or ()) if logprobs else None
+            yield responses.chat_chunk(meta, event.index, delta, event.finish_reason, lps)
     if include_usage:
         yield responses.usage_chunk(meta, "chat.completion.chunk", total_usage(usages, n))
+
+
+class ToolCallStream:
+    """One streamed choice of a request that may call tools: (delta, finish_reason, token infos) to send per event.
+
+    auto: content streams until a <tool_call> tag begins; the rest is held and parsed at the end (calls, or the
+    held text as content if it does not parse). A named function: its arguments stream as they are written (the
+    grammar keeps them valid JSON). required: the JSON array is parsed at the end. Token logprobs ride on the next
+    delta sent."""
+
+    def __init__(self, tools: ToolRequest) -> None:
+        self.tools = tools
+        self.text = ""                       # the whole reply so far
+        self.splitter = ContentSplitter()    # auto only
+        self.pending: list[TokenInfo] = []
+        self.named_call = ToolCall(new_call_id(), tools.named, "") if tools.choice == "named" else None
+        self.named_started = False
+
+    def feed(self, event: TextEvent) -> list[tuple[dict[str, Any], str | None, list[TokenInfo]]]:
+        self.pending.extend(event.logprobs or ())
+        out = []
+        if self.named_call is not None:
+            if not self.named_started:
+                self.named_started = True
+                out.append(self._calls_delta([self.named_call]))
+            if event.text:
+                out.append(({"tool_calls": [{"index": 0, "function": {"arguments": event.text}}]}, None,
+                            self._take()))
+            if event.finish_reason:
+                out.append(({}, event.finish_reason, self._take()))
+            return out
+        self.text += event.text
+        auto = self.tools.choice == "auto"
+        content = self.splitter.feed(event.text) if auto else ""
+        if content:
+            out.append(({"content": content}, None, self._take()))
+        if event.finish_reason:
+            _, calls = self.tools.parse(self.text)
+            if calls:
+                out.append(self._calls_delta(calls))
+                out.append(({}, self.tools.finish_reason(calls, event.finish_reason), self._take()))
+            else:
+                rest = self.splitter.held() if auto else self.text
+                out.append(({"content": rest} if rest else {}, event.finish_reason, self._take()))
+        return out
+
+    def _calls_delta(self, calls: list[ToolCall]) -> tuple[dict[str, Any], None, list[TokenInfo]]:
+        return {"tool_calls": [{"index": j, **call.to_dict()} for j, call in enumerate(calls)]}, None, self._take()
+
+    def _take(self) -> list[TokenInfo]:
+        taken, self.pending = self.pending, []
+        return taken

@@ -3,7 +3,8 @@
 Fields outside OpenAI's API that vLLM also accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, add_generation_prompt, continue_final_message)
 are accepted; unknown fields are ignored, as OpenAI's SDK passes extra_body through. Features not built (best_of
-> 1, suffix, tools) fail with a 400 naming the field, rather than being silently ignored.
+> 1, suffix, the deprecated functions) fail with a 400 naming the field, rather than being silently ignored. Tools:
+tools.py.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any
 from services.common.sampling_params import SamplingParams
 from services.gateway import validation as v
 from services.gateway.errors import bad_request
+from services.gateway.tools import ToolRequest, parse_tools
 
 MAX_N = 16
 MAX_LOGPROBS = 20        # top logprobs per token (OpenAI: 20 for chat, 5 for completions; vLLM allows 20)
 MAX_LOGIT_BIAS = 100.0   # |bias| per token, as OpenAI
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def not_supported(name: str) -> Exception:
@@ -106,21 +108,10 @@ def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool]:
         if not isinstance(schema, dict):
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               param="response_format")
-        _check_json_schema(schema)
+        v.check_json_schema(schema, "response_format.json_schema.schema", "response_format")
         return json.dumps(schema), False
     raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                       param="response_format")
-
-
-def _check_json_schema(schema: dict[str, Any]) -> None:
-    """An invalid schema is the caller's error (400), caught here: the worker could only fall back to 'any JSON'."""
-    import jsonschema  # noqa: PLC0415 - only requests with a json_schema pay for the import
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise bad_request(f"'response_format.json_schema.schema' is not a valid JSON schema: {exc.message}",
-                          param="response_format") from None
 
 
 def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int | None) -> SamplingFields:
@@ -206,11 +197,12 @@ def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequ
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None
-    messages: tuple[dict[str, str], ...]   # {"role", "content"} with content flattened to text
+    messages: tuple[dict[str, Any], ...]   # {"role", "content"} with content flattened to text (+ tool fields)
     sampling: SamplingFields
     add_generation_prompt: bool
     continue_final_message: bool           # extend the last (assistant) message instead of starting a new one
     user: str | None
+    tools: ToolRequest | None = None       # None: no tool may be called (no tools, or tool_choice "none")
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -227,7 +219,7 @@ def _message_text(content: Any, where: str) -> str:
     raise v.type_error(f"{where}.content", "a string or an array of text parts", content, param="messages")
 
 
-def _parse_messages(value: Any) -> tuple[dict[str, str], ...]:
+def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
     """Errors name param "messages" (clients branch on that); the message text says which one and why."""
     if not isinstance(value, list):
         raise v.type_error("messages", "an array of messages", value)
@@ -242,10 +234,37 @@ def _parse_messages(value: Any) -> tuple[dict[str, str], ...]:
         if role not in CHAT_ROLES:
             raise bad_request(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                               param="messages")
-        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _message_text(message.get("content"), where)})
+        if role == "assistant" and (message.get("tool_calls") or message.get("content") is None):
+            content = message.get("content")   # null: an assistant turn that only called tools
+            entry = {"role": role, "content": "" if content is None else _message_text(content, where)}
+            if message.get("tool_calls"):
+                entry["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
+            out.append(entry)
+            continue
+        entry = {"role": "system" if role == "developer" else role,   # OpenAI's newer name; templates know "system"
+                 "content": _message_text(message.get("content"), where)}
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise v.type_error(f"{where}.tool_call_id", "a string", call_id, param="messages")
+            entry["tool_call_id"] = call_id
+        out.append(entry)
     return tuple(out)
+
+
+def _parse_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if not isinstance(value, list):
+        raise v.type_error(f"{where}.tool_calls", "an array of tool calls", value, param="messages")
+    out = []
+    for i, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise bad_request(f"{where}.tool_calls[{i}] must be {{'id': str, 'type': 'function', 'function': "
+                              f"{{'name': str, 'arguments': str}}}}", param="messages")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
 
 
 def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, str], ...], bool, bool]:
@@ -268,14 +287,15 @@ def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
     top_logprobs = v.get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
-    if body.get("tools"):
-        raise not_supported("tools")
     messages, add_generation_prompt, continue_final = parse_chat_messages(body)
     # max_completion_tokens is OpenAI's newer name; it wins when both are given.
     max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = v.get_int(body, "max_tokens", None, lo=1)
     sampling = parse_sampling(body, max_tokens, vocab_size)
+    tools = parse_tools(body, sampling.json_schema, sampling.json_object)
+    if tools is not None and tools.guided_schema():   # a forced call: the worker's grammar writes valid JSON
+        sampling = replace(sampling, json_schema=tools.guided_schema())
     return ChatRequest(
         model=v.get_str(body, "model"),
         messages=messages,
@@ -283,4 +303,5 @@ def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final,
         user=v.get_str(body, "user"),
+        tools=tools,
     )

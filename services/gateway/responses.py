@@ -45,11 +45,12 @@ def completion_chunk(meta: Meta, index: int, text: str, finish_reason: str | Non
 
 # /v1/chat/completions
 
-def chat_completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage,
+def chat_completion(meta: Meta, messages: dict[int, dict[str, Any]], finish: dict[int, str | None], usage: Usage,
                     logprobs: dict[int, dict] | None = None) -> dict[str, Any]:
+    """messages: per choice index, {"role": "assistant", "content": ...} (plus "tool_calls" when it called)."""
     logprobs = logprobs or {}
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs.get(i),
-                "finish_reason": finish.get(i)} for i in sorted(texts)]
+    choices = [{"index": i, "message": messages[i], "logprobs": logprobs.get(i), "finish_reason": finish.get(i)}
+               for i in sorted(messages)]
     return {**_envelope(meta, "chat.completion", choices), "usage": usage.to_dict()}
 
 

@@ -61,7 +61,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         prompt = await serving.tokenizer.apply_chat_template(
             list(req.messages), add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message)
+            continue_final_message=req.continue_final_message, tools=req.tools)
     except (ValueError, jinja2.TemplateError) as err:   # no template, or the template refused the conversation (raise_exception)
         raise bad_request(f"cannot apply the chat template: {err}", param="messages") from None
     meta = Meta(new_id("chatcmpl"), serving.model.served_model_name)
@@ -71,8 +71,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.sampling.stream:
         indices = [c.index for c in choices]
         return await stream_sse(request, outputs.chat_chunks(meta, events, indices, req.sampling.n,
-                                                             req.sampling.include_usage, logprobs))
-    return web.json_response(await outputs.chat_body(meta, events, req.sampling.n, logprobs))
+                                                             req.sampling.include_usage, logprobs, req.tools))
+    return web.json_response(await outputs.chat_body(meta, events, req.sampling.n, logprobs, req.tools))
 
 
 async def models(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ from services.gateway import validation as v
 from services.gateway.errors import bad_request
 from services.gateway.openapi import openapi_spec
 from services.gateway.protocol import parse_chat_messages
+from services.gateway.tools import parse_tools
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -24,9 +25,11 @@ async def tokenize(request: web.Request) -> web.Response:
     serving.check_model(v.get_str(body, "model"))
     if body.get("messages") is not None:
         messages, add_generation_prompt, continue_final = parse_chat_messages(body)
+        tools = parse_tools(body, "", False)    # counted as the chat request would render them
         try:
             tokens = await serving.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
+                list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+                tools=tools)
         except (ValueError, jinja2.TemplateError) as err:
             raise bad_request(f"cannot apply the chat template: {err}", param="messages") from None
     else:

@@ -110,3 +110,13 @@ def get_token_ids(value: Any, name: str, vocab_size: int | None = None) -> tuple
     if bad:
         raise bad_request(f"'{name}' has token ids out of range [0, {upper}): {bad[:5]}", param=name)
     return tuple(value)
+
+
+def check_json_schema(schema: dict[str, Any], where: str, param: str) -> None:
+    """An invalid schema is the caller's error (400), caught here: the worker could only fall back to 'any JSON'."""
+    import jsonschema  # noqa: PLC0415 - only requests with a schema pay for the import
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise bad_request(f"'{where}' is not a valid JSON schema: {exc.message}", param=param) from None

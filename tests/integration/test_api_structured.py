@@ -60,3 +60,38 @@ def test_json_object_parses(cluster):
         assert isinstance(json.loads(text), dict)
     else:
         assert text.lstrip().startswith("{")
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice,parallel", [("named", True), ("required", False), ("required", True)])
+def test_forced_tool_calls_are_valid_calls(cluster, choice, parallel):
+    """tool_choice naming a function, or "required": the real model's reply is constrained by the worker's grammar,
+    so every call names a given tool and its arguments validate against that tool's schema. With parallel calls
+    the small model may write calls until max_tokens: the calls it finished are still returned (finish "length")."""
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, CLOCK_TOOL)}
+    finishes = {"stop"} if choice == "named" else {"tool_calls"} if not parallel else {"tool_calls", "length"}
+    for seed in range(2):
+        r = client(cluster).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What's the weather like in Lisbon?"}],
+            tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice=tool_choice, temperature=0.8, seed=seed, max_tokens=96,
+            parallel_tool_calls=parallel)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason in finishes, message
+        if not parallel:
+            assert len(message.tool_calls) == 1
+        assert message.tool_calls, message
+        for call in message.tool_calls:
+            assert call.id.startswith("call_") and call.type == "function"
+            _validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice == "named":
+            assert [c.function.name for c in message.tool_calls] == ["get_weather"]

@@ -56,6 +56,15 @@ BAD_INPUTS = [
     ("json_schema without a schema", CHAT, {"model": M, "messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x"}}}, 400),
     ("unknown response_format type", CHAT, {"model": M, "messages": HI, "response_format": {"type": "xml"}}, 400),
+    ("tool_choice names a function not in tools", CHAT, {"model": M, "messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, 400),
+    ("tool_choice without tools", CHAT, {"model": M, "messages": HI, "tool_choice": "required"}, 400),
+    ("tool parameters not a JSON schema", CHAT, {"model": M, "messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}, 400),
+    ("tool message without tool_call_id", CHAT, {"model": M, "messages": [*HI, {"role": "tool", "content": "1"}]},
+     400),
+    ("deprecated functions", CHAT, {"model": M, "messages": HI, "functions": [{"name": "f"}]}, 400),
 ]
 NAN_BODIES = [   # JSON with NaN / Infinity literals (Python's json accepts them; the API must not)
     ("NaN temperature", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
