@@ -108,6 +108,23 @@ async def test_malformed_or_non_object_body(gateway, raw):
     assert_error(resp)
 
 
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", b'{"prompt": "a \\ud83d b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\uDE00"}]}', "messages"),
+    ("/tokenize", b'{"prompt": "x\\udbff"}', "prompt")])
+async def test_lone_surrogate_is_400_not_a_tokenizer_crash(gateway, path, raw, param):
+    status, resp, _ = await post(gateway, path, None, raw=raw)
+    assert status == 400, resp
+    assert_error(resp, param=param, code="invalid_unicode")
+
+
+async def test_escaped_surrogate_pair_is_one_character(gateway, tokenizer):
+    """A whole pair ("\\ud83d\\ude00", as some clients escape emoji) is valid JSON text: one emoji."""
+    status, resp, _ = await post(gateway, "/tokenize", None, raw=b'{"prompt": "\\ud83d\\ude00", '
+                                                                 b'"add_special_tokens": false}')
+    assert status == 200 and resp["tokens"] == tokenizer.encode_sync("\U0001F600", add_special_tokens=False)
+
+
 async def test_unknown_model_is_404(gateway):
     status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "model": "gpt-9"})
     assert status == 404

@@ -70,6 +70,10 @@ NAN_BODIES = [   # JSON with NaN / Infinity literals (Python's json accepts them
     ("NaN temperature", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
                               b'"temperature": NaN}' % M.encode(), 400),
     ("Infinity top_p", COMP, b'{"model": "%s", "prompt": "hi", "top_p": Infinity}' % M.encode(), 400),
+    # JSON can escape half a UTF-16 pair; such a string cannot be encoded (the tokenizer raised: a 500)
+    ("lone surrogate in a prompt", COMP, b'{"model": "%s", "prompt": "hi \\ud83d there"}' % M.encode(), 400),
+    ("lone surrogate in a message", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc00"}]}'
+     % M.encode(), 400),
 ]
 
 
