@@ -85,7 +85,10 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
             num_tokens += len(chunk.token_ids)
             if namer is not None:
                 pending.extend(namer.info(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs))
-            delta = detok.add(chunk.token_ids)
+            ids = chunk.token_ids
+            if chunk.finish_reason == engine_pb2.FINISH_REASON_STOP and not choice.include_stop_str_in_output:
+                ids = ids[:-1]   # the stop token (EOS or one of stop_token_ids) is counted but not shown, as vLLM
+            delta = detok.add(ids)
             if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
                 delta += detok.flush()    # it ended on half a character: that comes out as decode() renders it
             text = stops.feed(delta)

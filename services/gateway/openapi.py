@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.protocol import MAX_LOGPROBS, MAX_N
+from services.gateway.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
 
 _NUM = {"type": "number"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -51,7 +51,7 @@ _COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "properties": {
                          {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                          _TOKEN_IDS,
                          {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]},
-    "max_tokens": {"type": "integer", "minimum": 0},
+    "max_tokens": {"type": "integer", "minimum": 0, "default": COMPLETIONS_DEFAULT_MAX_TOKENS},
     "echo": {"type": "boolean"},
     "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
 }}
@@ -142,6 +142,10 @@ def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
                                               "responses": _responses(_COMPLETION, stream=True)}},
             "/v1/models": {"get": {"operationId": "listModels", "security": [{"bearer": []}, {}],
                                    "responses": _responses(obj)}},
+            "/v1/models/{model}": {"get": {"operationId": "retrieveModel", "security": [{"bearer": []}, {}],
+                                           "parameters": [{"name": "model", "in": "path", "required": True,
+                                                           "schema": {"type": "string"}}],
+                                           "responses": _responses(obj)}},
             "/tokenize": {"post": {"operationId": "tokenize", "requestBody": _json_body({
                 "type": "object", "properties": {
                     "model": {"type": "string"}, "prompt": {"type": "string", "maxLength": 200},

@@ -19,6 +19,7 @@ from services.gateway.errors import bad_request
 from services.gateway.tools import ToolRequest, parse_tools
 
 MAX_N = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20        # top logprobs per token (OpenAI: 20 for chat, 5 for completions; vLLM allows 20)
 MAX_LOGIT_BIAS = 100.0   # |bias| per token, as OpenAI
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -182,7 +183,8 @@ def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequ
         raise not_supported("suffix")
     echo = v.get_bool(body, "echo", False)
     logprobs = v.get_int(body, "logprobs", -1, lo=0, hi=MAX_LOGPROBS)
-    max_tokens = v.get_int(body, "max_tokens", None, lo=0)
+    # OpenAI's legacy completions API and vLLM default to 16 tokens (chat's default is what fits the context).
+    max_tokens = v.get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, lo=0)
     if max_tokens == 0 and not echo:
         raise bad_request("'max_tokens' must be >= 1 (0 is allowed only with 'echo')", param="max_tokens")
     sampling = parse_sampling(body, max_tokens, vocab_size)

@@ -93,13 +93,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(await outputs.chat_body(meta, events, req.sampling.n, logprobs, req.tools))
 
 
-async def models(request: web.Request) -> web.Response:
-    model = request.app[SERVING].model
+async def _model_card(serving: Serving) -> dict[str, Any]:
+    model = serving.model
     if model.max_model_len == 0:
         await model.try_refresh()
-    card = {"id": model.served_model_name, "object": "model", "created": STARTED_AT, "owned_by": "steploop",
+    return {"id": model.served_model_name, "object": "model", "created": STARTED_AT, "owned_by": "steploop",
             "root": model.model_path, "parent": None, "max_model_len": model.max_model_len or None}
-    return web.json_response({"object": "list", "data": [card]})
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [await _model_card(request.app[SERVING])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id} (the SDK's models.retrieve): the card, or 404 model_not_found."""
+    serving = request.app[SERVING]
+    serving.check_model(request.match_info["model_id"])
+    return web.json_response(await _model_card(serving))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -115,6 +125,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)   # served names may hold "/" (a folder path)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     utility_routes.add_routes(app)

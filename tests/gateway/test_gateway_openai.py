@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import aiohttp
+import openai
+import pytest
 
 from tests.gateway.conftest import REPLY_TEXT, SERVED_NAME, wait_for
 
@@ -114,6 +116,11 @@ async def test_stop_string_streamed_never_leaks_stop_text(gateway):
 async def test_models_health_version(gateway):
     models = await gateway.openai().models.list()
     assert [m.id for m in models.data] == [SERVED_NAME]
+    card = await gateway.openai().models.retrieve(SERVED_NAME)     # GET /v1/models/{id}
+    assert card.id == SERVED_NAME and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        await gateway.openai().models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{gateway.url}/v1/models") as resp:
             assert (await resp.json())["data"][0]["max_model_len"] == 2048
@@ -133,3 +140,25 @@ async def test_text_cut_inside_a_character_is_decode_of_the_tokens(gateway, toke
     assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
     stream = await client.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=cut, stream=True)
     assert "".join([c.choices[0].text async for c in stream if c.choices]) == expected
+
+
+async def test_completions_default_to_16_tokens_as_openai_and_vllm(gateway):
+    """The legacy completions API's max_tokens defaults to 16 (chat's to what fits, test_chat_unstreamed)."""
+    await gateway.openai().completions.create(model=SERVED_NAME, prompt="Once upon a time")
+    assert gateway.engine.requests[-1].sampling.max_tokens == 16
+
+
+async def test_the_stop_token_is_counted_but_not_shown(gateway, tokenizer, reply_ids):
+    """As vLLM: the token that stopped the request (EOS here; stop_token_ids alike) is in usage but not in the text,
+    even with skip_special_tokens off, unless include_stop_str_in_output asks for it."""
+    client = gateway.openai()
+    eos_text = tokenizer.decode([reply_ids[-1]], skip_special_tokens=False)
+    for stream in (False, True):
+        for include in (False, True):
+            extra = {"skip_special_tokens": False, "include_stop_str_in_output": include}
+            r = await client.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=64, stream=stream,
+                                                extra_body=extra)
+            text = "".join([c.choices[0].text async for c in r if c.choices]) if stream else r.choices[0].text
+            assert text == REPLY_TEXT + (eos_text if include else "")
+    r = await client.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=64)
+    assert r.usage.completion_tokens == len(reply_ids) and r.choices[0].finish_reason == "stop"

@@ -70,6 +70,11 @@ def test_min_tokens_ignore_eos_and_stop_token_ids(cluster, hf):
     stopped = client(cluster).chat.completions.create(model=MODEL, messages=chat, temperature=0, max_tokens=8,
                                                       extra_body={"stop_token_ids": [first_id]})
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    assert stopped.choices[0].message.content == ""        # the stop token is counted, not shown (as vLLM)
+    shown = client(cluster).chat.completions.create(model=MODEL, messages=chat, temperature=0, max_tokens=8,
+                                                    extra_body={"stop_token_ids": [first_id],
+                                                                "include_stop_str_in_output": True})
+    assert shown.choices[0].message.content == hf.tokenizer.decode([first_id])
 
 
 def test_stop_strings_and_include_stop_str(cluster):
