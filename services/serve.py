@@ -20,6 +20,7 @@ from services.common.log import setup_logging
 from services.supervisor import ServiceSpec, Supervisor
 
 log = logging.getLogger("steploop.serve")
+SERVE_METRICS_PORT = 9091   # the scheduler's own /metrics (each service alone defaults to off)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                 observability.add_cli_args):
         add(parser)
     if envs.env_name("--metrics-port") not in os.environ:   # the embedded cluster exposes scheduler metrics
-        parser.set_defaults(metrics_port=9091)
+        metrics_port = next(a for a in parser._actions if a.dest == "metrics_port")
+        metrics_port.default = SERVE_METRICS_PORT
+        metrics_port.help = metrics_port.help.replace("default 0)", f"default {SERVE_METRICS_PORT} here)")
     envs.add_flag(parser, "--ready-timeout", type=float, default=600.0,
                   help="seconds to wait for the whole path to answer /health before giving up")
     return parser

@@ -1,7 +1,8 @@
 """create_app: the aiohttp application, wired from a config, an engine client and a tokenizer (tests pass fakes).
 
-Middlewares, outermost first: errors (every failure leaves as OpenAI's error shape, never a traceback), auth
-(Bearer key on /v1 routes, constant-time compare), then the handlers in routes.py.
+Middlewares, outermost first: errors (every failure leaves as OpenAI's error shape, never a traceback), drain
+(503 once shutting down; counts requests in flight), auth (Bearer key on /v1 routes, constant-time compare),
+then the handlers in routes.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from services.common import model_path
 from services.gateway import metrics as gateway_metrics
 from services.gateway import routes
 from services.gateway.config import GatewayConfig
+from services.gateway.drain import Drain
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, internal_error
 from services.gateway.health import HealthProbe
@@ -62,11 +64,13 @@ def auth_middleware(api_key: str):
 
 
 MAX_BODY = web.AppKey("max_body", int)
+DRAIN = web.AppKey("drain", Drain)
 
 
 def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: Tokenizer) -> web.Application:
     """The gateway app. On startup it asks the engine for model info (not fatal if the engine is not up yet)."""
-    middlewares = [error_middleware]
+    drain = Drain()
+    middlewares = [error_middleware, drain.middleware]
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_body_bytes)
@@ -74,7 +78,8 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
     app[routes.SERVING] = Serving(engine_client, tokenizer, model)
-    app[routes.HEALTH] = HealthProbe(engine_client)
+    app[routes.HEALTH] = HealthProbe(engine_client, drain)
+    app[DRAIN] = drain
     app[MAX_BODY] = config.max_request_body_bytes
     routes.add_routes(app)
     gateway_metrics.install(app, engine_client, model)   # /metrics, HTTP metrics, the request's span

@@ -67,6 +67,8 @@ def from_grpc_error(err: grpc.aio.AioRpcError) -> APIError:
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_TRANSPORT_FAILURES = ("failed to connect", "Connection refused", "Connection reset", "Socket closed", "recvmsg",
+                       "connection attempt timed out", "Broken pipe")
 
 
 def from_request_error(err) -> APIError:
@@ -89,7 +91,11 @@ def from_status(status: grpc.StatusCode, details: str, meta: dict[str, str]) -> 
                         type="server_error", code=code or "overloaded",
                         headers={"Retry-After": meta.get(RETRY_AFTER_KEY, "1")})
     if status == grpc.StatusCode.UNAVAILABLE:
-        return engine_unavailable(details or "the engine is not reachable")
+        # gRPC's own connection failures ("failed to connect to all addresses; last error: ...ipv4:...") say
+        # nothing a client can act on; the engine's own UNAVAILABLE messages (no worker, shutting down) do.
+        transport = not details or any(s in details for s in _TRANSPORT_FAILURES)
+        return engine_unavailable("the engine is not reachable (down or restarting); retry shortly" if transport
+                                  else details)
     if status == grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, "the engine did not answer in time", type="server_error", code="timeout")
     return internal_error()

@@ -9,21 +9,22 @@ from __future__ import annotations
 import asyncio
 import time
 
+from services.gateway.drain import Drain
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError
 
 
 class HealthProbe:
-    def __init__(self, engine: EngineClient, ttl: float = 0.5) -> None:
+    def __init__(self, engine: EngineClient, drain: Drain, ttl: float = 0.5) -> None:
         self._engine = engine
+        self._drain = drain      # draining on shutdown: stop being routed to before we stop accepting
         self._ttl = ttl
         self._checked_at = -float("inf")
         self._ready = False
         self._lock = asyncio.Lock()
-        self.draining = False    # set on shutdown: stop being routed to before we stop accepting
 
     async def ready(self) -> bool:
-        if self.draining:
+        if self._drain.draining:
             return False
         async with self._lock:
             if time.monotonic() - self._checked_at >= self._ttl:

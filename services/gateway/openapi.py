@@ -151,10 +151,11 @@ def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
                     "model": {"type": "string"}, "prompt": {"type": "string", "maxLength": 200},
                     "add_special_tokens": {"type": "boolean"},
                     "messages": {"type": "array", "items": _MESSAGE, "minItems": 1, "maxItems": 4},
-                    "add_generation_prompt": {"type": "boolean"}}}),
+                    "add_generation_prompt": {"type": "boolean"}, "return_token_strs": {"type": "boolean"}}}),
                 "responses": _responses({"type": "object", "required": ["count", "tokens"], "properties": {
                     "count": {"type": "integer"}, "tokens": {"type": "array", "items": {"type": "integer"}},
-                    "max_model_len": {"type": ["integer", "null"]}}})}},
+                    "max_model_len": {"type": ["integer", "null"]},
+                    "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}})}},
             "/detokenize": {"post": {"operationId": "detokenize", "requestBody": _json_body({
                 "type": "object", "required": ["tokens"],
                 "properties": {"model": {"type": "string"}, "tokens": _TOKEN_IDS}}),

@@ -125,6 +125,9 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
             raise not_supported(name)
     stop_token_ids = body.get("stop_token_ids")
     json_schema, json_object = _parse_response_format(body)
+    min_tokens = v.get_int(body, "min_tokens", 0, lo=0)
+    if max_tokens is not None and min_tokens > max(max_tokens, 1):
+        raise bad_request(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
@@ -139,7 +142,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         stop=v.get_stop(body),
         stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
         ignore_eos=v.get_bool(body, "ignore_eos", False),
-        min_tokens=v.get_int(body, "min_tokens", 0, lo=0),
+        min_tokens=min_tokens,
         include_stop_str_in_output=v.get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=v.get_bool(body, "skip_special_tokens", True),
         stream=stream,

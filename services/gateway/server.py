@@ -1,8 +1,8 @@
 """`python -m services.gateway`: the gateway process. One aiohttp site on uvloop, graceful shutdown.
 
-Shutdown is a sequence: on SIGTERM/SIGINT /health turns 503 (load balancers stop routing here), the listening
-socket closes, in-flight requests get `--shutdown-timeout` seconds to finish, then the rest are cancelled (which
-aborts their engine calls) and the gRPC channel closes.
+Shutdown is a sequence: on SIGTERM/SIGINT /health turns 503 (load balancers stop routing here) and new requests
+get 503 + Retry-After while in-flight ones get `--shutdown-timeout` seconds to finish (drain.py); then the
+listening socket closes, what still runs is cancelled (which aborts its engine calls) and the gRPC channel closes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from aiohttp import web
 
 from services.common import event_loop, model_path, observability
 from services.gateway import routes
-from services.gateway.app import create_app
+from services.gateway.app import DRAIN, create_app
 from services.gateway.config import GatewayConfig, add_cli_args
 from services.gateway.engine_client import EngineClient
 from services.gateway.tokenizer import load_tokenizer
@@ -45,7 +45,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
     engine = EngineClient(config.scheduler_address, tls=config.tls, multiplex=config.engine_session)
     app = create_app(config, engine, tokenizer)
-    runner, _ = await start_site(app, config.host, config.port, config.shutdown_timeout)
+    # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
+    runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)
     logger.info("gateway serving %s on http://%s:%d (engine %s)", app[routes.SERVING].model.served_model_name,
                 config.host, bound_port(runner), config.scheduler_address)
     stop = stop or asyncio.Event()
@@ -54,9 +55,12 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        logger.info("shutting down: draining in-flight requests for up to %.0f s", config.shutdown_timeout)
-        app[routes.HEALTH].draining = True
-        await runner.cleanup()    # stop accepting, wait for in-flight handlers, cancel the rest
+        logger.info("shutting down: draining %d in-flight requests for up to %.0f s (new ones get 503)",
+                    app[DRAIN].in_flight, config.shutdown_timeout)
+        left = await app[DRAIN].drain(config.shutdown_timeout)
+        if left:
+            logger.warning("%d requests still running after %.0f s; cancelling them", left, config.shutdown_timeout)
+        await runner.cleanup()    # stop accepting, cancel what is left
     finally:
         await engine.close()
         tokenizer.close()

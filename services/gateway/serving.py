@@ -37,7 +37,8 @@ class Serving:
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{prompt_len + wanted} tokens ({prompt_len} in the {param}, {wanted} in the completion). "
                 f"Please reduce the length of the {param} or of max_tokens.",
-                param=param, code="context_length_exceeded")
+                param=param if prompt_len >= max_len else "max_tokens",   # the part that does not fit
+                code="context_length_exceeded")
         return wanted
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,

@@ -37,10 +37,13 @@ async def tokenize(request: web.Request) -> web.Response:
         if prompt is None:
             raise bad_request("'prompt' or 'messages' is required", param="prompt", code="missing_required_parameter")
         tokens = await serving.tokenizer.encode(prompt, v.get_bool(body, "add_special_tokens", True))
+    # vLLM's return_token_strs: each token as the vocabulary spells it (byte-level BPE shows a space as "Ġ")
+    token_strs = serving.tokenizer.hf.convert_ids_to_tokens(tokens) if v.get_bool(body, "return_token_strs",
+                                                                                  False) else None
     if serving.model.max_model_len == 0:
         await serving.model.try_refresh()
     return web.json_response({"count": len(tokens), "max_model_len": serving.model.max_model_len or None,
-                              "tokens": tokens, "token_strs": None})
+                              "tokens": tokens, "token_strs": token_strs})
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -62,6 +62,10 @@ async def test_tokenize_detokenize_openapi(gateway, tokenizer):
             assert body["tokens"] == tokenizer.encode_sync("Hello world") and body["count"] == len(body["tokens"])
         async with http.post(f"{gateway.url}/detokenize", json={"tokens": body["tokens"]}) as resp:
             assert (await resp.json())["prompt"] == "Hello world"
+        async with http.post(f"{gateway.url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}
+                             ) as resp:
+            strs = (await resp.json())["token_strs"]
+            assert strs == tokenizer.hf.convert_ids_to_tokens(body["tokens"]) and "".join(strs) == "HelloĠworld"
         async with http.post(f"{gateway.url}/tokenize", json={}) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
         async with http.get(f"{gateway.url}/openapi.json") as resp:

@@ -63,6 +63,7 @@ def assert_error(body, param=None, code=None):
     ({**CHAT, "presence_penalty": 3}, "presence_penalty"),
     ({**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
     ({**CHAT, "min_tokens": -1}, "min_tokens"),
+    ({**CHAT, "min_tokens": 10, "max_tokens": 3}, "min_tokens"),
     ({**CHAT, "ignore_eos": 1}, "ignore_eos"),
     ({**CHAT, "stop_token_ids": [-1]}, "stop_token_ids"),
     ({**CHAT, "n": 100}, "n"),
@@ -137,10 +138,20 @@ async def test_context_length_exceeded_names_both_numbers(gateway):
     status, resp, _ = await post(gateway, "/v1/completions", {"model": SERVED_NAME, "prompt": [7] * 2000,
                                                                "max_tokens": 100})
     assert status == 400
-    assert_error(resp, code="context_length_exceeded")
+    assert_error(resp, code="context_length_exceeded", param="max_tokens")   # the prompt fits; max_tokens not
     assert "2048" in resp["error"]["message"] and "2100" in resp["error"]["message"]
     status, resp, _ = await post(gateway, "/v1/completions", {"model": SERVED_NAME, "prompt": [7] * 2048})
     assert status == 400 and resp["error"]["code"] == "context_length_exceeded"
+    assert resp["error"]["param"] == "prompt"
+
+
+def test_grpc_connection_failures_read_as_unavailable_not_as_grpc_internals():
+    raw = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50161: Failed to connect to "
+           "remote host: connect: Connection refused (111)")
+    err = errors.from_status(grpc.StatusCode.UNAVAILABLE, raw, {})
+    assert err.status == 503 and err.code == "engine_unavailable" and "ipv4" not in err.message
+    own = errors.from_status(grpc.StatusCode.UNAVAILABLE, "no worker is attached", {})
+    assert "no worker is attached" in own.message     # the engine's own reasons are kept
 
 
 async def test_body_too_large_is_413(gateway):
