@@ -17,7 +17,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 class GatewayConfig:
     host: str = "127.0.0.1"                   # interface the HTTP server binds
     port: int = 8000                          # 0 = any free port (tests)
-    scheduler_address: str = "127.0.0.1:50051"  # host:port of the Engine gRPC service
+    scheduler_address: str = "127.0.0.1:50051"  # host:port of the Engine gRPC service (comma-separated: replicas)
     model: str | None = None                  # model folder; None = the converted default model
     served_model_name: str | None = None      # name clients send as `model`; None = derived from `model`
     api_key: str | None = None                # if set, every /v1 route needs `Authorization: Bearer <key>`
@@ -33,6 +33,14 @@ class GatewayConfig:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        addresses = self.scheduler_addresses   # any gRPC target: host:port, [::1]:port, unix:path, dns:///...
+        if not addresses or len(set(addresses)) != len(addresses):
+            raise ValueError(f"--scheduler-address must be one gRPC address, or several distinct ones separated by "
+                             f"commas, got {self.scheduler_address!r}")
+
+    @property
+    def scheduler_addresses(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.scheduler_address.split(",") if a.strip())
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "GatewayConfig":
@@ -48,7 +56,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     envs.add_flag(parser, "--host", default=d.host, help="interface to bind")
     envs.add_flag(parser, "--port", type=int, default=d.port, help="HTTP port")
     envs.add_flag(parser, "--scheduler-address", default=d.scheduler_address,
-                  help="host:port of the scheduler's Engine gRPC service")
+                  help="host:port of the scheduler's Engine gRPC service; several, comma-separated, are replicas "
+                       "(each with its own workers) that requests are routed across by prefix affinity and load")
     envs.add_flag(parser, "--model", default=None, help="model folder (default: the converted default model)")
     envs.add_flag(parser, "--served-model-name", default=None, help="name clients use as `model`")
     # Not via add_flag: its help text prints the default, and this default is a secret.

@@ -1,6 +1,6 @@
 """The gateway's /metrics: its own HTTP metrics (requests by route, method and status; latency) followed by the
 scheduler's engine metrics (vllm:*, steploop:*, fetched with Engine.GetMetrics), in one scrape as on a vLLM
-server. The same outermost middleware opens the HTTP request's span when tracing is on.
+server (with several scheduler replicas, each sample labelled with its replica). The same outermost middleware opens the HTTP request's span when tracing is on.
 
 `install(app, engine, model)` wires it into an app; create_app calls it.
 """
@@ -13,7 +13,9 @@ import time
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metrics, tracing
 from services.gateway import tracing as gateway_tracing
@@ -66,11 +68,36 @@ class GatewayMetrics:
 
     async def handle(self, request: web.Request) -> web.Response:
         body = metrics.exposition(self.registry)
+        if len(getattr(self.engine, "replicas", ())) > 1:
+            body += labelled_by_replica(await self.engine.metrics_texts())
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
         try:
             body += (await self.engine.metrics_text()).encode()
         except Exception as err:  # noqa: BLE001 - the scheduler is down: still show the gateway's own
             log.debug("engine metrics unavailable: %s", err)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def labelled_by_replica(texts: list[tuple[str, str]]) -> bytes:
+    """Several schedulers' expositions as one: each family once, every sample with a `replica` label (its
+    address), so one scrape of the gateway still shows every replica and sum() by model_name adds them up."""
+    families: dict[str, Metric] = {}
+    for address, text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, "replica": address}, sample.value, sample.timestamp,
+                                  sample.exemplar)
+
+    class Merged:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Merged())
+    return generate_latest(registry)
 
 
 METRICS = web.AppKey("metrics", GatewayMetrics)

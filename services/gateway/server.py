@@ -20,6 +20,7 @@ from services.gateway import routes
 from services.gateway.app import DRAIN, create_app
 from services.gateway.config import GatewayConfig, add_cli_args
 from services.gateway.engine_client import EngineClient
+from services.gateway.router import EngineRouter
 from services.gateway.tokenizer import load_tokenizer
 
 logger = logging.getLogger("steploop.gateway")
@@ -43,7 +44,8 @@ def bound_port(runner: web.AppRunner) -> int:
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     path = model_path.resolve_model(config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
-    engine = EngineClient(config.scheduler_address, tls=config.tls, multiplex=config.engine_session)
+    engine = EngineRouter([EngineClient(address, tls=config.tls, multiplex=config.engine_session)
+                           for address in config.scheduler_addresses])
     app = create_app(config, engine, tokenizer)
     # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
     runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)

@@ -147,6 +147,17 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     async def GetLoadReport(self, request, context):
         return engine_pb2.LoadReport()
 
+    async def GetMetrics(self, request, context):
+        """One gauge and one counter, in the scheduler's exposition format: requests seen so far."""
+        n = len(self.requests)
+        return engine_pb2.MetricsText(text=(
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="fake"}} {n}.0\n'
+            "# HELP vllm:prompt_tokens Number of prefill tokens processed.\n"
+            "# TYPE vllm:prompt_tokens counter\n"
+            f'vllm:prompt_tokens_total{{model_name="fake"}} {10 * n}.0\n'))
+
 
 async def start_fake_engine(engine: FakeEngine,
                             health_status=health_pb2.HealthCheckResponse.SERVING) -> tuple[grpc.aio.Server, str,

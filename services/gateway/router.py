@@ -1,0 +1,191 @@
+"""EngineRouter: one gateway in front of several scheduler replicas (data parallel), each with its own workers and
+its own prefix cache. It answers the EngineClient calls the gateway makes, choosing a replica per request:
+
+- Prefix affinity. A request goes where its prompt's prefix was last sent, so it finds that prefix in that
+  replica's cache. The router keeps the schedulers' own key: a hash chained over full blocks of `block_size`
+  tokens (block i's hash covers tokens [0, 16(i+1))), in a bounded LRU map block hash -> replica. The prompt's
+  deepest known block names the replica; the match counts when it covers at least `min_match` of the prompt (as
+  SGLang's cache-aware router's threshold), so a shared chat-template header alone does not pin everything.
+- Load. Without a match, or when the affine replica has `imbalance` more requests in flight than the least loaded
+  one (and at least half as many again), the least loaded replica takes it (ties: the lowest rendezvous hash of
+  the prompt's first block, so equal load still spreads). In-flight counts are the gateway's own, so they are
+  exact and free.
+- Failover. A replica that answers "unavailable" or "at capacity" before the request's first token (down,
+  restarting, no worker, full queue) is skipped for `cooldown_s` and the request goes to the next one; once tokens
+  flowed, an error is the request's (it cannot be replayed elsewhere without the client seeing it twice).
+
+With one address the router is a thin pass-through to its one EngineClient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from services.common.pb.steploop.v1 import engine_pb2
+from services.common.sampling_params import SamplingParams
+from services.gateway import errors
+from services.gateway.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = {"engine_unavailable", "overloaded"}   # APIError codes that mean "this replica cannot take it now"
+
+
+@dataclass
+class Replica:
+    client: EngineClient
+    in_flight: int = 0
+    down_until: float = 0.0
+    routed: int = 0                                  # requests sent here (for logs and tests)
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+@dataclass
+class AffinityMap:
+    """Chained block hashes -> index of the replica that last got a prompt with that prefix (LRU, bounded)."""
+    block_size: int = 16
+    capacity: int = 200_000
+    _map: OrderedDict = field(default_factory=OrderedDict)
+
+    def block_hashes(self, prompt_ids: Sequence[int]) -> list[bytes]:
+        out, parent = [], b""
+        for start in range(0, len(prompt_ids) - self.block_size + 1, self.block_size):
+            block = prompt_ids[start:start + self.block_size]
+            parent = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=16).digest()
+            out.append(parent)
+        return out
+
+    def deepest(self, hashes: list[bytes]) -> tuple[int, int] | None:
+        """(replica, number of blocks matched) of the deepest block already routed, or None."""
+        for depth in range(len(hashes), 0, -1):
+            replica = self._map.get(hashes[depth - 1])
+            if replica is not None:
+                return replica, depth
+        return None
+
+    def record(self, hashes: list[bytes], replica: int) -> None:
+        for h in hashes:
+            self._map[h] = replica
+            self._map.move_to_end(h)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
+
+class EngineRouter:
+    """The EngineClient interface over one or more scheduler replicas. Create it inside the running event loop."""
+
+    def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 16, min_match: float = 0.5,
+                 imbalance: int = 8, cooldown_s: float = 2.0) -> None:
+        if not clients:
+            raise ValueError("at least one scheduler address is needed")
+        self.replicas = [Replica(c) for c in clients]
+        self.affinity = AffinityMap(block_size)
+        self.min_match, self.imbalance, self.cooldown_s = min_match, imbalance, cooldown_s
+
+    @property
+    def address(self) -> str:
+        return ",".join(r.address for r in self.replicas)
+
+    # ---- routing ----------------------------------------------------------------------------------------------
+    def order(self, prompt_ids: Sequence[int]) -> list[int]:
+        """Replica indices to try, best first, and records the choice in the affinity map."""
+        now = time.monotonic()
+        up = [i for i, r in enumerate(self.replicas) if r.up(now)] or list(range(len(self.replicas)))
+        hashes = self.affinity.block_hashes(prompt_ids)
+        first = hashes[0] if hashes else hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids),
+                                                         digest_size=16).digest()
+        # Rendezvous order: stable per prompt prefix, different across prefixes.
+        by_hash = sorted(up, key=lambda i: hashlib.blake2b(first + i.to_bytes(4, "little"), digest_size=8).digest())
+        least = min(by_hash, key=lambda i: self.replicas[i].in_flight)
+        choice = least
+        match = self.affinity.deepest(hashes)
+        if match is not None and match[0] in up:
+            replica, depth = match
+            covered = depth * self.affinity.block_size / max(len(prompt_ids), 1)
+            load, low = self.replicas[replica].in_flight, self.replicas[least].in_flight
+            if covered >= self.min_match and not (load - low > self.imbalance and load > 1.5 * low):
+                choice = replica
+        self.affinity.record(hashes, choice)
+        rest = [i for i in by_hash if i != choice]
+        down = [i for i in range(len(self.replicas)) if i not in up]
+        return [choice, *rest, *down]
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[engine_pb2.GenerateChunk]:
+        if len(self.replicas) == 1:
+            async for chunk in self.replicas[0].client.generate(request_id, prompt_ids, params, priority=priority,
+                                                                cache_salt=cache_salt):
+                yield chunk
+            return
+        order = self.order(prompt_ids)
+        for attempt, index in enumerate(order):
+            replica = self.replicas[index]
+            replica.in_flight += 1
+            replica.routed += 1
+            started = False
+            stream = replica.client.generate(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt)
+            try:
+                async for chunk in stream:
+                    started = True
+                    yield chunk
+                return
+            except errors.APIError as err:
+                if started or err.code not in RETRYABLE or attempt == len(order) - 1:
+                    raise
+                replica.down_until = time.monotonic() + self.cooldown_s
+                logger.warning("scheduler %s cannot take %s (%s); trying the next replica", replica.address,
+                               request_id, err.message)
+            finally:
+                replica.in_flight -= 1
+                await stream.aclose()
+
+    # ---- the other Engine calls -------------------------------------------------------------------------------
+    async def _first(self, call: str):
+        """The first replica (in order, skipping those cooling down) whose `call` succeeds."""
+        now = time.monotonic()
+        ranked = sorted(self.replicas, key=lambda r: not r.up(now))
+        last: errors.APIError | None = None
+        for replica in ranked:
+            try:
+                return await getattr(replica.client, call)()
+            except errors.APIError as err:
+                last = err
+        raise last
+
+    async def model_info(self) -> engine_pb2.ModelInfo:
+        return await self._first("model_info")
+
+    async def load_report(self) -> engine_pb2.LoadReport:
+        return await self._first("load_report")
+
+    async def health(self) -> bool:
+        """Ready when any replica is (the others are routed around)."""
+        return any(await asyncio.gather(*(r.client.health() for r in self.replicas)))
+
+    async def abort(self, request_ids: Sequence[str]) -> int:
+        results = await asyncio.gather(*(r.client.abort(request_ids) for r in self.replicas), return_exceptions=True)
+        return sum(n for n in results if isinstance(n, int))
+
+    async def metrics_texts(self) -> list[tuple[str, str]]:
+        """(address, Prometheus text) of every replica that answers."""
+        results = await asyncio.gather(*(r.client.metrics_text() for r in self.replicas), return_exceptions=True)
+        return [(r.address, text) for r, text in zip(self.replicas, results) if isinstance(text, str)]
+
+    async def metrics_text(self) -> str:
+        return await self.replicas[0].client.metrics_text()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.client.close() for r in self.replicas))

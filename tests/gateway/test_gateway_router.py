@@ -1,0 +1,119 @@
+"""One gateway in front of two scheduler replicas (two fake engines): prefix affinity, load spill-over, failover,
+health and one merged /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import replace
+
+import aiohttp
+import pytest_asyncio
+
+from services.gateway.app import create_app
+from services.gateway.engine_client import EngineClient
+from services.gateway.router import AffinityMap, EngineRouter
+from services.gateway.server import bound_port, start_site
+from tests.gateway.conftest import SERVED_NAME
+from tests.gateway.fake_engine import FakeEngine, start_fake_engine
+
+
+class TwoReplicas:
+    def __init__(self, url, engines, servers, router):
+        self.url, self.engines, self.servers, self.router = url, engines, servers, router
+
+    def counts(self) -> list[int]:
+        return [len(e.requests) for e in self.engines]
+
+    async def complete(self, http, prompt_ids, **extra):
+        body = {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": 4, **extra}
+        async with http.post(f"{self.url}/v1/completions", json=body) as resp:
+            return resp.status, await resp.json()
+
+
+@pytest_asyncio.fixture
+async def two(reply_ids, tokenizer, gateway_config):
+    engines = [FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1]) for _ in range(2)]
+    started = [await start_fake_engine(e) for e in engines]
+    router = EngineRouter([EngineClient(address) for _, address, _ in started], cooldown_s=30.0)
+    app = create_app(replace(gateway_config, scheduler_address=router.address), router, tokenizer)
+    runner, _ = await start_site(app, "127.0.0.1", 0, shutdown_timeout=2.0)
+    try:
+        yield TwoReplicas(f"http://127.0.0.1:{bound_port(runner)}", engines, [s for s, _, _ in started], router)
+    finally:
+        await runner.cleanup()
+        await router.close()
+        for server, _, _ in started:
+            await server.stop(None)
+
+
+def prompt(seed: int, n: int = 64) -> list[int]:
+    return random.Random(seed).sample(range(1000, 40000), n)
+
+
+async def test_same_prefix_goes_to_the_same_replica_and_different_ones_spread(two):
+    shared = prompt(0, 96)
+    async with aiohttp.ClientSession() as http:
+        for k in range(6):   # one system prompt, six different questions: 96 of 112 tokens shared
+            status, _ = await two.complete(http, shared + prompt(100 + k, 16))
+            assert status == 200
+        assert sorted(two.counts()) == [0, 6]
+        for k in range(24):  # unrelated prompts spread (rendezvous hashing of their first block)
+            assert (await two.complete(http, prompt(1000 + k)))[0] == 200
+    assert min(two.counts()) >= 4, two.counts()
+
+
+async def test_a_loaded_replica_spills_over(two):
+    """30 overlapping streams of one prompt: affinity alone would send all 30 to one replica."""
+    for engine in two.engines:
+        engine.token_delay_s = 0.05
+    same = prompt(7)
+    async with aiohttp.ClientSession() as http:
+        results = await asyncio.gather(*(two.complete(http, same, max_tokens=12) for _ in range(30)))
+    assert all(status == 200 for status, _ in results)
+    assert min(two.counts()) >= 5, two.counts()
+    assert all(r.in_flight == 0 for r in two.router.replicas)
+
+
+async def test_a_replica_that_is_down_is_routed_around(two):
+    await two.servers[0].stop(None)          # replica 0 is gone (its address refuses connections)
+    async with aiohttp.ClientSession() as http:
+        for k in range(8):
+            status, body = await two.complete(http, prompt(200 + k))
+            assert status == 200, body
+        async with http.get(f"{two.url}/health") as resp:
+            assert resp.status == 200       # one replica serving is enough
+    assert two.counts()[1] == 8
+    assert two.router.replicas[0].down_until > 0       # marked down: later requests skip it without trying
+
+
+async def test_all_replicas_down_is_503(two):
+    for server in two.servers:
+        await server.stop(None)
+    async with aiohttp.ClientSession() as http:
+        status, body = await two.complete(http, prompt(3))
+        assert status == 503 and body["error"]["code"] == "engine_unavailable"
+        async with http.get(f"{two.url}/health") as resp:
+            assert resp.status == 503
+
+
+async def test_metrics_show_every_replica_once_labelled(two):
+    async with aiohttp.ClientSession() as http:
+        await two.complete(http, prompt(1))
+        async with http.get(f"{two.url}/metrics") as resp:
+            text = await resp.text()
+    for address in two.router.address.split(","):
+        assert f'vllm:num_requests_running{{model_name="fake",replica="{address}"}}' in text
+        assert f'vllm:prompt_tokens_total{{model_name="fake",replica="{address}"}}' in text
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+    assert "http_requests_total" in text
+
+
+def test_affinity_map_chains_blocks_and_forgets_the_oldest():
+    m = AffinityMap(block_size=4, capacity=6)
+    a, b = m.block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9]), m.block_hashes([1, 2, 3, 4, 9, 9, 9, 9])
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]       # block 2's hash depends on block 1
+    m.record(a, 0)
+    assert m.deepest(b) == (0, 1) and m.deepest(a) == (0, 2)
+    m.record(m.block_hashes(list(range(100, 120))), 1)          # 5 more blocks: the LRU keeps 6
+    assert len(m._map) == 6 and m.deepest(b) is None            # a's first block, the oldest, was forgotten
