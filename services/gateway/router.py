@@ -11,8 +11,10 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, choos
   the prompt's first block, so equal load still spreads). In-flight counts are the gateway's own, so they are
   exact and free.
 - Failover. A replica that answers "unavailable" or "at capacity" before the request's first token (down,
-  restarting, no worker, full queue) is skipped for `cooldown_s` and the request goes to the next one; once tokens
-  flowed, an error is the request's (it cannot be replayed elsewhere without the client seeing it twice).
+  restarting, full queue) is skipped for `cooldown_s` and the request goes to the next one; once tokens flowed, an
+  error is the request's (it cannot be replayed elsewhere without the client seeing it twice). Each replica's
+  grpc health is also polled every `health_interval_s`: one that is not SERVING (no worker attached, hung,
+  draining) gets no new requests while another one is.
 
 With one address the router is a thin pass-through to its one EngineClient.
 """
@@ -43,6 +45,7 @@ class Replica:
     client: EngineClient
     in_flight: int = 0
     down_until: float = 0.0
+    healthy: bool = True                             # its last grpc health check said SERVING
     routed: int = 0                                  # requests sent here (for logs and tests)
 
     @property
@@ -50,7 +53,7 @@ class Replica:
         return self.client.address
 
     def up(self, now: float) -> bool:
-        return now >= self.down_until
+        return self.healthy and now >= self.down_until
 
 
 @dataclass
@@ -88,12 +91,28 @@ class EngineRouter:
     """The EngineClient interface over one or more scheduler replicas. Create it inside the running event loop."""
 
     def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 16, min_match: float = 0.5,
-                 imbalance: int = 8, cooldown_s: float = 2.0) -> None:
+                 imbalance: int = 8, cooldown_s: float = 2.0, health_interval_s: float = 1.0) -> None:
         if not clients:
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
         self.affinity = AffinityMap(block_size)
         self.min_match, self.imbalance, self.cooldown_s = min_match, imbalance, cooldown_s
+        self.health_interval_s = health_interval_s
+        self._poller: asyncio.Task | None = None
+
+    def _poll_health(self) -> None:
+        """Started with the first routed request (the router is built before the event loop serves)."""
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._health_loop(), name="replica-health")
+
+    async def _health_loop(self) -> None:
+        while True:
+            states = await asyncio.gather(*(r.client.health() for r in self.replicas))
+            for replica, serving in zip(self.replicas, states):
+                if replica.healthy != serving:
+                    logger.warning("scheduler %s is %s", replica.address, "serving" if serving else "not serving")
+                replica.healthy = serving
+            await asyncio.sleep(self.health_interval_s)
 
     @property
     def address(self) -> str:
@@ -130,6 +149,7 @@ class EngineRouter:
                                                                 cache_salt=cache_salt):
                 yield chunk
             return
+        self._poll_health()
         order = self.order(prompt_ids)
         for attempt, index in enumerate(order):
             replica = self.replicas[index]
@@ -173,7 +193,11 @@ class EngineRouter:
 
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""
-        return any(await asyncio.gather(*(r.client.health() for r in self.replicas)))
+        states = await asyncio.gather(*(r.client.health() for r in self.replicas))
+        if len(self.replicas) > 1:
+            for replica, serving in zip(self.replicas, states):
+                replica.healthy = serving
+        return any(states)
 
     async def abort(self, request_ids: Sequence[str]) -> int:
         results = await asyncio.gather(*(r.client.abort(request_ids) for r in self.replicas), return_exceptions=True)
@@ -188,4 +212,6 @@ class EngineRouter:
         return await self.replicas[0].client.metrics_text()
 
     async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
         await asyncio.gather(*(r.client.close() for r in self.replicas))

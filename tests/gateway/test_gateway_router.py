@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import aiohttp
 import pytest_asyncio
+from grpc_health.v1 import health_pb2
 
 from services.gateway.app import create_app
 from services.gateway.engine_client import EngineClient
@@ -19,8 +20,10 @@ from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
 
 class TwoReplicas:
-    def __init__(self, url, engines, servers, router):
-        self.url, self.engines, self.servers, self.router = url, engines, servers, router
+    def __init__(self, url, engines, started, router):
+        self.url, self.engines, self.router = url, engines, router
+        self.servers = [server for server, _, _ in started]
+        self.healths = [health for _, _, health in started]
 
     def counts(self) -> list[int]:
         return [len(e.requests) for e in self.engines]
@@ -35,11 +38,12 @@ class TwoReplicas:
 async def two(reply_ids, tokenizer, gateway_config):
     engines = [FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1]) for _ in range(2)]
     started = [await start_fake_engine(e) for e in engines]
-    router = EngineRouter([EngineClient(address) for _, address, _ in started], cooldown_s=30.0)
+    router = EngineRouter([EngineClient(address) for _, address, _ in started], cooldown_s=30.0,
+                          health_interval_s=0.1)
     app = create_app(replace(gateway_config, scheduler_address=router.address), router, tokenizer)
     runner, _ = await start_site(app, "127.0.0.1", 0, shutdown_timeout=2.0)
     try:
-        yield TwoReplicas(f"http://127.0.0.1:{bound_port(runner)}", engines, [s for s, _, _ in started], router)
+        yield TwoReplicas(f"http://127.0.0.1:{bound_port(runner)}", engines, started, router)
     finally:
         await runner.cleanup()
         await router.close()
@@ -85,6 +89,23 @@ async def test_a_replica_that_is_down_is_routed_around(two):
             assert resp.status == 200       # one replica serving is enough
     assert two.counts()[1] == 8
     assert two.router.replicas[0].down_until > 0       # marked down: later requests skip it without trying
+
+
+async def test_a_replica_not_serving_gets_no_new_requests(two):
+    """grpc health NOT_SERVING (no worker attached, hung, draining): the poller routes around it, and back."""
+    async with aiohttp.ClientSession() as http:
+        assert (await two.complete(http, prompt(0)))[0] == 200        # starts the health poller
+        await two.healths[0].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(0.5)
+        before = two.counts()
+        for k in range(8):
+            assert (await two.complete(http, prompt(300 + k)))[0] == 200
+        assert two.counts()[0] == before[0] and two.counts()[1] == before[1] + 8
+        await two.healths[0].set("", health_pb2.HealthCheckResponse.SERVING)
+        await asyncio.sleep(0.5)
+        for k in range(16):
+            assert (await two.complete(http, prompt(400 + k)))[0] == 200
+        assert two.counts()[0] > before[0]                            # back in rotation
 
 
 async def test_all_replicas_down_is_503(two):
