@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import pathlib
 from dataclasses import replace
@@ -83,15 +84,23 @@ class Gateway:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
 
 
+@contextlib.asynccontextmanager
+async def serving_app(engine, tokenizer, config: GatewayConfig):
+    """The gateway app in front of `engine` (an EngineClient or EngineRouter), on a free port: (url, app)."""
+    app = create_app(replace(config, scheduler_address=engine.address), engine, tokenizer)
+    runner, _ = await start_site(app, "127.0.0.1", 0, shutdown_timeout=2.0)
+    try:
+        yield f"http://127.0.0.1:{bound_port(runner)}", app
+    finally:
+        await runner.cleanup()
+        await engine.close()
+
+
 @pytest_asyncio.fixture
 async def gateway(fake_engine, tokenizer, gateway_config):
     server, address, health = await start_fake_engine(fake_engine)
-    client = EngineClient(address)
-    app = create_app(replace(gateway_config, scheduler_address=address), client, tokenizer)
-    runner, _ = await start_site(app, "127.0.0.1", 0, shutdown_timeout=2.0)
     try:
-        yield Gateway(f"http://127.0.0.1:{bound_port(runner)}", fake_engine, health, app)
+        async with serving_app(EngineClient(address), tokenizer, gateway_config) as (url, app):
+            yield Gateway(url, fake_engine, health, app)
     finally:
-        await runner.cleanup()
-        await client.close()
         await server.stop(None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -72,38 +73,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
-async def test_sigterm_drains_in_flight_stream(gateway_model_dir, reply_ids):
-    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=0.05)
+@contextlib.asynccontextmanager
+async def gateway_process(gateway_model_dir, engine: FakeEngine, shutdown_timeout: float):
+    """A real gateway process in front of `engine`, ready: (base url, process). Killed if a test leaves it up."""
     server, address, _ = await start_fake_engine(engine)
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.gateway", "--port", str(port), "--scheduler-address", address,
-        "--model", str(gateway_model_dir), "--served-model-name", SERVED_NAME, "--shutdown-timeout", "10",
-        stderr=asyncio.subprocess.PIPE)
+        "--model", str(gateway_model_dir), "--served-model-name", SERVED_NAME,
+        "--shutdown-timeout", str(shutdown_timeout), stderr=asyncio.subprocess.PIPE)
     try:
         async with aiohttp.ClientSession() as http:
             await wait_for_http(http, f"http://127.0.0.1:{port}/health", proc)
-            resp = await http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT)
-            await resp.content.readline()
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            # While the stream drains the socket stays open: new requests get a clear 503, health says not ready.
-            async with aiohttp.ClientSession() as fresh:
-                async with fresh.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT) as refused:
-                    assert refused.status == 503 and refused.headers["Retry-After"] == "1"
-                    assert (await refused.json())["error"]["code"] == "shutting_down"
-                async with fresh.get(f"http://127.0.0.1:{port}/health") as health:
-                    assert health.status == 503
-            body = (await resp.read()).decode()
-            assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"stop"' in body
-        assert await asyncio.wait_for(proc.wait(), 15) == 0
-        assert engine.finished and not engine.cancelled
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
         await server.stop(None)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+async def test_sigterm_drains_in_flight_stream(gateway_model_dir, reply_ids):
+    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=0.05)
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=10) as (url, proc):
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{url}/v1/chat/completions", json=CHAT)
+            await resp.content.readline()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            # While the stream drains the socket stays open: new requests get a clear 503, health says not ready.
+            async with aiohttp.ClientSession() as fresh:
+                async with fresh.post(f"{url}/v1/chat/completions", json=CHAT) as refused:
+                    assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+                    assert (await refused.json())["error"]["code"] == "shutting_down"
+                async with fresh.get(f"{url}/health") as health:
+                    assert health.status == 503
+            body = (await resp.read()).decode()
+            assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"stop"' in body
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        assert engine.finished and not engine.cancelled
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+async def test_sigterm_cancels_what_outlives_the_shutdown_timeout(gateway_model_dir, reply_ids):
+    """A stream longer than --shutdown-timeout is cancelled (its engine request aborted) and the gateway exits."""
+    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=1.0)
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc):
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{url}/v1/chat/completions", json=CHAT)
+            await resp.content.readline()
+            started = asyncio.get_running_loop().time()
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 15) == 0
+            assert asyncio.get_running_loop().time() - started < 6
+        await wait_for(lambda: engine.cancelled)     # the request was aborted, not left generating
+        assert not engine.finished
 
 
 async def wait_for_http(http, url, proc, timeout=60.0) -> None:
@@ -119,30 +144,3 @@ async def wait_for_http(http, url, proc, timeout=60.0) -> None:
         await asyncio.sleep(0.2)
     raise AssertionError(f"{url} not ready")
 
-
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
-async def test_sigterm_cancels_what_outlives_the_shutdown_timeout(gateway_model_dir, reply_ids):
-    """A stream longer than --shutdown-timeout is cancelled (its engine request aborted) and the gateway exits."""
-    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=1.0)
-    server, address, _ = await start_fake_engine(engine)
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.gateway", "--port", str(port), "--scheduler-address", address,
-        "--model", str(gateway_model_dir), "--served-model-name", SERVED_NAME, "--shutdown-timeout", "1",
-        stderr=asyncio.subprocess.PIPE)
-    try:
-        async with aiohttp.ClientSession() as http:
-            await wait_for_http(http, f"http://127.0.0.1:{port}/health", proc)
-            resp = await http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={**CHAT, "stream": True})
-            await resp.content.readline()
-            started = asyncio.get_running_loop().time()
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 15) == 0
-            assert asyncio.get_running_loop().time() - started < 6
-        await wait_for(lambda: engine.cancelled)     # the request was aborted, not left generating
-        assert not engine.finished
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await server.stop(None)

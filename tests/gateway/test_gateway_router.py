@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import replace
 
 import aiohttp
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
-from services.gateway.app import create_app
 from services.gateway.engine_client import EngineClient
 from services.gateway.router import AffinityMap, EngineRouter
-from services.gateway.server import bound_port, start_site
-from tests.gateway.conftest import SERVED_NAME
+from tests.gateway.conftest import SERVED_NAME, serving_app
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
 
@@ -40,13 +37,10 @@ async def two(reply_ids, tokenizer, gateway_config):
     started = [await start_fake_engine(e) for e in engines]
     router = EngineRouter([EngineClient(address) for _, address, _ in started], cooldown_s=30.0,
                           health_interval_s=0.1)
-    app = create_app(replace(gateway_config, scheduler_address=router.address), router, tokenizer)
-    runner, _ = await start_site(app, "127.0.0.1", 0, shutdown_timeout=2.0)
     try:
-        yield TwoReplicas(f"http://127.0.0.1:{bound_port(runner)}", engines, started, router)
+        async with serving_app(router, tokenizer, gateway_config) as (url, _):
+            yield TwoReplicas(url, engines, started, router)
     finally:
-        await runner.cleanup()
-        await router.close()
         for server, _, _ in started:
             await server.stop(None)
 
