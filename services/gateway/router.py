@@ -16,7 +16,7 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, choos
   grpc health is also polled every `health_interval_s`: one that is not SERVING (no worker attached, hung,
   draining) gets no new requests while another one is.
 
-With one address the router is a thin pass-through to its one EngineClient.
+The gateway builds one only for two or more addresses; with one it talks to its EngineClient directly.
 """
 
 from __future__ import annotations
@@ -144,11 +144,6 @@ class EngineRouter:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str = "") -> AsyncIterator[engine_pb2.GenerateChunk]:
-        if len(self.replicas) == 1:
-            async for chunk in self.replicas[0].client.generate(request_id, prompt_ids, params, priority=priority,
-                                                                cache_salt=cache_salt):
-                yield chunk
-            return
         self._poll_health()
         order = self.order(prompt_ids)
         for attempt, index in enumerate(order):

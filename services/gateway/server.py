@@ -44,8 +44,9 @@ def bound_port(runner: web.AppRunner) -> int:
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     path = model_path.resolve_model(config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
-    engine = EngineRouter([EngineClient(address, tls=config.tls, multiplex=config.engine_session)
-                           for address in config.scheduler_addresses])
+    clients = [EngineClient(address, tls=config.tls, multiplex=config.engine_session)
+               for address in config.scheduler_addresses]
+    engine = clients[0] if len(clients) == 1 else EngineRouter(clients)   # one scheduler: no routing layer
     app = create_app(config, engine, tokenizer)
     # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
     runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)
