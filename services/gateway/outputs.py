@@ -86,8 +86,9 @@ async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Seq
         async for event in events:
             if not started:
                 started = True
+                first = {"role": "assistant", "content": "" if tools is None else None}   # null: it may only call
                 for index in indices:
-                    yield responses.chat_chunk(meta, index, {"role": "assistant", "content": ""}, None)
+                    yield responses.chat_chunk(meta, index, first, None)
             if event.usage is not None:
                 usages[event.index] = event.usage
             if not (event.text or event.finish_reason):

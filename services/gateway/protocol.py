@@ -125,9 +125,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
             raise not_supported(name)
     stop_token_ids = body.get("stop_token_ids")
     json_schema, json_object = _parse_response_format(body)
-    min_tokens = v.get_int(body, "min_tokens", 0, lo=0)
-    if max_tokens is not None and min_tokens > max(max_tokens, 1):
-        raise bad_request(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
+    min_tokens = v.get_int(body, "min_tokens", 0, lo=0)   # <= max_tokens: Serving.fit_max_tokens checks
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),

@@ -39,6 +39,10 @@ class Serving:
                 f"Please reduce the length of the {param} or of max_tokens.",
                 param=param if prompt_len >= max_len else "max_tokens",   # the part that does not fit
                 code="context_length_exceeded")
+        if sampling.min_tokens > wanted:   # also when max_tokens is implicit (what fits): EOS could never end it
+            raise bad_request(f"'min_tokens' ({sampling.min_tokens}) must be <= max_tokens ({wanted}"
+                              f"{'' if sampling.max_tokens is not None else ', what fits in the context'})",
+                              param="min_tokens")
         return wanted
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,

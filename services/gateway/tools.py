@@ -69,9 +69,13 @@ class ToolRequest:
             return json.dumps(next(t.parameters for t in self.tools if t.name == self.named))
         if self.choice != "required":
             return ""
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # Each tool's schema moves under $defs/tool_i, its own refs ("#/$defs/Addr", pydantic's nested models)
+        # rewritten to point there, so they still resolve inside the combined schema.
+        defs = {f"tool_{i}": _rebase_refs(t.parameters, f"#/$defs/tool_{i}") for i, t in enumerate(self.tools)}
+        calls = [{"type": "object",
+                  "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+                  "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(self.tools)]
+        schema: dict[str, Any] = {"$defs": defs, "type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
         return json.dumps(schema)
@@ -90,6 +94,16 @@ class ToolRequest:
             calls = _calls_from_json(text, {t.name for t in self.tools})
             return (None, calls) if calls else (text, [])
         return parse_hermes(text, {t.name for t in self.tools}, self.parallel)
+
+
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of a schema whose local refs ("#/...", "#") point into it at `base` of an enclosing document."""
+    if isinstance(node, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase_refs(v, base)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase_refs(item, base) for item in node]
+    return node
 
 
 def new_call_id() -> str:
@@ -159,6 +173,9 @@ def _parse_tool(tool: Any, i: int) -> Tool:
         parameters = _DEFAULT_PARAMETERS
     if not isinstance(parameters, dict):
         raise v.type_error(f"{where}.function.parameters", "a JSON schema object", parameters, param="tools")
+    if parameters.get("type", "object") != "object":   # arguments are a JSON object, as OpenAI requires
+        raise bad_request(f"{where}.function.parameters must be a schema of type 'object', got type "
+                          f"{parameters.get('type')!r}", param="tools")
     v.check_json_schema(parameters, f"{where}.function.parameters", "tools")
     return Tool(name, description, parameters)
 
@@ -236,26 +253,41 @@ def parse_hermes(text: str, names: set[str], parallel: bool = True) -> tuple[str
 
 
 def _calls_from_json(text: str, names: set[str]) -> list[ToolCall]:
-    """A forced reply: a JSON array of calls; one cut short by max_tokens keeps the calls it wrote whole."""
+    """A forced reply: a JSON array of calls. One cut short by max_tokens keeps the calls it wrote whole, then the
+    call it was writing if its name is complete (with the arguments as far as they got, as OpenAI returns a
+    call cut by max_tokens)."""
     value = _loads(text)
-    items = value if isinstance(value, list) else _whole_items(text) if value is None else [value]
+    if value is not None:
+        items = value if isinstance(value, list) else [value]
+        calls = [_call_from_object(item, names) for item in items]
+        return [] if not calls or None in calls else calls
+    items, rest = _whole_items(text)
     calls = [_call_from_object(item, names) for item in items]
-    return [] if not calls or None in calls else calls
+    if None in calls:
+        return []
+    partial = _PARTIAL_CALL_RE.match(rest)
+    if partial and _loads(f'"{partial.group(1)}"') in names:
+        calls.append(ToolCall(new_call_id(), _loads(f'"{partial.group(1)}"'), partial.group(2)))
+    return calls
 
 
-def _whole_items(text: str) -> list[Any]:
-    """The complete elements at the start of a truncated JSON array ('[{...}, {...}, {"na' -> two)."""
+_PARTIAL_CALL_RE = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)$', re.DOTALL)
+
+
+def _whole_items(text: str) -> tuple[list[Any], str]:
+    """The complete elements at the start of a truncated JSON array, and the text after them
+    ('[{...}, {...}, {"na' -> two, '{"na')."""
     decoder, items = json.JSONDecoder(), []
     pos = text.find("[") + 1
     if pos == 0:
-        return items
+        return items, text
     while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1
         try:
             item, pos = decoder.raw_decode(text, pos)
         except ValueError:
-            return items
+            return items, text[pos:]
         items.append(item)
 
 

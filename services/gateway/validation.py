@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from urllib.parse import unquote
 
 from services.gateway.errors import bad_request
 
@@ -120,3 +121,33 @@ def check_json_schema(schema: dict[str, Any], where: str, param: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise bad_request(f"'{where}' is not a valid JSON schema: {exc.message}", param=param) from None
+    for ref in _refs(schema):   # the worker's grammar compiler resolves only refs inside the schema itself
+        if not ref.startswith("#") or _pointer(schema, ref[1:]) is _MISSING:
+            raise bad_request(f"'{where}' has a $ref that does not resolve inside the schema: {ref!r} (only local "
+                              "refs such as '#/$defs/Name' are supported)", param=param)
+
+
+def _refs(node: Any):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                yield value
+            else:
+                yield from _refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _refs(item)
+
+
+def _pointer(document: Any, pointer: str) -> Any:
+    """RFC 6901 JSON pointer ("" is the document itself); _MISSING when it leads nowhere."""
+    node = document
+    for part in unquote(pointer).split("/")[1:] if pointer else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node

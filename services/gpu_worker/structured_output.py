@@ -26,6 +26,7 @@ from services.common.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_ROLLBACK = 16   # drafts a matcher may try and undo in one step
+ANY_OBJECT = '{"type": "object"}'
 
 
 class StructuredOutput:
@@ -49,14 +50,17 @@ class StructuredOutput:
 
     def compile(self, params: SamplingParams) -> Any:
         """The grammar of a request. A schema xgrammar cannot compile falls back to "any JSON object" (logged):
-        the worker has no per-request error channel, and failing the step would fail every request in it."""
+        the worker has no per-request error channel, and failing the step would fail every request in it (the
+        gateway refuses what it can tell is wrong: invalid schemas, refs that do not resolve).
+        json_object is an object, as OpenAI's JSON mode promises (xgrammar's builtin JSON grammar also takes
+        arrays and scalars)."""
         compiler = self._get_compiler()
         if params.json_schema:
             try:
                 return compiler.compile_json_schema(params.json_schema, any_whitespace=False)
             except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on bad schemas
                 log.warning("cannot compile JSON schema (%s); constraining to any JSON object instead", exc)
-        return compiler.compile_builtin_json_grammar()
+        return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
 
     def matcher(self, state) -> Any:
         """The request's matcher, (re)built from its output tokens when new or when the handle changed owner."""

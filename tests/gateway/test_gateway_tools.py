@@ -181,6 +181,14 @@ BAD = [
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}]}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/definitions/a"}}}}}}, "response_format"),
+    ({"extra_body": {"min_tokens": 5_000_000}}, "min_tokens"),   # max_tokens implicit (what fits): still bounded
     ({"messages": [*ASK, {"role": "tool", "content": "21"}]}, "messages"),
     ({"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}]}, "messages"),
 ]
@@ -236,7 +244,37 @@ def test_required_reply_cut_by_max_tokens_keeps_its_whole_calls():
     content, calls = request.parse('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "argu')
     assert content is None and [c.name for c in calls] == ["get_time"]
     assert request.finish_reason(calls, "length") == "length"
-    assert request.parse('[{"name": "get_wea') == ('[{"name": "get_wea', [])
+    # the call being written when max_tokens hit, as OpenAI returns one: its name, its arguments so far
+    content, calls = request.parse('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("get_time", "{}"), ("get_weather", '{"ci')]
+    assert request.parse('[{"name": "get_wea') == ('[{"name": "get_wea', [])   # not even a name: the text
+
+
+PERSON = {"type": "function", "function": {"name": "Person", "parameters": {   # what openai.pydantic_function_tool
+    "$defs": {"Addr": {"type": "object", "properties": {"street": {"type": "string"}}, "required": ["street"],
+                       "additionalProperties": False}},                      # writes for a nested model
+    "type": "object", "properties": {"name": {"type": "string"}, "home": {"$ref": "#/$defs/Addr"}},
+    "required": ["name", "home"], "additionalProperties": False}}}
+
+
+def test_required_schema_keeps_each_tools_refs_resolvable():
+    import jsonschema
+
+    from services.gateway.tools import parse_tools
+    schema = json.loads(parse_tools({"tools": [WEATHER, PERSON], "tool_choice": "required"}, "", False).guided_schema())
+    good = [{"name": "Person", "arguments": {"name": "Al", "home": {"street": "Main"}}},
+            {"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    jsonschema.validate(good, schema)         # refs resolve: "#/$defs/tool_1/$defs/Addr"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "Person", "arguments": {"name": "Al", "home": {"street": 5}}}], schema)
+
+
+async def test_streamed_reply_with_tools_starts_with_null_content(gateway, reply):
+    reply('{"city": "Oslo"}')
+    chunks = [c async for c in await gateway.openai().chat.completions.create(
+        model=SERVED_NAME, messages=ASK, tools=[WEATHER], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
 
 
 def parse_tools_for_test():

@@ -95,3 +95,22 @@ def test_forced_tool_calls_are_valid_calls(cluster, choice, parallel):
             _validate(json.loads(call.function.arguments), schemas[call.function.name])
         if choice == "named":
             assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+
+
+def test_forced_call_to_a_tool_with_nested_definitions(cluster):
+    """openai.pydantic_function_tool writes nested models as $defs + $ref; under "required" each tool's schema sits
+    inside a combined one, and its refs must still resolve (they did not: the grammar fell back to any JSON)."""
+    person = {"$defs": {"Addr": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 20},
+                                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                                 "required": ["street", "zip"], "additionalProperties": False}},
+              "type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "home": {"$ref": "#/$defs/Addr"}},
+              "required": ["name", "home"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "Person", "parameters": person}}
+    r = client(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Alice lives at 1 Main St, 12345."}], tools=[tool],
+        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "Person"
+    _validate(json.loads(call.function.arguments), person)
