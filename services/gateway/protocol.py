@@ -125,7 +125,6 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
             raise not_supported(name)
     stop_token_ids = body.get("stop_token_ids")
     json_schema, json_object = _parse_response_format(body)
-    min_tokens = v.get_int(body, "min_tokens", 0, lo=0)   # <= max_tokens: Serving.fit_max_tokens checks
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
@@ -140,7 +139,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         stop=v.get_stop(body),
         stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
         ignore_eos=v.get_bool(body, "ignore_eos", False),
-        min_tokens=min_tokens,
+        min_tokens=v.get_int(body, "min_tokens", 0, lo=0),   # <= max_tokens: Serving.fit_max_tokens checks
         include_stop_str_in_output=v.get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=v.get_bool(body, "skip_special_tokens", True),
         stream=stream,
@@ -270,7 +269,7 @@ def _parse_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, str], ...], bool, bool]:
+def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], bool, bool]:
     """messages, add_generation_prompt, continue_final_message (chat and /tokenize share them)."""
     messages = _parse_messages(body.get("messages"))
     continue_final = v.get_bool(body, "continue_final_message", False)
@@ -297,8 +296,9 @@ def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
         max_tokens = v.get_int(body, "max_tokens", None, lo=1)
     sampling = parse_sampling(body, max_tokens, vocab_size)
     tools = parse_tools(body, sampling.json_schema, sampling.json_object)
-    if tools is not None and tools.guided_schema():   # a forced call: the worker's grammar writes valid JSON
-        sampling = replace(sampling, json_schema=tools.guided_schema())
+    forced = tools.guided_schema() if tools is not None else ""
+    if forced:   # a forced call: the worker's grammar writes valid calls
+        sampling = replace(sampling, json_schema=forced)
     return ChatRequest(
         model=v.get_str(body, "model"),
         messages=messages,
