@@ -148,6 +148,8 @@ class EngineRouter:
         order = self.order(prompt_ids)
         for attempt, index in enumerate(order):
             replica = self.replicas[index]
+            if attempt:   # failed over: this replica is where the prefix's blocks will be now
+                self.affinity.record(self.affinity.block_hashes(prompt_ids), index)
             replica.in_flight += 1
             replica.routed += 1
             started = False
