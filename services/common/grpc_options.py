@@ -19,7 +19,11 @@ SERVER = _COMMON + [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 
+# Reconnect attempts back off from 0.2 s to at most 2 s (gRPC's default grows to 120 s): a scheduler that comes
+# back after a long outage is found within ~2 s by its workers and by the gateway's replica health checks.
 CLIENT = _COMMON + [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]

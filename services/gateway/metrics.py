@@ -69,7 +69,7 @@ class GatewayMetrics:
     async def handle(self, request: web.Request) -> web.Response:
         body = metrics.exposition(self.registry)
         if len(getattr(self.engine, "replicas", ())) > 1:
-            body += labelled_by_replica(await self.engine.metrics_texts())
+            body += labelled_by_replica(await self.engine.metrics_texts(), self.engine.replica_samples())
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
         try:
             body += (await self.engine.metrics_text()).encode()
@@ -78,10 +78,15 @@ class GatewayMetrics:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def labelled_by_replica(texts: list[tuple[str, str]]) -> bytes:
+def labelled_by_replica(texts: list[tuple[str, str]], router_samples=()) -> bytes:
     """Several schedulers' expositions as one: each family once, every sample with a `replica` label (its
-    address), so one scrape of the gateway still shows every replica and sum() by model_name adds them up."""
+    address), so one scrape of the gateway still shows every replica and sum() by model_name adds them up; then
+    the router's own per-replica series (up, in flight, routed), which also name a replica that does not answer."""
     families: dict[str, Metric] = {}
+    for name, kind, doc, values in router_samples:
+        family = families[name] = Metric(name, doc, kind)
+        for address, value in values.items():
+            family.add_sample(name + ("_total" if kind == "counter" else ""), {"replica": address}, value)
     for address, text in texts:
         for family in text_string_to_metric_families(text):
             merged = families.get(family.name)

@@ -5,10 +5,11 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, choos
   replica's cache. The router keeps the schedulers' own key: a hash chained over full blocks of `block_size`
   tokens (block i's hash covers tokens [0, 16(i+1))), in a bounded LRU map block hash -> replica. The prompt's
   deepest known block names the replica; the match counts when it covers at least `min_match` of the prompt (as
-  SGLang's cache-aware router's threshold), so a shared chat-template header alone does not pin everything.
+  SGLang's cache-aware router's threshold) and `min_match_tokens`, so a shared chat-template header or default
+  system prompt alone (a few dozen tokens, little prefill to save) does not pin every conversation to one replica.
 - Load. Without a match, or when the affine replica has `imbalance` more requests in flight than the least loaded
   one (and at least half as many again), the least loaded replica takes it (ties: the lowest rendezvous hash of
-  the prompt's first block, so equal load still spreads). In-flight counts are the gateway's own, so they are
+  the whole prompt, so equal load still spreads). In-flight counts are the gateway's own, so they are
   exact and free.
 - Failover. A replica that answers "unavailable" or "at capacity" before the request's first token (down,
   restarting, full queue) is skipped for `cooldown_s` and the request goes to the next one; once tokens flowed, an
@@ -91,12 +92,14 @@ class EngineRouter:
     """The EngineClient interface over one or more scheduler replicas. Create it inside the running event loop."""
 
     def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 16, min_match: float = 0.5,
-                 imbalance: int = 8, cooldown_s: float = 2.0, health_interval_s: float = 1.0) -> None:
+                 min_match_tokens: int = 64, imbalance: int = 8, cooldown_s: float = 2.0,
+                 health_interval_s: float = 1.0) -> None:
         if not clients:
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
         self.affinity = AffinityMap(block_size)
-        self.min_match, self.imbalance, self.cooldown_s = min_match, imbalance, cooldown_s
+        self.min_match, self.min_match_tokens = min_match, min_match_tokens
+        self.imbalance, self.cooldown_s = imbalance, cooldown_s
         self.health_interval_s = health_interval_s
         self._poller: asyncio.Task | None = None
 
@@ -107,12 +110,18 @@ class EngineRouter:
 
     async def _health_loop(self) -> None:
         while True:
-            states = await asyncio.gather(*(r.client.health() for r in self.replicas))
-            for replica, serving in zip(self.replicas, states):
-                if replica.healthy != serving:
-                    logger.warning("scheduler %s is %s", replica.address, "serving" if serving else "not serving")
-                replica.healthy = serving
+            await self._check_health()
             await asyncio.sleep(self.health_interval_s)
+
+    async def _check_health(self) -> list[bool]:
+        states = await asyncio.gather(*(r.client.health() for r in self.replicas))
+        for replica, serving in zip(self.replicas, states):
+            if replica.healthy != serving:
+                log = logger.info if serving else logger.warning
+                log("scheduler %s is %s", replica.address, "serving again" if serving else
+                    "not serving: no new requests go there until it is")
+            replica.healthy = serving
+        return states
 
     @property
     def address(self) -> str:
@@ -124,18 +133,19 @@ class EngineRouter:
         now = time.monotonic()
         up = [i for i, r in enumerate(self.replicas) if r.up(now)] or list(range(len(self.replicas)))
         hashes = self.affinity.block_hashes(prompt_ids)
-        first = hashes[0] if hashes else hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids),
-                                                         digest_size=16).digest()
-        # Rendezvous order: stable per prompt prefix, different across prefixes.
-        by_hash = sorted(up, key=lambda i: hashlib.blake2b(first + i.to_bytes(4, "little"), digest_size=8).digest())
+        # Rendezvous order over the whole prompt: chat prompts share their first blocks (the template's header,
+        # a default system prompt), so ranking by those would send every new conversation to one replica.
+        whole = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids), digest_size=16).digest()
+        by_hash = sorted(up, key=lambda i: hashlib.blake2b(whole + i.to_bytes(4, "little"), digest_size=8).digest())
         least = min(by_hash, key=lambda i: self.replicas[i].in_flight)
         choice = least
         match = self.affinity.deepest(hashes)
         if match is not None and match[0] in up:
             replica, depth = match
-            covered = depth * self.affinity.block_size / max(len(prompt_ids), 1)
+            matched = depth * self.affinity.block_size
             load, low = self.replicas[replica].in_flight, self.replicas[least].in_flight
-            if covered >= self.min_match and not (load - low > self.imbalance and load > 1.5 * low):
+            worth_it = matched >= self.min_match_tokens and matched >= self.min_match * len(prompt_ids)
+            if worth_it and not (load - low > self.imbalance and load > 1.5 * low):
                 choice = replica
         self.affinity.record(hashes, choice)
         rest = [i for i in by_hash if i != choice]
@@ -190,11 +200,20 @@ class EngineRouter:
 
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""
-        states = await asyncio.gather(*(r.client.health() for r in self.replicas))
-        if len(self.replicas) > 1:
-            for replica, serving in zip(self.replicas, states):
-                replica.healthy = serving
-        return any(states)
+        self._poll_health()
+        return any(await self._check_health())
+
+    def replica_samples(self) -> list[tuple[str, str, str, dict[str, float]]]:
+        """(name, type, help, {replica: value}) of the router's own per-replica series, for /metrics."""
+        now = time.monotonic()
+        return [
+            ("steploop:replica_up", "gauge", "1 while the gateway routes new requests to this scheduler replica",
+             {r.address: float(r.up(now)) for r in self.replicas}),
+            ("steploop:replica_in_flight", "gauge", "Requests this gateway has in flight on the replica",
+             {r.address: float(r.in_flight) for r in self.replicas}),
+            ("steploop:replica_routed", "counter", "Requests this gateway sent to the replica (failover tries too)",
+             {r.address: float(r.routed) for r in self.replicas}),
+        ]
 
     async def abort(self, request_ids: Sequence[str]) -> int:
         results = await asyncio.gather(*(r.client.abort(request_ids) for r in self.replicas), return_exceptions=True)

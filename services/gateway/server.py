@@ -71,11 +71,14 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.gateway",
+    parser = argparse.ArgumentParser(prog="steploop gateway",
                                      description="steploop gateway: OpenAI-compatible HTTP API")
     add_cli_args(parser)
     observability.add_cli_args(parser)
     args = parser.parse_args(argv)
-    config = GatewayConfig.from_args(args)
+    try:
+        config = GatewayConfig.from_args(args)
+    except ValueError as exc:           # config errors say what to change; no traceback (exit 2, as argparse)
+        parser.exit(2, f"steploop gateway: {exc}\n")
     observability.setup("gateway", args)
     event_loop.run(serve(config))

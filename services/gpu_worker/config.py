@@ -21,7 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str | None = None                 # HF folder, or None / the default name for the default model
-    scheduler_address: str = "127.0.0.1:50061"
+    scheduler_address: str = "127.0.0.1:50051"
     block_size: int = 16                     # tokens per KV block
     num_kv_blocks: int | None = None         # None: measure memory; N: exactly N blocks (block 0 included)
     kv_cache_memory_fraction: float = 0.1    # CPU: fraction of available RAM for the KV cache
@@ -103,7 +103,7 @@ def _validate(c: WorkerConfig) -> None:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_flag(parser, "--model", default=None, help="HuggingFace Llama-family folder (default: SmolLM2-135M)")
-    add_flag(parser, "--scheduler-address", default="127.0.0.1:50061", help="scheduler's plan-stream host:port")
+    add_flag(parser, "--scheduler-address", default="127.0.0.1:50051", help="scheduler's plan-stream host:port")
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (skip measuring)")
     add_flag(parser, "--kv-cache-memory-fraction", type=float, default=0.1,

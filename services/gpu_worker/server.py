@@ -39,10 +39,7 @@ from services.gpu_worker.model_runner import ModelRunner
 
 log = logging.getLogger("steploop.worker")
 
-CHANNEL_OPTIONS = grpc_options.CLIENT + [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
+CHANNEL_OPTIONS = grpc_options.CLIENT
 BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
 
 
@@ -173,7 +170,7 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = add_cli_args(argparse.ArgumentParser(prog="python -m services.gpu_worker",
+    parser = add_cli_args(argparse.ArgumentParser(prog="steploop worker",
                                                   description="steploop gpu_worker: runs the model for a scheduler"))
     observability.add_cli_args(parser)
     observability.add_worker_metrics_arg(parser)

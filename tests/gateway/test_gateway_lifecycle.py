@@ -144,3 +144,10 @@ async def wait_for_http(http, url, proc, timeout=60.0) -> None:
         await asyncio.sleep(0.2)
     raise AssertionError(f"{url} not ready")
 
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1,127.0.0.1:1", "", ","])
+def test_a_bad_scheduler_address_is_a_usage_error(address):
+    out = subprocess.run([sys.executable, "-m", "services.gateway", "--scheduler-address", address],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "--scheduler-address" in out.stderr and "Traceback" not in out.stderr

@@ -56,8 +56,18 @@ async def test_same_prefix_goes_to_the_same_replica_and_different_ones_spread(tw
             status, _ = await two.complete(http, shared + prompt(100 + k, 16))
             assert status == 200
         assert sorted(two.counts()) == [0, 6]
-        for k in range(24):  # unrelated prompts spread (rendezvous hashing of their first block)
+        for k in range(24):  # unrelated prompts spread (rendezvous hashing of the whole prompt)
             assert (await two.complete(http, prompt(1000 + k)))[0] == 200
+    assert min(two.counts()) >= 4, two.counts()
+
+
+async def test_new_conversations_with_one_template_header_spread(two):
+    """Chat prompts start with the same template header (32 tokens here) and differ after it: one at a time they
+    must not all land on one replica (the header alone covers too little of the prompt to count as affinity)."""
+    header = prompt(5, 32)
+    async with aiohttp.ClientSession() as http:
+        for k in range(20):
+            assert (await two.complete(http, header + prompt(500 + k, 24)))[0] == 200
     assert min(two.counts()) >= 4, two.counts()
 
 
@@ -120,8 +130,18 @@ async def test_metrics_show_every_replica_once_labelled(two):
     for address in two.router.address.split(","):
         assert f'vllm:num_requests_running{{model_name="fake",replica="{address}"}}' in text
         assert f'vllm:prompt_tokens_total{{model_name="fake",replica="{address}"}}' in text
+        assert f'steploop:replica_up{{replica="{address}"}} 1.0' in text
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1
-    assert "http_requests_total" in text
+    assert "http_requests_total" in text and "steploop:replica_routed_total" in text
+    await two.servers[1].stop(None)                 # a replica that stops answering: still named, as down
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{two.url}/health") as resp:
+            assert resp.status == 200
+        async with http.get(f"{two.url}/metrics") as resp:
+            text = await resp.text()
+    dead = two.router.replicas[1].address
+    assert f'steploop:replica_up{{replica="{dead}"}} 0.0' in text
+    assert f'vllm:num_requests_running{{model_name="fake",replica="{dead}"}}' not in text
 
 
 def test_affinity_map_chains_blocks_and_forgets_the_oldest():

@@ -33,7 +33,7 @@ def test_flags_and_env(monkeypatch):
     args = add_cli_args(argparse.ArgumentParser()).parse_args(["--num-kv-blocks", "100", "--max-model-len", "512"])
     config = WorkerConfig.from_args(args)
     assert (config.block_size, config.num_kv_blocks, config.max_model_len) == (32, 100, 512)
-    assert config.scheduler_address == "127.0.0.1:50061" and config.model is None
+    assert config.scheduler_address == "127.0.0.1:50051" and config.model is None
     assert config.resolved_dtype("cpu") == torch.float32 and config.resolved_dtype("cuda") == torch.bfloat16
 
 
