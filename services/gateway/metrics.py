@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metrics, tracing
 from services.gateway import tracing as gateway_tracing
+from services.gateway.router import EngineRouter
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class GatewayMetrics:
 
     async def handle(self, request: web.Request) -> web.Response:
         body = metrics.exposition(self.registry)
-        if len(getattr(self.engine, "replicas", ())) > 1:
+        if isinstance(self.engine, EngineRouter):
             body += labelled_by_replica(await self.engine.metrics_texts(), self.engine.replica_samples())
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
         try:

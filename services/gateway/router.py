@@ -89,7 +89,8 @@ class AffinityMap:
 
 
 class EngineRouter:
-    """The EngineClient interface over one or more scheduler replicas. Create it inside the running event loop."""
+    """The EngineClient calls the gateway makes (generate, model_info, health, close), over several scheduler
+    replicas; /metrics asks it for every replica's text (metrics_texts). Create it inside the running event loop."""
 
     def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 16, min_match: float = 0.5,
                  min_match_tokens: int = 64, imbalance: int = 8, cooldown_s: float = 2.0,
@@ -195,9 +196,6 @@ class EngineRouter:
     async def model_info(self) -> engine_pb2.ModelInfo:
         return await self._first("model_info")
 
-    async def load_report(self) -> engine_pb2.LoadReport:
-        return await self._first("load_report")
-
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""
         self._poll_health()
@@ -215,17 +213,10 @@ class EngineRouter:
              {r.address: float(r.routed) for r in self.replicas}),
         ]
 
-    async def abort(self, request_ids: Sequence[str]) -> int:
-        results = await asyncio.gather(*(r.client.abort(request_ids) for r in self.replicas), return_exceptions=True)
-        return sum(n for n in results if isinstance(n, int))
-
     async def metrics_texts(self) -> list[tuple[str, str]]:
         """(address, Prometheus text) of every replica that answers."""
         results = await asyncio.gather(*(r.client.metrics_text() for r in self.replicas), return_exceptions=True)
         return [(r.address, text) for r, text in zip(self.replicas, results) if isinstance(text, str)]
-
-    async def metrics_text(self) -> str:
-        return await self.replicas[0].client.metrics_text()
 
     async def close(self) -> None:
         if self._poller is not None:

@@ -30,7 +30,7 @@ class StopStringMatcher:
             pos, stop = match
             self.stopped, self.matched, self._pending = True, stop, ""
             return text[:pos + len(stop)] if self._include else text[:pos]
-        hold = self._held_suffix_len(text)
+        hold = held_suffix_len(text, self._stop)
         self._pending = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold]
 
@@ -47,12 +47,14 @@ class StopStringMatcher:
                 best = (pos, stop)
         return best
 
-    def _held_suffix_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+
+def held_suffix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `stops`: text that must wait for
+    the next delta (it may turn out to start a stop string, or a tool-call tag)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

@@ -27,6 +27,7 @@ from typing import Any
 
 from services.gateway import validation as v
 from services.gateway.errors import bad_request
+from services.gateway.stop_strings import held_suffix_len
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -328,7 +329,7 @@ class ContentSplitter:
             self.in_calls = True
             end = tag
         else:
-            end = len(self.text) - _held_prefix(self.text, CALL_OPEN)
+            end = len(self.text) - held_suffix_len(self.text, (CALL_OPEN,))
         out, self._emitted = self.text[self._emitted:end], max(end, self._emitted)
         return out
 
@@ -336,9 +337,3 @@ class ContentSplitter:
         """What was not emitted: the calls, or the end of a reply that stopped on "<tool"."""
         return self.text[self._emitted:]
 
-
-def _held_prefix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
