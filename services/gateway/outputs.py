@@ -115,8 +115,7 @@ class ToolCallStream:
 
     def __init__(self, tools: ToolRequest) -> None:
         self.tools = tools
-        self.text = ""                       # the whole reply so far
-        self.splitter = ContentSplitter()    # auto only
+        self.splitter = ContentSplitter()    # keeps the whole reply; its content split is auto's
         self.pending: list[TokenInfo] = []
         self.named_call = ToolCall(new_call_id(), tools.named, "") if tools.choice == "named" else None
         self.named_started = False
@@ -134,18 +133,17 @@ class ToolCallStream:
             if event.finish_reason:
                 out.append(({}, event.finish_reason, self._take()))
             return out
-        self.text += event.text
         auto = self.tools.choice == "auto"
-        content = self.splitter.feed(event.text) if auto else ""
-        if content:
+        content = self.splitter.feed(event.text)
+        if content and auto:
             out.append(({"content": content}, None, self._take()))
         if event.finish_reason:
-            _, calls = self.tools.parse(self.text)
+            _, calls = self.tools.parse(self.splitter.text)
             if calls:
                 out.append(self._calls_delta(calls))
                 out.append(({}, self.tools.finish_reason(calls, event.finish_reason), self._take()))
             else:
-                rest = self.splitter.held() if auto else self.text
+                rest = self.splitter.held() if auto else self.splitter.text
                 out.append(({"content": rest} if rest else {}, event.finish_reason, self._take()))
         return out
 

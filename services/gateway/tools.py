@@ -267,8 +267,9 @@ def _calls_from_json(text: str, names: set[str]) -> list[ToolCall]:
     if None in calls:
         return []
     partial = _PARTIAL_CALL_RE.match(rest)
-    if partial and _loads(f'"{partial.group(1)}"') in names:
-        calls.append(ToolCall(new_call_id(), _loads(f'"{partial.group(1)}"'), partial.group(2)))
+    name = _loads(f'"{partial.group(1)}"') if partial else None
+    if name in names:
+        calls.append(ToolCall(new_call_id(), name, partial.group(2)))
     return calls
 
 
