@@ -1,5 +1,6 @@
 """Small Llama building blocks: RMSNorm (optionally fused with the residual add) and the gated MLP (gate and up
-fused into one matmul). `ops` picks torch or the fused Triton kernels (model/ops.py)."""
+fused into one matmul). `ops` and `linear` come from the KernelPlan (kernel_plan.py): torch, the fused Triton
+kernels or the CPU's C kernels."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ class RMSNorm(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops=TorchOps):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops=TorchOps, linear=nn.Linear):
         super().__init__()
         self.intermediate_size, self.ops = intermediate_size, ops
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)  # [2I, hidden]: gate; up
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, bias)  # [2I, hidden]: gate; up
+        self.down_proj = linear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

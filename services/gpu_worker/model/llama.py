@@ -6,8 +6,9 @@ prompt chunks starting at any offset and single decode tokens: positions and the
 each token sits in its request.
 
 The residual stream is carried beside the hidden states (vLLM's form): each norm adds the residual and
-normalizes in one op (`ops.rms_norm(x, w, eps, residual)`), which the triton ops fuse into one kernel. The
-elementwise ops come from model/ops.py: torch, or the fused Triton kernels when the attention backend is triton.
+normalizes in one op (`ops.rms_norm(x, w, eps, residual)`), which the triton ops fuse into one kernel. Every
+layer takes its elementwise ops (`plan.ops`) and its linear type (`plan.linear`) from the KernelPlan when it is
+built (kernel_plan.py): torch, the fused Triton kernels, or the CPU's C kernels; nothing is swapped in later.
 """
 
 from __future__ import annotations
@@ -18,22 +19,22 @@ import torch
 from torch import nn
 
 from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.kernel_plan import KernelPlan
 from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
 from services.gpu_worker.model.model_config import LlamaModelConfig
-from services.gpu_worker.model.ops import ops_for
 from services.gpu_worker.model.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaModelConfig, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaModelConfig, layer_idx: int, backend: AttentionBackend, plan: KernelPlan):
         super().__init__()
         self.layer_idx, self.backend = layer_idx, backend
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                             cfg.head_dim)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # [q_size + 2 * kv_size, hidden]: rows are q, then k, then v
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = plan.linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
+        self.o_proj = plan.linear(self.q_size, cfg.hidden_size, cfg.attention_bias)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: torch.Tensor,
                 attn_metadata: Any) -> torch.Tensor:
@@ -48,11 +49,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaModelConfig, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaModelConfig, layer_idx: int, backend: AttentionBackend, plan: KernelPlan):
         super().__init__()
-        ops = ops_for(backend.name)
-        self.self_attn = LlamaAttention(cfg, layer_idx, backend)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops)
+        ops = plan.ops
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend, plan)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, plan.linear)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -70,22 +71,33 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: LlamaModelConfig, backend: AttentionBackend, plan: KernelPlan):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # weight [vocab, hidden]
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops_for(backend.name))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, plan) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: LlamaModelConfig, backend: AttentionBackend, max_positions: int,
+                 plan: KernelPlan | None = None):
+        """plan None: KernelPlan.reference(backend.name), torch ops (Triton's with the triton backend), no C kernel."""
         super().__init__()
-        self.config, self.backend = cfg, backend
-        self.model = LlamaModel(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # weight [vocab, hidden]
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                      ops_for(backend.name))
-        self.cpu_decoder = None   # cpu_kernels/decoder.py's CpuDecoder, set by the worker on CPU fp32 when it applies
+        plan = plan or KernelPlan.reference(backend.name)
+        self.config, self.backend, self.plan = cfg, backend, plan
+        self.model = LlamaModel(cfg, backend, plan)
+        self.lm_head = plan.linear(cfg.hidden_size, cfg.vocab_size, False)   # weight [vocab, hidden]
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, plan.ops)
+        self.cpu_decoder = None   # cpu_kernels/decoder.py's CpuDecoder, from bind_kv_caches when the plan has one
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> str:
+        """Once the KV caches exist: the plan's C decoder (every layer in one call) points into them and the loaded
+        weights. Returns how decode steps run, for the log."""
+        if not self.plan.cpu_decoder:
+            return "layer by layer (the kernel plan has no C decoder)"
+        from services.gpu_worker.cpu_kernels.decoder import CpuDecoder
+        self.cpu_decoder, how = CpuDecoder.build(self, kv_caches)
+        return how
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -97,7 +109,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T]; kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
         logits_indices [S] rows that need logits -> hidden [S, hidden]."""
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
-        if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False):
+        if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False) \
+                and self.cpu_decoder.serves(kv_caches):
             x, residual = self.cpu_decoder.forward(x, positions, attn_metadata.common)   # all layers in one C call
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
