@@ -76,7 +76,7 @@ class Supervisor:
         name = signal.Signals(sig).name
         if not self._stopping.is_set():
             log.info("%s: stopping (gateway first, draining in-flight requests; then scheduler, then worker); "
-                     "Ctrl-C again stops at once", name)
+                     "a second Ctrl-C or SIGTERM stops at once", name)
             self._stopping.set()
         elif not self._kill_now.is_set():
             log.warning("%s again: killing the services now, without draining", name)

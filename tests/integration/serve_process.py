@@ -62,13 +62,17 @@ class ServeProcess:
         return time.monotonic() - started
 
     def kill(self) -> None:
-        """Test clean-up: nothing of this serve outlives the test, whatever it asserted."""
-        for pid in [self.proc.pid, *self.children()]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(30)
+        kill_supervised(self.proc, self.children())
+
+
+def kill_supervised(supervisor: subprocess.Popen, children: list[int]) -> None:
+    """Test clean-up: nothing of a supervisor's outlives the test, whatever it asserted."""
+    for pid in [supervisor.pid, *children]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    supervisor.wait(30)
 
 
 def alive(pid: int) -> bool:
@@ -113,4 +117,4 @@ class StreamReader(threading.Thread):
             self.first_token.set()
 
 
-__all__ = ["ServeProcess", "StreamReader", "alive", "free_port"]
+__all__ = ["ServeProcess", "StreamReader", "alive", "free_port", "kill_supervised"]

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.integration.cluster import ROOT
+from tests.integration.serve_process import alive, kill_supervised
 
 NAMES = ("scheduler", "worker", "gateway")
 
@@ -43,25 +44,13 @@ class FakeCluster:
         return [int(pid) for pid in re.findall(r"started \w+ \(pid (\d+)\)", self.log_path.read_text())]
 
     def kill_all(self) -> None:
-        for pid in [self.proc.pid, *self.children()]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
-
-
-def running(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+        kill_supervised(self.proc, self.children())
 
 
 def wait_gone(pids: list[int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while any(running(pid) for pid in pids):
-        assert time.monotonic() < deadline, [pid for pid in pids if running(pid)]
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
         time.sleep(0.05)
 
 
