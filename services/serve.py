@@ -31,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     from services.scheduler.server import add_cli_args as scheduler_args
 
     parser = argparse.ArgumentParser(prog="steploop serve", conflict_handler="resolve",
-                                     description="Run gateway, scheduler and one worker on this machine.")
+                                     description="Run gateway, scheduler and one worker on this machine.",
+                                     epilog="Ctrl-C or SIGTERM stops them in order (the gateway finishes in-flight "
+                                            "streams first); a second one stops at once. The ports they bind: "
+                                            "--port, --scheduler-port, --metrics-port, --worker-metrics-port.")
     # The worker's --metrics-port alias goes first, so the scheduler's --metrics-port wins it here.
     for add in (worker_args, observability.add_worker_metrics_arg, scheduler_args, gateway_args,
                 observability.add_cli_args):
