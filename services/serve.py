@@ -93,6 +93,8 @@ def validate_configs(args: argparse.Namespace) -> None:
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.server_config import ServerConfig
 
+    if args.scheduler_address is None:       # not parsed by main() (tests): the address serve would give its children
+        args.scheduler_address = own_scheduler_address(args)
     for config in (SchedulerConfig, ServerConfig, WorkerConfig, GatewayConfig):
         config.from_args(args)
     observability.validate(args)
