@@ -43,12 +43,27 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = exc.text if exc.status != 413 else (
-            f"request body too large: the limit is {request.app[MAX_BODY]} bytes")
-        return APIError(exc.status, message or exc.reason, code=_HTTP_CODES.get(exc.status)).to_response()
+        return _http_error(request, exc).to_response()
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return internal_error().to_response()
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
+    """aiohttp's own errors in words a client can act on: which routes exist, which methods a route takes."""
+    headers: dict[str, str] = {}
+    if exc.status == 413:
+        message = f"request body too large: the limit is {request.app[MAX_BODY]} bytes"
+    elif exc.status == 404 and request.match_info.http_exception is not None:    # no route matched
+        message = (f"Invalid URL ({request.method} {request.path}): no such route. This server answers: "
+                   f"{', '.join(routes.route_list(request.app))}")
+    elif isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = sorted(exc.allowed_methods - {"HEAD"})
+        message = f"{request.method} is not allowed on {request.path}; use {' or '.join(allowed)}"
+        headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+    else:
+        message = exc.text or exc.reason
+    return APIError(exc.status, message, code=_HTTP_CODES.get(exc.status), headers=headers)
 
 
 def auth_middleware(api_key: str):
