@@ -26,7 +26,7 @@ from services.gateway.health import HealthProbe
 from services.gateway.model_state import ModelState
 from services.gateway.serving import Serving
 from services.gateway.tokenizer import Tokenizer
-from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
+from services.gateway.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
     app[SERVING] = Serving(engine_client, tokenizer, model)
-    app[TOOL_PARSER] = tool_parser = get_tool_parser(DEFAULT_TOOL_PARSER)
+    app[TOOL_PARSER] = tool_parser = get_tool_parser(config.tool_call_parser)
     app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
     app[HEALTH] = HealthProbe(engine_client, drain)
     app[DRAIN] = drain
