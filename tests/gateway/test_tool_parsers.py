@@ -4,6 +4,8 @@ until the format's marker, calls at the end), and malformed output staying conte
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -160,3 +162,13 @@ def test_the_flag_names_a_known_parser():
         GatewayConfig(tool_call_parser="pythonic")
     with pytest.raises(ValueError, match="llama3_json"):
         get_tool_parser("nope")
+
+
+def test_the_tokenizer_imports_no_tool_code():
+    """The tokenizer renders messages it is given (chat_template.py prepares them): no tool module behind it."""
+    code = ("import sys, services.gateway.tokenizer; "
+            "print(' '.join(m for m in sys.modules if m.startswith('services.gateway.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    loaded = out.stdout.split()
+    assert "services.gateway.tokenizer" in loaded
+    assert not [m for m in loaded if "tool" in m or "chat_template" in m], loaded

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from services.gateway.tool_parsers.base import NewId, ToolCall, ToolParser, calls_from_values, listing
+from services.gateway.tool_parsers.base import ToolParser, listing
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
@@ -38,16 +38,8 @@ class Llama3JsonParser(ToolParser):
             return len(text)      # only whitespace yet: the reply may still begin with "{"
         return super().held_len(text)
 
-    def parse(self, text: str, names: set[str], new_id: NewId) -> tuple[str | None, list[ToolCall]]:
-        start = self.find_start(text)
-        if start < 0:
-            return text, []
-        body = text[start:]
-        values = _objects(body.removeprefix(PYTHON_TAG))
-        calls = calls_from_values(values, names, new_id) if values is not None else []
-        if not calls:
-            return text, []
-        return text[:start].strip() or None, calls
+    def call_values(self, calls_text: str) -> list[Any] | None:
+        return _objects(calls_text.removeprefix(PYTHON_TAG))
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou may call a function to answer the user. The functions you can call, in JSON:\n"

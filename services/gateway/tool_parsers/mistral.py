@@ -17,7 +17,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from services.gateway.tool_parsers.base import NewId, ToolCall, ToolParser, calls_from_values, listing
+from services.gateway.tool_parsers.base import ToolParser, listing
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _ALPHANUMERIC = string.ascii_letters + string.digits
@@ -30,15 +30,8 @@ class MistralParser(ToolParser):
     start = TOOL_CALLS
     needs_special_tokens = True
 
-    def parse(self, text: str, names: set[str], new_id: NewId) -> tuple[str | None, list[ToolCall]]:
-        start = text.find(TOOL_CALLS)
-        if start < 0:
-            return text, []
-        values = _call_values(text[start:].split(TOOL_CALLS)[1:])
-        calls = calls_from_values(values, names, new_id) if values is not None else []
-        if not calls:
-            return text, []
-        return text[:start].strip() or None, calls
+    def call_values(self, calls_text: str) -> list[Any] | None:
+        return _call_values(calls_text.split(TOOL_CALLS)[1:])
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou may call one or more functions to answer the user. The functions you can call, in "
