@@ -113,6 +113,7 @@ class PackedWeightCache:
             os.close(fd)
             try:
                 save_file(tensors, tmp, metadata={"format": FORMAT, "key": self.key, "layers": json.dumps(shapes)})
+                os.chmod(tmp, 0o644)                     # mkstemp's 0600; other workers of the host read it
                 os.replace(tmp, self.path)
             finally:
                 if os.path.exists(tmp):
