@@ -59,11 +59,12 @@ class SamplingFields:
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """max_tokens 0 (echo only) runs one token that the gateway drops: the engine always samples one."""
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """max_tokens as the engine gets it (None: what fits; see Serving.engine_max_tokens). Echo with max_tokens
+        0 runs one token that the gateway drops, so min_tokens does not apply to it."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            max_tokens=max(max_tokens, 1), min_tokens=min(self.min_tokens, max_tokens),
+            max_tokens=max_tokens, min_tokens=0 if self.max_tokens == 0 else self.min_tokens,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
@@ -140,7 +141,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         stop=v.get_stop(body),
         stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
         ignore_eos=v.get_bool(body, "ignore_eos", False),
-        min_tokens=v.get_int(body, "min_tokens", 0, lo=0),   # <= max_tokens: Serving.fit_max_tokens checks
+        min_tokens=v.get_int(body, "min_tokens", 0, lo=0),   # <= max_tokens: the engine checks
         include_stop_str_in_output=v.get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=v.get_bool(body, "skip_special_tokens", True),
         stream=stream,

@@ -24,7 +24,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.ngram_proposer import NgramProposer
-from services.scheduler.prefix_cache import prompt_block_hashes
+from services.common.block_hashing import block_hashes as prompt_block_hashes
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 
