@@ -11,6 +11,7 @@ field, and a chunk that is not the last carries no Usage.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.common.pb.steploop.v1 import engine_pb2
@@ -62,13 +63,13 @@ class EngineChunk:
     """New tokens of one request since its previous chunk. The last chunk has finish_reason set and usage."""
 
     token_ids: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] when logprobs were asked for
+    logprobs: Sequence[TokenLogprob] = ()         # [len(token_ids)] when logprobs were asked for
     finish_reason: FinishReason = FinishReason.NONE
     stop_token_id: int = 0               # the token id that stopped it (STOP)
     usage: Usage | None = None           # on the last chunk only
     error_message: str = ""              # why, for ERROR
     # Logprobs of prompt tokens 1 .. P-1, in the first chunk that carries a token, when prompt_logprobs was set.
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: Sequence[TokenLogprob] = ()
 
     @property
     def finished(self) -> bool:
@@ -95,16 +96,22 @@ class EngineChunk:
         return pb
 
     @classmethod
-    def from_pb(cls, pb: engine_pb2.GenerateChunk) -> "EngineChunk":
+    def from_pb(cls, pb: engine_pb2.GenerateChunk, with_logprobs: bool = True) -> "EngineChunk":
+        """with_logprobs=False: the request asked for neither kind, so they are not looked for (each look at a
+        repeated message field builds a wrapper, and this runs for every token the gateway streams)."""
         finish = _FINISH_BY_VALUE[pb.finish_reason]
-        if not finish:   # the per-token case: tokens (and their logprobs), nothing else
-            return cls(list(pb.token_ids), [TokenLogprob.from_pb(x) for x in pb.logprobs] if pb.logprobs else [],
-                       prompt_logprobs=[TokenLogprob.from_pb(x) for x in pb.prompt_logprobs]
-                       if pb.prompt_logprobs else [])
+        if not with_logprobs:
+            if not finish:   # the per-token case
+                return cls(list(pb.token_ids))
+            logprobs = prompt_logprobs = ()
+        else:
+            logprobs = [TokenLogprob.from_pb(x) for x in pb.logprobs]
+            prompt_logprobs = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs]
+            if not finish:
+                return cls(list(pb.token_ids), logprobs, prompt_logprobs=prompt_logprobs)
         u = pb.usage
-        return cls(list(pb.token_ids), [TokenLogprob.from_pb(x) for x in pb.logprobs], finish, pb.stop_token_id,
-                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message,
-                   [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs])
+        return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id,
+                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,9 +52,10 @@ class EngineClient:
         request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt).to_pb()
         span = gateway_tracing.start_generate(request_id, prompt_ids, params) if tracing.ENABLED else None
         chunks = self._on_session(request, span) if self.multiplex else self._on_call(request, span)
+        with_logprobs = params.logprobs >= 0 or params.prompt_logprobs >= 0
         try:
             async for pb in chunks:
-                chunk = EngineChunk.from_pb(pb)
+                chunk = EngineChunk.from_pb(pb, with_logprobs)
                 if span is not None and chunk.finish_reason:
                     gateway_tracing.record_finish(span, chunk)
                 yield chunk

@@ -5,10 +5,10 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, choos
   replica's cache. The router keeps the schedulers' own key (services/common/block_hashing.py: chained over full
   blocks of the model's block_size tokens, from ModelInfo, with the request's cache salt), in a bounded LRU map
   block hash -> replica; until the block size is known (no replica answered model info yet) it routes by load.
-  The prompt's
-  deepest known block names the replica; the match counts when it covers at least `min_match` of the prompt (as
-  SGLang's cache-aware router's threshold) and `min_match_tokens`, so a shared chat-template header or default
-  system prompt alone (a few dozen tokens, little prefill to save) does not pin every conversation to one replica.
+  The prompt's deepest known block names the replica; the match counts when it covers at least `min_match` of
+  the prompt (as SGLang's cache-aware router's threshold) and `min_match_tokens`, so a shared chat-template header
+  or default system prompt alone (a few dozen tokens, little prefill to save) does not pin every conversation to
+  one replica.
 - Load. Without a match, or when the affine replica has `imbalance` more requests in flight than the least loaded
   one (and at least half as many again), the least loaded replica takes it (ties: the lowest rendezvous hash of
   the whole prompt, so equal load still spreads). In-flight counts are the gateway's own, so they are

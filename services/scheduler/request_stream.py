@@ -39,15 +39,16 @@ class OutputSink(Protocol):
 def merge(outputs: Sequence) -> EngineChunk:
     """One chunk of outputs, oldest first (the last one says whether the request finished). Raises a
     FailedOutput's error."""
-    chunk = EngineChunk([])
+    tokens, logprobs, prompt_logprobs = [], [], []
+    chunk = EngineChunk(tokens, logprobs, prompt_logprobs=prompt_logprobs)
     for out in outputs:
         if isinstance(out, FailedOutput):
             raise out.error
-        chunk.token_ids += out.new_token_ids
+        tokens += out.new_token_ids
         if out.prompt_logprobs is not None:
-            chunk.prompt_logprobs += out.prompt_logprobs
+            prompt_logprobs += out.prompt_logprobs
         if out.logprobs:
-            chunk.logprobs += out.logprobs
+            logprobs += out.logprobs
         if out.finish_reason is not None:
             chunk.finish_reason = FINISH_REASONS[out.finish_reason]
             chunk.stop_token_id = out.stop_token_id or 0
