@@ -1,4 +1,9 @@
-"""SamplingParams: how to pick tokens for one request. Mirrors steploop.v1.SamplingParams; converts at the edge."""
+"""SamplingParams: how to pick tokens for one request. Mirrors steploop.v1.SamplingParams; converts at the edge.
+
+`max_tokens` None means what the proto's unset field means: as many as fit in the context. The engine resolves it
+(and checks prompt + max_tokens against the context) once, at admission (scheduler/request_outputs.py); from there
+on the scheduler sees an int.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ class SamplingParams:
     top_p: float = 1.0                  # 1 = off
     top_k: int = 0                      # 0 or -1 = off
     seed: int | None = None             # same seed, same tokens, whatever else is in the batch
-    max_tokens: int = 16                # completion tokens at most
+    max_tokens: int | None = None       # completion tokens at most; None = what fits in the context
     min_tokens: int = 0                 # stop ids / EOS ignored before this many tokens
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -55,7 +60,7 @@ class SamplingParams:
             top_p=pb.top_p if pb.top_p > 0 else 1.0,
             top_k=pb.top_k,
             seed=pb.seed if pb.HasField("seed") else None,
-            max_tokens=pb.max_tokens,
+            max_tokens=pb.max_tokens if pb.HasField("max_tokens") else None,
             min_tokens=pb.min_tokens,
             stop_token_ids=tuple(pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,

@@ -130,7 +130,11 @@ def _attached(otel_context: Any, ctx: Any):
         otel_context.detach(token)
 
 
-def genai_request_attributes(model: str, max_tokens: int, temperature: float, top_p: float,
+def genai_request_attributes(model: str, max_tokens: int | None, temperature: float, top_p: float,
                              operation: str = "text_completion") -> dict[str, Any]:
-    return {OPERATION: operation, REQUEST_MODEL: model, MAX_TOKENS: int(max_tokens),
-            TEMPERATURE: float(temperature), TOP_P: float(top_p) if top_p else 1.0}
+    """max_tokens None (unset: what fits in the context) leaves the attribute out."""
+    attrs = {OPERATION: operation, REQUEST_MODEL: model, TEMPERATURE: float(temperature),
+             TOP_P: float(top_p) if top_p else 1.0}
+    if max_tokens is not None:
+        attrs[MAX_TOKENS] = int(max_tokens)
+    return attrs

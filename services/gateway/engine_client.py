@@ -1,6 +1,8 @@
 """EngineClient: the gateway's only door to the scheduler's Engine gRPC service (token ids in, token ids out).
 
-Cancellation is abort: `generate` is an async generator over one request's chunks; closing it (break, aclose,
+Cancellation is abort: `generate` is an async generator over one request's EngineChunks (the Engine seam's
+contract, services/common/engine_contract.py; the generated classes stay in this module and engine_session.py);
+closing it (break, aclose,
 task cancellation when the HTTP client goes away) aborts the request in the scheduler. By default every request
 rides on one shared Session stream (engine_session.py: one message per step for all of them); multiplex=False
 gives each request its own Generate call instead. gRPC failures leave this module as `errors.APIError`, mapped
@@ -16,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import grpc_options, tracing
+from services.common.engine_contract import EngineChunk, EngineRequest, LoadReport, ModelInfo
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.tls import TlsConfig, open_channel
@@ -43,15 +46,16 @@ class EngineClient:
         self._session: SessionStream | None = None
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[engine_pb2.GenerateChunk]:
+                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[EngineChunk]:
         """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it.
         request_id must be unique among this engine's live requests."""
-        request = engine_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
-                                             sampling=params.to_pb(), priority=priority, cache_salt=cache_salt)
-        span = gateway_tracing.start_generate(request) if tracing.ENABLED else None
+        request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt).to_pb()
+        span = gateway_tracing.start_generate(request_id, prompt_ids, params) if tracing.ENABLED else None
         chunks = self._on_session(request, span) if self.multiplex else self._on_call(request, span)
+        with_logprobs = params.logprobs >= 0 or params.prompt_logprobs >= 0
         try:
-            async for chunk in chunks:
+            async for pb in chunks:
+                chunk = EngineChunk.from_pb(pb, with_logprobs)
                 if span is not None and chunk.finish_reason:
                     gateway_tracing.record_finish(span, chunk)
                 yield chunk
@@ -105,15 +109,17 @@ class EngineClient:
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
 
-    async def model_info(self) -> engine_pb2.ModelInfo:
+    async def model_info(self) -> ModelInfo:
         try:
-            return await self._stub.GetModelInfo(engine_pb2.ModelInfoRequest(), timeout=UNARY_TIMEOUT_S)
+            return ModelInfo.from_pb(await self._stub.GetModelInfo(engine_pb2.ModelInfoRequest(),
+                                                                   timeout=UNARY_TIMEOUT_S))
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
 
-    async def load_report(self) -> engine_pb2.LoadReport:
+    async def load_report(self) -> LoadReport:
         try:
-            return await self._stub.GetLoadReport(engine_pb2.LoadReportRequest(), timeout=UNARY_TIMEOUT_S)
+            return LoadReport.from_pb(await self._stub.GetLoadReport(engine_pb2.LoadReportRequest(),
+                                                                     timeout=UNARY_TIMEOUT_S))
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
 

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.common.pb.steploop.v1 import engine_pb2
+from services.common.engine_contract import EngineChunk, FinishReason
 from services.common.sampling_params import SamplingParams
 from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from services.gateway.engine_client import EngineClient
@@ -19,11 +19,7 @@ from services.gateway.errors import APIError
 from services.gateway.logprobs import TokenInfo, TokenNamer
 from services.gateway.stop_strings import StopStringMatcher
 
-FINISH_REASONS = {
-    engine_pb2.FINISH_REASON_STOP: "stop",
-    engine_pb2.FINISH_REASON_LENGTH: "length",
-    engine_pb2.FINISH_REASON_ABORT: "abort",
-}
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +37,7 @@ class Choice:
     drop_output: bool = False        # max_tokens 0 with echo: the one token the engine samples is dropped
     priority: int = 0
     cache_salt: str = ""             # tenants with different salts share no prefix-cache blocks
+    prompt_param: str = "prompt"     # the request field an engine error about the prompt names ("messages": chat)
 
 
 @dataclass
@@ -73,51 +70,53 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     num_tokens, first = 0, True
     stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params, priority=choice.priority,
                              cache_salt=choice.cache_salt)
-    async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
-        async for chunk in stream:
-            if first and choice.echo:
-                yield echo_event(choice, tokenizer, namer, chunk)
-            first = False
-            if choice.drop_output:
-                chunk.ClearField("token_ids")
-                chunk.ClearField("logprobs")
-                chunk.usage.completion_tokens = 0
-            num_tokens += len(chunk.token_ids)
-            if namer is not None:
-                pending.extend(namer.info(t, lp) for t, lp in zip(chunk.token_ids, chunk.logprobs))
-            ids = chunk.token_ids
-            if chunk.finish_reason == engine_pb2.FINISH_REASON_STOP and not choice.include_stop_str_in_output:
-                ids = ids[:-1]   # the stop token (EOS or one of stop_token_ids) is counted but not shown, as vLLM
-            delta = detok.add(ids)
-            if chunk.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED:
-                delta += detok.flush()    # it ended on half a character: that comes out as decode() renders it
-            text = stops.feed(delta)
-            lps = tuple(pending) if namer is not None and (text or chunk.finish_reason or stops.stopped) else None
-            if lps is not None:
-                pending = []
-            if stops.stopped:
-                usage = Usage(len(choice.prompt_ids), num_tokens)
-                yield TextEvent(choice.index, text, "stop", usage, lps)
+    try:
+        async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
+            async for chunk in stream:
+                if first and choice.echo:
+                    yield echo_event(choice, tokenizer, namer, chunk)
+                first = False
+                ids = chunk.token_ids if not choice.drop_output else []
+                num_tokens += len(ids)
+                if namer is not None:
+                    pending.extend(namer.info(t, lp) for t, lp in zip(ids, chunk.logprobs))
+                finish = chunk.finish_reason
+                if finish == FinishReason.STOP and not choice.include_stop_str_in_output:
+                    ids = ids[:-1]   # the stop token (EOS or one of stop_token_ids) is counted but not shown, as vLLM
+                delta = detok.add(ids)
+                if finish:
+                    delta += detok.flush()    # it ended on half a character: that comes out as decode() renders it
+                text = stops.feed(delta)
+                lps = tuple(pending) if namer is not None and (text or finish or stops.stopped) else None
+                if lps is not None:
+                    pending = []
+                if stops.stopped:
+                    usage = Usage(len(choice.prompt_ids), num_tokens)
+                    yield TextEvent(choice.index, text, "stop", usage, lps)
+                    return
+                if not finish:
+                    if text:
+                        yield TextEvent(choice.index, text, logprobs=lps)
+                    continue
+                if finish == FinishReason.ERROR:
+                    raise APIError(500, f"generation failed: {chunk.error_message or 'engine error'}",
+                                   type="server_error", code="engine_error")
+                usage = Usage(chunk.usage.prompt_tokens or len(choice.prompt_ids),
+                              num_tokens if choice.drop_output else chunk.usage.completion_tokens or num_tokens,
+                              chunk.usage.cached_tokens)
+                finish_name = "length" if choice.drop_output else FINISH_REASONS[finish]
+                yield TextEvent(choice.index, text + stops.flush(), finish_name, usage, lps)
                 return
-            if chunk.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED:
-                if text:
-                    yield TextEvent(choice.index, text, logprobs=lps)
-                continue
-            if chunk.finish_reason == engine_pb2.FINISH_REASON_ERROR:
-                raise APIError(500, f"generation failed: {chunk.error_message or 'engine error'}",
-                               type="server_error", code="engine_error")
-            usage = Usage(chunk.usage.prompt_tokens or len(choice.prompt_ids),
-                          num_tokens if choice.drop_output else chunk.usage.completion_tokens or num_tokens,
-                          chunk.usage.cached_tokens)
-            finish = "length" if choice.drop_output else FINISH_REASONS[chunk.finish_reason]
-            yield TextEvent(choice.index, text + stops.flush(), finish, usage, lps)
-            return
+    except APIError as err:
+        if err.param == "prompt":   # the engine names its own field; chat's prompt is the messages
+            err.param = choice.prompt_param
+        raise
     raise APIError(500, "the engine ended the stream without a finish reason", type="server_error",
                    code="engine_error")
 
 
 def echo_event(choice: Choice, tokenizer: Decoder, namer: TokenNamer | None,
-               chunk: engine_pb2.GenerateChunk) -> TextEvent:
+               chunk: EngineChunk) -> TextEvent:
     """The prompt as the choice's first text; with logprobs, each prompt token's (the first has none)."""
     text = choice.prompt_text if choice.prompt_text is not None else tokenizer.decode(choice.prompt_ids)
     lps = None

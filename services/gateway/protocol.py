@@ -23,6 +23,7 @@ MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20        # top logprobs per token (OpenAI: 20 for chat, 5 for completions; vLLM allows 20)
 MAX_LOGIT_BIAS = 100.0   # |bias| per token, as OpenAI
+MAX_UINT32, MAX_INT32 = 2**32 - 1, 2**31 - 1   # the Engine API sends token counts as uint32, top_k as int32
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -59,11 +60,12 @@ class SamplingFields:
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """max_tokens 0 (echo only) runs one token that the gateway drops: the engine always samples one."""
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """max_tokens as the engine gets it (None: what fits; see Serving.engine_max_tokens). Echo with max_tokens
+        0 runs one token that the gateway drops, so min_tokens does not apply to it."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            max_tokens=max(max_tokens, 1), min_tokens=min(self.min_tokens, max_tokens),
+            max_tokens=max_tokens, min_tokens=0 if self.max_tokens == 0 else self.min_tokens,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
@@ -130,7 +132,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
         top_p=v.get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_exclusive=True),
-        top_k=v.get_int(body, "top_k", 0, lo=-1),
+        top_k=v.get_int(body, "top_k", 0, lo=-1, hi=MAX_INT32),
         min_p=v.get_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
         seed=v.get_int(body, "seed", None, lo=0, hi=2**64 - 1),
         presence_penalty=v.get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -140,7 +142,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         stop=v.get_stop(body),
         stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
         ignore_eos=v.get_bool(body, "ignore_eos", False),
-        min_tokens=v.get_int(body, "min_tokens", 0, lo=0),   # <= max_tokens: Serving.fit_max_tokens checks
+        min_tokens=v.get_int(body, "min_tokens", 0, lo=0, hi=MAX_UINT32),   # <= max_tokens: the engine checks
         include_stop_str_in_output=v.get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=v.get_bool(body, "skip_special_tokens", True),
         stream=stream,
@@ -185,7 +187,7 @@ def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequ
     echo = v.get_bool(body, "echo", False)
     logprobs = v.get_int(body, "logprobs", -1, lo=0, hi=MAX_LOGPROBS)
     # OpenAI's legacy completions API and vLLM default to 16 tokens (chat's default is what fits the context).
-    max_tokens = v.get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, lo=0)
+    max_tokens = v.get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, lo=0, hi=MAX_UINT32)
     if max_tokens == 0 and not echo:
         raise bad_request("'max_tokens' must be >= 1 (0 is allowed only with 'echo')", param="max_tokens")
     sampling = parse_sampling(body, max_tokens, vocab_size)
@@ -293,9 +295,9 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser) -> Ch
         raise bad_request("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
     messages, add_generation_prompt, continue_final = parse_chat_messages(body)
     # max_completion_tokens is OpenAI's newer name; it wins when both are given.
-    max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1)
+    max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1, hi=MAX_UINT32)
     if max_tokens is None:
-        max_tokens = v.get_int(body, "max_tokens", None, lo=1)
+        max_tokens = v.get_int(body, "max_tokens", None, lo=1, hi=MAX_UINT32)
     sampling = parse_sampling(body, max_tokens, vocab_size)
     tools = parse_tools(body, sampling.json_schema, sampling.json_object, tool_parser)
     forced = tools.guided_schema() if tools is not None else ""

@@ -2,11 +2,13 @@
 its own prefix cache. It answers the EngineClient calls the gateway makes, choosing a replica per request:
 
 - Prefix affinity. A request goes where its prompt's prefix was last sent, so it finds that prefix in that
-  replica's cache. The router keeps the schedulers' own key: a hash chained over full blocks of `block_size`
-  tokens (block i's hash covers tokens [0, 16(i+1))), in a bounded LRU map block hash -> replica. The prompt's
-  deepest known block names the replica; the match counts when it covers at least `min_match` of the prompt (as
-  SGLang's cache-aware router's threshold) and `min_match_tokens`, so a shared chat-template header or default
-  system prompt alone (a few dozen tokens, little prefill to save) does not pin every conversation to one replica.
+  replica's cache. The router keeps the schedulers' own key (services/common/block_hashing.py: chained over full
+  blocks of the model's block_size tokens, from ModelInfo, with the request's cache salt), in a bounded LRU map
+  block hash -> replica; until the block size is known (no replica answered model info yet) it routes by load.
+  The prompt's deepest known block names the replica; the match counts when it covers at least `min_match` of
+  the prompt (as SGLang's cache-aware router's threshold) and `min_match_tokens`, so a shared chat-template header
+  or default system prompt alone (a few dozen tokens, little prefill to save) does not pin every conversation to
+  one replica.
 - Load. Without a match, or when the affine replica has `imbalance` more requests in flight than the least loaded
   one (and at least half as many again), the least loaded replica takes it (ties: the lowest rendezvous hash of
   the whole prompt, so equal load still spreads). In-flight counts are the gateway's own, so they are
@@ -31,7 +33,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from services.common.pb.steploop.v1 import engine_pb2
+from services.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
+from services.common.engine_contract import EngineChunk, ModelInfo
 from services.common.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.engine_client import EngineClient
@@ -59,18 +62,17 @@ class Replica:
 
 @dataclass
 class AffinityMap:
-    """Chained block hashes -> index of the replica that last got a prompt with that prefix (LRU, bounded)."""
-    block_size: int = 16
+    """Chained block hashes -> index of the replica that last got a prompt with that prefix (LRU, bounded).
+    block_size 0: not known yet, so no prompt has blocks."""
+    block_size: int = 0
     capacity: int = 200_000
+    hasher: BlockHasher = field(default_factory=get_block_hasher)
     _map: OrderedDict = field(default_factory=OrderedDict)
 
-    def block_hashes(self, prompt_ids: Sequence[int]) -> list[bytes]:
-        out, parent = [], b""
-        for start in range(0, len(prompt_ids) - self.block_size + 1, self.block_size):
-            block = prompt_ids[start:start + self.block_size]
-            parent = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=16).digest()
-            out.append(parent)
-        return out
+    def block_hashes(self, prompt_ids: Sequence[int], salt: str = "") -> list[bytes]:
+        if not self.block_size:
+            return []
+        return block_hashes(prompt_ids, self.block_size, salt, self.hasher)
 
     def deepest(self, hashes: list[bytes]) -> tuple[int, int] | None:
         """(replica, number of blocks matched) of the deepest block already routed, or None."""
@@ -92,17 +94,18 @@ class EngineRouter:
     """The EngineClient calls the gateway makes (generate, model_info, health, close), over several scheduler
     replicas; /metrics asks it for every replica's text (metrics_texts). Create it inside the running event loop."""
 
-    def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 16, min_match: float = 0.5,
+    def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 0, min_match: float = 0.5,
                  min_match_tokens: int = 64, imbalance: int = 8, cooldown_s: float = 2.0,
                  health_interval_s: float = 1.0) -> None:
         if not clients:
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
-        self.affinity = AffinityMap(block_size)
+        self.affinity = AffinityMap(block_size)     # 0: taken from the first ModelInfo a replica answers
         self.min_match, self.min_match_tokens = min_match, min_match_tokens
         self.imbalance, self.cooldown_s = imbalance, cooldown_s
         self.health_interval_s = health_interval_s
         self._poller: asyncio.Task | None = None
+        self._learn_after = 0.0                      # monotonic time before which no model info is asked again
 
     def _poll_health(self) -> None:
         """Started with the first routed request (the router is built before the event loop serves)."""
@@ -129,11 +132,11 @@ class EngineRouter:
         return ",".join(r.address for r in self.replicas)
 
     # ---- routing ----------------------------------------------------------------------------------------------
-    def order(self, prompt_ids: Sequence[int]) -> list[int]:
+    def order(self, prompt_ids: Sequence[int], cache_salt: str = "") -> list[int]:
         """Replica indices to try, best first, and records the choice in the affinity map."""
         now = time.monotonic()
         up = [i for i, r in enumerate(self.replicas) if r.up(now)] or list(range(len(self.replicas)))
-        hashes = self.affinity.block_hashes(prompt_ids)
+        hashes = self.affinity.block_hashes(prompt_ids, cache_salt)
         # Rendezvous order over the whole prompt: chat prompts share their first blocks (the template's header,
         # a default system prompt), so ranking by those would send every new conversation to one replica.
         whole = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids), digest_size=16).digest()
@@ -154,13 +157,15 @@ class EngineRouter:
         return [choice, *rest, *down]
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[engine_pb2.GenerateChunk]:
+                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[EngineChunk]:
         self._poll_health()
-        order = self.order(prompt_ids)
+        if not self.affinity.block_size and time.monotonic() >= self._learn_after:
+            await self._learn_block_size()
+        order = self.order(prompt_ids, cache_salt)
         for attempt, index in enumerate(order):
             replica = self.replicas[index]
             if attempt:   # failed over: this replica is where the prefix's blocks will be now
-                self.affinity.record(self.affinity.block_hashes(prompt_ids), index)
+                self.affinity.record(self.affinity.block_hashes(prompt_ids, cache_salt), index)
             replica.in_flight += 1
             replica.routed += 1
             started = False
@@ -193,8 +198,19 @@ class EngineRouter:
                 last = err
         raise last
 
-    async def model_info(self) -> engine_pb2.ModelInfo:
-        return await self._first("model_info")
+    async def model_info(self) -> ModelInfo:
+        info = await self._first("model_info")
+        if info.block_size:   # 0 while no worker is attached
+            self.affinity.block_size = info.block_size
+        return info
+
+    async def _learn_block_size(self) -> None:
+        """The replicas' block size, for affinity; none answering is not this request's failure (it routes by load)."""
+        self._learn_after = time.monotonic() + 1.0   # at most one try a second, not one per request
+        try:
+            await self.model_info()
+        except errors.APIError as err:
+            logger.debug("no replica's block size yet (%s); routing by load", err.message)
 
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""

@@ -1,5 +1,6 @@
-"""The request flow both OpenAI endpoints share: check the model name, fit the prompt into the context, split
-the request into engine choices, and run them (merged, in choice order of arrival)."""
+"""The request flow both OpenAI endpoints share: check the model name, map OpenAI's max_tokens onto the engine's
+(the engine checks it against the context), split the request into engine choices, and run them (merged, in
+choice order of arrival)."""
 
 from __future__ import annotations
 
@@ -24,26 +25,17 @@ class Serving:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                                 f"'{self.model.served_model_name}'", param="model", code="model_not_found")
 
-    async def fit_max_tokens(self, prompt_len: int, sampling: SamplingFields, param: str) -> int:
-        """max_tokens to send: the requested one if prompt + it fits the context, else what fits; 400 if none."""
+    @staticmethod
+    def engine_max_tokens(prompt_len: int, sampling: SamplingFields, param: str) -> int | None:
+        """OpenAI's max_tokens as the engine takes it: None (unset) is what fits; completions' default of 16 came
+        from the parser. Echo with max_tokens 0 asks for one token, which the gateway drops. The engine alone
+        checks prompt + max_tokens against the context (and min_tokens against what fits, when max_tokens is unset)."""
         if prompt_len == 0:
             raise bad_request(f"'{param}' is empty (0 tokens)", param=param, code="empty_prompt")
-        max_len = await self.model.require_max_model_len()
-        if sampling.max_tokens == 0 and prompt_len < max_len:
-            return 0     # echo only: the engine runs one token, which the gateway drops
-        wanted = sampling.max_tokens if sampling.max_tokens is not None else max(max_len - prompt_len, 0)
-        if prompt_len + max(wanted, 1) > max_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{prompt_len + wanted} tokens ({prompt_len} in the {param}, {wanted} in the completion). "
-                f"Please reduce the length of the {param} or of max_tokens.",
-                param=param if prompt_len >= max_len else "max_tokens",   # the part that does not fit
-                code="context_length_exceeded")
-        if sampling.min_tokens > wanted:   # also when max_tokens is implicit (what fits): EOS could never end it
-            raise bad_request(f"'min_tokens' ({sampling.min_tokens}) must be <= max_tokens ({wanted}"
-                              f"{'' if sampling.max_tokens is not None else ', what fits in the context'})",
+        if sampling.max_tokens and sampling.min_tokens > sampling.max_tokens:   # wrong whatever the context
+            raise bad_request(f"'min_tokens' ({sampling.min_tokens}) must be <= max_tokens ({sampling.max_tokens})",
                               param="min_tokens")
-        return wanted
+        return 1 if sampling.max_tokens == 0 else sampling.max_tokens
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,
                            param: str, prompt_texts: Sequence[str | None] | None = None) -> list[Choice]:
@@ -51,8 +43,7 @@ class Serving:
         seeds seed, seed+1, ... so the n samples differ (and repeat across runs)."""
         choices = []
         for p, prompt_ids in enumerate(prompts):
-            max_tokens = await self.fit_max_tokens(len(prompt_ids), sampling, param)
-            params = sampling.to_sampling_params(max_tokens)
+            params = sampling.to_sampling_params(self.engine_max_tokens(len(prompt_ids), sampling, param))
             for k in range(sampling.n):
                 index = p * sampling.n + k
                 choices.append(Choice(index=index, request_id=f"{request_id}-{index}", prompt_ids=prompt_ids,
@@ -60,8 +51,8 @@ class Serving:
                                       include_stop_str_in_output=sampling.include_stop_str_in_output,
                                       skip_special_tokens=sampling.skip_special_tokens, echo=sampling.echo,
                                       prompt_text=prompt_texts[p] if prompt_texts else None,
-                                      drop_output=max_tokens == 0, priority=sampling.priority,
-                                      cache_salt=sampling.cache_salt))
+                                      drop_output=sampling.max_tokens == 0, priority=sampling.priority,
+                                      cache_salt=sampling.cache_salt, prompt_param=param))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:

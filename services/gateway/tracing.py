@@ -36,14 +36,13 @@ def end_http(span: Any, status: int) -> None:
     span.end()
 
 
-def start_generate(request: Any) -> Any:
-    """A CLIENT span for one engine call (one choice), child of the current HTTP span."""
+def start_generate(request_id: str, prompt_ids: Any, s: Any) -> Any:
+    """A CLIENT span for one engine call (one choice), child of the current HTTP span; s: its SamplingParams."""
     from opentelemetry.trace import SpanKind
     operation, model = _REQUEST.get()
-    s = request.sampling
     attrs = tracing.genai_request_attributes(model, s.max_tokens, s.temperature, s.top_p, operation)
-    attrs.update({tracing.SERVICE: "gateway", "steploop.request_id": request.request_id,
-                  tracing.INPUT_TOKENS: len(request.prompt_token_ids)})
+    attrs.update({tracing.SERVICE: "gateway", "steploop.request_id": request_id,
+                  tracing.INPUT_TOKENS: len(prompt_ids)})
     return tracing.tracer().start_span(f"{operation} {model}".strip(), kind=SpanKind.CLIENT, attributes=attrs)
 
 

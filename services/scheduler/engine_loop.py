@@ -12,16 +12,14 @@ back, and their callers' streams stay open.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 
+from services.common.engine_contract import EngineRequest
 from services.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
-from services.common.pb.steploop.v1 import engine_pb2
-from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.config import SchedulerConfig
@@ -56,7 +54,7 @@ class EngineLoop:
         self.observer = make_observer(self.load_report, sched_config.enable_prefix_caching)
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def add_request(self, req: engine_pb2.GenerateRequest,
+    def add_request(self, req: EngineRequest,
                     make_sink: Callable[[str], OutputSink] = RequestStream) -> OutputSink:
         """Validates and queues one request; raises InvalidRequestError / OverloadedError. Its outputs go to
         make_sink(request_id), made only once the request is accepted."""
@@ -73,10 +71,9 @@ class EngineLoop:
         prompt = list(req.prompt_token_ids)
         if not prompt:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        sampling = SamplingParams.from_pb(req.sampling)
         if not self.has_work() and self.link is not None:
             self.last_progress = time.monotonic()
-        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
                           priority=req.priority, cache_salt=req.cache_salt or None)
         if self.scheduler is None:
             self._pending.append(request)
@@ -88,26 +85,16 @@ class EngineLoop:
         return sink
 
     def _admit(self, request: Request) -> None:
-        self._validate(request)
-        try:
-            self.scheduler.add_request(request)
-        except RequestRejectedError as exc:
-            raise InvalidRequestError(str(exc), param="prompt", code=exc.code) from exc
-
-    def _validate(self, request: Request) -> None:
+        """Checks the prompt against the model; the scheduler resolves max_tokens and checks the context."""
         info = self.worker_info
         bad = [t for t in request.prompt_token_ids if t >= info.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is out of range for vocab size {info.vocab_size}",
                                       param="prompt")
-        n, max_tokens = len(request.prompt_token_ids), request.sampling.max_tokens
-        if n + max(max_tokens, 1) > info.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {info.max_model_len} tokens; the request has {n} "
-                f"prompt tokens and asks for {max(max_tokens, 1)} completion tokens", param="max_tokens"
-                if n < info.max_model_len else "prompt", code="context_length_exceeded")
-        if max_tokens == 0:   # unset: what fits in the context
-            request.sampling = dataclasses.replace(request.sampling, max_tokens=info.max_model_len - n)
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param, code=exc.code) from exc
 
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Drop the request at once (its blocks come back before the next step). A caller still listening (an

@@ -30,7 +30,7 @@ class RequestStatus(enum.IntEnum):
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens already resolved by the caller
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens resolved by add_request
     priority: int = 0                    # lower runs first (vLLM's convention); used by later policies
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None        # isolates this request's prefix-cache entries (mixed into block 0's key)
@@ -82,11 +82,13 @@ class Request:
 
 
 class RequestRejectedError(ValueError):
-    """add_request refused a request that could never run. `code` is the OpenAI-style error code."""
+    """add_request refused a request that could never run. `code` is the OpenAI-style error code, `param` the
+    request field at fault."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: str, param: str = "prompt") -> None:
         super().__init__(message)
-        self.code = code                 # "context_length_exceeded" or "kv_cache_too_small"
+        self.code = code                 # "context_length_exceeded", "kv_cache_too_small" or "invalid_value"
+        self.param = param               # "prompt", "max_tokens" or "min_tokens"
 
 
 @dataclass(slots=True)

@@ -1,7 +1,11 @@
-"""Per-request rules: stop conditions on token ids, the RequestOutput a step produces, admission validation."""
+"""Per-request rules: stop conditions on token ids, the RequestOutput a step produces, admission validation
+(max_tokens resolved and checked against the context here, and only here)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from services.common.sampling_params import SamplingParams
 from services.common.step_contract import TokenLogprob
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 
@@ -37,17 +41,42 @@ def add_prompt_logprobs(request: Request, logprobs: list[TokenLogprob], start: i
         have.extend(logprobs[skip:request.num_prompt_tokens - 1 - start])
 
 
-def validate_request(request: Request, kv, max_model_len: int) -> None:
-    """Refuse (RequestRejectedError) a request that could never run: too long, or more KV than the whole pool."""
-    n, limit = request.num_prompt_tokens, max_model_len
-    if n == 0 or n >= limit:
+def resolve_max_tokens(num_prompt_tokens: int, sampling: SamplingParams, max_model_len: int) -> int:
+    """max_tokens as the engine runs it: the one asked for, or what fits in the context when unset (None). The
+    one check of prompt + max_tokens against the context; raises RequestRejectedError naming both numbers."""
+    n, asked = num_prompt_tokens, sampling.max_tokens
+    if asked is not None and asked < 1:
+        raise RequestRejectedError(f"max_tokens must be at least 1, got {asked} (leave it unset for as many as "
+                                   "fit in the context)", "invalid_value", "max_tokens")
+    least = 1 if asked is None else asked
+    if n + least > max_model_len:
+        completion = "at least 1 (max_tokens unset)" if asked is None else str(asked)
         raise RequestRejectedError(
-            f"prompt has {n} tokens; this model's context length is {limit} tokens, so a prompt must have "
-            f"1 to {limit - 1} tokens to leave room for output: shorten the prompt", "context_length_exceeded")
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n + least} tokens ({n} in the prompt, {completion} in the completion). Please reduce the length "
+            f"of the prompt{'' if asked is None else ' or max_tokens'}.", "context_length_exceeded",
+            "prompt" if n >= max_model_len else "max_tokens")   # the part that does not fit
+    max_tokens = max_model_len - n if asked is None else asked
+    if sampling.min_tokens > max_tokens:   # EOS could never end it, and max_tokens would cut it short
+        raise RequestRejectedError(
+            f"min_tokens ({sampling.min_tokens}) must be <= max_tokens ({max_tokens}"
+            f"{', what fits in the context' if asked is None else ''})", "invalid_value", "min_tokens")
+    return max_tokens
+
+
+def validate_request(request: Request, kv, max_model_len: int) -> None:
+    """Refuse (RequestRejectedError) a request that could never run: no prompt, over the context, or more KV than
+    the whole pool. Resolves request.sampling.max_tokens (unset: what fits)."""
+    n = request.num_prompt_tokens
+    if n == 0:
+        raise RequestRejectedError("the prompt must contain at least one token", "invalid_value")
+    max_tokens = resolve_max_tokens(n, request.sampling, max_model_len)
+    if max_tokens != request.sampling.max_tokens:
+        request.sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
     # The most KV it will ever hold: every token but the last sampled one.
-    final_len = min(n + request.sampling.max_tokens, limit)
+    final_len = n + max_tokens
     if not kv.can_fit(final_len - 1):
         raise RequestRejectedError(
-            f"prompt ({n}) + max_tokens ({request.sampling.max_tokens}) needs KV for {final_len - 1} tokens, "
+            f"prompt ({n}) + max_tokens ({max_tokens}) needs KV for {final_len - 1} tokens, "
             f"but the whole KV cache holds {kv.num_usable_blocks * kv.block_size}: "
             "lower max_tokens or give the worker more KV memory", "kv_cache_too_small")

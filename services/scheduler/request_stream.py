@@ -1,8 +1,8 @@
 """RequestStream: one Generate caller's view of a live request: an asyncio queue that the step loop fills.
 
 The step loop puts RequestOutputs; the Generate handler drains everything available at once and merges it into
-one chunk, so a slow client costs one message per wake-up, not one per token. Session requests have their own
-sink (session.py); both merge outputs with `merge_into`.
+one EngineChunk, so a slow client costs one message per wake-up, not one per token. Session requests have their
+own sink (session.py); both merge outputs with `merge`, and their servicers convert the chunk for the wire.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.common.engine_contract import EngineChunk, FinishReason, Usage
 from services.common.errors import EngineError
-from services.common.pb.steploop.v1 import engine_pb2
 from services.scheduler.request import RequestStatus
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: engine_pb2.FINISH_REASON_STOP,
-    RequestStatus.FINISHED_LENGTH: engine_pb2.FINISH_REASON_LENGTH,
-    RequestStatus.FINISHED_ABORTED: engine_pb2.FINISH_REASON_ABORT,
-    RequestStatus.FINISHED_ERROR: engine_pb2.FINISH_REASON_ERROR,
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -36,26 +36,25 @@ class OutputSink(Protocol):
     def put(self, output) -> None: ...
 
 
-def merge_into(chunk: engine_pb2.GenerateChunk, outputs: Sequence) -> bool:
-    """Appends outputs, oldest first, to chunk; True when the request finished. Raises a FailedOutput's error."""
-    finished = False
+def merge(outputs: Sequence) -> EngineChunk:
+    """One chunk of outputs, oldest first (the last one says whether the request finished). Raises a
+    FailedOutput's error."""
+    tokens, logprobs, prompt_logprobs = [], [], []
+    chunk = EngineChunk(tokens, logprobs, prompt_logprobs=prompt_logprobs)
     for out in outputs:
         if isinstance(out, FailedOutput):
             raise out.error
-        chunk.token_ids.extend(out.new_token_ids)
+        tokens += out.new_token_ids
         if out.prompt_logprobs is not None:
-            chunk.prompt_logprobs.extend(lp.to_pb() for lp in out.prompt_logprobs)
-        for lp in out.logprobs or []:
-            chunk.logprobs.append(lp.to_pb())
+            prompt_logprobs += out.prompt_logprobs
+        if out.logprobs:
+            logprobs += out.logprobs
         if out.finish_reason is not None:
-            finished = True
             chunk.finish_reason = FINISH_REASONS[out.finish_reason]
             chunk.stop_token_id = out.stop_token_id or 0
             chunk.error_message = out.error or ""
-            chunk.usage.prompt_tokens = out.num_prompt_tokens
-            chunk.usage.completion_tokens = out.num_output_tokens
-            chunk.usage.cached_tokens = out.num_cached_tokens
-    return finished
+            chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+    return chunk
 
 
 def is_final(output) -> bool:
@@ -71,17 +70,17 @@ class RequestStream:
     def put(self, output) -> None:
         self.queue.put_nowait(output)
 
-    async def next_chunk(self) -> engine_pb2.GenerateChunk:
+    async def next_chunk(self) -> EngineChunk:
         """Waits for at least one output, then merges all that are queued into one chunk.
 
         Raises the EngineError of a FailedOutput."""
         outputs = [await self.queue.get()]
         while not self.queue.empty():
             outputs.append(self.queue.get_nowait())
-        chunk = engine_pb2.GenerateChunk()
         try:
-            self.finished = merge_into(chunk, outputs)
+            chunk = merge(outputs)
         except EngineError:
             self.finished = True
             raise
+        self.finished = chunk.finished
         return chunk

@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from services.common import metrics, tracing
+from services.common.engine_contract import EngineRequest
 from services.common.errors import EngineError, abort_with
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from services.common.step_contract import WorkerInfo
@@ -26,7 +27,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request, context):
         try:
             with tracing.grpc_server_context(context):   # the caller's trace, if tracing is on
-                stream = self.loop.add_request(request)
+                stream = self.loop.add_request(EngineRequest.from_pb(request))
         except EngineError as err:
             await abort_with(context, err)
         try:
@@ -35,7 +36,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     chunk = await stream.next_chunk()
                 except EngineError as err:
                     await abort_with(context, err)
-                yield chunk
+                yield chunk.to_pb()
         finally:
             if not stream.finished:          # the caller cancelled: abort, no polling
                 self.loop.abort(stream.request_id)

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from services.common import tracing
+from services.common.engine_contract import EngineRequest
 from services.common.errors import (
     RETRY_AFTER_KEY,
     EngineError,
@@ -21,7 +22,7 @@ from services.common.errors import (
 )
 from services.common.pb.steploop.v1 import engine_pb2
 from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.request_stream import FailedOutput, is_final, merge_into
+from services.scheduler.request_stream import FailedOutput, is_final, merge
 
 MESSAGE_BYTES = 4 * 1024 * 1024   # a step's outputs are split into messages of about this size at most
 
@@ -88,7 +89,7 @@ class EngineSession:
                 raise InvalidRequestError(f"request id {request_id!r} is already live on this session",
                                           param="request_id", code="duplicate_request_id")
             with tracing.traceparent_context(traceparent):
-                self.loop.add_request(request, self._sink)
+                self.loop.add_request(EngineRequest.from_pb(request), self._sink)
         except EngineError as err:
             self.put(request_id, FailedOutput(request_id, err))
 
@@ -138,7 +139,7 @@ def outputs_messages(pending: dict[str, list], max_bytes: int = MESSAGE_BYTES) -
 def _fill(entry: engine_pb2.SessionChunk, outputs: list) -> None:
     """The request's outputs merged into one chunk, or its error (what Generate would end its call with)."""
     try:
-        merge_into(entry.chunk, outputs)
+        merge(outputs).to_pb(entry.chunk)
     except EngineError as err:
         entry.ClearField("chunk")
         entry.error.status_code = err.grpc_status.value[0]

@@ -81,10 +81,6 @@ class WorkerLink:
             raise WorkerLost(self.close_reason)
         return result
 
-    async def step(self, plan: StepPlan) -> StepResult:
-        await self.send(plan)
-        return await self.recv(plan)
-
     def close(self, reason: str = "closed") -> None:
         if not self.closed.is_set():
             self.close_reason = f"worker {self.info.worker_id}: {reason}"

@@ -1,6 +1,8 @@
 """A fake Engine gRPC server for gateway tests: streams scripted token ids, honours max_tokens and EOS,
 reports grpc health, and records every request, finish and cancellation (an abort) it sees. It serves the same
-script on per-request Generate calls and on the multiplexed Session stream (the gateway's default)."""
+script on per-request Generate calls and on the multiplexed Session stream (the gateway's default). max_tokens is
+resolved and checked against max_model_len by the real engine's own rule (resolve_max_tokens), so what the
+gateway leaves to the engine is answered as the engine answers it."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from services.common.errors import CODE_KEY, PARAM_KEY
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from services.common.sampling_params import SamplingParams
+from services.scheduler.request import RequestRejectedError
+from services.scheduler.request_outputs import resolve_max_tokens
 
 
 @dataclass
@@ -20,6 +26,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     reply_ids: Sequence[int]                       # the tokens every request gets (truncated by max_tokens)
     eos_token_id: int = 2
     max_model_len: int = 2048
+    block_size: int = 16                           # what GetModelInfo reports (the router keys blocks by it)
     vocab_size: int = 49152
     num_workers: int = 1
     token_delay_s: float = 0.0                     # sleep before each chunk (disconnect tests need it slow)
@@ -41,10 +48,23 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         """Ends every open Session stream with UNAVAILABLE (a scheduler restart, as the gateway sees it)."""
         self._drop.set()
 
+    def _failure(self, request) -> tuple[grpc.StatusCode, str, tuple] | None:
+        """(status, message, trailing metadata) the request fails with: the scripted one, else the engine's
+        max_tokens rule; None when it runs."""
+        if self.status is not None:
+            return self.status, "scripted failure", self.status_metadata
+        try:
+            resolve_max_tokens(len(request.prompt_token_ids), SamplingParams.from_pb(request.sampling),
+                               self.max_model_len)
+        except RequestRejectedError as err:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(err), ((CODE_KEY, err.code), (PARAM_KEY, err.param))
+        return None
+
     async def Generate(self, request, context):
         self.requests.append(request)
-        if self.status is not None:
-            await context.abort(self.status, "scripted failure", trailing_metadata=self.status_metadata)
+        failure = self._failure(request)
+        if failure is not None:
+            await context.abort(failure[0], failure[1], trailing_metadata=failure[2])
         async for chunk in self._script(request):
             yield chunk
 
@@ -57,10 +77,11 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
         async def run(request):
             try:
-                if self.status is not None:
-                    meta = dict(self.status_metadata)
+                failure = self._failure(request)
+                if failure is not None:
+                    meta = dict(failure[2])
                     out.put_nowait(engine_pb2.SessionChunk(request_id=request.request_id, error=engine_pb2.RequestError(
-                        status_code=self.status.value[0], message="scripted failure",
+                        status_code=failure[0].value[0], message=failure[1],
                         code=meta.get("steploop-error-code", ""), param=meta.get("steploop-error-param", ""),
                         retry_after_s=int(meta.get("retry-after", 0)))))
                     return
@@ -103,8 +124,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             finish = engine_pb2.FINISH_REASON_STOP
         else:
             finish = engine_pb2.FINISH_REASON_LENGTH
-        if len(ids) > request.sampling.max_tokens:
-            ids, finish = ids[:request.sampling.max_tokens], engine_pb2.FINISH_REASON_LENGTH
+        max_tokens = resolve_max_tokens(len(request.prompt_token_ids), SamplingParams.from_pb(request.sampling),
+                                        self.max_model_len)
+        if len(ids) > max_tokens:
+            ids, finish = ids[:max_tokens], engine_pb2.FINISH_REASON_LENGTH
         try:
             if self.fail_after is not None:
                 yield engine_pb2.GenerateChunk(token_ids=ids[:self.fail_after])
@@ -141,7 +164,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def GetModelInfo(self, request, context):
         return engine_pb2.ModelInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                                    block_size=16, num_kv_blocks=100 if self.num_workers else 0,
+                                    block_size=self.block_size, num_kv_blocks=100 if self.num_workers else 0,
                                     eos_token_ids=[self.eos_token_id], num_workers=self.num_workers)
 
     async def GetLoadReport(self, request, context):

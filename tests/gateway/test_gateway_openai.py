@@ -26,8 +26,8 @@ async def test_chat_unstreamed(gateway, tokenizer):
     assert r.usage.completion_tokens == len(gateway.engine.reply_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.usage.prompt_tokens_details.cached_tokens == 0
-    # max_tokens unset: whatever fits in the context
-    assert sent.sampling.max_tokens == 2048 - len(expected_prompt)
+    # max_tokens unset: sent unset, the engine gives it whatever fits in the context
+    assert not sent.sampling.HasField("max_tokens")
 
 
 async def test_chat_streamed_with_usage(gateway):

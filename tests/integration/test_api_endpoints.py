@@ -51,7 +51,7 @@ def test_chat_options_and_cached_tokens(cluster):
 
 
 def test_grpc_client_generate_and_abort(cluster, hf):
-    from services.client import EngineClient, SamplingParams, engine_pb2
+    from services.client import EngineClient, FinishReason, SamplingParams
 
     async def run():
         engine = EngineClient(cluster.scheduler_address)
@@ -61,12 +61,12 @@ def test_grpc_client_generate_and_abort(cluster, hf):
             tokens.extend(chunk.token_ids)
             last = chunk
         assert tokens == hf.greedy_ids(ids, 6)[:len(tokens)] and last.usage.completion_tokens == len(tokens)
-        assert last.finish_reason in (engine_pb2.FINISH_REASON_LENGTH, engine_pb2.FINISH_REASON_STOP)
+        assert last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         long = engine.generate("grpc-2", ids, SamplingParams(max_tokens=2000, ignore_eos=True))
         await anext(long)
         assert await engine.abort(["grpc-2"]) == 1
         rest = [c async for c in long]
-        assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_ABORT
+        assert rest[-1].finish_reason == FinishReason.ABORT
         await engine.close()
 
     asyncio.run(run())

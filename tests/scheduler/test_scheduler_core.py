@@ -83,7 +83,7 @@ def test_stop_conditions(case):
 
 def test_stops_at_max_model_len():
     sched = create_scheduler(max_model_len=20)
-    (req,) = create_requests(1, prompt_len=15, max_tokens=100, ignore_eos=True)
+    (req,) = create_requests(1, prompt_len=15, max_tokens=None, ignore_eos=True)   # unset: what fits
     sched.add_request(req)
     run = run_until_idle(sched, FakeWorker())
     assert len(run.tokens[req.request_id]) == 5 and run.finish[req.request_id] == RequestStatus.FINISHED_LENGTH

@@ -24,7 +24,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.ngram_proposer import NgramProposer
-from services.scheduler.prefix_cache import prompt_block_hashes
+from services.common.block_hashing import block_hashes as prompt_block_hashes
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 
@@ -99,7 +99,7 @@ def test_keys_are_deterministic_across_schedulers_and_processes():
         run_until_idle(sched, FakeWorker())
         keys.append(req.block_hashes)
     assert keys[0] == keys[1] == prompt_block_hashes(prompt, 4)[:len(keys[0])]
-    # Pinned: a router computes the same keys (sha256 chain; see prefix_cache.py for the encoding).
+    # Pinned: a router computes the same keys (sha256 chain; see services/common/block_hashing.py for the encoding).
     assert prompt_block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)[1].hex()[:16] == "26d6489d9146d820"
     assert prompt_block_hashes([1, 2, 3, 4], 4, "s")[0].hex()[:16] == "dfeef454b1dd4bb0"
 

@@ -82,8 +82,9 @@ def test_random_workload(seed):
 
 
 def try_add(sched, req: Request) -> bool:
-    final_len = min(req.num_prompt_tokens + req.sampling.max_tokens, sched.max_model_len)
-    legit = req.num_prompt_tokens < sched.max_model_len and sched.kv.can_fit(final_len - 1)
+    final_len = req.num_prompt_tokens + req.sampling.max_tokens   # must fit the context (request_outputs.py)
+    legit = (final_len <= sched.max_model_len and req.sampling.min_tokens <= req.sampling.max_tokens
+             and sched.kv.can_fit(final_len - 1))
     try:
         sched.add_request(req)
     except RequestRejectedError:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.common.pb.steploop.v1 import engine_pb2
+from services.common.engine_contract import EngineRequest
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.config import SchedulerConfig
@@ -82,9 +82,7 @@ async def test_old_link_detached_and_replaced_while_the_loop_awaits_it():
     loop.attach(old)
     task = asyncio.create_task(loop.run())
     prompt = [13] * 20
-    stream = loop.add_request(engine_pb2.GenerateRequest(
-        request_id="survivor", prompt_token_ids=prompt,
-        sampling=SamplingParams(max_tokens=30, ignore_eos=True).to_pb()))
+    stream = loop.add_request(EngineRequest("survivor", prompt, SamplingParams(max_tokens=30, ignore_eos=True)))
     try:
         await asyncio.wait_for(old.held.wait(), 5)      # the loop waits on `old`, with plans in flight on it
         old.close("stream cancelled")                    # what the Attach handler does when the worker dies...

@@ -1,0 +1,149 @@
+"""The Engine seam's contract: one EngineRequest in, a stream of EngineChunks back (steploop.v1.Engine).
+
+These dataclasses mirror steploop.v1.GenerateRequest / GenerateChunk (protos/steploop/v1/engine.proto), as
+step_contract.py mirrors the worker seam. The scheduler's EngineLoop and the gateway's generation use only these;
+`to_pb` / `from_pb` are the one place that touches the generated classes, and only the servicers
+(scheduler/servicers.py, session.py) and the engine client (gateway/engine_client.py, engine_session.py) call
+them. A chunk is converted once per request per step on both sides, so they are slots dataclasses filled field by
+field, and a chunk that is not the last carries no Usage.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.common.pb.steploop.v1 import engine_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.step_contract import TokenLogprob
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; the values are steploop.v1.FinishReason's, so the wire value converts by index."""
+
+    NONE = 0                 # not finished yet (FINISH_REASON_UNSPECIFIED)
+    STOP = 1                 # EOS or a stop token id
+    LENGTH = 2               # max_tokens or the model's context length
+    ABORT = 3                # cancelled by the caller or the server
+    ERROR = 4                # the forward pass failed for this request
+
+
+_FINISH_BY_VALUE = tuple(FinishReason)   # wire value -> FinishReason, without an enum call per chunk
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str                      # unique per live request; "" = the engine assigns one (Generate only)
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0                    # lower runs first under --scheduling-policy priority
+    cache_salt: str = ""                 # mixed into the first prefix-cache block hash (tenant isolation)
+
+    def to_pb(self) -> engine_pb2.GenerateRequest:
+        return engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                                          sampling=self.sampling.to_pb(), priority=self.priority,
+                                          cache_salt=self.cache_salt)
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.GenerateRequest) -> "EngineRequest":
+        return cls(pb.request_id, list(pb.prompt_token_ids), SamplingParams.from_pb(pb.sampling), pb.priority,
+                   pb.cache_salt)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int                   # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class EngineChunk:
+    """New tokens of one request since its previous chunk. The last chunk has finish_reason set and usage."""
+
+    token_ids: list[int]
+    logprobs: Sequence[TokenLogprob] = ()         # [len(token_ids)] when logprobs were asked for
+    finish_reason: FinishReason = FinishReason.NONE
+    stop_token_id: int = 0               # the token id that stopped it (STOP)
+    usage: Usage | None = None           # on the last chunk only
+    error_message: str = ""              # why, for ERROR
+    # Logprobs of prompt tokens 1 .. P-1, in the first chunk that carries a token, when prompt_logprobs was set.
+    prompt_logprobs: Sequence[TokenLogprob] = ()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != FinishReason.NONE
+
+    def to_pb(self, pb: engine_pb2.GenerateChunk | None = None) -> engine_pb2.GenerateChunk:
+        """Fills pb (a SessionChunk's `chunk` in place), or a new GenerateChunk."""
+        if pb is None:
+            pb = engine_pb2.GenerateChunk()
+        pb.token_ids.extend(self.token_ids)
+        if self.logprobs:
+            pb.logprobs.extend([lp.to_pb() for lp in self.logprobs])
+        if self.prompt_logprobs:
+            pb.prompt_logprobs.extend([lp.to_pb() for lp in self.prompt_logprobs])
+        if self.finish_reason:
+            pb.finish_reason = self.finish_reason
+            pb.stop_token_id = self.stop_token_id
+            pb.error_message = self.error_message
+            if self.usage is not None:
+                usage = pb.usage
+                usage.prompt_tokens = self.usage.prompt_tokens
+                usage.completion_tokens = self.usage.completion_tokens
+                usage.cached_tokens = self.usage.cached_tokens
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.GenerateChunk, with_logprobs: bool = True) -> "EngineChunk":
+        """with_logprobs=False: the request asked for neither kind, so they are not looked for (each look at a
+        repeated message field builds a wrapper, and this runs for every token the gateway streams)."""
+        finish = _FINISH_BY_VALUE[pb.finish_reason]
+        if not with_logprobs:
+            if not finish:   # the per-token case
+                return cls(list(pb.token_ids))
+            logprobs = prompt_logprobs = ()
+        else:
+            logprobs = [TokenLogprob.from_pb(x) for x in pb.logprobs]
+            prompt_logprobs = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs]
+            if not finish:
+                return cls(list(pb.token_ids), logprobs, prompt_logprobs=prompt_logprobs)
+        u = pb.usage
+        return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id,
+                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What model is served and how big its context and KV pool are (steploop.v1.ModelInfo)."""
+
+    model_name: str = ""
+    max_model_len: int = 0               # prompt + completion tokens at most; 0 while no worker is attached
+    vocab_size: int = 0
+    block_size: int = 0                  # tokens per KV block (prefix-cache keys cover whole blocks)
+    num_kv_blocks: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    num_workers: int = 0                 # attached now
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.ModelInfo) -> "ModelInfo":
+        return cls(pb.model_name, pb.max_model_len, pb.vocab_size, pb.block_size, pb.num_kv_blocks,
+                   tuple(pb.eos_token_ids), pb.num_workers)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """Queue lengths and KV usage, for routers and autoscalers (steploop.v1.LoadReport)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0          # 0..1, as vllm:kv_cache_usage_perc
+    num_steps: int = 0                   # steps run since start
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.LoadReport) -> "LoadReport":
+        return cls(pb.num_running, pb.num_waiting, pb.num_free_blocks, pb.num_total_blocks, pb.kv_cache_usage,
+                   pb.num_steps)

@@ -1,0 +1,164 @@
+"""No import cycles among the modules of services/ (statically, with `ast`; nothing is imported).
+
+What counts as an import of module A by module B:
+- `import services.x.y` and `from services.x import y` (y a submodule: services.x.y; else the package services.x),
+  absolute or relative (`from . import y`, `from ..common import z`), wherever they are in B: at module level, and
+  also inside functions and methods. A lazy import defers a cycle to run time, it does not remove it: the two
+  modules still cannot be understood, tested or split apart one without the other (the attention backends' factory
+  imported them inside a function).
+- Not counted: imports under `if TYPE_CHECKING:` (annotations only, no run-time dependency), and anything outside
+  services/ (third-party and the standard library cannot close a cycle through services/).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "services"
+
+
+def module_names() -> dict[str, pathlib.Path]:
+    """Every module under services/, by dotted name (a package is named by its __init__.py)."""
+    out = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST):
+    """Import statements anywhere in the tree except under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        children = list(ast.iter_child_nodes(node))
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            children = node.orelse
+        stack.extend(children)
+
+
+def imports_of(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The services/ modules that module `name` imports (see the module docstring for what counts)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        while target and target not in modules:   # `import a.b.c` of a name inside a module: that module
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == PACKAGE:
+                    add(alias.name)
+            continue
+        if node.level:   # relative: from the module's package, one level up per extra dot
+            base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        if source.split(".")[0] != PACKAGE:
+            continue
+        for alias in node.names:
+            submodule = f"{source}.{alias.name}"
+            add(submodule if submodule in modules else source)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_names()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
+    """(one cycle a -> b -> ... -> a, every module of its component) per strongly connected component of more
+    than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph.get(node, ())):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [(_cycle_in(sorted(c)[0], c, graph), sorted(c)) for c in components]
+
+
+def _cycle_in(start: str, component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest path start -> ... -> start inside the component (breadth first)."""
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for succ in sorted(graph[node] & component):
+                if succ == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if succ not in parents:
+                    parents[succ] = node
+                    following.append(succ)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")   # unreachable for a strongly connected component
+
+
+def test_the_walk_sees_relative_function_level_and_type_checking_imports(tmp_path):
+    modules = {"services.a": tmp_path / "a.py", "services.b": tmp_path / "b.py", "services.c": tmp_path / "c.py",
+               "services": tmp_path / "__init__.py"}
+    modules["services.a"].write_text(
+        "from typing import TYPE_CHECKING\nimport os\nfrom . import b\n"
+        "if TYPE_CHECKING:\n    from services.c import C\n"
+        "def f():\n    from services.c import g\n")
+    assert imports_of("services.a", modules["services.a"], modules) == {"services.b", "services.c"}
+    modules["services.b"].write_text("import os\n")
+    modules["services.c"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import services.a\n")
+    assert imports_of("services.c", modules["services.c"], modules) == set()
+    assert find_cycles({"x": {"y"}, "y": {"z", "x"}, "z": {"x"}, "w": {"x"}}) == [(["x", "y", "x"], ["x", "y", "z"])]
+    assert find_cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_no_import_cycles_among_services_modules():
+    graph = import_graph()
+    assert len(graph) > 100 and graph["services.gateway.app"], "the walk found no modules or no imports"
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles among services/ modules:\n" + "\n".join(
+        " -> ".join(cycle) + (f"  (one group: {', '.join(members)})" if len(members) > 2 else "")
+        for cycle, members in cycles)
