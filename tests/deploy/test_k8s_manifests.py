@@ -144,7 +144,7 @@ def test_the_worker_reaches_its_scheduler_inside_the_pod(rendered):
 
 
 def test_gateways_discover_engine_replicas_through_the_headless_service(rendered):
-    for folder, docs in rendered.items():
+    for docs in rendered.values():
         services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
         gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway")
@@ -194,7 +194,7 @@ def test_the_overlays_pick_their_worker(rendered):
 
 
 def test_only_gateways_reach_the_scheduler_port(rendered):
-    for folder, docs in rendered.items():
+    for docs in rendered.values():
         policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
         deny = policies["default-deny"]["spec"]
         assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
