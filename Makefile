@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools
+.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools \
+	image-scheduler image-worker-cpu image-model image-gateway
 
 install: $(STAMP) protos model
 
@@ -76,11 +77,15 @@ DOCKER_BUILD      ?= docker build
 IMAGE_BUILD = $(DOCKER_BUILD) -f deploy/docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) \
 	--build-arg CA_BUNDLE=$(CA_BUNDLE) --build-arg TORCH_SPEC=$(TORCH_SPEC)
 
-images:
+images: image-scheduler image-worker-cpu image-model image-gateway
+image-scheduler:
 	$(IMAGE_BUILD) --target scheduler -t $(STEPLOOP_REGISTRY)/scheduler:$(STEPLOOP_TAG) .
+image-worker-cpu:
 	$(IMAGE_BUILD) --target worker --build-arg TORCH_INDEX=$(TORCH_INDEX) --build-arg WORKER_EXTRA=worker-cpu \
 		-t $(STEPLOOP_REGISTRY)/worker-cpu:$(STEPLOOP_TAG) .
+image-model:
 	$(IMAGE_BUILD) --target model --build-arg TORCH_INDEX=$(TORCH_INDEX) -t $(STEPLOOP_REGISTRY)/model:$(STEPLOOP_TAG) .
+image-gateway:
 	$(IMAGE_BUILD) --target gateway --build-arg TORCH_INDEX=$(TORCH_INDEX) -t $(STEPLOOP_REGISTRY)/gateway:$(STEPLOOP_TAG) .
 
 # The CUDA worker (~6 GB): torch from TORCH_INDEX_CUDA, with triton.
