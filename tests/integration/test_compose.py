@@ -60,7 +60,7 @@ def test_compose_services_start_a_working_cluster(tmp_path, model_dir):
     rename = {"scheduler:50051": f"127.0.0.1:{grpc_port}", "50051": str(grpc_port), "8000": str(http),
               "0.0.0.0": "127.0.0.1", "/models/SmolLM2-135M-Instruct": str(model_dir)}
     compose_env = {"STEPLOOP_API_KEY": api_key}
-    procs = []
+    procs, envs = [], {}
     try:
         for name in ("scheduler", "worker", "gateway"):
             svc = services[name]
@@ -70,6 +70,7 @@ def test_compose_services_start_a_working_cluster(tmp_path, model_dir):
             env = {**os.environ, **values, "STEPLOOP_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(tmp_path)}
             if name == "worker":
                 env["STEPLOOP_NUM_KV_BLOCKS"] = "600"        # keep the test's memory small
+            envs[name] = env
             command = svc.get("command", ["steploop", name])
             assert command[0] == "steploop"
             log = open(tmp_path / f"{name}.log", "wb")
@@ -79,6 +80,13 @@ def test_compose_services_start_a_working_cluster(tmp_path, model_dir):
         cluster.http_port = http
         cluster.procs = dict(zip(("scheduler", "worker", "gateway"), procs))
         cluster.wait_ready(180)
+        probes = {"scheduler": ["grpc"], "scheduler-alive": ["grpc", "--alive"], "gateway": ["http"],
+                  "worker": ["grpc", "--target", f"127.0.0.1:{grpc_port}"]}
+        for probe, args in probes.items():   # the images' HEALTHCHECK, with each service's own TLS settings
+            env = {**os.environ, **{k: v for k, v in envs[probe.split("-")[0]].items() if k.startswith("STEPLOOP_")}}
+            check = subprocess.run([sys.executable, str(ROOT / "deploy/docker/healthcheck.py"), *args], env=env,
+                                   capture_output=True, text=True, timeout=30, check=False)
+            assert check.returncode == 0, (probe, check.stderr)
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 4}
         status, _ = cluster.post("/v1/completions", body)
         assert status == 401                                   # the key is required
