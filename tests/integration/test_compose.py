@@ -79,7 +79,7 @@ def test_compose_services_start_a_working_cluster(tmp_path, model_dir):
         cluster = Cluster(tmp_path)
         cluster.http_port = http
         cluster.procs = dict(zip(("scheduler", "worker", "gateway"), procs))
-        cluster.wait_ready(180)
+        cluster.wait_ready(600)   # the worker loads and packs its weights first: minutes on a loaded 2-core host
         probes = {"scheduler": ["grpc"], "scheduler-alive": ["grpc", "--alive"], "gateway": ["http"],
                   "worker": ["grpc", "--target", f"127.0.0.1:{grpc_port}"]}
         for probe, args in probes.items():   # the images' HEALTHCHECK, with each service's own TLS settings
