@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install protos model serve test test-fast bench clean
+.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools \
+	image-scheduler image-worker-cpu image-model image-gateway
 
 install: $(STAMP) protos model
 
@@ -42,7 +43,7 @@ model: $(STAMP) protos
 serve: install
 	$(BIN)/steploop serve $(ARGS)
 
-test: install
+test: install policy-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Unit tests only (no cluster processes): seconds, for the edit loop.
@@ -50,4 +51,44 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) services/common/pb
+	rm -rf $(VENV) $(POLICY_VENV) services/common/pb
+
+# checkov (the manifests' policy scan, tests/deploy/test_policy_scan.py) in its own venv: its pinned
+# dependencies would fight the project's. Installed once (a few minutes).
+POLICY_VENV ?= .venv-policy
+CHECKOV_SPEC ?= checkov==3.3.30
+policy-tools: $(POLICY_VENV)/.installed
+$(POLICY_VENV)/.installed:
+	$(PYTHON) -m venv $(POLICY_VENV)
+	$(POLICY_VENV)/bin/pip install -q "$(CHECKOV_SPEC)"
+	touch $@
+
+# Container images (deploy/docker/Dockerfile), named $(STEPLOOP_REGISTRY)/<gateway|scheduler|worker-cpu|model>:$(STEPLOOP_TAG),
+# the names docker-compose.yml and deploy/k8s use. TORCH_SPEC/TORCH_INDEX choose the worker's torch (CPU build
+# by default); offline, put a torch wheel in deploy/wheels/ and set TORCH_INDEX= (README "Deployment").
+# BASE_IMAGE: any Debian-like Python 3.10+ image (deploy/docker/make-base-image.sh makes one without a registry).
+STEPLOOP_REGISTRY ?= steploop
+STEPLOOP_TAG      ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+BASE_IMAGE        ?= python:3.11-slim
+TORCH_INDEX       ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_CUDA  ?= https://download.pytorch.org/whl/cu128
+CA_BUNDLE         ?=
+DOCKER_BUILD      ?= docker build
+IMAGE_BUILD = $(DOCKER_BUILD) -f deploy/docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+	--build-arg CA_BUNDLE=$(CA_BUNDLE) --build-arg TORCH_SPEC=$(TORCH_SPEC)
+
+images: image-scheduler image-worker-cpu image-model image-gateway
+image-scheduler:
+	$(IMAGE_BUILD) --target scheduler -t $(STEPLOOP_REGISTRY)/scheduler:$(STEPLOOP_TAG) .
+image-worker-cpu:
+	$(IMAGE_BUILD) --target worker --build-arg TORCH_INDEX=$(TORCH_INDEX) --build-arg WORKER_EXTRA=worker-cpu \
+		-t $(STEPLOOP_REGISTRY)/worker-cpu:$(STEPLOOP_TAG) .
+image-model:
+	$(IMAGE_BUILD) --target model --build-arg TORCH_INDEX=$(TORCH_INDEX) -t $(STEPLOOP_REGISTRY)/model:$(STEPLOOP_TAG) .
+image-gateway:
+	$(IMAGE_BUILD) --target gateway --build-arg TORCH_INDEX=$(TORCH_INDEX) -t $(STEPLOOP_REGISTRY)/gateway:$(STEPLOOP_TAG) .
+
+# The CUDA worker (~6 GB): torch from TORCH_INDEX_CUDA, with triton.
+images-cuda:
+	$(IMAGE_BUILD) --target worker --build-arg TORCH_INDEX=$(TORCH_INDEX_CUDA) --build-arg WORKER_EXTRA=worker \
+		-t $(STEPLOOP_REGISTRY)/worker-cuda:$(STEPLOOP_TAG) .

@@ -27,6 +27,7 @@ class GatewayConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
     engine_session: bool = True               # all requests on one Session stream; False: a Generate call each
     tool_call_parser: str = DEFAULT_TOOL_PARSER  # the format the model writes tool calls in (tool_parsers/)
+    scheduler_discovery_interval: float = 0.0  # > 0: re-resolve the scheduler names this often (discovery.py)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -38,7 +39,15 @@ class GatewayConfig:
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
+        if self.scheduler_discovery_interval < 0:
+            raise ValueError(f"--scheduler-discovery-interval must be >= 0 seconds (0: off), "
+                             f"got {self.scheduler_discovery_interval}")
         addresses = self.scheduler_addresses   # any gRPC target: host:port, [::1]:port, unix:path, dns:///...
+        if self.scheduler_discovery_interval > 0 and any(
+                a.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or not a.rpartition(":")[2].isdigit()
+                for a in addresses):
+            raise ValueError(f"--scheduler-discovery-interval re-resolves DNS names: give each --scheduler-address "
+                             f"as name:port, got {self.scheduler_address!r}")
         if not addresses or len(set(addresses)) != len(addresses):
             raise ValueError(f"--scheduler-address must be one gRPC address, or several distinct ones separated by "
                              f"commas, got {self.scheduler_address!r}")
@@ -53,7 +62,8 @@ class GatewayConfig:
                    served_model_name=args.served_model_name, api_key=args.api_key or None,
                    max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
                    tls=TlsConfig.from_args(args), engine_session=args.engine_session,
-                   tool_call_parser=args.tool_call_parser)
+                   tool_call_parser=args.tool_call_parser,
+                   scheduler_discovery_interval=args.scheduler_discovery_interval)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -80,5 +90,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   help=f"how the model writes tool calls under tool_choice auto, as vLLM's flag: "
                        f"{', '.join(TOOL_PARSERS)} (hermes: <tool_call> tags, Qwen and most tool-tuned models; "
                        "mistral: [TOOL_CALLS]; llama3_json: a JSON object, Llama 3.x)")
+    envs.add_flag(parser, "--scheduler-discovery-interval", type=float, default=d.scheduler_discovery_interval,
+                  help="every this many seconds, re-resolve each --scheduler-address name:port and route to every "
+                       "address it resolves to (a Kubernetes headless Service: scheduler replicas join and leave "
+                       "without a restart); 0: resolve once, at start, by gRPC")
     TlsConfig.add_cli_args(parser)
     return parser

@@ -19,7 +19,9 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, choos
   grpc health is also polled every `health_interval_s`: one that is not SERVING (no worker attached, hung,
   draining) gets no new requests while another one is.
 
-The gateway builds one only for two or more addresses; with one it talks to its EngineClient directly.
+The gateway builds one for two or more addresses (with one it talks to its EngineClient directly), or for
+--scheduler-discovery-interval, where discovery.py adds and removes replicas as DNS changes (add_replica /
+remove_replica; a removed replica's slot is reused, so the affinity map's indices stay valid hints).
 """
 
 from __future__ import annotations
@@ -51,13 +53,14 @@ class Replica:
     down_until: float = 0.0
     healthy: bool = True                             # its last grpc health check said SERVING
     routed: int = 0                                  # requests sent here (for logs and tests)
+    retired: bool = False                            # removed (discovery): no new requests; slot reusable
 
     @property
     def address(self) -> str:
         return self.client.address
 
     def up(self, now: float) -> bool:
-        return self.healthy and now >= self.down_until
+        return self.healthy and not self.retired and now >= self.down_until
 
 
 @dataclass
@@ -96,8 +99,8 @@ class EngineRouter:
 
     def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 0, min_match: float = 0.5,
                  min_match_tokens: int = 64, imbalance: int = 8, cooldown_s: float = 2.0,
-                 health_interval_s: float = 1.0) -> None:
-        if not clients:
+                 health_interval_s: float = 1.0, discovered: bool = False) -> None:
+        if not clients and not discovered:   # discovered: replicas come and go, none at all is a state
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
         self.affinity = AffinityMap(block_size)     # 0: taken from the first ModelInfo a replica answers
@@ -117,9 +120,30 @@ class EngineRouter:
             await self._check_health()
             await asyncio.sleep(self.health_interval_s)
 
+    @property
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if not r.retired]
+
+    def add_replica(self, client: EngineClient) -> None:
+        """Routes to `client` from now on, in a retired slot whose requests have all ended, else a new one."""
+        for index, replica in enumerate(self.replicas):
+            if replica.retired and replica.in_flight == 0:
+                self.replicas[index] = Replica(client)
+                return
+        self.replicas.append(Replica(client))
+
+    async def remove_replica(self, address: str) -> None:
+        """No new requests go to `address`; those in flight there finish, then its channel closes."""
+        for replica in self.live:
+            if replica.address == address:
+                replica.retired = True
+                if replica.in_flight == 0:
+                    await replica.client.close()
+
     async def _check_health(self) -> list[bool]:
-        states = await asyncio.gather(*(r.client.health() for r in self.replicas))
-        for replica, serving in zip(self.replicas, states):
+        live = self.live
+        states = await asyncio.gather(*(r.client.health() for r in live))
+        for replica, serving in zip(live, states):
             if replica.healthy != serving:
                 log = logger.info if serving else logger.warning
                 log("scheduler %s is %s", replica.address, "serving again" if serving else
@@ -129,13 +153,14 @@ class EngineRouter:
 
     @property
     def address(self) -> str:
-        return ",".join(r.address for r in self.replicas)
+        return ",".join(r.address for r in self.live)
 
     # ---- routing ----------------------------------------------------------------------------------------------
     def order(self, prompt_ids: Sequence[int], cache_salt: str = "") -> list[int]:
         """Replica indices to try, best first, and records the choice in the affinity map."""
         now = time.monotonic()
-        up = [i for i, r in enumerate(self.replicas) if r.up(now)] or list(range(len(self.replicas)))
+        live = [i for i, r in enumerate(self.replicas) if not r.retired]
+        up = [i for i in live if self.replicas[i].up(now)] or live
         hashes = self.affinity.block_hashes(prompt_ids, cache_salt)
         # Rendezvous order over the whole prompt: chat prompts share their first blocks (the template's header,
         # a default system prompt), so ranking by those would send every new conversation to one replica.
@@ -153,12 +178,14 @@ class EngineRouter:
                 choice = replica
         self.affinity.record(hashes, choice)
         rest = [i for i in by_hash if i != choice]
-        down = [i for i in range(len(self.replicas)) if i not in up]
+        down = [i for i in live if i not in up]
         return [choice, *rest, *down]
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str = "") -> AsyncIterator[EngineChunk]:
         self._poll_health()
+        if not self.live:
+            raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none); retry shortly")
         if not self.affinity.block_size and time.monotonic() >= self._learn_after:
             await self._learn_block_size()
         order = self.order(prompt_ids, cache_salt)
@@ -184,13 +211,15 @@ class EngineRouter:
             finally:
                 replica.in_flight -= 1
                 await stream.aclose()
+                if replica.retired and replica.in_flight == 0:   # removed while this ran: the last one closes
+                    await replica.client.close()
 
     # ---- the other Engine calls -------------------------------------------------------------------------------
     async def _first(self, call: str):
         """The first replica (in order, skipping those cooling down) whose `call` succeeds."""
         now = time.monotonic()
-        ranked = sorted(self.replicas, key=lambda r: not r.up(now))
-        last: errors.APIError | None = None
+        ranked = sorted(self.live, key=lambda r: not r.up(now))
+        last = errors.engine_unavailable("no scheduler replica is known yet (discovery found none)")
         for replica in ranked:
             try:
                 return await getattr(replica.client, call)()
@@ -222,19 +251,20 @@ class EngineRouter:
         now = time.monotonic()
         return [
             ("steploop:replica_up", "gauge", "1 while the gateway routes new requests to this scheduler replica",
-             {r.address: float(r.up(now)) for r in self.replicas}),
+             {r.address: float(r.up(now)) for r in self.live}),
             ("steploop:replica_in_flight", "gauge", "Requests this gateway has in flight on the replica",
-             {r.address: float(r.in_flight) for r in self.replicas}),
+             {r.address: float(r.in_flight) for r in self.live}),
             ("steploop:replica_routed", "counter", "Requests this gateway sent to the replica (failover tries too)",
-             {r.address: float(r.routed) for r in self.replicas}),
+             {r.address: float(r.routed) for r in self.live}),
         ]
 
     async def metrics_texts(self) -> list[tuple[str, str]]:
         """(address, Prometheus text) of every replica that answers."""
-        results = await asyncio.gather(*(r.client.metrics_text() for r in self.replicas), return_exceptions=True)
-        return [(r.address, text) for r, text in zip(self.replicas, results) if isinstance(text, str)]
+        live = self.live
+        results = await asyncio.gather(*(r.client.metrics_text() for r in live), return_exceptions=True)
+        return [(r.address, text) for r, text in zip(live, results) if isinstance(text, str)]
 
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-        await asyncio.gather(*(r.client.close() for r in self.replicas))
+        await asyncio.gather(*(r.client.close() for r in self.replicas if not (r.retired and r.in_flight == 0)))

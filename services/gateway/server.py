@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from services.common import event_loop, model_path, observability
+from services.gateway import discovery as discovery_mod
 from services.gateway.app import create_app
 from services.gateway.app_keys import DRAIN, SERVING
 from services.gateway.config import GatewayConfig, add_cli_args
@@ -44,9 +45,18 @@ def bound_port(runner: web.AppRunner) -> int:
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     path = model_path.resolve_model(config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
-    clients = [EngineClient(address, tls=config.tls, multiplex=config.engine_session)
-               for address in config.scheduler_addresses]
-    engine = clients[0] if len(clients) == 1 else EngineRouter(clients)   # one scheduler: no routing layer
+    discovery = None
+    if config.scheduler_discovery_interval > 0:       # replicas follow DNS: always the router, maybe empty now
+        engine = EngineRouter([], discovered=True)
+        targets = [discovery_mod.Target.parse(a) for a in config.scheduler_addresses]
+        discovery = discovery_mod.SchedulerDiscovery(engine, targets, discovery_mod.client_factory(
+            config.tls, config.engine_session), config.scheduler_discovery_interval)
+        await discovery.refresh()
+        discovery.start()
+    else:
+        clients = [EngineClient(address, tls=config.tls, multiplex=config.engine_session)
+                   for address in config.scheduler_addresses]
+        engine = clients[0] if len(clients) == 1 else EngineRouter(clients)   # one scheduler: no routing layer
     app = create_app(config, engine, tokenizer)
     # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
     runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)
@@ -65,6 +75,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
             logger.warning("%d requests still running after %.0f s; cancelling them", left, config.shutdown_timeout)
         await runner.cleanup()    # stop accepting, cancel what is left
     finally:
+        if discovery is not None:
+            await discovery.stop()
         await engine.close()
         tokenizer.close()
         logger.info("gateway stopped")

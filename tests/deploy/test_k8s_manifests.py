@@ -1,0 +1,232 @@
+"""deploy/k8s: every kustomization renders (kubectl kustomize, offline) and validates strictly, the built-in
+kinds against the Kubernetes schemas (kubernetes-validate), the custom resources against the CRD schemas in
+deploy/k8s/crds/. Then what the issue asks of the manifests, checked on the rendered output: restricted pods,
+probes, grace periods that cover preStop + --shutdown-timeout, mutual TLS, no start deadlock, DNS discovery
+of the engine replicas, one image naming scheme with compose and `make images`, the GPU overlay's scheduling."""
+
+from __future__ import annotations
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.k8s_render import K8S, ROOT, kustomizations, render
+
+KUBERNETES_VERSION = "1.32.0"            # the oldest release the manifests promise (sleep-free preStop, PDB v1)
+FOLDERS = kustomizations()
+IMAGES = {"steploop/gateway", "steploop/scheduler", "steploop/worker-cpu", "steploop/worker-cuda", "steploop/model"}
+
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> openAPIV3Schema, from the vendored CRDs."""
+    schemas = {}
+    for path in sorted((K8S / "crds").glob("*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            for version in crd["spec"]["versions"]:
+                key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+                schemas[key] = version["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+CRDS = crd_schemas()
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {str(folder.relative_to(K8S)): render(folder) for folder in FOLDERS}
+
+
+def test_the_expected_kustomizations_exist():
+    names = {str(f.relative_to(K8S)) for f in FOLDERS}
+    assert {"base", "overlays/cpu", "overlays/gpu", "examples/inference-extension"} <= names, names
+
+
+@pytest.mark.parametrize("folder", [str(f.relative_to(K8S)) for f in FOLDERS])
+def test_renders_and_validates_strictly(rendered, folder):
+    for doc in rendered[folder]:
+        key = (doc["apiVersion"], doc["kind"])
+        name = f"{folder}: {doc['kind']}/{doc['metadata']['name']}"
+        if key in CRDS:
+            try:
+                jsonschema.validate(doc, CRDS[key])
+            except jsonschema.ValidationError as err:
+                raise AssertionError(f"{name}: {err.message} at {list(err.absolute_path)}") from None
+            continue
+        try:   # a custom kind without a vendored CRD fails here too (no schema for it)
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.utils.SchemaNotFoundError:
+            raise AssertionError(f"{name}: neither a Kubernetes {KUBERNETES_VERSION} kind nor a CRD in "
+                                 f"deploy/k8s/crds/") from None
+        except kubernetes_validate.ValidationError as err:
+            raise AssertionError(f"{name}: {err.message} at {list(err.path)}") from None
+
+
+def docs_of(rendered, kind: str) -> list[tuple[str, dict]]:
+    return [(folder, d) for folder, docs in rendered.items() for d in docs if d["kind"] == kind]
+
+
+def pod_specs(rendered) -> list[tuple[str, str, dict]]:
+    return [(folder, d["metadata"]["name"], d["spec"]["template"]["spec"])
+            for folder, docs in rendered.items() for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value", "<from secret>") for e in container.get("env", [])}
+
+
+def test_every_pod_is_restricted_and_sized(rendered):
+    for folder, name, spec in pod_specs(rendered):
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] and pod["seccompProfile"]["type"] == "RuntimeDefault", (folder, name)
+        assert spec["automountServiceAccountToken"] is False, (folder, name)
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            where = (folder, name, c["name"])
+            assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            for side in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][side]), where
+
+
+def test_every_service_container_has_probes_that_restart_a_hung_one(rendered):
+    for folder, name, spec in pod_specs(rendered):
+        for c in spec["containers"]:
+            assert "livenessProbe" in c, (folder, name, c["name"])
+            assert "readinessProbe" in c or "startupProbe" in c, (folder, name, c["name"])
+        by_name = {c["name"]: c for c in spec["containers"]}
+        if "worker" in by_name:   # model loading is a startup probe's job, not the liveness probe's
+            worker = by_name["worker"]
+            startup = worker["startupProbe"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+            assert "127.0.0.1:50051" in worker["livenessProbe"]["exec"]["command"]
+            # the scheduler's liveness must not fail just because its worker is away (any health answer counts)
+            assert "--alive" in by_name["scheduler"]["livenessProbe"]["exec"]["command"]
+
+
+def prestop_seconds(container: dict) -> int:
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    return int(command[1]) if command[:1] == ["sleep"] else 0
+
+
+def test_grace_periods_cover_prestop_and_shutdown_timeout(rendered):
+    for folder, name, spec in pod_specs(rendered):
+        grace = spec["terminationGracePeriodSeconds"]
+        for c in spec["containers"]:
+            drain = float(env_of(c).get("STEPLOOP_SHUTDOWN_TIMEOUT", 0))
+            assert prestop_seconds(c) + drain < grace, (folder, name, c["name"], grace)
+        by_name = {c["name"]: c for c in spec["containers"]}
+        if "worker" in by_name:   # the worker stays up while its scheduler drains
+            sched = by_name["scheduler"]
+            assert prestop_seconds(by_name["worker"]) >= prestop_seconds(sched) + float(
+                env_of(sched)["STEPLOOP_SHUTDOWN_TIMEOUT"])
+
+
+def test_internal_links_are_mutual_tls(rendered):
+    for folder, name, spec in pod_specs(rendered):
+        for c in spec["containers"]:
+            env = env_of(c)
+            assert {"STEPLOOP_TLS_CA", "STEPLOOP_TLS_CERT", "STEPLOOP_TLS_KEY"} <= set(env), (folder, c["name"])
+            mounted = {m["mountPath"] for m in c["volumeMounts"]}
+            assert {env["STEPLOOP_TLS_CA"], env["STEPLOOP_TLS_CERT"], env["STEPLOOP_TLS_KEY"]} <= mounted
+            if c["name"] in ("gateway", "openai"):
+                assert env["STEPLOOP_API_KEY"] == "<from secret>"
+
+
+def test_the_worker_reaches_its_scheduler_inside_the_pod(rendered):
+    """No start deadlock: the worker dials the scheduler container on loopback, never a Service that routes
+    only to ready pods (the scheduler is ready only once its worker attached)."""
+    for folder, name, spec in pod_specs(rendered):
+        by_name = {c["name"]: c for c in spec["containers"]}
+        if "worker" in by_name:
+            assert "scheduler" in by_name, (folder, name)
+            assert env_of(by_name["worker"])["STEPLOOP_SCHEDULER_ADDRESS"] == "127.0.0.1:50051"
+
+
+def test_gateways_discover_engine_replicas_through_the_headless_service(rendered):
+    for docs in rendered.values():
+        services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+        sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+        gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway")
+        env = env_of(gateway["spec"]["template"]["spec"]["containers"][0])
+        host, _, port = env["STEPLOOP_SCHEDULER_ADDRESS"].rpartition(":")
+        headless = services[host]
+        assert headless["spec"]["clusterIP"] == "None" and not headless["spec"]["publishNotReadyAddresses"]
+        assert int(port) in {p["port"] for p in headless["spec"]["ports"]}
+        assert float(env["STEPLOOP_SCHEDULER_DISCOVERY_INTERVAL"]) > 0
+        assert sets["engine"]["spec"]["serviceName"] == host
+        assert headless["spec"]["selector"] == sets["engine"]["spec"]["selector"]["matchLabels"]
+
+
+def image_repos(rendered) -> set[str]:
+    return {c["image"].rsplit(":", 1)[0] for _, _, spec in pod_specs(rendered)
+            for c in spec["containers"] + spec.get("initContainers", [])}
+
+
+def test_one_image_naming_scheme_with_compose_and_make(rendered):
+    assert image_repos(rendered) <= IMAGES, image_repos(rendered)
+    for _, _, spec in pod_specs(rendered):
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert c["image"].endswith(":0.1.0"), c["image"]      # every image tagged (the project version)
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose_repos = {s["image"].replace("${STEPLOOP_REGISTRY:-steploop}", "steploop").split(":")[0]
+                     for s in compose["services"].values()}
+    assert compose_repos == IMAGES, compose_repos
+    makefile = (ROOT / "Makefile").read_text()
+    for image in IMAGES:
+        assert f"$(STEPLOOP_REGISTRY)/{image.split('/')[1]}:$(STEPLOOP_TAG)" in makefile, image
+
+
+def test_the_overlays_pick_their_worker(rendered):
+    def worker(folder):
+        spec = next(s for f, n, s in pod_specs(rendered) if f == folder and n == "engine")
+        return spec, next(c for c in spec["containers"] if c["name"] == "worker")
+
+    spec, gpu = worker("overlays/gpu")
+    assert gpu["image"].startswith("steploop/worker-cuda:") and gpu["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert spec["runtimeClassName"] == "nvidia" and spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert env_of(gpu)["STEPLOOP_DEVICE"] == "cuda"
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    spec, cpu = worker("overlays/cpu")
+    assert cpu["image"].startswith("steploop/worker-cpu:") and "nvidia.com/gpu" not in cpu["resources"]["limits"]
+    assert "runtimeClassName" not in spec
+
+
+def test_only_gateways_reach_the_scheduler_port(rendered):
+    for docs in rendered.values():
+        policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+        deny = policies["default-deny"]["spec"]
+        assert deny["podSelector"] == {} and set(deny["policyTypes"]) == {"Ingress", "Egress"}
+        for rule in policies["engine"]["spec"]["ingress"]:
+            if any(p["port"] == 50051 for p in rule["ports"]):
+                assert rule["from"] == [{"podSelector": {"matchLabels": {
+                    "app.kubernetes.io/name": "steploop", "app.kubernetes.io/component": "gateway"}}}]
+
+
+def test_scaling_targets_the_engine_on_the_queue(rendered):
+    scaled = docs_of(rendered, "ScaledObject") + docs_of(rendered, "HorizontalPodAutoscaler")
+    assert {f for f, _ in scaled} >= {"overlays/cpu", "overlays/gpu"}
+    for _, d in scaled:
+        assert d["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "engine"}
+        text = yaml.safe_dump(d)
+        assert "num_requests_waiting" in text
+    for folder in ("overlays/cpu", "overlays/gpu"):
+        kinds = [d["kind"] for d in rendered[folder]]
+        assert kinds.count("PodDisruptionBudget") == 2 and kinds.count("PodMonitor") == 2, folder
+
+
+def test_every_crd_schema_is_used():
+    used = {(d["apiVersion"], d["kind"]) for f in FOLDERS for d in render(f)}
+    assert set(CRDS) <= used, set(CRDS) - used
+
+
+def test_prometheus_counts_each_counter_once(rendered):
+    """The gateway re-exports its schedulers' vllm:* series; its PodMonitor keeps only its own."""
+    for _, monitor in docs_of(rendered, "PodMonitor"):
+        if monitor["metadata"]["name"] == "gateway":
+            (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+            (keep,) = endpoint["metricRelabelings"]
+            assert keep["action"] == "keep" and "vllm" not in keep["regex"]
+
+
