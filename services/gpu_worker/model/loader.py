@@ -1,7 +1,9 @@
-"""Load a HuggingFace Llama-family folder (config.json + *.safetensors, sharded or not) into LlamaForCausalLM.
+"""Load a HuggingFace folder of a supported family (config.json + *.safetensors, sharded or not) into
+LlamaForCausalLM.
 
 Checkpoint names map onto ours one to one, except q/k/v_proj (fused into qkv_proj) and gate/up_proj (fused into
-gate_up_proj), which are copied into row slices. Every parameter must be filled once, or loading fails.
+gate_up_proj), which are copied into row slices (Phi-3 checkpoints hold them fused already). Every parameter must be
+filled once, or loading fails. Gemma's (1 + w) norms get the 1 folded into the loaded weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.model.layers import RMSNorm
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig
 
@@ -43,8 +46,19 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     _load_weights(model, cfg, path)
-    model.rotary.build_cache(device, dtype)
+    if cfg.norm_offset:
+        _fold_norm_offset(model, cfg.norm_offset)
+    for rotary in model.rotaries():
+        rotary.build_cache(device, dtype)
     return model.eval()
+
+
+def _fold_norm_offset(model: LlamaForCausalLM, offset: float) -> None:
+    """Gemma's norms scale by (offset + w): store offset + w so every rms_norm implementation applies it."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.add_(offset)
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path) -> None:
@@ -59,7 +73,7 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
                     continue
                 target, rows = _target(name, cfg)
                 if target not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a Llama-family weight)")
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a weight of this model_type)")
                 dest = params[target].data if rows is None else params[target].data[rows[0]:rows[1]]
                 tensor = f.get_tensor(name)
                 if dest.shape != tensor.shape:
@@ -88,7 +102,7 @@ def _check_complete(params: dict, filled: set[str], cfg: LlamaModelConfig) -> No
     covered = {n.split("[")[0] for n in filled}
     fused_parts = {"qkv_proj": 3, "gate_up_proj": 2}
     missing = [n for n in params if n not in covered]
-    partial = [n for n in covered if any(k in n for k in fused_parts)
+    partial = [n for n in covered if n not in filled and any(k in n for k in fused_parts)
                and sum(f.startswith(n + "[") for f in filled) != next(v for k, v in fused_parts.items() if k in n)]
     if cfg.tie_word_embeddings and "lm_head.weight" in missing:
         missing.remove("lm_head.weight")
