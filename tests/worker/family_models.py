@@ -68,6 +68,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                       logits_scaling=4.0,
                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mixtral": ("MixtralConfig", dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                      tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=128, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                                         decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)),
 }
 
 

@@ -22,7 +22,7 @@ from tests.worker.family_models import TOKENIZER_FILES
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig",
                   "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config",
-                  "granite": "GraniteConfig"}
+                  "granite": "GraniteConfig", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
 
 
 def test_every_family_has_its_config_class():

@@ -66,6 +66,8 @@ def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:
     off = envs.switched_off(envs.CPU_KERNELS, envs.CPU_DECODER)
     if off:
         return f"layer by layer ({off}=0)"
+    if not model.config.is_plain_llama:     # model/model_config.py: a family's declared differences are torch
+        return f"layer by layer ({model.config.model_type}: the C decoder implements the plain Llama layer)"
     if _kernels() is None:
         return "the CPU kernels did not build"
     if getattr(model.backend, "cpu_kernel", None) is None:

@@ -14,6 +14,7 @@ import math
 import pathlib
 from typing import Any, Callable
 
+from services.gpu_worker.model.moe import MoESpec
 from services.gpu_worker.model.rotary import ROPE_TYPES, rope_type
 
 # Fields that do not change the forward's output, with the reason.
@@ -174,10 +175,28 @@ def _granite(f: Fields) -> dict[str, Any]:
             "logits_scale": 1.0 / float(f.get("logits_scaling", 1.0))}
 
 
+def _mixtral(f: Fields) -> dict[str, Any]:
+    cfg = _mistral(f)
+    f.get("router_jitter_noise")                      # multiplies the input by noise only while training
+    moe = MoESpec(f.get("num_local_experts"), f.get("num_experts_per_tok"), cfg["intermediate_size"], True,
+                  "block_sparse_moe", tuple(range(cfg["num_hidden_layers"])))
+    return {**cfg, "moe": moe}
+
+
+def _qwen3_moe(f: Fields) -> dict[str, Any]:
+    cfg = _qwen3(f)
+    experts, step, dense = f.get("num_experts", 0), f.get("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
+    sparse = tuple(i for i in range(cfg["num_hidden_layers"])
+                   if i not in dense and experts > 0 and (i + 1) % step == 0)   # as transformers' decoder layer
+    moe = MoESpec(experts, f.get("num_experts_per_tok"), f.get("moe_intermediate_size"),
+                  bool(f.get("norm_topk_prob", False)), "mlp", sparse)
+    return {**cfg, "moe": moe}
+
+
 FAMILIES: dict[str, Callable[[Fields], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "ministral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
     "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2,
-    "granite": _granite,
+    "granite": _granite, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
 }
 
 

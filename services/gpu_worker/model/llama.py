@@ -27,6 +27,7 @@ from torch import nn
 from services.gpu_worker.attention.backend import AttentionBackend
 from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
 from services.gpu_worker.model.model_config import ModelConfig
+from services.gpu_worker.model.moe import SparseMoE
 from services.gpu_worker.model.ops import TorchOps, ops_for
 from services.gpu_worker.model.rotary import RotaryEmbedding
 from services.gpu_worker.model.windowed_attention import WindowedAttention
@@ -83,7 +84,10 @@ class LlamaDecoderLayer(nn.Module):
         self.placement, self.residual_scale = cfg.norm_placement, cfg.residual_scale
         self.uses_local_rope = cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None
         self.self_attn = LlamaAttention(cfg, layer_idx, backend, max_positions)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, cfg.hidden_act)
+        if cfg.moe is not None and layer_idx in cfg.moe.sparse_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+        else:
+            self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, cfg.hidden_act)
         if cfg.norm_placement != "post":
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)

@@ -11,6 +11,8 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gpu_worker.model.moe import MoESpec
+
 NORM_PLACEMENTS = ("pre", "sandwich", "post")   # pre: Llama; sandwich: Gemma 2/3 (pre and post); post: OLMo2
 
 
@@ -47,6 +49,7 @@ class ModelConfig:
     local_rope_theta: float | None = None   # Gemma 3: windowed layers' rope base (default rope, no scaling)
     partial_rotary_factor: float = 1.0      # Phi: rotate this fraction of each head
     original_max_position_embeddings: int | None = None   # Phi-3 longrope
+    moe: MoESpec | None = None              # Mixtral, Qwen3-MoE: the sparse layers' experts and routing
 
     @classmethod
     def from_dir(cls, path: pathlib.Path) -> ModelConfig:
@@ -71,7 +74,7 @@ class ModelConfig:
                 and self.norm_placement == "pre" and self.embedding_scale == 1.0 and self.residual_scale == 1.0
                 and self.attention_scale is None and self.logits_scale == 1.0 and self.attn_softcap is None
                 and self.final_softcap is None and not any(w is not None for w in self.layer_windows)
-                and self.partial_rotary_factor == 1.0 and not self.output_bias)
+                and self.partial_rotary_factor == 1.0 and not self.output_bias and self.moe is None)
 
 
 LlamaModelConfig = ModelConfig   # the name the worker and older tests use
