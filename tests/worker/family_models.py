@@ -85,8 +85,10 @@ def make_config(family: str):
     return getattr(transformers, name)(**{**_COMMON, **kwargs})
 
 
-def build_family_model(family: str, out: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """Random weights from the family's config class, saved with the default model's tokenizer."""
+def build_family_model(family: str, out: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int = 0,
+                       dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB") -> pathlib.Path:
+    """Random weights from the family's config class, saved (in `dtype`, sharded past max_shard_size) with the
+    default model's tokenizer."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make_config(family), dtype=torch.float32)
@@ -94,7 +96,7 @@ def build_family_model(family: str, out: pathlib.Path, tokenizer_dir: pathlib.Pa
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out)
+    model.to(dtype).save_pretrained(out, max_shard_size=max_shard_size)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)

@@ -87,3 +87,19 @@ def test_the_window_matters_at_these_lengths(tmp_path, model_dir):
     with torch.no_grad():
         diff = (windowed(ids).logits - full(ids).logits).abs().max().item()
     assert diff > 1e-2
+
+
+def test_sharded_bf16_checkpoint_loads_as_fp32_on_cpu(tmp_path, model_dir):
+    """An index file over several shards, torch_dtype bfloat16: the CPU worker reads every shard, upcasts to fp32
+    (its --dtype auto), and matches transformers' fp32 forward on the same (bf16-valued) weights."""
+    path = build_family_model("qwen3", tmp_path, model_dir, dtype=torch.bfloat16, max_shard_size="2MB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
+    runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=64, max_model_len=256,
+                                                  device="cpu"), path)
+    assert runner.model.lm_head.weight.dtype == torch.float32
+    hf_model = load_oracle(path)          # dtype=float32: the bf16 values, upcast
+    got = serve(runner, 13)
+    for handle, prompt in enumerate(prompts()):
+        tokens, logprobs = got[handle]
+        want_tokens, want_logprobs = oracle(hf_model, prompt)
+        assert tokens == want_tokens and logprobs == pytest.approx(want_logprobs, abs=1e-4)
