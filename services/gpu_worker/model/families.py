@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import pathlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from services.gpu_worker.model.moe import MoESpec
 from services.gpu_worker.model.rotary import ROPE_TYPES, rope_type
@@ -90,15 +91,15 @@ def _decoder(f: Fields, act_key: str = "hidden_act") -> dict[str, Any]:
                 "tie_encoder_decoder"):
         f.refuse_if(key, bool, "steploop runs decoder-only models with every head")
     bias = bool(f.get("attention_bias", False))
-    return dict(
-        vocab_size=f.get("vocab_size"), hidden_size=hidden, intermediate_size=f.get("intermediate_size"),
-        num_hidden_layers=f.get("num_hidden_layers"), num_attention_heads=heads,
-        num_key_value_heads=f.get("num_key_value_heads", heads), head_dim=f.get("head_dim", hidden // heads),
-        rms_norm_eps=f.get("rms_norm_eps", 1e-6), rope_theta=f.get("rope_theta", 10000.0),
-        max_position_embeddings=f.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(f.get("tie_word_embeddings", False)), attention_bias=bias,
-        mlp_bias=bool(f.get("mlp_bias", False)), rope_scaling=scaling, hidden_act=ACTIVATIONS[act],
-        model_type=f.model_type)
+    return {
+        "vocab_size": f.get("vocab_size"), "hidden_size": hidden, "intermediate_size": f.get("intermediate_size"),
+        "num_hidden_layers": f.get("num_hidden_layers"), "num_attention_heads": heads,
+        "num_key_value_heads": f.get("num_key_value_heads", heads), "head_dim": f.get("head_dim", hidden // heads),
+        "rms_norm_eps": f.get("rms_norm_eps", 1e-6), "rope_theta": f.get("rope_theta", 10000.0),
+        "max_position_embeddings": f.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": bool(f.get("tie_word_embeddings", False)), "attention_bias": bias,
+        "mlp_bias": bool(f.get("mlp_bias", False)), "rope_scaling": scaling, "hidden_act": ACTIVATIONS[act],
+        "model_type": f.model_type}
 
 
 def _windows(f: Fields, num_layers: int, per_layer: bool) -> tuple[int | None, ...]:

@@ -28,7 +28,7 @@ from services.gpu_worker.attention.backend import AttentionBackend
 from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
 from services.gpu_worker.model.model_config import ModelConfig
 from services.gpu_worker.model.moe import SparseMoE
-from services.gpu_worker.model.ops import TorchOps, ops_for
+from services.gpu_worker.model.ops import ops_for
 from services.gpu_worker.model.rotary import RotaryEmbedding
 from services.gpu_worker.model.windowed_attention import WindowedAttention
 
