@@ -22,7 +22,8 @@ PROMPT_LENS = (45, 66)
 def served(request, tmp_path_factory, model_dir):
     path = build_family_model(request.param, tmp_path_factory.mktemp(request.param), model_dir)
     args = ["--model", str(path), "--served-model-name", request.param]
-    cluster = Cluster(tmp_path_factory.mktemp("cluster"), scheduler_args=["--max-num-batched-tokens", "16"],
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"),
+                      scheduler_args=["--max-num-batched-tokens", "16", "--max-num-seqs", "16"],
                       worker_args=[*args, "--device", "cpu", "--max-model-len", "256"], gateway_args=args,
                       num_kv_blocks=128)
     try:
