@@ -34,8 +34,8 @@ class InProcessEngine:
     def _new_scheduler(self):
         info = self.runner.info
         self.runner.reset()
-        return make_scheduler(self.sched_config, KVCacheManager(info.num_kv_blocks, info.block_size),
-                              info.max_model_len, list(info.eos_token_ids))
+        kv = KVCacheManager(info.num_kv_blocks, info.block_size, self.sched_config.enable_prefix_caching)
+        return make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids))
 
     def run(self, prompts: list[tuple[list[int], int]],
             max_concurrency: int | None = None) -> tuple[dict, list[RequestResult]]:

@@ -341,20 +341,14 @@ def loop_run(num_requests: int, prompt_len: int, max_tokens: int, observe: bool)
     from services.scheduler.kv_cache_manager import KVCacheManager
     from services.scheduler.metrics import EngineObserver
     from services.scheduler.request import Request
-
-    class LoopStub:
-        """The parts of EngineLoop the observer reads."""
-
-        def __init__(self, scheduler) -> None:
-            self.scheduler, self.link, self._pending = scheduler, None, []
-            self.worker_info = WorkerInfo(worker_id="bench", model_name="bench-model", block_size=16,
-                                          num_kv_blocks=scheduler.kv.pool.num_blocks, max_model_len=4096,
-                                          vocab_size=32000, eos_token_ids=(2,))
+    from services.scheduler.stats import LoadReport, StepStats
 
     kv = KVCacheManager(num_requests * ((prompt_len + max_tokens) // 16 + 2) + 1, 16)
     sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=num_requests), kv, 4096, [2])
-    obs = EngineObserver(LoopStub(sched))
-    obs.on_attach()
+    obs = EngineObserver(lambda: LoadReport(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                                            counters=sched.counters()), enable_prefix_caching=True)
+    obs.on_attach(WorkerInfo(worker_id="bench", model_name="bench-model", block_size=16, num_kv_blocks=kv.num_blocks,
+                             max_model_len=4096, vocab_size=32000, eos_token_ids=(2,)))
     worker, steps = BenchWorker(), 0
     start = time.perf_counter()
     for i in range(num_requests):
@@ -366,11 +360,12 @@ def loop_run(num_requests: int, prompt_len: int, max_tokens: int, observe: bool)
     while sched.has_unfinished_requests():
         plan = sched.schedule()
         if observe:
-            obs.on_plan(plan)
+            obs.on_plan(plan, sched.new_request_ids(plan))
         result = worker.execute(plan)
         outputs = sched.update_from_output(plan, result)
         if observe:
-            obs.on_step(plan, result, outputs)
+            obs.on_step(StepStats(plan.step_id, plan.total_num_scheduled_tokens, result.forward_seconds, 0,
+                                  outputs))
         steps += 1
     return time.perf_counter() - start, steps, obs
 

@@ -66,7 +66,7 @@ def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int) -> 
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running,
                              async_scheduling=async_scheduling)
     num_blocks = num_running * (PROMPT_LEN + 3 * steps) // BLOCK_SIZE + 64
-    sched = make_scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE), 4096, [2])
+    sched = make_scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, config.enable_prefix_caching), 4096, [2])
     worker, next_id = BenchWorker(), 0
     for _ in range(num_running):
         # Mixed: short outputs so requests keep finishing and new prompts keep arriving.

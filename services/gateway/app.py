@@ -16,6 +16,8 @@ from aiohttp import web
 from services.common import model_path
 from services.gateway import metrics as gateway_metrics
 from services.gateway import routes
+from services.gateway.app_keys import CHAT_TEMPLATE, DRAIN, HEALTH, MAX_BODY, SERVING, TOOL_PARSER
+from services.gateway.chat_template import ChatTemplate
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import Drain
 from services.gateway.engine_client import EngineClient
@@ -24,6 +26,7 @@ from services.gateway.health import HealthProbe
 from services.gateway.model_state import ModelState
 from services.gateway.serving import Serving
 from services.gateway.tokenizer import Tokenizer
+from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +66,6 @@ def auth_middleware(api_key: str):
     return check_key
 
 
-MAX_BODY = web.AppKey("max_body", int)
-DRAIN = web.AppKey("drain", Drain)
-
-
 def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: Tokenizer) -> web.Application:
     """The gateway app. On startup it asks the engine for model info (not fatal if the engine is not up yet)."""
     drain = Drain()
@@ -77,8 +76,10 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     path = pathlib.Path(config.model).expanduser().resolve() if config.model else model_path.default_model_dir()
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
-    app[routes.SERVING] = Serving(engine_client, tokenizer, model)
-    app[routes.HEALTH] = HealthProbe(engine_client, drain)
+    app[SERVING] = Serving(engine_client, tokenizer, model)
+    app[TOOL_PARSER] = tool_parser = get_tool_parser(DEFAULT_TOOL_PARSER)
+    app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
+    app[HEALTH] = HealthProbe(engine_client, drain)
     app[DRAIN] = drain
     app[MAX_BODY] = config.max_request_body_bytes
     routes.add_routes(app)

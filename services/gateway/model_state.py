@@ -31,6 +31,13 @@ class ModelState:
         except APIError as err:
             logger.warning("engine model info not available yet (%s); will retry per request", err.message)
 
+    async def known_max_model_len(self) -> int | None:
+        """The context length for informational answers (model cards, /tokenize): asks the engine again while it is
+        not known, and is None if it still is not (never an error)."""
+        if self.max_model_len == 0:
+            await self.try_refresh()
+        return self.max_model_len or None
+
     async def require_max_model_len(self) -> int:
         if self.max_model_len == 0:
             async with self._lock:   # one refresh for a burst of requests, not one each

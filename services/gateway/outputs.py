@@ -11,7 +11,8 @@ from services.gateway import responses
 from services.gateway.generation import TextEvent, Usage, total_usage
 from services.gateway.logprobs import TokenInfo, chat_logprobs, completion_logprobs
 from services.gateway.responses import Meta
-from services.gateway.tools import ContentSplitter, ToolCall, ToolRequest, new_call_id
+from services.gateway.tool_parsers import ContentSplitter, ToolCall
+from services.gateway.tools import ToolRequest
 
 
 @dataclass
@@ -108,16 +109,16 @@ async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Seq
 class ToolCallStream:
     """One streamed choice of a request that may call tools: (delta, finish_reason, token infos) to send per event.
 
-    auto: content streams until a <tool_call> tag begins; the rest is held and parsed at the end (calls, or the
-    held text as content if it does not parse). A named function: its arguments stream as they are written (the
+    auto: content streams until the tool-call format's start marker; the rest is held and parsed at the end (calls,
+    or the held text as content if it does not parse). A named function: its arguments stream as they are written (the
     grammar keeps them valid JSON). required: the JSON array is parsed at the end. Token logprobs ride on the next
     delta sent."""
 
     def __init__(self, tools: ToolRequest) -> None:
         self.tools = tools
-        self.splitter = ContentSplitter()    # keeps the whole reply; its content split is auto's
+        self.splitter = ContentSplitter(tools.parser)   # keeps the whole reply; its content split is auto's
         self.pending: list[TokenInfo] = []
-        self.named_call = ToolCall(new_call_id(), tools.named, "") if tools.choice == "named" else None
+        self.named_call = ToolCall(tools.parser.new_call_id(), tools.named, "") if tools.choice == "named" else None
         self.named_started = False
 
     def feed(self, event: TextEvent) -> list[tuple[dict[str, Any], str | None, list[TokenInfo]]]:

@@ -16,6 +16,7 @@ from typing import Any
 from services.common.sampling_params import SamplingParams
 from services.gateway import validation as v
 from services.gateway.errors import bad_request
+from services.gateway.tool_parsers import ToolParser
 from services.gateway.tools import ToolRequest, parse_tools
 
 MAX_N = 16
@@ -283,7 +284,8 @@ def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...
     return messages, add_generation_prompt, continue_final
 
 
-def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
+def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser) -> ChatRequest:
+    """`tool_parser`: the format an "auto" tool call is written in (--tool-call-parser)."""
     body = v.require_object(body)
     logprobs = v.get_bool(body, "logprobs", False)
     top_logprobs = v.get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
@@ -295,7 +297,7 @@ def parse_chat(body: Any, vocab_size: int | None = None) -> ChatRequest:
     if max_tokens is None:
         max_tokens = v.get_int(body, "max_tokens", None, lo=1)
     sampling = parse_sampling(body, max_tokens, vocab_size)
-    tools = parse_tools(body, sampling.json_schema, sampling.json_object)
+    tools = parse_tools(body, sampling.json_schema, sampling.json_object, tool_parser)
     forced = tools.guided_schema() if tools is not None else ""
     if forced:   # a forced call: the worker's grammar writes valid calls
         sampling = replace(sampling, json_schema=forced)

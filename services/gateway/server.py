@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from services.common import event_loop, model_path, observability
-from services.gateway import routes
-from services.gateway.app import DRAIN, create_app
+from services.gateway.app import create_app
+from services.gateway.app_keys import DRAIN, SERVING
 from services.gateway.config import GatewayConfig, add_cli_args
 from services.gateway.engine_client import EngineClient
 from services.gateway.router import EngineRouter
@@ -50,7 +50,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     app = create_app(config, engine, tokenizer)
     # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
     runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)
-    logger.info("gateway serving %s on http://%s:%d (engine %s)", app[routes.SERVING].model.served_model_name,
+    logger.info("gateway serving %s on http://%s:%d (engine %s)", app[SERVING].model.served_model_name,
                 config.host, bound_port(runner), config.scheduler_address)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

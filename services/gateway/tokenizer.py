@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from services.gateway.tools import ToolRequest, for_template
-
 # The advisory flag silences "None of PyTorch, TensorFlow or Flax found", which is exactly what we want.
 _NO_FRAMEWORKS = {"USE_TORCH": "0", "USE_TF": "0", "USE_FLAX": "0", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
@@ -68,17 +66,16 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     @property
-    def template_knows_tools(self) -> bool:
-        """Whether the chat template renders `tools` itself (else tools.py writes them into a system message)."""
-        template = self.hf.chat_template
-        return isinstance(template, str) and "tools" in template
+    def chat_template(self) -> Any:
+        """The model's chat template source (None when the folder has none)."""
+        return self.hf.chat_template
 
-    def chat_sync(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False, tools: ToolRequest | None = None) -> list[int]:
+    def chat_sync(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+        """Renders messages as chat_template.py prepared them (`tools`: OpenAI tool specs for the template)."""
         if self.hf.chat_template is None:
             raise ValueError("the model folder has no chat template; use /v1/completions")
-        messages, tool_specs = for_template(list(messages), tools, self.template_knows_tools)
-        ids = self.hf.apply_chat_template(messages, tools=tool_specs, tokenize=True,
+        ids = self.hf.apply_chat_template(list(messages), tools=tools, tokenize=True,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):   # a BatchEncoding on some versions
@@ -89,12 +86,12 @@ class Tokenizer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.encode_sync, text, add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                                  continue_final_message: bool = False, tools: ToolRequest | None = None) -> list[int]:
+    async def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._executor, lambda: self.chat_sync(messages, add_generation_prompt=add_generation_prompt,
-                                                   continue_final_message=continue_final_message, tools=tools))
+            self._executor, lambda: self.chat_sync(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                   continue_final_message=continue_final_message))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,5 @@
-"""vLLM's utility endpoints beside the OpenAI ones: /tokenize, /detokenize, and /openapi.json.
+"""vLLM's utility endpoints beside the OpenAI ones: /tokenize, /detokenize, and /openapi.json (registered with
+the others in routes.add_routes).
 
     POST /tokenize    {"prompt": str, "add_special_tokens": bool}            -> {"count", "max_model_len", "tokens"}
                       {"messages": [...], "add_generation_prompt": bool, ...}   (the chat template applied)
@@ -8,30 +9,26 @@
 
 from __future__ import annotations
 
-import jinja2
 from aiohttp import web
 
-from services.gateway import routes
 from services.gateway import validation as v
+from services.gateway.app_keys import CHAT_TEMPLATE, SERVING, TOOL_PARSER
 from services.gateway.errors import bad_request
 from services.gateway.openapi import openapi_spec
 from services.gateway.protocol import parse_chat_messages
+from services.gateway.request_body import read_json
 from services.gateway.tools import parse_tools
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    serving = request.app[routes.SERVING]
-    body = v.require_object(await routes.read_json(request))
+    serving = request.app[SERVING]
+    body = v.require_object(await read_json(request))
     serving.check_model(v.get_str(body, "model"))
     if body.get("messages") is not None:
         messages, add_generation_prompt, continue_final = parse_chat_messages(body)
-        tools = parse_tools(body, "", False)    # counted as the chat request would render them
-        try:
-            tokens = await serving.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
-                tools=tools)
-        except (ValueError, jinja2.TemplateError) as err:
-            raise bad_request(f"cannot apply the chat template: {err}", param="messages") from None
+        tools = parse_tools(body, "", False, request.app[TOOL_PARSER])   # counted as the chat request renders them
+        tokens = await request.app[CHAT_TEMPLATE].render(messages, add_generation_prompt=add_generation_prompt,
+                                                         continue_final_message=continue_final, tools=tools)
     else:
         prompt = v.get_str(body, "prompt")
         if prompt is None:
@@ -40,15 +37,13 @@ async def tokenize(request: web.Request) -> web.Response:
     # vLLM's return_token_strs: each token as the vocabulary spells it (byte-level BPE shows a space as "Ġ")
     token_strs = serving.tokenizer.hf.convert_ids_to_tokens(tokens) if v.get_bool(body, "return_token_strs",
                                                                                   False) else None
-    if serving.model.max_model_len == 0:
-        await serving.model.try_refresh()
-    return web.json_response({"count": len(tokens), "max_model_len": serving.model.max_model_len or None,
+    return web.json_response({"count": len(tokens), "max_model_len": await serving.model.known_max_model_len(),
                               "tokens": tokens, "token_strs": token_strs})
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    serving = request.app[routes.SERVING]
-    body = v.require_object(await routes.read_json(request))
+    serving = request.app[SERVING]
+    body = v.require_object(await read_json(request))
     serving.check_model(v.get_str(body, "model"))
     if body.get("tokens") is None:
         raise bad_request("'tokens' is required", param="tokens", code="missing_required_parameter")
@@ -59,8 +54,3 @@ async def detokenize(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_spec(str(request.url.origin())))
 
-
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/openapi.json", openapi)

@@ -138,10 +138,7 @@ class DecodeGraphRunner:
 
     def _build_metadata(self, size: int, seq_lens_cpu: np.ndarray, hint: int | None):
         common = self.buffers.common(size, self.block_size, seq_lens_cpu)
-        backend = self.model.backend
-        if backend.name == "triton":
-            return backend.build_metadata(common, max_seq_len_hint=hint)
-        return backend.build_metadata(common)
+        return self.model.backend.build_metadata(common, max_seq_len_hint=hint)
 
     def _forward(self, size: int, md) -> torch.Tensor:
         b = self.buffers

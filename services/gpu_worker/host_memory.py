@@ -5,7 +5,7 @@ miss and a page walk (measured: the C paged attention ~10% faster per layer in h
 tokens and 64 x 256, blocks scattered over a pool 4x the batch's). Hosts with THP in `madvise` mode (the
 common default) give huge pages only to mappings that ask, so the cache comes from its own anonymous mmap with
 MADV_HUGEPAGE. Anywhere that is not possible (not Linux, THP off, small tensors) it is a plain torch
-tensor; the values are the same either way. STEPLOOP_CPU_HUGEPAGES=0 turns it off.
+tensor; the values are the same either way. STEPLOOP_CPU_HUGEPAGES=0 turns it off (through the KernelPlan).
 """
 
 from __future__ import annotations
@@ -15,19 +15,14 @@ import mmap
 
 import torch
 
-from services.common import envs
-
 HUGE_PAGE = 2 << 20
 
 
-def enabled() -> bool:
-    return envs.switched_off(envs.CPU_HUGEPAGES) is None and hasattr(mmap, "MADV_HUGEPAGE")
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor; backed by huge pages when enabled() and it spans at least one."""
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor; backed by huge pages when huge (KernelPlan.hugepages), the OS has MADV_HUGEPAGE and it
+    spans at least one."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not enabled():
+    if nbytes < HUGE_PAGE or not huge or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:

@@ -88,9 +88,9 @@ def decide_num_blocks(config: WorkerConfig, cfg: LlamaModelConfig, max_model_len
 
 
 def allocate_kv_caches(cfg: LlamaModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
-    """[num_layers] x [2, num_blocks, block_size, Hk, D], zeroed."""
+                       device: torch.device, hugepages: bool = False) -> list[torch.Tensor]:
+    """[num_layers] x [2, num_blocks, block_size, Hk, D], zeroed. hugepages: KernelPlan.hugepages (CPU only)."""
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     if device.type == "cpu":       # blocks are read scattered: huge pages spare a TLB miss per block
-        return [host_memory.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)]
+        return [host_memory.zeros(shape, dtype, hugepages) for _ in range(cfg.num_hidden_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]

@@ -19,17 +19,15 @@ import torch
 from services.common.model_path import served_model_name
 from services.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
 from services.gpu_worker import kv_cache
-from services.gpu_worker.attention.backend import create_backend
+from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cpu_kernels.decoder import CpuDecoder
 from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.input_batch import InputBatch
+from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.logits_processors import LogitsEdits
-from services.gpu_worker.model.cpu_ops import use_cpu_ops
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.model.model_config import LlamaModelConfig
-from services.gpu_worker.model.packed_linear_layer import pack_linear_layers
 from services.gpu_worker.penalties import PenaltyInputs
 from services.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
 from services.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -45,55 +43,50 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                 max_model_len: int, info: WorkerInfo, seed: int = 0):
+                 max_model_len: int, info: WorkerInfo, seed: int = 0, structured: StructuredOutput | None = None,
+                 graphs: DecodeGraphRunner | None = None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.max_model_len, self.info = max_model_len, info
         self.device = kv_caches[0].device
         self.vocab_size = model.config.vocab_size
         self.batch = InputBatch()
         self.sampler = Sampler(seed, self.device)
-        self.graphs: DecodeGraphRunner | None = None   # decode-only steps replay CUDA graphs when set
-        self.structured = StructuredOutput(None, self.vocab_size)   # from_config gives it the tokenizer folder
+        self.graphs = graphs             # decode-only steps replay CUDA graphs when set
+        self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
+        """Resolve the kernel plan, build and load the model from it, size and allocate the KV cache, bind it."""
         device = torch.device(config.resolved_device())
         dtype = config.resolved_dtype(device.type)
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         cfg = LlamaModelConfig.from_dir(model_path)
         max_len = _max_model_len(config, cfg)
-        backend = create_backend(config.resolved_attention_backend(device.type), cfg.num_attention_heads,
-                                 cfg.num_key_value_heads,
-                                 cfg.head_dim, cfg.head_dim ** -0.5)
+        plan = resolve_kernel_plan(config, device, dtype, cfg)
+        log.info("kernel plan: %s", plan.describe())
+        backend = create_backend(plan.attention_backend, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.head_dim, cfg.head_dim ** -0.5, plan.cpu_attention_kernel)
         start = time.perf_counter()
         log.info("loading model %s (%d layers, %s on %s)", model_path, cfg.num_hidden_layers,
                  str(dtype).removeprefix("torch."), device)
-        model = load_model(model_path, backend, max_len, dtype, device)
+        model = load_model(model_path, backend, max_len, dtype, device, plan)
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
-                 time.perf_counter() - start, sum(p.numel() for p in model.parameters()) / 1e6,
+                 time.perf_counter() - start, _num_params(model) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
-        cpu_fp32 = device.type == "cpu" and dtype == torch.float32     # the C kernels' case
-        if cpu_fp32:
-            start = time.perf_counter()
-            summary = pack_linear_layers(model)
-            log.info("CPU linear layers: %s (%.2f s)", summary, time.perf_counter() - start)
-            log.info("CPU elementwise ops: %s", use_cpu_ops(model))
         profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)
         num_blocks = kv_cache.decide_num_blocks(config, cfg, max_len, dtype, device, profile)
-        caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)
-        if cpu_fp32:
-            model.cpu_decoder, why = CpuDecoder.build(model, caches)
-            log.info("CPU steps the attention kernel takes whole (decodes, short chunks): %s", why)
+        caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device, plan.hugepages)
+        log.info("decode steps: %s", model.bind_kv_caches(caches))
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids)
-        runner = cls(model, caches, config.block_size, max_len, info, config.seed)
-        runner.structured = StructuredOutput(model_path, cfg.vocab_size)
-        if config.use_cuda_graphs(device.type):
-            runner.graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
-            runner.graphs.capture_all()
-        return runner
+        graphs = None
+        if plan.cuda_graphs:
+            graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
+            graphs.capture_all()
+        return cls(model, caches, config.block_size, max_len, info, config.seed,
+                   StructuredOutput(model_path, cfg.vocab_size), graphs)
 
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
@@ -182,6 +175,14 @@ def _logprobs(out: SamplerOutput, slot: SamplingSlot, accepted: int, k: int) -> 
     return lps
 
 
+def _num_params(model: LlamaForCausalLM) -> int:
+    """Parameters as loaded: a packed linear's weight counts as its [out, in], a tied lm_head once."""
+    tied = model.config.tie_word_embeddings
+    packed = sum(m.packed.out_features * m.packed.in_features for name, m in model.named_modules()
+                 if getattr(m, "packed", None) is not None and not (tied and name == "lm_head"))
+    return sum(p.numel() for p in model.parameters()) + packed
+
+
 def _max_model_len(config: WorkerConfig, cfg: LlamaModelConfig) -> int:
     if config.max_model_len is None:
         return cfg.max_position_embeddings
@@ -192,8 +193,9 @@ def _max_model_len(config: WorkerConfig, cfg: LlamaModelConfig) -> int:
 
 
 def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size: int, max_len: int,
-                     dtype: torch.dtype, device: torch.device) -> None:
-    """One forward over a max-length prompt with a scratch KV cache, to measure peak activation memory."""
+                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One forward over a max-length prompt of token 0 (at most 8192) with a scratch KV cache, to measure peak
+    activation memory; returns the last position's logits [1, vocab] (what a real prompt of that length gives)."""
     import numpy as np
 
     from services.gpu_worker.attention.metadata import build_common_metadata
@@ -208,5 +210,6 @@ def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size:
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     pos = torch.arange(n, device=device)
     hidden = model(ids, pos, caches, model.backend.build_metadata(common), torch.tensor([n - 1], device=device))
-    model.compute_logits(hidden)
+    logits = model.compute_logits(hidden)
     del caches
+    return logits

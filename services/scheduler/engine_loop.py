@@ -31,6 +31,7 @@ from services.scheduler.request import Request, RequestOutput, RequestRejectedEr
 from services.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import ServerConfig
+from services.scheduler.stats import LoadReport, SchedulerCounters, StepStats
 from services.scheduler.worker_link import WorkerLink, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,9 @@ class EngineLoop:
         self.num_steps = 0
         self.last_progress = time.monotonic()       # last finished step, or when work arrived while idle
         self.lost_since: float | None = time.monotonic()
-        self.observer = make_observer(self)             # metrics, request logs and spans (metrics.py)
+        self._retired_counters = SchedulerCounters()    # of schedulers replaced since start
+        # Metrics, request logs and spans (metrics.py): fed by data pushed from here, and load_report.
+        self.observer = make_observer(self.load_report, sched_config.enable_prefix_caching)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: engine_pb2.GenerateRequest,
@@ -141,7 +144,7 @@ class EngineLoop:
         if self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks:
             self._build_scheduler(info)
         self.worker_info, self.link, self.lost_since = info, link, None
-        self.observer.on_attach()
+        self.observer.on_attach(info)
         self.last_progress = time.monotonic()
         log.info("worker %s attached: %d KV blocks of %d tokens, max_model_len %d", info.worker_id,
                  info.num_kv_blocks, info.block_size, info.max_model_len)
@@ -149,7 +152,9 @@ class EngineLoop:
 
     def _build_scheduler(self, info: WorkerInfo) -> None:
         old = self.scheduler
-        kv = KVCacheManager(info.num_kv_blocks, info.block_size)
+        kv = KVCacheManager(info.num_kv_blocks, info.block_size, self.sched_config.enable_prefix_caching)
+        if old is not None:
+            self._retired_counters += old.counters()
         self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids))
         self.worker_info = info
         carried = self._pending + ([] if old is None else old.drain_requests())
@@ -178,7 +183,7 @@ class EngineLoop:
 
     async def run(self) -> None:
         """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied."""
-        outstanding: deque[StepPlan] = deque()
+        outstanding: deque[tuple[StepPlan, int]] = deque()   # plans sent, with their size in bytes
         window = 2 if self.sched_config.async_scheduling else 1
         link: WorkerLink | None = None
         while True:
@@ -189,13 +194,14 @@ class EngineLoop:
                 if len(outstanding) < window and self.has_work():
                     plan = self.scheduler.schedule()
                     if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
-                        self.observer.on_plan(plan)
+                        self.observer.on_plan(plan, self.scheduler.new_request_ids(plan))
+                        bytes_before = link.bytes_sent
                         await link.send(plan)
-                        outstanding.append(plan)
+                        outstanding.append((plan, link.bytes_sent - bytes_before))
                         sent = True
                 if outstanding and (len(outstanding) == window or not sent):
-                    plan = outstanding.popleft()
-                    self._apply(plan, await link.recv(plan))
+                    plan, plan_bytes = outstanding.popleft()
+                    self._apply(plan, await link.recv(plan), plan_bytes)
                 elif not sent:
                     await self._wait(timeout=0.05)   # nothing fits right now: wait for an abort or a finish
             except WorkerLost as exc:
@@ -207,13 +213,14 @@ class EngineLoop:
                     # plans this loop scheduled on it since then died with it, so preempt those requests too.
                     self.scheduler.preempt_all()
 
-    def _apply(self, plan: StepPlan, result: StepResult) -> None:
+    def _apply(self, plan: StepPlan, result: StepResult, plan_bytes: int) -> None:
         self.num_steps += 1
         self.last_progress = time.monotonic()
         if result.error:
             log.error("step %d failed on the worker: %s", plan.step_id, result.error)
         outputs = self.scheduler.update_from_output(plan, result)
-        self.observer.on_step(plan, result, outputs)
+        self.observer.on_step(StepStats(plan.step_id, plan.total_num_scheduled_tokens, result.forward_seconds,
+                                        plan_bytes, outputs))
         self._dispatch(outputs)
 
     def check_idle(self) -> None:
@@ -224,8 +231,8 @@ class EngineLoop:
             return
         self.scheduler.check_integrity()
         kv = self.scheduler.kv
-        if kv.num_free_blocks != kv.pool.num_blocks - 1:
-            raise AssertionError(f"KV block leak at idle: {kv.num_free_blocks} of {kv.pool.num_blocks - 1} "
+        if kv.num_free_blocks != kv.num_usable_blocks:
+            raise AssertionError(f"KV block leak at idle: {kv.num_free_blocks} of {kv.num_usable_blocks} "
                                  f"blocks free with no live request")
 
     async def _wait_for_work(self) -> WorkerLink:
@@ -270,3 +277,16 @@ class EngineLoop:
         if self.link is None or self.link.closed.is_set():
             return False
         return not self.has_work() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
+
+    def load_report(self) -> LoadReport:
+        """What the engine holds now (Engine.GetLoadReport, the vllm:* gauges, the stats line)."""
+        sched, attached = self.scheduler, 0 if self.link is None else 1
+        if sched is None:
+            return LoadReport(num_waiting=len(self._pending), num_steps=self.num_steps,
+                              counters=self._retired_counters, workers_attached=attached)
+        kv = sched.kv
+        return LoadReport(
+            num_running=sched.num_running, num_waiting=sched.num_waiting + len(self._pending),
+            num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks, kv_cache_usage=kv.usage,
+            num_steps=self.num_steps, counters=self._retired_counters + sched.counters(),
+            step_cost=sched.step_cost(), workers_attached=attached)

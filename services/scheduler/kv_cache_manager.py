@@ -11,13 +11,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from services.common.intmath import cdiv
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.prefix_cache import PrefixCacheStats, ensure_block_hashes
 from services.scheduler.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -31,6 +28,17 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}   # request_id -> block ids, in token order
         self._num_cached: dict[str, int] = {}     # request_id -> leading blocks of its table already keyed
 
+    # ---- the questions callers ask
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool as the worker reported them, the null block 0 included."""
+        return self.pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks a request can ever hold: all but the null block."""
+        return self.pool.num_blocks - 1
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -41,7 +49,36 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Could one sequence of num_tokens tokens ever fit the pool (every block free)?"""
-        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks - 1
+        return cdiv(num_tokens, self.block_size) <= self.num_usable_blocks
+
+    def num_blocks_to_admit(self, request: Request, max_new_tokens: int) -> int:
+        """Free blocks that admitting the waiting `request` with up to max_new_tokens tokens in its first step
+        would take: allocate_slots' arithmetic, its longest cached prefix reused."""
+        hits, num_hit = self.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit, max_new_tokens)
+        return self._num_free_blocks_taken(cdiv(num_hit + num_new, self.block_size) - len(hits), hits)
+
+    def num_blocks_freed_in_turn(self, requests: Sequence[Request]) -> list[int]:
+        """If `requests` were freed one after another: after each, how many blocks in all would have gone back
+        to the free queue (a block shared among them counts once its last holder is freed)."""
+        ref_cnt, dropped, freed, out = self.pool.ref_cnt, Counter(), 0, []
+        for request in requests:
+            for block_id in self.get_block_ids(request):
+                dropped[block_id] += 1
+                freed += dropped[block_id] == ref_cnt[block_id]
+            out.append(freed)
+        return out
+
+    def num_blocks_held_alone(self, requests: Sequence[Request]) -> int:
+        """Blocks of these requests that no other request shares (ref count 1)."""
+        ref_cnt = self.pool.ref_cnt
+        return sum(1 for r in requests for b in self.get_block_ids(r) if ref_cnt[b] == 1)
+
+    def _num_free_blocks_taken(self, num_new_blocks: int, computed_blocks: Sequence[int]) -> int:
+        # New blocks come from the free queue, and so does any hit that sits there (ref count 0): touching it
+        # takes it out.
+        ref_cnt = self.pool.ref_cnt
+        return max(num_new_blocks, 0) + sum(1 for b in computed_blocks if ref_cnt[b] == 0)
 
     def get_block_ids(self, request: Request) -> list[int]:
         return self._tables.get(request.request_id, [])
@@ -98,14 +135,11 @@ class KVCacheManager:
         rid = request.request_id
         table = self._tables.get(rid)
         have = len(table) if table is not None else 0
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - have
+        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - have
         if needed <= 0 and not computed_blocks:
             return []                             # the decode fast path: room left in its last block
         needed -= len(computed_blocks)
-        ref_cnt = self.pool.ref_cnt
-        # A hit that sits in the free queue stops being free once touched.
-        num_free_hits = sum(1 for b in computed_blocks if ref_cnt[b] == 0)
-        if max(needed, 0) + num_free_hits + reserve > self.pool.num_free_blocks:
+        if self._num_free_blocks_taken(needed, computed_blocks) + reserve > self.pool.num_free_blocks:
             return None
         if table is None:
             table = self._tables[rid] = []

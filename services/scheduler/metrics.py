@@ -2,12 +2,12 @@
 line and request spans, all fed by a handful of hooks in the step loop.
 
     add_request ─▶ on_arrival      schedule() ─▶ on_plan (send time; first admission)
-    update_from_output ─▶ on_step (one pass over the step's outputs: tokens, TTFT, ITL, finishes)
-    abort / no worker ─▶ on_abort    attach / detach ─▶ on_attach / on_detach
+    update_from_output ─▶ on_step(StepStats) (one pass over the step's outputs: tokens, TTFT, ITL, finishes)
+    abort / no worker ─▶ on_abort    attach / detach ─▶ on_attach(WorkerInfo) / on_detach
 
-A step costs a few int additions and list appends; histograms fold their pending values when scraped
-(`BatchHistogram`), gauges are read from the scheduler at scrape time, and counters the scheduler already keeps
-(preemptions, prefix-cache and spec-decode stats) are read from it then too.
+The loop pushes data (stats.py) and never hands itself over: gauges and the counters the scheduler already keeps
+(preemptions, prefix-cache and spec-decode stats) come from the `load_report` callable at scrape time. A step
+costs a few int additions and list appends; histograms fold their pending values when scraped (`BatchHistogram`).
 
 Under --disable-log-stats (`common.metrics.ENABLED` False) `make_observer` returns a NullEngineObserver instead:
 the same hooks, doing nothing.
@@ -18,15 +18,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from services.common import metrics as m
 from services.common import tracing
+from services.common.step_contract import StepPlan, WorkerInfo
 from services.scheduler import metrics_export
 from services.scheduler import tracing as request_tracing
-from services.scheduler.request import RequestStatus
+from services.scheduler.request import Request, RequestOutput, RequestStatus
+from services.scheduler.stats import LoadReport, StepStats
 
 log = logging.getLogger("steploop.scheduler.stats")
 
@@ -47,7 +50,7 @@ class _Live:
         "traceparent",
     )
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: Request) -> None:
         self.request = request
         self.arrival = request.arrival_time
         self.scheduled = self.first_token = self.last_token = None
@@ -56,8 +59,10 @@ class _Live:
 
 
 class EngineObserver:
-    def __init__(self, loop: Any) -> None:
-        self.loop = loop                                  # EngineLoop: scheduler, worker_info, link, _pending
+    def __init__(self, load_report: Callable[[], LoadReport], enable_prefix_caching: bool) -> None:
+        self.load_report = load_report                    # the engine's load and counters now (scrape time)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.worker_info: WorkerInfo | None = None        # of the last worker that attached
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self.live: dict[str, _Live] = {}
@@ -65,10 +70,7 @@ class EngineObserver:
         self.attaches = self.detaches = 0
         self.success: Counter[str] = Counter({r: 0 for r in FINISHED_REASONS.values()})
         self.aborts: Counter[str] = Counter()
-        self._base = Counter()                            # counters of schedulers replaced since start
-        self._sched = None
         self._sent: dict[int, float] = {}                 # step_id -> when its plan left
-        self._link, self._link_bytes = None, 0
         self._last_log = (time.monotonic(), 0, 0, 0, 0)  # when, prompt, generation, prefix queries, hits
         self.ttft = m.BatchHistogram(m.TTFT_BUCKETS)
         self.itl = m.BatchHistogram(m.ITL_BUCKETS)        # also exported as vllm:time_per_output_token_seconds
@@ -84,23 +86,21 @@ class EngineObserver:
 
     @property
     def model_name(self) -> str:
-        info = self.loop.worker_info
+        info = self.worker_info
         return info.model_name if info is not None else ""
 
     # ---- hooks --------------------------------------------------------------------------------------------------
-    def on_arrival(self, request: Any) -> None:
+    def on_arrival(self, request: Request) -> None:
         rec = self.live[request.request_id] = _Live(request)
         if tracing.ENABLED:
             request_tracing.start(rec, request, self.model_name)
 
-    def on_plan(self, plan: Any) -> None:
+    def on_plan(self, plan: StepPlan, new_request_ids: list[str]) -> None:
+        """Before the plan is sent: new_request_ids are its new requests' ids (their traceparents go with it)."""
         now = self._sent[plan.step_id] = time.monotonic()
-        if not plan.new_requests:
-            return
-        by_handle, live = self.loop.scheduler.handles.by_handle, self.live
-        for new in plan.new_requests:
-            request = by_handle.get(new.handle)
-            rec = live.get(request.request_id) if request is not None else None
+        live = self.live
+        for new, request_id in zip(plan.new_requests, new_request_ids):
+            rec = live.get(request_id)
             if rec is None:
                 continue
             if rec.scheduled is None:
@@ -109,22 +109,18 @@ class EngineObserver:
                     request_tracing.scheduled(rec, plan.step_id)
             new.traceparent = rec.traceparent
 
-    def on_step(self, plan: Any, result: Any, outputs: list) -> None:
+    def on_step(self, step: StepStats) -> None:
         now = time.monotonic()
         self.num_steps += 1
-        sent = self._sent.pop(plan.step_id, None)
+        sent = self._sent.pop(step.step_id, None)
         if sent is not None:
             self.step_duration.pending.append(now - sent)
-            self.round_trip.pending.append(max(now - sent - result.forward_seconds, 0.0))
-        self.forward.pending.append(result.forward_seconds)
-        self.iteration_tokens.pending.append(sum(plan.num_scheduled_tokens))
-        link = self.loop.link
-        if link is not None:
-            if link is not self._link:
-                self._link, self._link_bytes = link, 0
-            self.plan_size.pending.append(link.bytes_sent - self._link_bytes)
-            self.plan_bytes += link.bytes_sent - self._link_bytes
-            self._link_bytes = link.bytes_sent
+            self.round_trip.pending.append(max(now - sent - step.forward_seconds, 0.0))
+        self.forward.pending.append(step.forward_seconds)
+        self.iteration_tokens.pending.append(step.num_scheduled_tokens)
+        self.plan_size.pending.append(step.plan_bytes)
+        self.plan_bytes += step.plan_bytes
+        outputs, step_id = step.outputs, step.step_id
         # The one per-request loop: a dict lookup, a subtraction and an append per request that sampled.
         get, itl, generated = self.live.get, [], 0
         add_itl = itl.append
@@ -139,11 +135,11 @@ class EngineObserver:
                 if last is not None:
                     add_itl(now - last)
                 else:
-                    self._first_token(rec, out, now, plan.step_id)
+                    self._first_token(rec, out, now, step_id)
                 rec.last_token = now
             if out.finish_reason is not None:
                 self._finish(rec, FINISHED_REASONS[out.finish_reason], out.num_prompt_tokens,
-                             out.num_output_tokens, out.num_cached_tokens, now, plan.step_id)
+                             out.num_output_tokens, out.num_cached_tokens, now, step_id)
         self.generation_tokens += generated
         if itl:
             self.itl.observe_many(itl)
@@ -151,7 +147,7 @@ class EngineObserver:
             for h in (self.step_duration, self.round_trip, self.forward, self.iteration_tokens, self.plan_size):
                 h.fold()
 
-    def _first_token(self, rec: _Live, out: Any, now: float, step_id: int) -> None:
+    def _first_token(self, rec: _Live, out: RequestOutput, now: float, step_id: int) -> None:
         rec.first_token = now
         self.ttft.pending.append(now - rec.arrival)
         self.prompt_tokens += out.num_prompt_tokens
@@ -168,9 +164,9 @@ class EngineObserver:
         self._finish(rec, finished_reason, r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens,
                      time.monotonic(), -1)
 
-    def on_attach(self) -> None:
+    def on_attach(self, info: WorkerInfo) -> None:
         self.attaches += 1
-        info = self.loop.worker_info
+        self.worker_info = info
         if self.req_prompt is None:
             self.req_prompt = m.BatchHistogram(m.buckets_1_2_5(info.max_model_len))
             self.req_generation = m.BatchHistogram(m.buckets_1_2_5(info.max_model_len))
@@ -211,24 +207,6 @@ class EngineObserver:
                             "e2e_s": round(e2e, 6), "finish_reason": reason,
                             "preemptions": rec.request.num_preemptions})
 
-    # ---- counters the scheduler keeps -----------------------------------------------------------------------
-    def scheduler_counters(self) -> Counter:
-        """Preemptions, prefix-cache, spec-decode and prefill-pacing counts since start, across scheduler rebuilds."""
-        sched = self.loop.scheduler
-        if sched is not self._sched:
-            if self._sched is not None:
-                self._base = self._base + self._counts(self._sched)
-            self._sched = sched
-        return self._base + self._counts(sched) if sched is not None else Counter(self._base)
-
-    def _counts(self, sched: Any) -> Counter:
-        stats, prefix, pacer = sched.stats, sched.kv.prefix_cache_stats, sched.pacer
-        return Counter(preemptions=stats.num_preemptions, prefix_queries=prefix.queries,
-                       prefix_hits=prefix.hits, spec_drafts=stats.num_spec_steps,
-                       draft_tokens=stats.num_draft_tokens, accepted_tokens=stats.num_accepted_tokens,
-                       paced_steps=pacer.num_paced_steps if pacer else 0,
-                       deferred_prompt_tokens=pacer.num_deferred_tokens if pacer else 0)
-
     # ---- Prometheus -----------------------------------------------------------------------------------------
     def collect(self):
         yield from metrics_export.families(self, [self.model_name])
@@ -236,18 +214,15 @@ class EngineObserver:
     # ---- the periodic stats line ----------------------------------------------------------------------------
     def log_stats(self) -> None:
         """One line of throughput and load since the last call, when anything happened."""
-        now, counts = time.monotonic(), self.scheduler_counters()
+        now, load = time.monotonic(), self.load_report()
         then, prompt, gen, queries, hits = self._last_log
-        sched = self.loop.scheduler
-        running = sched.num_running if sched is not None else 0
-        waiting = (sched.num_waiting if sched is not None else 0) + len(self.loop._pending)
-        self._last_log = (now, self.prompt_tokens, self.generation_tokens, counts["prefix_queries"],
-                          counts["prefix_hits"])
+        running, waiting, counts = load.num_running, load.num_waiting, load.counters
+        self._last_log = (now, self.prompt_tokens, self.generation_tokens, counts.prefix_queries, counts.prefix_hits)
         if self.prompt_tokens == prompt and self.generation_tokens == gen and not running and not waiting:
             return
         dt = max(now - then, 1e-9)
-        dq, dh = counts["prefix_queries"] - queries, counts["prefix_hits"] - hits
-        usage = sched.kv.usage * 100 if sched is not None else 0.0
+        dq, dh = counts.prefix_queries - queries, counts.prefix_hits - hits
+        usage = load.kv_cache_usage * 100
         log.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV usage %.1f%%, "
                  "prefix cache hit rate %.1f%%", (self.prompt_tokens - prompt) / dt, (self.generation_tokens - gen)
                  / dt, running, waiting, usage, 100 * dh / dq if dq else 0.0,
@@ -265,12 +240,13 @@ class NullEngineObserver:
     """--disable-log-stats: EngineObserver's hooks as no-ops (no metrics, no per-request or stats log lines,
     no spans); its registry is empty, so /metrics and Engine.GetMetrics answer with no samples."""
 
-    def __init__(self, loop: Any) -> None:
-        self.loop = loop
+    def __init__(self, load_report: Callable[[], LoadReport], enable_prefix_caching: bool) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
 
     on_arrival = on_plan = on_step = on_abort = on_attach = on_detach = log_stats = staticmethod(_ignore)
 
 
-def make_observer(loop: Any) -> EngineObserver | NullEngineObserver:
-    return EngineObserver(loop) if m.ENABLED else NullEngineObserver(loop)
+def make_observer(load_report: Callable[[], LoadReport],
+                  enable_prefix_caching: bool) -> EngineObserver | NullEngineObserver:
+    cls = EngineObserver if m.ENABLED else NullEngineObserver
+    return cls(load_report, enable_prefix_caching)

@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from services.scheduler.stats import LoadReport, SchedulerCounters
+
 MODEL = ["model_name"]
 
 
@@ -29,20 +31,21 @@ def _hist(name: str, doc: str, labels: list[str], hist: Any) -> HistogramMetricF
 
 
 def families(obs: Any, labels: list[str]) -> Iterator:
-    loop, sched = obs.loop, obs.loop.scheduler
-    counts = obs.scheduler_counters()
-    running = sched.num_running if sched is not None else 0
-    waiting = (sched.num_waiting if sched is not None else 0) + len(loop._pending)
-    yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels, running)
-    yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, waiting)
+    """obs: the EngineObserver (Any: it imports this module)."""
+    load = obs.load_report()
+    counts = load.counters
+    yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
+                 load.num_running)
+    yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
+                 load.num_waiting)
     yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
-                 sched.kv.usage if sched is not None else 0.0)
+                 load.kv_cache_usage)
     yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                   labels, counts["prefix_queries"])
+                   labels, counts.prefix_queries)
     yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels,
-                   counts["prefix_hits"])
+                   counts.prefix_hits)
     yield _counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels,
-                   counts["preemptions"])
+                   counts.preemptions)
     yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, obs.prompt_tokens)
     yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
                    obs.generation_tokens)
@@ -75,40 +78,41 @@ def families(obs: Any, labels: list[str]) -> Iterator:
         yield _hist("vllm:request_generation_tokens", "Number of generation tokens processed.", labels,
                     obs.req_generation)
     yield from _spec_decode(counts, labels)
-    if loop.worker_info is not None and sched is not None:
+    worker = obs.worker_info
+    if worker is not None and load.num_total_blocks:
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=MODEL + ["block_size", "num_gpu_blocks", "enable_prefix_caching"])
-        info.add_metric(labels + [str(loop.worker_info.block_size), str(loop.worker_info.num_kv_blocks),
-                                  str(sched.kv.enable_prefix_caching)], 1.0)
+        info.add_metric(labels + [str(worker.block_size), str(worker.num_kv_blocks),
+                                  str(obs.enable_prefix_caching)], 1.0)
         yield info
-    yield from _steploop(obs, labels)
-    yield from _pacing(counts, sched, labels)
+    yield from _steploop(obs, load, labels)
+    yield from _pacing(load, labels)
 
 
-def _spec_decode(counts: Any, labels: list[str]) -> Iterator:
-    yield _counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels, counts["spec_drafts"])
-    yield _counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, counts["draft_tokens"])
+def _spec_decode(counts: SchedulerCounters, labels: list[str]) -> Iterator:
+    yield _counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels, counts.spec_drafts)
+    yield _counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels, counts.draft_tokens)
     yield _counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels,
-                   counts["accepted_tokens"])
-    drafts = counts["draft_tokens"]
+                   counts.accepted_tokens)
+    drafts = counts.draft_tokens
     yield _gauge("steploop:spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.", labels,
-                 counts["accepted_tokens"] / drafts if drafts else 0.0)
+                 counts.accepted_tokens / drafts if drafts else 0.0)
 
 
-def _pacing(counts: Any, sched: Any, labels: list[str]) -> Iterator:
+def _pacing(load: LoadReport, labels: list[str]) -> Iterator:
     """Prefill pacing (--max-decode-slowdown): how often it held prompt tokens back, and the step-time model."""
     yield _counter("steploop:prefill_paced_steps", "Steps in which prefill pacing cut a prompt chunk.", labels,
-                   counts["paced_steps"])
+                   load.counters.paced_steps)
     yield _counter("steploop:prefill_deferred_tokens", "Per step, prompt tokens the budget allowed but prefill pacing held back, summed.", labels,
-                   counts["deferred_prompt_tokens"])
-    coef = sched.pacer.cost.coefficients() if sched is not None and sched.pacer is not None else None
+                   load.counters.deferred_prompt_tokens)
+    coef = load.step_cost
     if coef is not None:
         yield _gauge("steploop:step_cost_base_seconds", "Learned step time with no tokens (a).", labels, coef[0])
         yield _gauge("steploop:step_cost_token_seconds", "Learned step time per scheduled token (b).", labels,
                      coef[1])
 
 
-def _steploop(obs: Any, labels: list[str]) -> Iterator:
+def _steploop(obs: Any, load: LoadReport, labels: list[str]) -> Iterator:
     yield _counter("steploop:steps", "Steps whose result was applied.", labels, obs.num_steps)
     yield _hist("steploop:step_duration_seconds", "Plan sent to its result applied, per step.", labels,
                 obs.step_duration)
@@ -127,4 +131,4 @@ def _steploop(obs: Any, labels: list[str]) -> Iterator:
     yield _counter("steploop:worker_attaches", "Workers that attached.", labels, obs.attaches)
     yield _counter("steploop:worker_detaches", "Workers that detached (stream broke or replaced).", labels,
                    obs.detaches)
-    yield _gauge("steploop:workers_attached", "Workers attached now.", labels, 0 if obs.loop.link is None else 1)
+    yield _gauge("steploop:workers_attached", "Workers attached now.", labels, load.workers_attached)

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Callable
 
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 
 RankKey = Callable[[Request], tuple]
@@ -118,31 +119,27 @@ def make_queues(policy: str) -> tuple[FCFSQueue | PriorityQueue, RunningList]:
     return FCFSQueue(), RunningList(fcfs_rank)
 
 
-def preempt_for_waiting(sched, plan) -> None:
-    """Priority policy: the best waiting request preempts running requests of a strictly worse priority (worst
-    first) when it cannot otherwise be admitted, and only if that would make it fit. It is admitted in the next
-    step: a step that preempted admits nobody (see Scheduler.schedule)."""
-    head, running, kv = sched.waiting.peek(), sched.running, sched.kv
-    worse = [r for r in running if r.priority > head.priority]
+def victims_for_waiting(head: Request, running: RunningList, kv: KVCacheManager, max_num_seqs: int,
+                        watermark_blocks: int, max_new_tokens: int) -> list[Request]:
+    """Priority policy: the running requests (worst first) that the best waiting request `head` should preempt.
+
+    Only requests of a strictly worse priority, only when head cannot otherwise be admitted with up to
+    max_new_tokens tokens, and only if preempting them would make it fit. The scheduler preempts them; head is
+    admitted in the next step (a step that preempted admits nobody, see Scheduler.schedule)."""
+    worse = [r for r in running if r.priority > head.priority]   # the tail of running: ranked by priority
     if not worse:
-        return
-    needed = _blocks_to_admit(sched, head)
-    freeable = sum(1 for r in worse for b in kv.get_block_ids(r) if kv.pool.ref_cnt[b] == 1)
-    seats_ok = len(running) - len(worse) < sched.config.max_num_seqs
-    if kv.num_free_blocks + freeable - sched.watermark_blocks < needed or not seats_ok:
-        return                                   # preempting every worse request would not make room
-    while running and running[-1].priority > head.priority and (
-            len(running) >= sched.config.max_num_seqs
-            or kv.num_free_blocks - (sched.watermark_blocks if running else 0) < needed):
-        sched._preempt(running[-1], plan)
-
-
-def _blocks_to_admit(sched, request: Request) -> int:
-    """Free blocks that admitting `request` with a full step's budget would take (cached hits reused)."""
-    kv = sched.kv
-    hits, num_hit = kv.get_computed_blocks(request)
-    chunk = request.num_tokens - num_hit
-    threshold = sched.config.long_prefill_token_threshold
-    chunk = min(chunk, sched.config.max_num_batched_tokens, threshold if threshold > 0 else chunk)
-    num_blocks = -(-(num_hit + chunk) // kv.block_size)
-    return num_blocks - len(hits) + sum(1 for b in hits if kv.pool.ref_cnt[b] == 0)
+        return []
+    needed = kv.num_blocks_to_admit(head, max_new_tokens)
+    seats_ok = len(running) - len(worse) < max_num_seqs
+    if kv.num_free_blocks + kv.num_blocks_held_alone(worse) - watermark_blocks < needed or not seats_ok:
+        return []                                # preempting every worse request would not make room
+    worse.reverse()
+    freed_after = kv.num_blocks_freed_in_turn(worse)
+    victims: list[Request] = []
+    for request in worse:
+        num_left = len(running) - len(victims)
+        num_free = kv.num_free_blocks + (freed_after[len(victims) - 1] if victims else 0)
+        if num_left < max_num_seqs and num_free - (watermark_blocks if num_left else 0) >= needed:
+            break
+        victims.append(request)
+    return victims

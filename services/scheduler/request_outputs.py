@@ -49,5 +49,5 @@ def validate_request(request: Request, kv, max_model_len: int) -> None:
     if not kv.can_fit(final_len - 1):
         raise RequestRejectedError(
             f"prompt ({n}) + max_tokens ({request.sampling.max_tokens}) needs KV for {final_len - 1} tokens, "
-            f"but the whole KV cache holds {(kv.pool.num_blocks - 1) * kv.block_size}: "
+            f"but the whole KV cache holds {kv.num_usable_blocks * kv.block_size}: "
             "lower max_tokens or give the worker more KV memory", "kv_cache_too_small")

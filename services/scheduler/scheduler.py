@@ -21,7 +21,7 @@ from services.scheduler.ngram_proposer import NgramProposer, propose_drafts
 from services.scheduler.prefill_pacing import PrefillPacer
 from services.scheduler.request import Request, RequestOutput, RequestStatus
 from services.scheduler.request_outputs import add_prompt_logprobs, make_output, stop_status, validate_request
-from services.scheduler.stats import SchedulerStats
+from services.scheduler.stats import SchedulerCounters, SchedulerStats
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,10 @@ class Scheduler:
                  eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.kv = kv
-        kv.enable_prefix_caching = config.enable_prefix_caching   # the config decides, whoever built the pool
+        if kv.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError(f"the KV cache manager has enable_prefix_caching={kv.enable_prefix_caching} but the "
+                             f"scheduler config has {config.enable_prefix_caching}: build the manager with "
+                             "KVCacheManager(..., enable_prefix_caching=config.enable_prefix_caching)")
         self.max_model_len = max_model_len          # from the worker's hello, not from config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}      # every unfinished request
@@ -41,7 +44,7 @@ class Scheduler:
         self.handles = HandleTable()
         self.stats = SchedulerStats()
         # Admissions leave this many blocks free (running requests may use them): see SchedulerConfig.
-        self.watermark_blocks = int(config.admission_watermark * (kv.pool.num_blocks - 1))
+        self.watermark_blocks = int(config.admission_watermark * kv.num_usable_blocks)
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max) if config.num_speculative_tokens else None)
         self.pacer = (PrefillPacer(config.max_decode_slowdown, kv.block_size)
@@ -86,8 +89,24 @@ class Scheduler:
     def num_preemptions(self) -> int:
         return self.stats.num_preemptions
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
+    def counters(self) -> SchedulerCounters:
+        """This scheduler's monotonic counts since it was built (metrics)."""
+        stats, prefix, pacer = self.stats, self.kv.prefix_cache_stats, self.pacer
+        return SchedulerCounters(
+            preemptions=stats.num_preemptions, prefix_queries=prefix.queries, prefix_hits=prefix.hits,
+            spec_drafts=stats.num_spec_steps, draft_tokens=stats.num_draft_tokens,
+            accepted_tokens=stats.num_accepted_tokens, paced_steps=pacer.num_paced_steps if pacer else 0,
+            deferred_prompt_tokens=pacer.num_deferred_tokens if pacer else 0)
+
+    def step_cost(self) -> tuple[float, float] | None:
+        """Prefill pacing's learned step time (base seconds, seconds per token); None until it has one."""
+        coef = self.pacer.cost.coefficients() if self.pacer is not None else None
+        return None if coef is None else (coef[0], coef[1])
+
+    def new_request_ids(self, plan: StepPlan) -> list[str]:
+        """The request ids of the plan's new requests, in order (call before the next schedule())."""
+        by_handle = self.handles.by_handle
+        return [by_handle[new.handle].request_id for new in plan.new_requests]
 
     # ----------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
@@ -114,7 +133,7 @@ class Scheduler:
         if self.proposer is not None:
             self._propose_drafts()
         if self.config.scheduling_policy == "priority" and self.waiting and self.running:
-            policy.preempt_for_waiting(self, plan)
+            self._preempt_for_waiting(plan)
         scheduled: list[Request] = []
         if self.pacer is not None:
             self.pacer.begin_step(len(self.running))
@@ -126,6 +145,16 @@ class Scheduler:
             self.pacer.end_step(plan.step_id)
         self.handles.recycle()
         return plan
+
+    def _preempt_for_waiting(self, plan: StepPlan) -> None:
+        """Priority policy: preempt the running requests the policy names so the waiting head fits next step."""
+        config = self.config
+        max_new = config.max_num_batched_tokens
+        if config.long_prefill_token_threshold > 0:
+            max_new = min(max_new, config.long_prefill_token_threshold)
+        for victim in policy.victims_for_waiting(self.waiting.peek(), self.running, self.kv, config.max_num_seqs,
+                                                 self.watermark_blocks, max_new):
+            self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan, budget: int, scheduled: list[Request]) -> int:
         running, kv, i = self.running, self.kv, 0
@@ -353,9 +382,6 @@ class Scheduler:
         if self.pacer is not None:
             self.pacer.forget_in_flight()
         self._first_live_step = self._next_step_id
-
-    def reset_prefix_cache(self) -> None:
-        self.kv.reset_prefix_cache()
 
     def drain_requests(self) -> list[Request]:
         """Take every unfinished request out (blocks freed, to be recomputed), best first, for a new scheduler.

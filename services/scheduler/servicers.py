@@ -60,12 +60,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             num_workers=0 if link is None else 1)
 
     async def GetLoadReport(self, request, context):
-        s = self.loop.scheduler
-        if s is None:
-            return engine_pb2.LoadReport(num_waiting=len(self.loop._pending), num_steps=self.loop.num_steps)
+        load = self.loop.load_report()
         return engine_pb2.LoadReport(
-            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.kv.num_free_blocks,
-            num_total_blocks=s.kv.pool.num_blocks, kv_cache_usage=s.kv.usage, num_steps=self.loop.num_steps)
+            num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks, kv_cache_usage=load.kv_cache_usage, num_steps=load.num_steps)
 
 
     async def GetMetrics(self, request, context):

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from services.common.sampling_params import SamplingParams
-from services.gateway import errors, routes
+from services.gateway import errors
+from services.gateway.app_keys import SERVING
 from services.gateway.engine_client import EngineClient
 from tests.gateway.conftest import REPLY_TEXT, SERVED_NAME, wait_for
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
@@ -28,7 +29,7 @@ async def test_concurrent_requests_share_one_session(gateway):
 
 
 async def test_a_live_request_id_is_refused_before_it_is_sent(gateway):
-    client = gateway.app[routes.SERVING].engine
+    client = gateway.app[SERVING].engine
     gateway.engine.token_delay_s = 0.05
     first = client.generate("same", [1, 2], SamplingParams(max_tokens=3))
     await anext(first)

@@ -8,7 +8,9 @@ import json
 import openai
 import pytest
 
-from services.gateway.tools import ContentSplitter, ToolRequest, parse_hermes
+from services.gateway.chat_template import for_template
+from services.gateway.tool_parsers import ContentSplitter, get_tool_parser
+from services.gateway.tools import ToolRequest, parse_tools
 from tests.gateway.conftest import SERVED_NAME
 
 WEATHER = {"type": "function", "function": {
@@ -18,6 +20,7 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+HERMES = get_tool_parser("hermes")
 HERMES_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -201,6 +204,10 @@ async def test_bad_tool_requests_are_400_naming_the_field(gateway, extra, param)
     assert info.value.body["param"] == param, info.value.body
 
 
+def parse_hermes(text: str, names: set[str]):
+    return HERMES.parse(text, names, HERMES.new_call_id)
+
+
 def test_hermes_parser_edge_cases():
     names = {"get_weather", "get_time"}
     content, calls = parse_hermes('<tool_call>{"name": "get_time", "arguments": {}}', names)   # no closing tag
@@ -210,37 +217,35 @@ def test_hermes_parser_edge_cases():
     content, calls = parse_hermes('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'
                                   '</tool_call>', names)                # arguments given as a JSON string
     assert json.loads(calls[0].arguments) == {"city": "Rome"}
-    assert ToolRequest((), "auto").finish_reason([], "stop") == "stop"
+    assert ToolRequest((), "auto", HERMES).finish_reason([], "stop") == "stop"
 
 
 def test_content_splitter_holds_a_possible_tag_start():
-    s = ContentSplitter()
+    s = ContentSplitter(HERMES)
     assert [s.feed(d) for d in ["Hi <to", "ol_c", "all>", '{"x"', "}"]] == ["Hi ", "", "", "", ""]
     assert s.in_calls and s.held() == '<tool_call>{"x"}'
-    s = ContentSplitter()
+    s = ContentSplitter(HERMES)
     assert s.feed("a <b") == "a <b" and s.feed(" <t") == " " and s.feed("able>") == "<table>" and s.held() == ""
-    s = ContentSplitter()
+    s = ContentSplitter(HERMES)
     assert s.feed("ends with <tool") == "ends with " and s.held() == "<tool"
 
 
 def test_templates_that_know_tools_get_them_as_hf_expects():
     """A template that renders tools itself gets the tool list and the calls' arguments as objects."""
-    from services.gateway.tools import for_template, parse_tools
-
-    request = parse_tools({"tools": [WEATHER]}, "", False)
+    request = parse_tools({"tools": [WEATHER]}, "", False, HERMES)
     messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "21"}]
-    out, tools = for_template(messages, request, native=True)
+    out, tools = for_template(messages, request, HERMES, native=True)
     assert tools == [WEATHER]
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert out[2] == messages[2] and out[0] == ASK[0]
-    plain, none = for_template(messages, None, native=False)   # tool_choice none: no tool list, history kept
+    plain, none = for_template(messages, None, HERMES, native=False)   # tool_choice none: no tool list, history kept
     assert none is None and plain[0] == ASK[0] and "<tool_call>" in plain[1]["content"]
 
 
 def test_required_reply_cut_by_max_tokens_keeps_its_whole_calls():
-    request = ToolRequest(tuple(parse_tools_for_test()), "required")
+    request = ToolRequest(tuple(parse_tools_for_test()), "required", HERMES)
     content, calls = request.parse('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "argu')
     assert content is None and [c.name for c in calls] == ["get_time"]
     assert request.finish_reason(calls, "length") == "length"
@@ -260,8 +265,8 @@ PERSON = {"type": "function", "function": {"name": "Person", "parameters": {   #
 def test_required_schema_keeps_each_tools_refs_resolvable():
     import jsonschema
 
-    from services.gateway.tools import parse_tools
-    schema = json.loads(parse_tools({"tools": [WEATHER, PERSON], "tool_choice": "required"}, "", False).guided_schema())
+    schema = json.loads(parse_tools({"tools": [WEATHER, PERSON], "tool_choice": "required"}, "", False,
+                                    HERMES).guided_schema())
     good = [{"name": "Person", "arguments": {"name": "Al", "home": {"street": "Main"}}},
             {"name": "get_weather", "arguments": {"city": "Oslo"}}]
     jsonschema.validate(good, schema)         # refs resolve: "#/$defs/tool_1/$defs/Addr"
@@ -278,5 +283,4 @@ async def test_streamed_reply_with_tools_starts_with_null_content(gateway, reply
 
 
 def parse_tools_for_test():
-    from services.gateway.tools import parse_tools
-    return parse_tools({"tools": [WEATHER, TIME]}, "", False).tools
+    return parse_tools({"tools": [WEATHER, TIME]}, "", False, HERMES).tools

@@ -27,7 +27,8 @@ def create_scheduler(max_num_batched_tokens: int = 64, max_num_seqs: int = 16, l
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              long_prefill_token_threshold=long_prefill_token_threshold,
                              async_scheduling=async_scheduling, admission_watermark=admission_watermark, **config)
-    return make_scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len, eos_token_ids)
+    kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+    return make_scheduler(config, kv, max_model_len, eos_token_ids)
 
 
 def create_requests(num: int, prompt_len: int | list[int] = 8, max_tokens: int = 8, min_tokens: int = 0,
@@ -229,7 +230,7 @@ def run_async_until_idle(sched: Scheduler, worker: FakeWorker, run: Run | None =
 
 def assert_idle(sched: Scheduler) -> None:
     assert not sched.has_unfinished_requests()
-    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks - 1, "blocks leaked"
+    assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks, "blocks leaked"
     sched.check_integrity()
 
 

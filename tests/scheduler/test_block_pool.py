@@ -70,3 +70,33 @@ def test_allocate_slots_is_all_or_nothing():
 def test_can_fit():
     kv = KVCacheManager(num_blocks=5, block_size=4)
     assert kv.can_fit(16) and not kv.can_fit(17)
+
+
+def test_manager_answers_what_callers_ask():
+    kv = KVCacheManager(num_blocks=9, block_size=4)     # 8 usable blocks
+    assert (kv.num_blocks, kv.num_usable_blocks, kv.num_free_blocks) == (9, 8, 8)
+    a = Request("a", list(range(10, 22)))               # 12 tokens = 3 full blocks
+    kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    kv.cache_blocks(a, 12)
+    kv.free(a)                                          # its blocks stay keyed in the free queue
+    b = Request("b", list(range(10, 22)) + [5, 6, 7])   # 15 tokens: hits on a's first 3 blocks
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 12
+    # 4 blocks for 15 tokens: 3 hits (free, so each takes a free block when touched) + 1 new.
+    assert kv.num_blocks_to_admit(b, max_new_tokens=64) == 4
+    assert kv.num_blocks_to_admit(b, max_new_tokens=1) == 4
+    free_before = kv.num_free_blocks
+    b.num_computed_tokens = num_hit
+    assert kv.allocate_slots(b, 3, hits) is not None
+    assert free_before - kv.num_free_blocks == 4        # what num_blocks_to_admit said
+    c = Request("c", list(range(10, 22)) + [8])         # shares b's first 3 blocks
+    hits, num_hit = kv.get_computed_blocks(c)
+    c.num_computed_tokens = num_hit
+    kv.allocate_slots(c, 1, hits)
+    assert kv.num_blocks_to_admit(Request("d", list(range(10, 22)) + [9]), max_new_tokens=64) == 1
+    # b and c share 3 blocks and own 1 each: freeing b frees 1, then c frees its own 1 + the 3 shared.
+    assert kv.num_blocks_held_alone([b, c]) == 2
+    assert kv.num_blocks_freed_in_turn([b, c]) == [1, 5]
+    assert kv.num_free_blocks == 3                      # asking changed nothing
+    kv.check_integrity()

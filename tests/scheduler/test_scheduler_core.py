@@ -186,7 +186,7 @@ def test_preempt_all_then_resume_on_a_new_worker():
     in_flight = sched.schedule()                               # sent to the worker that then dies
     stale = worker.execute(in_flight)
     sched.preempt_all()
-    assert sched.num_running == 0 and sched.kv.num_free_blocks == sched.kv.pool.num_blocks - 1
+    assert sched.num_running == 0 and sched.kv.num_free_blocks == sched.kv.num_usable_blocks
     assert all(r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0 for r in reqs)
     assert sched.update_from_output(in_flight, stale) == []    # results of the lost worker are ignored
     new_worker = FakeWorker()

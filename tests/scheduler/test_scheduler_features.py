@@ -19,11 +19,14 @@ from sched_factories import (
 from test_properties import loopy_model
 
 from services.common.sampling_params import SamplingParams
+from services.scheduler import policy
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.ngram_proposer import NgramProposer
 from services.scheduler.prefix_cache import prompt_block_hashes
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler import Scheduler
 
 
 # ---------------------------------------------------------------------------------------------- prefix caching
@@ -159,6 +162,34 @@ def test_better_priority_request_preempts_a_worse_running_one():
     assert low.num_preemptions == 1 and sched.num_preemptions == 1
     run_until_idle(sched, worker, run)
     assert run.tokens["low"] == expected_output(low)[0] and run.finish["high"] == RequestStatus.FINISHED_LENGTH
+
+
+def test_priority_victims_are_named_by_the_policy_and_preempted_by_the_scheduler():
+    """victims_for_waiting only answers (worst first, just enough); the scheduler's step then preempts them."""
+    sched = create_scheduler(scheduling_policy="priority", max_num_seqs=8, max_num_batched_tokens=64,
+                             num_blocks=9, block_size=4)                         # 8 usable blocks
+    running = [Request(f"low{i}", [11 + i] * 8, priority=5, arrival_time=float(i),
+                       sampling=SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(3)]
+    for r in running:
+        sched.add_request(r)
+    worker, run = FakeWorker(), Run()
+    step(sched, worker, run)                                                     # 3 x 2 blocks: 2 left
+    high = Request("high", [7] * 20, priority=0, arrival_time=9.0, sampling=SamplingParams(max_tokens=2))
+    sched.add_request(high)
+    victims = policy.victims_for_waiting(high, sched.running, sched.kv, 8, sched.watermark_blocks, 64)
+    assert victims == [running[2], running[1]]       # 5 blocks for 20 tokens: 2 free + 2 from each victim
+    assert sched.num_running == 3 and sched.kv.num_free_blocks == 2                 # asking changed nothing
+    plan = step(sched, worker, run)
+    assert plan.preempted_handles == [running[2].handle, running[1].handle] and not plan.new_requests
+    run_until_idle(sched, worker, run)
+    assert run.finish["high"] == RequestStatus.FINISHED_LENGTH
+
+
+def test_kv_manager_and_config_must_agree_on_prefix_caching():
+    config = SchedulerConfig(enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="enable_prefix_caching=True but the scheduler config has False"):
+        Scheduler(config, KVCacheManager(16, 4), 64)
+    assert not Scheduler(config, KVCacheManager(16, 4, enable_prefix_caching=False), 64).kv.enable_prefix_caching
 
 
 def test_fcfs_preempts_the_latest_arrival_and_resumes_it_first():

@@ -28,7 +28,7 @@ async def test_full_waiting_queue_is_resource_exhausted():
             calls = [stub.Generate(engine_pb2.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2],
                                                               sampling=params)) for i in range(2)]
             readers = [asyncio.ensure_future(c.read()) for c in calls]
-            while len(svc.loop._pending) < 2:
+            while svc.loop.load_report().num_waiting < 2:
                 await asyncio.sleep(0.01)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stub.Generate(engine_pb2.GenerateRequest(request_id="r3", prompt_token_ids=[1],

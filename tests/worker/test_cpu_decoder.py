@@ -79,9 +79,12 @@ def test_bad_slot_is_an_error_not_a_write(decoder_runner):
 
 def test_switch_and_unsupported_models_keep_the_python_path(decoder_runner, monkeypatch):
     from services.common import envs
+    from services.gpu_worker.config import WorkerConfig
+    from services.gpu_worker.kernel_plan import resolve_kernel_plan
     model, kv = decoder_runner.model, decoder_runner.kv_caches
-    assert why_not(model, kv) is None
+    assert why_not(model, kv) is None and model.plan.cpu_decoder
     monkeypatch.setenv(envs.CPU_DECODER, "0")
-    assert why_not(model, kv) == "layer by layer (STEPLOOP_CPU_DECODER=0)"
-    monkeypatch.delenv(envs.CPU_DECODER)
+    plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, model.config)
+    assert not plan.cpu_decoder and dict(plan.why_off)["C decoder"] == "STEPLOOP_CPU_DECODER=0"
+    assert plan.packed_linears and plan.cpu_attention_kernel and plan.elementwise == "cpu"     # the rest stays on
     assert "contiguous fp32" in why_not(model, [c.double() for c in kv])

@@ -8,8 +8,7 @@ import torch
 
 from services.common import envs
 from services.gpu_worker.cpu_kernels import elementwise as kernel
-from services.gpu_worker.model.cpu_ops import CpuOps, use_cpu_ops
-from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
+from services.gpu_worker.model.cpu_ops import CpuOps
 from services.gpu_worker.model.ops import TorchOps
 from services.gpu_worker.model.rotary import RotaryEmbedding
 
@@ -68,10 +67,24 @@ def test_other_dtypes_fall_back_to_torch():
     torch.testing.assert_close(CpuOps.silu_and_mul(x), TorchOps.silu_and_mul(x))
 
 
-def test_use_cpu_ops_swaps_modules_and_obeys_the_switch(monkeypatch):
-    model = torch.nn.ModuleList([RMSNorm(64, 1e-5), LlamaMLP(64, 128, False), RMSNorm(64, 1e-5, ops=CpuOps)])
+def test_the_plan_picks_the_c_ops_and_obeys_the_switch(monkeypatch):
+    """A model built from a CPU fp32 plan has CpuOps in every layer from the start; STEPLOOP_CPU_KERNELS=0 gives
+    a plan (and a model) of TorchOps."""
+    from services.gpu_worker.attention.selector import create_backend
+    from services.gpu_worker.config import WorkerConfig
+    from services.gpu_worker.kernel_plan import resolve_kernel_plan
+    from services.gpu_worker.model.llama import LlamaForCausalLM
+    from tests.worker.test_cpu_paged_attention import TINY
+
+    def built(ops):
+        plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, TINY)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(TINY, create_backend("torch", 6, 2, 64, 0.125), 128, plan)
+        users = [m for m in model.modules() if hasattr(m, "ops")]
+        assert len(users) == 2 * 3 + 1 + 1 and all(m.ops is ops for m in users)   # per layer 2 norms + MLP; norm; rotary
+        return plan
+
+    assert built(CpuOps).elementwise == "cpu"
     monkeypatch.setenv(envs.CPU_KERNELS, "0")
-    assert "CPU_KERNELS=0" in use_cpu_ops(model) and model[0].ops is TorchOps
-    monkeypatch.delenv(envs.CPU_KERNELS)
-    assert use_cpu_ops(model).startswith("C kernels in 2 modules")
-    assert model[0].ops is CpuOps and model[1].ops is CpuOps
+    plan = built(TorchOps)
+    assert dict(plan.why_off)["C elementwise ops"] == "STEPLOOP_CPU_KERNELS=0" and not plan.packed_linears

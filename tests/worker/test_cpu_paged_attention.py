@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common import envs
-from services.gpu_worker.attention.backend import create_backend
+from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.attention.metadata import build_common_metadata
 from services.gpu_worker.attention.torch_backend import (
     KERNEL_MAX_CHUNK_WORK,
@@ -21,6 +21,8 @@ from services.gpu_worker.attention.torch_backend import (
 )
 from services.gpu_worker.cpu_kernels import build
 from services.gpu_worker.cpu_kernels import paged_attention as cpu_pa
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from tests.kernels.attention_cases import make_case
@@ -98,7 +100,14 @@ def test_bad_arguments_raise():
                                torch.tensor([6, 1], dtype=torch.int32), 0.125, 1)
     assert cpu_pa.supports(9, 3, 64) and cpu_pa.supports(64, 8, 128)
     assert not cpu_pa.supports(4, 4, 512) and not cpu_pa.supports(128, 1, 128)   # head_dim, G * head_dim too big
-    assert create_backend("torch", 2, 2, 512, 0.05).cpu_kernel is None            # such a model keeps SDPA
+    with pytest.raises(ValueError, match="past the C paged-attention kernel's limits"):
+        create_backend("torch", 2, 2, 512, 0.05, cpu_kernel=True)
+    big = LlamaModelConfig(vocab_size=97, hidden_size=1024, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=512, rms_norm_eps=1e-5,
+                           rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True)
+    plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, big)
+    assert not plan.cpu_attention_kernel and not plan.cpu_decoder                  # such a model keeps SDPA
+    assert "past the kernel's limits" in dict(plan.why_off)["C attention kernel"]
 
 
 def test_build_cache_key_and_failure(tmp_path, monkeypatch, caplog):
@@ -120,7 +129,7 @@ def test_build_cache_key_and_failure(tmp_path, monkeypatch, caplog):
 def test_backend_groups_and_env_switch(monkeypatch):
     # request 1: 200 new tokens over 300 (60000 > KERNEL_MAX_CHUNK_WORK): SDPA; request 4: 40 over 43: the kernel
     case = make_case([1, 200, 8, 1, 40], [30, 100, 17, 16, 3], heads=(6, 2), seed=5)
-    backend = create_backend("torch", 6, 2, 64, 0.125)
+    backend = create_backend("torch", 6, 2, 64, 0.125, cpu_kernel=True)
     assert backend.cpu_kernel is not None
     meta = backend.build_metadata(case.common)
     kinds = [type(g) for g in meta.groups]
@@ -136,8 +145,11 @@ def test_backend_groups_and_env_switch(monkeypatch):
     (g,) = backend.build_metadata(all_short.common).groups
     assert isinstance(g, _KernelGroup) and g.rows is None                 # the whole batch: no gather of q
 
+    assert resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, TINY).cpu_attention_kernel
     monkeypatch.setenv(envs.CPU_ATTENTION_KERNEL, "0")
-    off = create_backend("torch", 6, 2, 64, 0.125)
+    plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, TINY)
+    assert not plan.cpu_attention_kernel and dict(plan.why_off)["C attention kernel"] == "STEPLOOP_CPU_ATTENTION_KERNEL=0"
+    off = create_backend("torch", 6, 2, 64, 0.125, plan.cpu_attention_kernel)
     assert off.cpu_kernel is None
     assert [type(g) for g in off.build_metadata(case.common).groups] == [_Group, _Group]
     torch.testing.assert_close(off.forward(0, case.q, case.k, case.v, case.kv_cache.clone(),
@@ -164,11 +176,10 @@ def _step(model, caches, query_lens, cached, block_size=8):
                      torch.arange(len(pos)))
 
 
-def test_tiny_model_kernel_matches_sdpa_path(monkeypatch):
+def test_tiny_model_kernel_matches_sdpa_path():
     """Prompt chunks (long -> SDPA, short -> kernel), then decodes and a 4-token draft check, both paths."""
     torch.manual_seed(0)
-    kernel_model = LlamaForCausalLM(TINY, create_backend("torch", 6, 2, 64, 0.125), 128)
-    monkeypatch.setenv(envs.CPU_ATTENTION_KERNEL, "0")
+    kernel_model = LlamaForCausalLM(TINY, create_backend("torch", 6, 2, 64, 0.125, cpu_kernel=True), 128)
     sdpa_model = LlamaForCausalLM(TINY, create_backend("torch", 6, 2, 64, 0.125), 128)
     sdpa_model.load_state_dict(kernel_model.state_dict())
     assert kernel_model.backend.cpu_kernel is not None and sdpa_model.backend.cpu_kernel is None

@@ -108,12 +108,20 @@ def test_logprobs_and_errors(fresh_runner, prompts, hf_model):
     assert "99" in bad.error and not bad.sampled
 
 
-def test_profile_forward_runs(fresh_runner):
-    """The CUDA memory profile's dummy forward (exercised here on CPU with a short length)."""
+def test_profile_forward_is_a_real_forward(fresh_runner, hf_model):
+    """The CUDA memory profile's dummy forward (run here on the CPU with a short length) computes the model on its
+    max-length prompt of token 0: its logits are transformers' for that prompt, and it leaves the KV cache alone."""
     from services.gpu_worker.model_runner import _profile_forward
 
-    model = fresh_runner.model
-    _profile_forward(model, model.config, 16, 40, torch.float32, torch.device("cpu"))
+    model, n = fresh_runner.model, 40
+    before = [c.clone() for c in fresh_runner.kv_caches]
+    logits = _profile_forward(model, model.config, 16, n, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        want = hf_model(torch.zeros(1, n, dtype=torch.long)).logits[:, -1]
+    assert logits.shape == (1, model.config.vocab_size)
+    torch.testing.assert_close(logits, want, atol=2e-3, rtol=1e-3)
+    assert logits.argmax().item() == want.argmax().item()
+    assert all(torch.equal(c, b) for c, b in zip(fresh_runner.kv_caches, before))
 
 
 def test_draft_verification_greedy(fresh_runner, prompts, hf_greedy):

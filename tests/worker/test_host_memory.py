@@ -46,8 +46,13 @@ def test_zeros_asks_for_huge_pages():
 
 
 def test_switched_off_gives_plain_torch(monkeypatch):
+    from services.gpu_worker.config import WorkerConfig
+    from services.gpu_worker.kernel_plan import resolve_kernel_plan
+    from tests.worker.test_cpu_paged_attention import TINY
     monkeypatch.setenv(envs.CPU_HUGEPAGES, "0")
-    t = host_memory.zeros((4, 1024, 1024), torch.float32)
+    plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, TINY)
+    assert not plan.hugepages and dict(plan.why_off)["huge pages"] == "STEPLOOP_CPU_HUGEPAGES=0"
+    t = host_memory.zeros((4, 1024, 1024), torch.float32, plan.hugepages)
     assert not t.any()
     if THP_MODE.exists() and "[madvise]" in THP_MODE.read_text():
         assert _vma_field(t.data_ptr(), "THPeligible") == "0"
@@ -56,8 +61,9 @@ def test_switched_off_gives_plain_torch(monkeypatch):
 def test_cpu_kv_cache_comes_from_host_memory(monkeypatch):
     calls = []
     real = host_memory.zeros
-    monkeypatch.setattr(host_memory, "zeros", lambda shape, dtype: calls.append(shape) or real(shape, dtype))
+    monkeypatch.setattr(host_memory, "zeros",
+                        lambda shape, dtype, huge: calls.append((shape, huge)) or real(shape, dtype, huge))
     cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
-    caches = kv_cache.allocate_kv_caches(cfg, 8, 16, torch.float32, torch.device("cpu"))
-    assert len(caches) == 2 and calls == [(2, 8, 16, 2, 16)] * 2
+    caches = kv_cache.allocate_kv_caches(cfg, 8, 16, torch.float32, torch.device("cpu"), hugepages=True)
+    assert len(caches) == 2 and calls == [((2, 8, 16, 2, 16), True)] * 2
     assert all(c.shape == (2, 8, 16, 2, 16) and not c.any() for c in caches)

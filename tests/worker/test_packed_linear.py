@@ -1,6 +1,6 @@
 """Lossless weight packing (cpu_kernels/packed_weights.py) and the packed fp32 matmul (packed_linear.c): the packed
 form gives back every weight bit for bit, the kernel matches x @ W.T, a row's result does not depend on its batch,
-and the worker swaps exactly the packable layers of the real model."""
+and the worker packs exactly the packable layers of the real model."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from services.common import envs
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q8_0, pack, unpack
-from services.gpu_worker.model.packed_linear_layer import PackedLinear, pack_linear_layers
+from services.gpu_worker.model.packed_linear_layer import PackedLinear, pack_linear_weights
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="the C kernel did not build (no gcc?)")
 
@@ -91,11 +90,12 @@ def test_kernel_rejects_bad_input():
 
 
 def test_packed_linear_module_adds_bias():
-    linear = nn.Linear(64, 32)
-    linear.weight.data = gguf_q4_1(32, 64, seed=5)
-    layer = PackedLinear(pack(linear.weight.data), linear.bias)
+    layer = PackedLinear(64, 32)
+    layer.weight.data = gguf_q4_1(32, 64, seed=5)
     x = torch.randn(5, 64)
-    torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-6)
+    expected = layer(x)                                  # still fp32: an nn.Linear until it is packed
+    layer.use_packed(pack(layer.weight.data))
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_real_model_weights_pack_losslessly(model_dir):
@@ -110,26 +110,27 @@ def test_real_model_weights_pack_losslessly(model_dir):
             assert same_bits(unpack(packed), w), name
 
 
-def test_pack_linear_layers_swaps_only_packable_layers(monkeypatch):
-    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 32, bias=False))
-    model[0].weight.data = gguf_q4_1(32, 64, seed=6)
+def test_pack_linear_weights_packs_only_packable_layers():
+    model = nn.Sequential(PackedLinear(64, 32, bias=True), nn.ReLU(), PackedLinear(32, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(gguf_q4_1(32, 64, seed=6))
     x = torch.randn(3, 64)
     expected = model(x)
-    monkeypatch.setenv(envs.CPU_PACKED_WEIGHTS, "0")
-    assert "=0" in pack_linear_layers(model) and isinstance(model[0], nn.Linear)
-    monkeypatch.delenv(envs.CPU_PACKED_WEIGHTS)
-    summary = pack_linear_layers(model)
-    assert summary.startswith("packed 1 of 2 linear weights losslessly (1 Q4_1)")
-    assert isinstance(model[0], PackedLinear) and isinstance(model[2], nn.Linear)     # random weights stay fp32
+    summary = pack_linear_weights(model)
+    assert summary.startswith("packed weights: packed in ") and "1 of 2 linear weights losslessly (1 Q4_1)" in summary
+    assert model[0].packed is not None and model[0].weight is None                  # the fp32 copy is gone
+    assert model[2].packed is None and model[2].weight is not None                  # random weights stay fp32
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="packed weight"):
+        PackedLinear(64, 48, bias=False).use_packed(model[0].packed)
 
 
 def test_worker_packs_the_default_model(runner):
     """The session's ModelRunner (CPU, fp32) runs every linear layer, lm_head included, on packed weights; the
     greedy-vs-transformers tests in this folder therefore check the kernel end to end."""
     model = runner.model
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
-    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, PackedLinear) and m.packed is not None for m in linears)
     assert model.lm_head.packed.kind == Q8_0 and model.model.layers[0].mlp.down_proj.packed.kind == Q4_1
     from services.gpu_worker.model.cpu_ops import CpuOps
     assert model.model.layers[3].mlp.ops is CpuOps and model.rotary.ops is CpuOps    # and the C elementwise ops

@@ -2,8 +2,8 @@
 
 Per step (build_metadata), requests are split into two groups, decodes (1 query token) and the rest, so a
 long prompt chunk does not pad every decode to its length. On the CPU in fp32, when the fused C kernel
-(cpu_kernels/paged_attention.c, built once when the backend is constructed; STEPLOOP_CPU_ATTENTION_KERNEL=0
-turns it off) is available, the first group is instead every request kernel_eligible() names (decodes, draft
+(cpu_kernels/paged_attention.c; the KernelPlan turns it on, STEPLOOP_CPU_ATTENTION_KERNEL=0 keeps it off)
+is on, the first group is instead every request kernel_eligible() names (decodes, draft
 verification, and prompt chunks whose query_len x seq_len is small): the kernel reads K/V straight from the paged
 cache, one call per layer, no gather and no mask. Long chunks over long contexts keep the path below, whose GEMMs
 beat the kernel's loops there.
@@ -22,18 +22,14 @@ No per-request Python loop runs inside a layer.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.common import envs
-from services.gpu_worker.attention.backend import AttentionBackend, write_kv
+from services.gpu_worker.attention.backend import AttentionBackend
 from services.gpu_worker.attention.metadata import CommonAttentionMetadata
-
-log = logging.getLogger(__name__)
 
 KERNEL_MAX_QUERY_LEN = 8        # decodes, draft verification: always the kernel
 # Longer chunks too while query_len x seq_len stays under this: measured on 2 cores (9 query / 3 KV heads), the
@@ -85,25 +81,22 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, cpu_kernel: bool = False):
+        """cpu_kernel: run kernel_eligible() requests in the C kernel on fp32 CPU steps (KernelPlan decides)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.cpu_kernel = None       # the C kernel's entry point, used for fp32 steps on the CPU
-        off = envs.switched_off(envs.CPU_KERNELS, envs.CPU_ATTENTION_KERNEL)
-        if off:
-            why = f"{off}=0"
-        else:
+        if cpu_kernel:
             from services.gpu_worker.cpu_kernels import paged_attention
             if not paged_attention.supports(num_heads, num_kv_heads, head_dim):
-                why = f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim}: past the kernel's limits"
-            elif paged_attention.available():
-                self.cpu_kernel = paged_attention.paged_attention
-            else:
-                why = "the kernel did not build"
-        log.info("CPU attention: %s", f"fused C paged kernel for query_len <= {KERNEL_MAX_QUERY_LEN} or "
-                 f"query_len x seq_len <= {KERNEL_MAX_CHUNK_WORK} (fp32), "
-                 "gather + SDPA for longer chunks" if self.cpu_kernel else f"gather + SDPA ({why})")
+                raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim} are past the C "
+                                 "paged-attention kernel's limits")
+            if not paged_attention.available():
+                raise RuntimeError("the C paged-attention kernel did not build")
+            self.cpu_kernel = paged_attention.paged_attention
 
-    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+    def build_metadata(self, common: CommonAttentionMetadata,
+                       max_seq_len_hint: int | None = None) -> TorchAttentionMetadata:
+        """Plans on the host from this step's own lengths every step, so the hint is not needed."""
         device = common.seq_lens.device
         if self.cpu_kernel is not None and device.type == "cpu":
             short = kernel_eligible(common.query_lens_cpu, common.seq_lens_cpu)
@@ -152,6 +145,13 @@ class TorchAttentionBackend(AttentionBackend):
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=self.scale,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         return o.transpose(1, 2)[g.q_valid]                    # [n, H, D]
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, Hk, D] into kv_cache [2, num_blocks, block_size, Hk, D] at slot_mapping [T]."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])   # [2, num_slots, Hk, D]
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def _build_kernel_group(common: CommonAttentionMetadata, selected: np.ndarray) -> _KernelGroup:

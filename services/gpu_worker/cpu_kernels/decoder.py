@@ -2,6 +2,7 @@
 kernel computes (decodes, short chunks, prompt chunks over short contexts).
 
     decoder, why = CpuDecoder.build(model, kv_caches)   # None (and why) unless every layer can run in C
+                                                        # (LlamaForCausalLM.bind_kv_caches, when the KernelPlan asks)
     if decoder is not None and metadata.whole_batch_in_kernel:     # the torch backend's TorchAttentionMetadata
         x, residual = decoder.forward(x, positions, metadata.common)
 
@@ -18,7 +19,6 @@ from types import SimpleNamespace
 
 import torch
 
-from services.common import envs
 from services.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -62,12 +62,6 @@ def _matrix(linear) -> _Matrix:
 def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:
     """None when every layer can run in decoder.c, else the reason (for the log)."""
     from services.gpu_worker.model.cpu_ops import CpuOps
-    from services.gpu_worker.model.packed_linear_layer import PackedLinear
-    off = envs.switched_off(envs.CPU_KERNELS, envs.CPU_DECODER)
-    if off:
-        return f"layer by layer ({off}=0)"
-    if not model.config.is_plain_llama:     # model/model_config.py: a family's declared differences are torch
-        return f"layer by layer ({model.config.model_type}: the C decoder implements the plain Llama layer)"
     if _kernels() is None:
         return "the CPU kernels did not build"
     if getattr(model.backend, "cpu_kernel", None) is None:
@@ -77,7 +71,7 @@ def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(lin, PackedLinear) and lin.bias is None for lin in linears):
+        if not all(getattr(lin, "packed", None) is not None and lin.bias is None for lin in linears):
             return "a linear layer is not packed (or has a bias)"
         if not (mlp.ops is CpuOps and layer.input_layernorm.ops is CpuOps and model.rotary.ops is CpuOps):
             return "the C elementwise ops are off"
@@ -89,6 +83,7 @@ class CpuDecoder:
         cfg, layers = model.config, model.model.layers
         self.kernels = _kernels()
         self._keep = [model.rotary.cos, model.rotary.sin, *kv_caches]       # the structs point into these
+        self._cache_ptrs = [c.data_ptr() for c in kv_caches]
         self.layers = (_Layer * len(layers))(*[
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                    _matrix(layer.self_attn.qkv_proj), _matrix(layer.self_attn.o_proj),
@@ -100,6 +95,10 @@ class CpuDecoder:
                             layers[0].mlp.intermediate_size, num_blocks, block_size, model.rotary.cos.shape[0],
                             layers[0].input_layernorm.eps, model.backend.scale, self.layers,
                             model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr())
+
+    def serves(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether these are the caches the Layer structs point into (a profile run's scratch caches are not)."""
+        return [c.data_ptr() for c in kv_caches] == self._cache_ptrs
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> tuple[CpuDecoder | None, str]:

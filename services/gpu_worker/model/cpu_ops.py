@@ -1,15 +1,14 @@
 """CpuOps: the model's elementwise ops as C kernels (cpu_kernels/elementwise.c) for fp32 CPU tensors, TorchOps for
 anything else. Same interface as TorchOps (model/ops.py); rms_norm with a residual and rotary work in place, like
 TritonOps. At decode batch sizes each torch op costs more in dispatch than in arithmetic: one call instead of 5-10
-ops per norm / rotation / activation is ~10 ms of a 16-request decode step on 2 cores.
+ops per norm / rotation / activation is ~10 ms of a 16-request decode step on 2 cores. The KernelPlan picks it
+(kernel_plan.py: elementwise "cpu") and the layers take it when they are built.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from services.common import envs
 from services.gpu_worker.cpu_kernels import elementwise as kernel
 from services.gpu_worker.model.ops import TorchOps
 
@@ -37,17 +36,3 @@ class CpuOps:
             return kernel.silu_and_mul(x)
         return TorchOps.silu_and_mul(x)
 
-
-def use_cpu_ops(model: nn.Module) -> str:
-    """Point every module that uses TorchOps at CpuOps; returns a one-line summary for the log."""
-    off = envs.switched_off(envs.CPU_KERNELS)
-    if off:
-        return f"torch ({off}=0)"
-    if not kernel.available():
-        return "torch (the elementwise kernels did not build)"
-    swapped = 0
-    for module in model.modules():
-        if getattr(module, "ops", None) is TorchOps:
-            module.ops = CpuOps
-            swapped += 1
-    return f"C kernels in {swapped} modules (RMSNorm, rotary, SiLU-and-mul)"

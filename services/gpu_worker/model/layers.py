@@ -1,6 +1,7 @@
 """Small Llama building blocks: RMSNorm (optionally fused with the residual add) and the gated MLP (gate and up
-fused into one matmul; act(gate) * up with act silu, gelu or gelu_tanh). `ops` picks torch or the fused kernels
-(model/ops.py) for SiLU; the GELU variants (Gemma, GeGLU) are torch."""
+fused into one matmul; act(gate) * up with act silu, gelu or gelu_tanh). `ops` and `linear` come from the
+KernelPlan (kernel_plan.py): torch, the fused Triton kernels or the CPU's C kernels, for SiLU; the GELU variants
+(Gemma's GeGLU) are torch."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ class RMSNorm(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops=TorchOps, act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops=TorchOps, linear=nn.Linear,
+                 act: str = "silu"):
         super().__init__()
         self.intermediate_size, self.ops, self.act = intermediate_size, ops, act
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)  # [2I, hidden]: gate; up
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = linear(hidden_size, 2 * intermediate_size, bias)  # [2I, hidden]: gate; up
+        self.down_proj = linear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -9,7 +9,8 @@ each token sits in its request.
 
 The residual stream is carried beside the hidden states (vLLM's form): the true hidden state is x + residual, and
 each norm adds the residual and normalizes in one op (`ops.rms_norm(x, w, eps, residual)`), which the triton ops
-fuse into one kernel. Norm placements in that form:
+fuse into one kernel. Every layer takes its elementwise ops (`plan.ops`) and its linear type (`plan.linear`) from
+the KernelPlan when it is built (kernel_plan.py): torch, the fused Triton kernels, or the CPU's C kernels. Norm placements in that form:
     pre       x, r = in_norm(x, r); x = attn(x);           x, r = post_attn_norm(x, r); x = mlp(x)
     sandwich  x, r = in_norm(x, r); x = post_attn_norm(attn(x)); x, r = pre_ff_norm(x, r); x = post_ff_norm(mlp(x))
     post      h = x + r; x = post_attn_norm(attn(h)); h = x + h; x = post_ff_norm(mlp(h)); r = h
@@ -25,24 +26,25 @@ import torch
 from torch import nn
 
 from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.kernel_plan import KernelPlan
 from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
 from services.gpu_worker.model.model_config import ModelConfig
 from services.gpu_worker.model.moe import SparseMoE
-from services.gpu_worker.model.ops import ops_for
 from services.gpu_worker.model.rotary import RotaryEmbedding
 from services.gpu_worker.model.windowed_attention import WindowedAttention
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, max_positions: int,
+                 plan: KernelPlan):
         super().__init__()
         self.layer_idx, self.backend = layer_idx, backend
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                             cfg.head_dim)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # [q_size + 2 * kv_size, hidden]: rows are q, then k, then v
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
+        self.qkv_proj = plan.linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
+        self.o_proj = plan.linear(self.q_size, cfg.hidden_size, cfg.output_bias)
         if cfg.qk_norm:
             q_dim, k_dim = (self.head_dim, self.head_dim) if cfg.qk_norm == "head" else (self.q_size, self.kv_size)
             self.q_norm, self.k_norm = RMSNorm(q_dim, cfg.rms_norm_eps), RMSNorm(k_dim, cfg.rms_norm_eps)
@@ -78,16 +80,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, max_positions: int,
+                 plan: KernelPlan):
         super().__init__()
-        ops = ops_for(backend.name)
+        ops = plan.ops
         self.placement, self.residual_scale = cfg.norm_placement, cfg.residual_scale
         self.uses_local_rope = cfg.local_rope_theta is not None and cfg.window(layer_idx) is not None
-        self.self_attn = LlamaAttention(cfg, layer_idx, backend, max_positions)
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend, max_positions, plan)
         if cfg.moe is not None and layer_idx in cfg.moe.sparse_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
         else:
-            self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, cfg.hidden_act)
+            self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, ops, plan.linear, cfg.hidden_act)
         if cfg.norm_placement != "post":
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -121,39 +124,42 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, plan: KernelPlan):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # weight [vocab, hidden]
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, max_positions)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, max_positions, plan)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops_for(backend.name))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 plan: KernelPlan | None = None):
+        """plan None: KernelPlan.reference(backend.name), torch ops (Triton's with the triton backend), no C kernel."""
         super().__init__()
-        self.config, self.backend = cfg, backend
-        self.model = LlamaModel(cfg, backend, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)   # weight [vocab, hidden]
+        plan = plan or KernelPlan.reference(backend.name)
+        self.config, self.backend, self.plan = cfg, backend, plan
+        self.model = LlamaModel(cfg, backend, max_positions, plan)
+        self.lm_head = plan.linear(cfg.hidden_size, cfg.vocab_size, False)   # weight [vocab, hidden]
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                      ops_for(backend.name), rotary_dim=rotary_dim,
+                                      plan.ops, rotary_dim=rotary_dim,
                                       max_position_embeddings=cfg.max_position_embeddings,
                                       original_max_position_embeddings=cfg.original_max_position_embeddings)
         self.local_rotary = None        # Gemma 3: the windowed layers' own base, default rope
         if cfg.local_rope_theta is not None:
             self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, None,
-                                                ops_for(backend.name), rotary_dim=rotary_dim)
-        self._cpu_decoder = None
+                                                plan.ops, rotary_dim=rotary_dim)
+        self.cpu_decoder = None   # cpu_kernels/decoder.py's CpuDecoder, from bind_kv_caches when the plan has one
 
-    @property
-    def cpu_decoder(self):
-        """cpu_kernels/decoder.py's CpuDecoder, set by the worker on CPU fp32 when it applies (plain Llama only)."""
-        return self._cpu_decoder
-
-    @cpu_decoder.setter
-    def cpu_decoder(self, decoder) -> None:
-        self._cpu_decoder = decoder if self.config.is_plain_llama else None
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> str:
+        """Once the KV caches exist: the plan's C decoder (every layer in one call) points into them and the loaded
+        weights. Returns how decode steps run, for the log."""
+        if not self.plan.cpu_decoder:
+            return "layer by layer (the kernel plan has no C decoder)"
+        from services.gpu_worker.cpu_kernels.decoder import CpuDecoder
+        self.cpu_decoder, how = CpuDecoder.build(self, kv_caches)
+        return how
 
     def rotaries(self) -> list[RotaryEmbedding]:
         return [self.rotary] + ([self.local_rotary] if self.local_rotary is not None else [])
@@ -170,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
         if self.config.embedding_scale != 1.0:    # in the model dtype, as transformers' Gemma normalizer
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
-        if self._cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False):
-            x, residual = self._cpu_decoder.forward(x, positions, attn_metadata.common)   # all layers in one C call
+        if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False) \
+                and self.cpu_decoder.serves(kv_caches):
+            x, residual = self.cpu_decoder.forward(x, positions, attn_metadata.common)   # all layers in one C call
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
                 rotary = self.local_rotary if layer.uses_local_rope else self.rotary

@@ -17,10 +17,12 @@ import torch
 from safetensors import safe_open
 
 from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.kernel_plan import KernelPlan
 from services.gpu_worker.model.layers import RMSNorm
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from services.gpu_worker.model.moe import expert_target
+from services.gpu_worker.model.packed_linear_layer import pack_linear_weights
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,12 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
+               device: torch.device, plan: KernelPlan | None = None) -> LlamaForCausalLM:
+    """plan None: KernelPlan.reference (no C kernel). With plan.packed_linears the loaded weights are packed
+    before this returns."""
     cfg = LlamaModelConfig.from_dir(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions)
+        model = LlamaForCausalLM(cfg, backend, max_positions, plan)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     _load_weights(model, cfg, path)
@@ -51,6 +55,8 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         _fold_norm_offset(model, cfg.norm_offset)
     for rotary in model.rotaries():
         rotary.build_cache(device, dtype)
+    if model.plan.packed_linears:
+        log.info("%s", pack_linear_weights(model))
     return model.eval()
 
 

@@ -1,5 +1,6 @@
 """The model's elementwise ops in two implementations with one interface: plain torch (the oracle, and the CPU
-serving path) and the fused Triton kernels (used with the triton attention backend).
+serving path) and the fused Triton kernels (used with the triton attention backend); the KernelPlan picks
+(kernel_plan.py; the CPU's C kernels are model/cpu_ops.py).
 
     rms_norm(x, w, eps)                -> y
     rms_norm(x, w, eps, residual)      -> (y, x + residual)      (triton: both written in place)
@@ -54,11 +55,6 @@ class TritonOps:
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from services.gpu_worker.kernels.fused import silu_and_mul
         return silu_and_mul(x)
-
-
-def ops_for(backend_name: str) -> type[TorchOps | TritonOps]:
-    """The fused kernels go with the triton attention backend; every other backend uses torch."""
-    return TritonOps if backend_name == "triton" else TorchOps
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,57 +1,74 @@
-"""On the CPU in fp32, swap the model's nn.Linear layers whose weights are exactly GGUF-quantized values for
-PackedLinear (cpu_kernels/packed_linear.c): the same fp32 weights and fp32 arithmetic, read from memory in ~6 bits
-per weight instead of 32. Decoding on a CPU is bound by reading the weights once per step, so this is what makes
-small batches fast; the fp32 copies are dropped (the embedding keeps its own table for lookups).
+"""PackedLinear: the linear layer of a KernelPlan with packed_linears (the CPU in fp32). It is built and loaded as an
+nn.Linear; after loading, each one whose weight is exactly GGUF-quantized values takes that weight's packed form
+(cpu_kernels/packed_linear.c): the same fp32 weights and fp32 arithmetic, read from memory in ~6 bits per weight
+instead of 32. Decoding on a CPU is bound by reading the weights once per step, so this is what makes small batches
+fast; the fp32 copies are dropped (a tied embedding keeps its own table for lookups). Weights that never were
+quantized stay fp32 torch matmuls.
 
-STEPLOOP_CPU_PACKED_WEIGHTS=0 (or STEPLOOP_CPU_KERNELS=0) keeps every layer fp32 torch.
+    model = LlamaForCausalLM(cfg, backend, max_positions, plan)    # plan.linear -> PackedLinear
+    ... load the checkpoint's weights ...
+    pack_linear_weights(model, cache)                             # once, after loading (packed_weight_cache.py)
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
-from services.common import envs
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, PackedWeight, pack
 
+class PackedLinear(nn.Linear):
+    packed: PackedWeight | None = None     # set once after loading; None: an fp32 torch matmul
 
-class PackedLinear(nn.Module):
-    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None):
-        super().__init__()
+    def use_packed(self, packed: PackedWeight) -> None:
+        if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"packed weight [{packed.out_features}, {packed.in_features}] for a linear "
+                             f"[{self.out_features}, {self.in_features}]")
         self.packed = packed
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.weight = None                 # the fp32 copy goes (the parameter slot stays, empty)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return super().forward(x)
         y = kernel.packed_linear(x, self.packed, torch.get_num_threads())
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {KIND_NAMES[self.packed.kind]}"
+        kind = KIND_NAMES[self.packed.kind] if self.packed is not None else "fp32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
-def pack_linear_layers(model: nn.Module) -> str:
-    """Replace each packable nn.Linear of a CPU fp32 model in place; returns a one-line summary for the log."""
-    off = envs.switched_off(envs.CPU_KERNELS, envs.CPU_PACKED_WEIGHTS)
-    if off:
-        return f"fp32 torch matmuls ({off}=0)"
-    if not kernel.available():
-        return "fp32 torch matmuls (the packed linear kernel did not build)"
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
+def pack_linear_weights(model: nn.Module, cache=None) -> str:
+    """Give every loaded PackedLinear its packed weight where one exists; returns a one-line summary for the log.
+    cache: a PackedWeightCache (packed_weight_cache.py), or None to pack without one."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    start = time.perf_counter()
+    packed = cache.load(layers) if cache is not None else None
+    cached = packed is not None
+    if packed is None:
+        packed = {name: pack(m.weight.data) if m.weight.device.type == "cpu" else None
+                  for name, m in layers.items()}
+        if cache is not None:
+            cache.store(packed)
+    for name, weight in packed.items():
+        if weight is not None:
+            layers[name].use_packed(weight)
+    seconds = time.perf_counter() - start
+    took = f"cached ({seconds:.2f} s)" if cached else f"packed in {seconds:.2f} s"
+    return f"packed weights: {took}: {_summary(layers, packed)}"
+
+
+def _summary(layers: dict[str, PackedLinear], packed: dict[str, PackedWeight | None]) -> str:
+    done = [p for p in packed.values() if p is not None]
+    if not done:
+        return f"fp32 torch matmuls (none of {len(layers)} linear weights is exactly Q4_1/Q8_0-quantized)"
     counts: dict[str, int] = {}
-    fp32_bytes = packed_bytes = 0
-    for parent, name, linear in linears:
-        packed = pack(linear.weight.data) if linear.weight.device.type == "cpu" else None
-        if packed is None:
-            continue
-        setattr(parent, name, PackedLinear(packed, linear.bias))
-        counts[KIND_NAMES[packed.kind]] = counts.get(KIND_NAMES[packed.kind], 0) + 1
-        fp32_bytes += linear.weight.numel() * 4
-        packed_bytes += packed.nbytes
-    if not counts:
-        return f"fp32 torch matmuls (none of {len(linears)} linear weights is exactly Q4_1/Q8_0-quantized)"
+    for p in done:
+        counts[KIND_NAMES[p.kind]] = counts.get(KIND_NAMES[p.kind], 0) + 1
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-    return (f"packed {sum(counts.values())} of {len(linears)} linear weights losslessly ({kinds}): "
-            f"{fp32_bytes / 2**20:.0f} MiB fp32 read as {packed_bytes / 2**20:.0f} MiB")
+    fp32 = sum(p.out_features * p.in_features * 4 for p in done)
+    return (f"{len(done)} of {len(layers)} linear weights losslessly ({kinds}): "
+            f"{fp32 / 2**20:.0f} MiB fp32 read as {sum(p.nbytes for p in done) / 2**20:.0f} MiB")

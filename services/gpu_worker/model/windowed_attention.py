@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.attention.backend import write_kv
+from services.gpu_worker.attention.torch_backend import write_kv
 from services.gpu_worker.attention.metadata import CommonAttentionMetadata
 
 QUERY_CHUNK = 256   # soft-capped logits are materialised per this many query rows (bounded memory)

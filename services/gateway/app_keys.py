@@ -1,0 +1,19 @@
+"""The gateway app's shared objects, one typed key each: set in app.create_app, read by handlers and the server.
+This module imports only the types it names, so any module may import it without a cycle."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from services.gateway.chat_template import ChatTemplate
+from services.gateway.drain import Drain
+from services.gateway.health import HealthProbe
+from services.gateway.serving import Serving
+from services.gateway.tool_parsers import ToolParser
+
+SERVING = web.AppKey("serving", Serving)                  # the request flow both OpenAI endpoints share
+CHAT_TEMPLATE = web.AppKey("chat_template", ChatTemplate)  # chat requests (and /tokenize) -> prompt token ids
+TOOL_PARSER = web.AppKey("tool_parser", ToolParser)       # --tool-call-parser: the format of "auto" tool calls
+HEALTH = web.AppKey("health", HealthProbe)
+DRAIN = web.AppKey("drain", Drain)
+MAX_BODY = web.AppKey("max_body", int)                   # --max-request-body-bytes, for the 413's message

@@ -1,0 +1,142 @@
+"""KernelPlan: which implementation each part of the model runs, decided once at start.
+
+    plan = resolve_kernel_plan(worker_config, device, dtype, model_config)   # WorkerConfig + STEPLOOP_CPU_* + facts
+    model = load_model(path, create_backend(plan, ...), max_len, dtype, device, plan)   # layers pick ops at init
+    model.bind_kv_caches(caches)                                             # the C decoder, when the plan has it
+
+As vLLM's CustomOp picks its forward when a layer is built, the model's layers take their elementwise ops, their
+linear layer type and the attention backend's kernel from the plan at construction; nothing is swapped in later
+and nothing deep in the code reads the environment. The STEPLOOP_CPU_* switches are read here alone (their names
+live in services/common/envs.py). A feature the plan leaves off carries its reason, logged once at start.
+
+The C kernels (cpu_kernels/) serve fp32 on the CPU. Features on the CPU and what each needs:
+
+    elementwise "cpu"     RMSNorm, rotary, SiLU-and-mul in C      torch attention backend, the library built
+    packed_linears        linears read packed Q4_1/Q8_0 weights   the library built (which weights pack: at load)
+    cpu_attention_kernel  fused paged attention for short queries  torch backend, heads within the kernel's limits
+    cpu_decoder           every layer in one C call per step      all three above (and every linear packed: at bind)
+    hugepages             the CPU KV cache in 2 MiB pages         Linux with MADV_HUGEPAGE (any dtype)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.common import envs
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.model.model_config import LlamaModelConfig
+from services.gpu_worker.model.ops import TorchOps, TritonOps
+
+ELEMENTWISE = ("torch", "triton", "cpu")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    attention_backend: str = "torch"     # "torch" (the oracle, the CPU path) or "triton"
+    elementwise: str = "torch"           # "torch", "triton" (fused Triton kernels) or "cpu" (cpu_kernels/elementwise.c)
+    packed_linears: bool = False         # linears take PackedLinear: exact Q4_1/Q8_0 weights run packed_linear.c
+    cpu_attention_kernel: bool = False   # the torch backend's short queries run cpu_kernels/paged_attention.c
+    cpu_decoder: bool = False            # steps whose attention is all the C kernel's run decoder.c (all layers)
+    hugepages: bool = False              # the CPU KV cache asks for transparent huge pages (host_memory.py)
+    cuda_graphs: bool = False            # decode-only steps replay CUDA graphs (cuda_graphs.py)
+    why_off: tuple[tuple[str, str], ...] = ()   # (feature, reason) for each feature left off, for the log
+
+    def __post_init__(self) -> None:
+        if self.elementwise not in ELEMENTWISE:
+            raise ValueError(f"elementwise ops {self.elementwise!r} are not one of {', '.join(ELEMENTWISE)}")
+        if self.cpu_decoder and not (self.packed_linears and self.cpu_attention_kernel and self.elementwise == "cpu"):
+            raise ValueError("the C decoder needs packed linears, the C attention kernel and the C elementwise ops")
+
+    @classmethod
+    def reference(cls, attention_backend: str = "torch") -> KernelPlan:
+        """No C kernel: torch ops (the fused Triton ops with the triton backend). For tests and oracles."""
+        return cls(attention_backend, "triton" if attention_backend == "triton" else "torch")
+
+    @property
+    def ops(self):
+        """The elementwise ops class every norm, MLP and rotary layer calls (model/ops.py, model/cpu_ops.py)."""
+        if self.elementwise == "cpu":
+            from services.gpu_worker.model.cpu_ops import CpuOps
+            return CpuOps
+        return TritonOps if self.elementwise == "triton" else TorchOps
+
+    def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Linear:
+        """The model's linear layer: PackedLinear (packs its weight after loading) or a plain nn.Linear."""
+        if self.packed_linears:
+            from services.gpu_worker.model.packed_linear_layer import PackedLinear
+            return PackedLinear(in_features, out_features, bias=bias)
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        on = [f"attention {self.attention_backend}" + (" + C paged kernel" if self.cpu_attention_kernel else ""),
+              f"elementwise {self.elementwise}", "packed linears" if self.packed_linears else "fp32 linears"]
+        on += [name for name, flag in (("C decoder", self.cpu_decoder), ("huge pages", self.hugepages),
+                                       ("CUDA graphs", self.cuda_graphs)) if flag]
+        off = "; ".join(f"no {feature}: {why}" for feature, why in self.why_off)
+        return ", ".join(on) + (f" ({off})" if off else "")
+
+
+def resolve_kernel_plan(config: WorkerConfig, device: torch.device, dtype: torch.dtype,
+                        cfg: LlamaModelConfig) -> KernelPlan:
+    """The plan for this worker: its flags, the STEPLOOP_CPU_* switches, the device and the model's shapes."""
+    backend = config.resolved_attention_backend(device.type)
+    if device.type != "cpu":
+        graphs = config.use_cuda_graphs(device.type) and not cfg.has_host_planned_attention
+        why_graphs = (("CUDA graphs", "sliding-window / soft-capped layers plan their attention on the host"),) \
+            if config.use_cuda_graphs(device.type) and not graphs else ()
+        return KernelPlan(backend, "triton" if backend == "triton" else "torch", cuda_graphs=graphs,
+                          why_off=why_graphs)
+    why: dict[str, str | None] = {"huge pages": _why_no_hugepages()}
+    if dtype == torch.float32:
+        why.update(_why_no_cpu_kernels(backend, cfg))
+    else:
+        why.update(dict.fromkeys(("C elementwise ops", "packed linears", "C attention kernel", "C decoder"),
+                                 f"the C kernels are fp32 only (--dtype {str(dtype).removeprefix('torch.')})"))
+    elementwise = "cpu" if why["C elementwise ops"] is None else ("triton" if backend == "triton" else "torch")
+    return KernelPlan(backend, elementwise, packed_linears=why["packed linears"] is None,
+                      cpu_attention_kernel=why["C attention kernel"] is None, cpu_decoder=why["C decoder"] is None,
+                      hugepages=why["huge pages"] is None,
+                      why_off=tuple((feature, reason) for feature, reason in why.items() if reason))
+
+
+def _why_no_hugepages() -> str | None:
+    import mmap
+
+    off = envs.switched_off(envs.CPU_HUGEPAGES)
+    if off:
+        return f"{off}=0"
+    return None if hasattr(mmap, "MADV_HUGEPAGE") else "this OS has no MADV_HUGEPAGE"
+
+
+def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | None]:
+    """Each C-kernel feature -> None (on) or why it is off, for fp32 on the CPU. A start-up probe that times a
+    kernel against torch on the model's shapes decides here too (the reason then names the measured times)."""
+    def switch(*names: str) -> str | None:
+        off = envs.switched_off(envs.CPU_KERNELS, *names)
+        return f"{off}=0" if off else None
+
+    def built() -> str | None:          # builds the library (once per host) only when a switch leaves it on
+        from services.gpu_worker.cpu_kernels.build import load
+        return None if load() is not None else "the CPU kernels did not build (see the warning above)"
+
+    def torch_backend() -> str | None:
+        return None if backend == "torch" else f"the {backend} attention backend has its own kernels"
+
+    def heads_fit() -> str | None:
+        from services.gpu_worker.cpu_kernels.paged_attention import supports
+        if supports(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim):
+            return None
+        return (f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of size {cfg.head_dim}: "
+                "past the kernel's limits")
+
+    why = {"C elementwise ops": switch() or torch_backend() or built(),
+           "packed linears": switch(envs.CPU_PACKED_WEIGHTS) or built(),
+           "C attention kernel": switch(envs.CPU_ATTENTION_KERNEL) or torch_backend() or heads_fit() or built()}
+    needs = next((f"no {feature}" for feature, reason in why.items() if reason), None)
+    why["C decoder"] = switch(envs.CPU_DECODER) or needs or (
+        None if cfg.is_plain_llama else f"{cfg.model_type}: decoder.c is the plain Llama layer (this family is torch)")
+    return why
