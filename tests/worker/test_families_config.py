@@ -125,3 +125,21 @@ def test_refused_config_exits_2_before_loading_weights(tmp_path, model_dir, chan
                           check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "safetensors" not in proc.stderr
+
+
+def test_kernel_plan_routes_family_differences_to_torch():
+    """The C whole-step decoder is plain Llama's; windowed / soft-capped layers keep CUDA graphs off (they plan on
+    the host), and the plan says why."""
+    from services.gpu_worker.config import WorkerConfig
+    from services.gpu_worker.kernel_plan import resolve_kernel_plan
+
+    def parse(cls, **kw):
+        return ModelConfig(**read_fields(getattr(transformers, cls)(**kw).to_dict())[0])
+
+    config = WorkerConfig(model="unused", device="cpu")
+    gemma2 = parse("Gemma2Config")
+    plan = resolve_kernel_plan(config, torch.device("cpu"), torch.float32, gemma2)
+    assert not plan.cpu_decoder and "gemma2" in dict(plan.why_off)["C decoder"]
+    cuda = WorkerConfig(model="unused", device="cuda")
+    assert not resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, gemma2).cuda_graphs
+    assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, parse("Qwen3Config")).cuda_graphs
