@@ -21,10 +21,11 @@ PROMPT_LENS = (45, 66)
 @pytest.fixture(scope="module", params=["gemma2", "qwen2_window"])
 def served(request, tmp_path_factory, model_dir):
     path = build_family_model(request.param, tmp_path_factory.mktemp(request.param), model_dir)
-    args = ["--model", str(path), "--served-model-name", request.param]
+    model = ["--model", str(path)]
     cluster = Cluster(tmp_path_factory.mktemp("cluster"),
                       scheduler_args=["--max-num-batched-tokens", "16", "--max-num-seqs", "16"],
-                      worker_args=[*args, "--device", "cpu", "--max-model-len", "256"], gateway_args=args,
+                      worker_args=[*model, "--device", "cpu", "--max-model-len", "256"],
+                      gateway_args=[*model, "--served-model-name", request.param],
                       num_kv_blocks=128)
     try:
         yield request.param, cluster.start(), load_oracle(path), AutoTokenizer.from_pretrained(path)
