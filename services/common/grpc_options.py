@@ -14,9 +14,13 @@ _COMMON = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
+# No SO_REUSEPORT (gRPC sets it by default on Linux): with it, a second scheduler started on a port already in use
+# binds it too and the kernel splits new connections between the two, so gateways and workers of one cluster may
+# reach the other. Without it, the second one fails to bind.
 SERVER = _COMMON + [
     ("grpc.http2.min_ping_interval_without_data_ms", 4_000),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),
 ]
 
 # Reconnect attempts back off from 0.2 s to at most 2 s (gRPC's default grows to 120 s): a scheduler that comes

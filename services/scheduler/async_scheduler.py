@@ -26,10 +26,6 @@ from services.scheduler.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._awaiting_drafts: set[Request] = set()   # requests whose step in flight verifies drafts
-
     def _num_output_placeholders(self, request: Request) -> int:
         return request.num_output_placeholders
 
@@ -47,17 +43,23 @@ class AsyncScheduler(Scheduler):
         return request not in self._awaiting_drafts and super()._wants_drafts(request, placeholders)
 
     def _after_schedule(self, plan: StepPlan, scheduled: list[Request]) -> None:
-        drafts = plan.draft_token_ids
+        # The base class's advance, in the same pass (once per scheduled request: lengths read directly).
+        drafts, ends = plan.draft_token_ids, []
+        add_end = ends.append
         for request, num_new in zip(scheduled, plan.num_scheduled_tokens):
             # It samples iff its tokens (drafts aside) reach the end of what the worker knows: the tokens seen
             # here plus the placeholders in flight.
             num_drafts = len(drafts.get(request.handle, ())) if drafts else 0
-            if (request.num_computed_tokens + num_new - num_drafts
-                    >= request.num_tokens + request.num_output_placeholders):
+            end = request.num_computed_tokens + num_new
+            if end - num_drafts >= (len(request.prompt_token_ids) + len(request.output_token_ids)
+                                    + request.num_output_placeholders):
                 request.num_output_placeholders += 1
             if num_drafts:
                 self._awaiting_drafts.add(request)
-        super()._after_schedule(plan, scheduled)
+            request.num_computed_tokens = end
+            add_end(end)
+        if scheduled:
+            self._in_flight[plan.step_id] = (scheduled, ends)
 
     def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
         if request.num_output_placeholders:

@@ -131,6 +131,10 @@ class KVCacheManager:
         afterwards (the admission watermark). Returns the block ids appended to the table after the hits (maybe
         []), or None when the pool lacks free blocks; then nothing is allocated, so the caller can preempt and
         retry.
+
+        A table always covers the request's num_computed_tokens, so one more token for a request whose
+        num_computed_tokens is not a multiple of block_size always fits its last block (returns []): a caller
+        on a hot path may skip that call (the scheduler's decode loop does).
         """
         rid = request.request_id
         table = self._tables.get(rid)

@@ -92,6 +92,14 @@ class PrefillPacer:
             self._decode_tokens += num_new
             self._decode_pairs += pairs
 
+    def tally_decodes(self, num_decodes: int, context: int) -> None:
+        """tally(1, end, True) for num_decodes decodes at once, `context` the sum of their ends (exact: the
+        pairs of one decode are its end, an integer)."""
+        self._step_tokens += num_decodes
+        self._step_pairs += context
+        self._decode_tokens += num_decodes
+        self._decode_pairs += context
+
     def end_step(self, step_id: int) -> None:
         if self._step_tokens:
             self._shapes[step_id] = (self._step_tokens, self._step_pairs)

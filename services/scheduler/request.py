@@ -51,6 +51,10 @@ class Request:
     # with the first output. Kept across preemption (the recomputed ones are dropped).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Set by Scheduler.add_request for the per-token stop check: ids that may stop it (its stop_token_ids, and
+    # EOS unless ignore_eos) and the output length at which it stops (max_tokens or the context, whichever first).
+    stop_ids: frozenset[int] = frozenset()
+    max_output_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,7 +89,7 @@ class RequestRejectedError(ValueError):
         self.code = code                 # "context_length_exceeded" or "kv_cache_too_small"
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step (or an abort) produced for one request; the server turns it into a GenerateChunk."""
 

@@ -53,12 +53,19 @@ class Scheduler:
         self._in_flight: dict[int, tuple[list[Request], list[int]]] = {}
         self._next_step_id = 0
         self._first_live_step = 0                   # results of plans before this went to a lost worker
+        self._awaiting_drafts: set[Request] = set()   # async scheduling: a step in flight verifies their drafts
+        # Request.stop_ids without stop_token_ids, by ignore_eos: shared, so the per-token check hits a hot set.
+        self._no_stop_ids = {False: self.eos_token_ids, True: frozenset()}
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         validate_request(request, self.kv, self.max_model_len)
+        params = request.sampling
+        request.stop_ids = (frozenset(params.stop_token_ids) | self._no_stop_ids[params.ignore_eos]
+                            if params.stop_token_ids else self._no_stop_ids[params.ignore_eos])
+        request.max_output_tokens = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)
         request.status = RequestStatus.WAITING
         self.handles.assign(request)
         self.requests[request.request_id] = request
@@ -157,25 +164,61 @@ class Scheduler:
             self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan, budget: int, scheduled: list[Request]) -> int:
-        running, kv, i = self.running, self.kv, 0
+        # Hot path: once per running request per step. A plain decode (gap 1, no drafts, room to run ahead) is
+        # worked out inline, with the pacer's tally summed once after the loop; everything else goes through
+        # _num_new_tokens / _add_to_batch. Placeholders (async scheduling) only run ahead within max_tokens and
+        # max_model_len, and not while drafts in flight await their verdict (AsyncScheduler._num_new_tokens).
+        running, kv, i, awaiting = self.running, self.kv, 0, self._awaiting_drafts
+        add_handle, add_count, add_scheduled = (plan.scheduled_handles.append, plan.num_scheduled_tokens.append,
+                                                scheduled.append)
+        max_model_len, block_size = self.max_model_len, kv.block_size
+        num_decodes = decode_context = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = self._num_new_tokens(request, budget)
+            computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
+            num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
+            decode = (num_prompt + num_output + placeholders - computed == 1 and not request.spec_token_ids
+                      and computed < max_model_len - 1
+                      and (not placeholders or (num_output + placeholders < request.max_output_tokens
+                                                and (not awaiting or request not in awaiting))))
+            num_new = 1 if decode else self._num_new_tokens(request, budget)
             if num_new <= 0:
+                i += 1
+                continue
+            if decode and computed % block_size:    # room in its last block: allocate_slots would return []
+                add_handle(request.handle)
+                add_count(1)
+                num_decodes += 1
+                decode_context += computed + 1
+                add_scheduled(request)
+                budget -= 1
                 i += 1
                 continue
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
                 victim = running[-1]             # the worst ranked; everything before i is better
                 self._preempt(victim, plan)
                 if victim is request:
+                    self._tally_decodes(num_decodes, decode_context)
                     return budget
             if new_blocks:                       # a decode with room in its last block sends nothing here
-                plan.cached.append(request.handle, request.num_computed_tokens, new_blocks)
-            self._add_to_batch(plan, request, num_new)
-            scheduled.append(request)
+                plan.cached.append(request.handle, computed, new_blocks)
+            if decode:
+                add_handle(request.handle)
+                add_count(1)
+                num_decodes += 1
+                decode_context += computed + 1
+            else:
+                self._add_to_batch(plan, request, num_new)
+            add_scheduled(request)
             budget -= num_new
             i += 1
+        self._tally_decodes(num_decodes, decode_context)
         return budget
+
+    def _tally_decodes(self, num_decodes: int, context: int) -> None:
+        """The pacer's tally of the step's inline decodes: 1 token each, `context` = the sum of their ends."""
+        if self.pacer is not None and num_decodes:
+            self.pacer.tally_decodes(num_decodes, context)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, scheduled: list[Request]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -268,9 +311,10 @@ class Scheduler:
     def _after_schedule(self, plan: StepPlan, scheduled: list[Request]) -> None:
         """Advance num_computed_tokens as if the plan had run, so the next schedule() sees the new gaps."""
         ends = []
+        add_end = ends.append
         for request, num_new in zip(scheduled, plan.num_scheduled_tokens):
-            request.num_computed_tokens += num_new
-            ends.append(request.num_computed_tokens)
+            request.num_computed_tokens = end = request.num_computed_tokens + num_new
+            add_end(end)
         if scheduled:
             self._in_flight[plan.step_id] = (scheduled, ends)
 
@@ -292,6 +336,13 @@ class Scheduler:
             self.pacer.observe(plan.step_id, result.forward_seconds)
         if result.error:
             return self._fail_plan(in_flight[0], result.error)
+        if plan.draft_token_ids or result.logprobs or result.prompt_logprobs:
+            return self._apply_results(in_flight, plan, result)
+        return self._apply_tokens(in_flight, plan, result.sampled)
+
+    def _apply_results(self, in_flight: tuple[list[Request], list[int]], plan: StepPlan,
+                       result: StepResult) -> list[RequestOutput]:
+        """update_from_output for a step with drafts, logprobs or prompt logprobs."""
         outputs, sampled, logprobs, all_drafts = [], result.sampled, result.logprobs, plan.draft_token_ids
         prompt_logprobs = result.prompt_logprobs
         for request, end, handle, num_new in zip(*in_flight, plan.scheduled_handles, plan.num_scheduled_tokens):
@@ -306,6 +357,34 @@ class Scheduler:
             drafts = all_drafts.get(handle) if all_drafts else None
             outputs.append(self._append_tokens(request, tokens, logprobs.get(handle) if logprobs else None,
                                                drafts, end, num_new))
+        return outputs
+
+    def _apply_tokens(self, in_flight: tuple[list[Request], list[int]], plan: StepPlan,
+                      sampled: dict[int, list[int]]) -> list[RequestOutput]:
+        """update_from_output for the usual step: sampled tokens only. Hot path (once per request per step):
+        one token that cannot stop the request is appended inline; anything else goes through _append_tokens."""
+        outputs, block_size, kv, running = [], self.kv.block_size, self.kv, RUNNING
+        add_output, get_tokens = outputs.append, sampled.get
+        for request, end, handle, num_new in zip(*in_flight, plan.scheduled_handles, plan.num_scheduled_tokens):
+            if request.status is not running:
+                continue
+            tokens = get_tokens(handle)
+            if tokens is None:                   # a prompt chunk that does not reach the end: nothing sampled
+                self._cache_blocks(request, end, num_new)
+                continue
+            output_ids = request.output_token_ids
+            if (len(tokens) != 1 or request.spec_token_ids or tokens[0] in request.stop_ids
+                    or len(output_ids) + 1 >= request.max_output_tokens or request.sampling.prompt_logprobs >= 0):
+                add_output(self._append_tokens(request, tokens, None, None, end, num_new))
+                continue
+            if request.num_output_placeholders:  # what _on_sampled does for a step without drafts
+                request.num_output_placeholders -= 1
+            output_ids.append(tokens[0])
+            num_prompt = len(request.prompt_token_ids)
+            if end % block_size < num_new:       # it filled a block: key it (_cache_blocks)
+                kv.cache_blocks(request, min(end, num_prompt + len(output_ids)))
+            add_output(RequestOutput(request.request_id, tokens, None, None, None, num_prompt, len(output_ids),
+                                     request.num_cached_tokens))
         return outputs
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
