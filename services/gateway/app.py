@@ -26,7 +26,7 @@ from services.gateway.health import HealthProbe
 from services.gateway.model_state import ModelState
 from services.gateway.serving import Serving
 from services.gateway.tokenizer import Tokenizer
-from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, get_tool_parser
+from services.gateway.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,27 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = exc.text if exc.status != 413 else (
-            f"request body too large: the limit is {request.app[MAX_BODY]} bytes")
-        return APIError(exc.status, message or exc.reason, code=_HTTP_CODES.get(exc.status)).to_response()
+        return _http_error(request, exc).to_response()
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return internal_error().to_response()
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
+    """aiohttp's own errors in words a client can act on: which routes exist, which methods a route takes."""
+    headers: dict[str, str] = {}
+    if exc.status == 413:
+        message = f"request body too large: the limit is {request.app[MAX_BODY]} bytes"
+    elif exc.status == 404 and request.match_info.http_exception is not None:    # no route matched
+        message = (f"Invalid URL ({request.method} {request.path}): no such route. This server answers: "
+                   f"{', '.join(routes.route_list(request.app))}")
+    elif isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = sorted(exc.allowed_methods - {"HEAD"})
+        message = f"{request.method} is not allowed on {request.path}; use {' or '.join(allowed)}"
+        headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+    else:
+        message = exc.text or exc.reason
+    return APIError(exc.status, message, code=_HTTP_CODES.get(exc.status), headers=headers)
 
 
 def auth_middleware(api_key: str):
@@ -77,7 +92,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
     app[SERVING] = Serving(engine_client, tokenizer, model)
-    app[TOOL_PARSER] = tool_parser = get_tool_parser(DEFAULT_TOOL_PARSER)
+    app[TOOL_PARSER] = tool_parser = get_tool_parser(config.tool_call_parser)
     app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
     app[HEALTH] = HealthProbe(engine_client, drain)
     app[DRAIN] = drain

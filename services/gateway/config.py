@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.common import envs
 from services.common.tls import TlsConfig
+from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
@@ -25,6 +26,7 @@ class GatewayConfig:
     shutdown_timeout: float = 30.0            # seconds in-flight requests may take to finish on SIGTERM
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
     engine_session: bool = True               # all requests on one Session stream; False: a Generate call each
+    tool_call_parser: str = DEFAULT_TOOL_PARSER  # the format the model writes tool calls in (tool_parsers/)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -33,6 +35,9 @@ class GatewayConfig:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         addresses = self.scheduler_addresses   # any gRPC target: host:port, [::1]:port, unix:path, dns:///...
         if not addresses or len(set(addresses)) != len(addresses):
             raise ValueError(f"--scheduler-address must be one gRPC address, or several distinct ones separated by "
@@ -47,7 +52,8 @@ class GatewayConfig:
         return cls(host=args.host, port=args.port, scheduler_address=args.scheduler_address, model=args.model,
                    served_model_name=args.served_model_name, api_key=args.api_key or None,
                    max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-                   tls=TlsConfig.from_args(args), engine_session=args.engine_session)
+                   tls=TlsConfig.from_args(args), engine_session=args.engine_session,
+                   tool_call_parser=args.tool_call_parser)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,5 +76,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     envs.add_flag(parser, "--engine-session", type=bool, default=d.engine_session,
                   help="carry every request on one multiplexed Session stream to the scheduler (one message per "
                        "step); --no-engine-session gives each request its own Generate call")
+    envs.add_flag(parser, "--tool-call-parser", default=d.tool_call_parser,
+                  help=f"how the model writes tool calls under tool_choice auto, as vLLM's flag: "
+                       f"{', '.join(TOOL_PARSERS)} (hermes: <tool_call> tags, Qwen and most tool-tuned models; "
+                       "mistral: [TOOL_CALLS]; llama3_json: a JSON object, Llama 3.x)")
     TlsConfig.add_cli_args(parser)
     return parser

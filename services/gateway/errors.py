@@ -67,8 +67,8 @@ def from_grpc_error(err: grpc.aio.AioRpcError) -> APIError:
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_TRANSPORT_FAILURES = ("failed to connect", "Connection refused", "Connection reset", "Socket closed", "recvmsg",
-                       "connection attempt timed out", "Broken pipe")
+# gRPC's own words when a server stops with calls still open (its grace period over: a shutdown or restart).
+_SERVER_STOPPED = ("Cancelling all calls",)
 
 
 def from_request_error(err) -> APIError:
@@ -91,11 +91,18 @@ def from_status(status: grpc.StatusCode, details: str, meta: dict[str, str]) -> 
                         type="server_error", code=code or "overloaded",
                         headers={"Retry-After": meta.get(RETRY_AFTER_KEY, "1")})
     if status == grpc.StatusCode.UNAVAILABLE:
-        # gRPC's own connection failures ("failed to connect to all addresses; last error: ...ipv4:...") say
-        # nothing a client can act on; the engine's own UNAVAILABLE messages (no worker, shutting down) do.
-        transport = not details or any(s in details for s in _TRANSPORT_FAILURES)
-        return engine_unavailable("the engine is not reachable (down or restarting); retry shortly" if transport
-                                  else details)
+        return engine_unavailable(_unavailable_reason(details, code))
     if status == grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, "the engine did not answer in time", type="server_error", code="timeout")
     return internal_error()
+
+
+def _unavailable_reason(details: str, code: str | None) -> str:
+    """The engine's own UNAVAILABLE (no worker, shutting down) carries its error code and says what happened; a
+    status without one is gRPC's, whose text ("Cancelling all calls", "failed to connect to all addresses; ...
+    ipv4:...") tells a client nothing it can act on, so it is said in words here."""
+    if code and details:
+        return details
+    if any(s in details for s in _SERVER_STOPPED):
+        return "the engine stopped before this request finished (it was shut down or restarted); retry shortly"
+    return "the engine is not reachable (down or restarting); retry shortly"

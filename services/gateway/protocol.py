@@ -301,6 +301,8 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser) -> Ch
     forced = tools.guided_schema() if tools is not None else ""
     if forced:   # a forced call: the worker's grammar writes valid calls
         sampling = replace(sampling, json_schema=forced)
+    elif tools is not None and tool_parser.needs_special_tokens:   # its marker must survive detokenizing
+        sampling = replace(sampling, skip_special_tokens=False)
     return ChatRequest(
         model=v.get_str(body, "model"),
         messages=messages,

@@ -17,6 +17,7 @@ from services.gateway.request_body import read_json
 from services.gateway.responses import Meta, new_id
 from services.gateway.serving import Serving
 from services.gateway.sse import stream_sse
+from services.gateway.structured_length import log_length_finishes, structured_kind
 
 STARTED_AT = int(time.time())
 
@@ -36,7 +37,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     texts = [p if isinstance(p, str) else None for p in req.prompts]
     meta = Meta(new_id("cmpl"), serving.model.served_model_name)
     choices = await serving.make_choices(meta.id, prompts, req.sampling, "prompt", texts)
-    events = serving.run(choices)
+    events = log_length_finishes(serving.run(choices), meta.id, structured_kind(req.sampling))
     logprobs = req.sampling.logprobs >= 0
     if req.sampling.stream:
         return await stream_sse(request, outputs.completion_chunks(meta, events, req.sampling.n,
@@ -53,7 +54,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                      tools=req.tools)
     meta = Meta(new_id("chatcmpl"), serving.model.served_model_name)
     choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages")
-    events = serving.run(choices)
+    events = log_length_finishes(serving.run(choices), meta.id, structured_kind(req.sampling, req.tools))
     logprobs = req.sampling.logprobs >= 0
     if req.sampling.stream:
         indices = [c.index for c in choices]
@@ -99,3 +100,12 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/tokenize", utility_routes.tokenize)
     app.router.add_post("/detokenize", utility_routes.detokenize)
     app.router.add_get("/openapi.json", utility_routes.openapi)
+
+
+def route_list(app: web.Application) -> list[str]:
+    """"METHOD /path" of every route, in the order they were added (aiohttp's automatic HEADs left out)."""
+    seen: dict[str, None] = {}
+    for route in app.router.routes():
+        if route.method != "HEAD" and route.resource is not None:
+            seen[f"{route.method} {route.resource.canonical}"] = None
+    return list(seen)

@@ -4,8 +4,10 @@ response_format plumbing, /tokenize, /detokenize, /openapi.json."""
 from __future__ import annotations
 
 import json
+import logging
 
 import aiohttp
+import pytest
 
 from tests.gateway.conftest import SERVED_NAME
 
@@ -71,3 +73,24 @@ async def test_tokenize_detokenize_openapi(gateway, tokenizer):
         async with http.get(f"{gateway.url}/openapi.json") as resp:
             spec = await resp.json()
             assert spec["openapi"].startswith("3.1") and "/v1/chat/completions" in spec["paths"]
+
+
+@pytest.mark.parametrize("extra, kind", [
+    ({"response_format": {"type": "json_object"}}, "response_format json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format json_schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice required"),
+])
+async def test_structured_output_cut_by_max_tokens_is_logged_with_the_hint(gateway, caplog, extra, kind):
+    caplog.set_level(logging.WARNING, logger="steploop.gateway")
+    r = await gateway.openai().chat.completions.create(
+        model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **extra)
+    assert r.choices[0].finish_reason == "length"
+    [line] = [rec.getMessage() for rec in caplog.records if "finished by length" in rec.getMessage()]
+    assert f"structured output ({kind}) finished by length after 3 tokens" in line
+    assert "ran out of max_tokens inside the grammar" in line and "raise max_tokens" in line
+    caplog.clear()
+    r = await gateway.openai().chat.completions.create(     # plain text cut by max_tokens is not worth a line
+        model=SERVED_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert not [rec for rec in caplog.records if "finished by length" in rec.getMessage()]

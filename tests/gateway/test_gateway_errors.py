@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
 
@@ -14,7 +15,8 @@ from services.gateway import errors
 from services.gateway.app import create_app
 from services.gateway.engine_client import EngineClient
 from services.gateway.server import bound_port, start_site
-from tests.gateway.conftest import SERVED_NAME
+from tests.gateway.conftest import SERVED_NAME, serving_app, wait_for
+from tests.gateway.fake_engine import start_fake_engine
 
 CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -150,8 +152,13 @@ def test_grpc_connection_failures_read_as_unavailable_not_as_grpc_internals():
            "remote host: connect: Connection refused (111)")
     err = errors.from_status(grpc.StatusCode.UNAVAILABLE, raw, {})
     assert err.status == 503 and err.code == "engine_unavailable" and "ipv4" not in err.message
-    own = errors.from_status(grpc.StatusCode.UNAVAILABLE, "no worker is attached", {})
-    assert "no worker is attached" in own.message     # the engine's own reasons are kept
+    own = errors.from_status(grpc.StatusCode.UNAVAILABLE, "no worker is attached",
+                             {errors.ERROR_CODE_KEY: "service_unavailable"})
+    assert "no worker is attached" in own.message     # the engine's own reasons (always with its code) are kept
+    stopped = errors.from_status(grpc.StatusCode.UNAVAILABLE, "Cancelling all calls", {})   # a server's grace ended
+    assert "Cancelling" not in stopped.message and "stopped before this request finished" in stopped.message
+    odd = errors.from_status(grpc.StatusCode.UNAVAILABLE, "Stream removed", {})     # any other gRPC-internal text
+    assert "Stream removed" not in odd.message and "not reachable" in odd.message
 
 
 async def test_body_too_large_is_413(gateway):
@@ -161,10 +168,44 @@ async def test_body_too_large_is_413(gateway):
     assert_error(resp, code="request_too_large")
 
 
-async def test_unknown_route_is_openai_shaped_404(gateway):
+async def test_unknown_route_is_openai_shaped_404_listing_the_routes(gateway):
     status, resp, _ = await post(gateway, "/v1/embeddings", {})
     assert status == 404
-    assert_error(resp)
+    assert_error(resp, code="not_found")
+    message = resp["error"]["message"]
+    assert "POST /v1/embeddings" in message   # what was asked
+    for route in ("POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model_id}",
+                  "POST /tokenize", "POST /detokenize", "GET /openapi.json", "GET /health", "GET /version",
+                  "GET /metrics"):
+        assert route in message, route
+    assert "HEAD " not in message
+
+
+async def test_wrong_method_is_405_naming_the_allowed_one(gateway):
+    async with aiohttp.ClientSession() as http, http.get(f"{gateway.url}/v1/chat/completions") as resp:
+        assert resp.status == 405 and resp.headers["Allow"] == "POST"
+        body = await resp.json()
+    assert_error(body, code="method_not_allowed")
+    assert body["error"]["message"] == "GET is not allowed on /v1/chat/completions; use POST"
+
+
+@pytest.mark.parametrize("session", [True, False])
+async def test_engine_stopping_under_a_request_is_503_in_words(fake_engine, tokenizer, gateway_config, session):
+    """The scheduler stops (its grace period over) while a request waits for its first token: the client gets a
+    503 that says so, never gRPC's own "Cancelling all calls"."""
+    fake_engine.token_delay_s = 5.0
+    server, address, _ = await start_fake_engine(fake_engine)
+    async with serving_app(EngineClient(address, multiplex=session), tokenizer, gateway_config) as (url, _):
+        async with aiohttp.ClientSession() as http:
+            pending = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True}))
+            await wait_for(lambda: fake_engine.requests)
+            await server.stop(0.1)
+            async with await pending as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                body = await resp.json()
+    assert_error(body, code="engine_unavailable")
+    assert "Cancelling" not in body["error"]["message"]
+    assert "the engine stopped before this request finished" in body["error"]["message"]
 
 
 @pytest.fixture

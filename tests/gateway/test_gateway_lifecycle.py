@@ -75,7 +75,8 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def gateway_process(gateway_model_dir, engine: FakeEngine, shutdown_timeout: float):
-    """A real gateway process in front of `engine`, ready: (base url, process). Killed if a test leaves it up."""
+    """A real gateway process in front of `engine`, ready: (base url, process, the engine's gRPC server). Killed if a
+    test leaves it up."""
     server, address, _ = await start_fake_engine(engine)
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -85,7 +86,7 @@ async def gateway_process(gateway_model_dir, engine: FakeEngine, shutdown_timeou
     try:
         async with aiohttp.ClientSession() as http:
             await wait_for_http(http, f"http://127.0.0.1:{port}/health", proc)
-        yield f"http://127.0.0.1:{port}", proc
+        yield f"http://127.0.0.1:{port}", proc, server
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -96,7 +97,7 @@ async def gateway_process(gateway_model_dir, engine: FakeEngine, shutdown_timeou
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
 async def test_sigterm_drains_in_flight_stream(gateway_model_dir, reply_ids):
     engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=0.05)
-    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=10) as (url, proc):
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=10) as (url, proc, _):
         async with aiohttp.ClientSession() as http:
             resp = await http.post(f"{url}/v1/chat/completions", json=CHAT)
             await resp.content.readline()
@@ -119,7 +120,7 @@ async def test_sigterm_drains_in_flight_stream(gateway_model_dir, reply_ids):
 async def test_sigterm_cancels_what_outlives_the_shutdown_timeout(gateway_model_dir, reply_ids):
     """A stream longer than --shutdown-timeout is cancelled (its engine request aborted) and the gateway exits."""
     engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=1.0)
-    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc):
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc, _):
         async with aiohttp.ClientSession() as http:
             resp = await http.post(f"{url}/v1/chat/completions", json=CHAT)
             await resp.content.readline()
@@ -129,6 +130,29 @@ async def test_sigterm_cancels_what_outlives_the_shutdown_timeout(gateway_model_
             assert asyncio.get_running_loop().time() - started < 6
         await wait_for(lambda: engine.cancelled)     # the request was aborted, not left generating
         assert not engine.finished
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+async def test_engine_stopping_during_the_drain_is_a_503_in_words(gateway_model_dir, reply_ids):
+    """Ctrl-C under `steploop serve` stops gateway and scheduler together: a request still waiting for its first
+    token when the scheduler's grace ends gets a 503 that says the engine stopped, never gRPC's "Cancelling all
+    calls"; the gateway still refuses new work with shutting_down and exits cleanly."""
+    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=30.0)
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=10) as (url, proc, server):
+        async with aiohttp.ClientSession() as http:
+            pending = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=CHAT))
+            await wait_for(lambda: engine.requests)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as fresh, fresh.post(f"{url}/v1/chat/completions", json=CHAT) as refused:
+                assert refused.status == 503 and (await refused.json())["error"]["code"] == "shutting_down"
+            await server.stop(0.1)                       # the scheduler's own drain ends with the call still open
+            async with await pending as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                error = (await resp.json())["error"]
+        assert error["code"] == "engine_unavailable" and "Cancelling" not in error["message"]
+        assert "the engine stopped before this request finished" in error["message"]
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
 
 
 async def wait_for_http(http, url, proc, timeout=60.0) -> None:

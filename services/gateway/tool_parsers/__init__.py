@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from services.gateway.tool_parsers.base import ToolCall, ToolParser
 from services.gateway.tool_parsers.hermes import HermesParser
+from services.gateway.tool_parsers.llama3_json import Llama3JsonParser
+from services.gateway.tool_parsers.mistral import MistralParser
 from services.gateway.tool_parsers.stream import ContentSplitter
 
 __all__ = ["DEFAULT_TOOL_PARSER", "TOOL_PARSERS", "ContentSplitter", "ToolCall", "ToolParser", "get_tool_parser"]
 
-_PARSERS: tuple[type[ToolParser], ...] = (HermesParser,)
+_PARSERS: tuple[type[ToolParser], ...] = (HermesParser, MistralParser, Llama3JsonParser)
 TOOL_PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in _PARSERS}
 DEFAULT_TOOL_PARSER = HermesParser.name
 

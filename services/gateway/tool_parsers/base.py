@@ -43,9 +43,18 @@ class ToolParser(ABC):
     # mistral parser sets skip_special_tokens=False for the same reason).
     needs_special_tokens: ClassVar[bool] = False
 
-    @abstractmethod
     def parse(self, text: str, names: set[str], new_id: NewId) -> tuple[str | None, list[ToolCall]]:
-        """The whole reply -> (content, calls). No calls: (text, [])."""
+        """The whole reply -> (content before the calls, calls). Not all calls to known functions: (text, [])."""
+        start = self.find_start(text)
+        values = self.call_values(text[start:]) if start >= 0 else None
+        calls = calls_from_values(values, names, new_id) if values else []
+        if not calls:
+            return text, []
+        return text[:start].strip() or None, calls
+
+    @abstractmethod
+    def call_values(self, calls_text: str) -> list[Any] | None:
+        """The reply from where its calls begin -> the call objects it holds; None if it holds anything else."""
 
     @abstractmethod
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:

@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from services.gateway.tool_parsers.base import NewId, ToolCall, ToolParser, call_from_object, listing, loads
+from services.gateway.tool_parsers.base import ToolParser, listing, loads
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -25,17 +25,9 @@ class HermesParser(ToolParser):
     name = "hermes"
     start = CALL_OPEN
 
-    def parse(self, text: str, names: set[str], new_id: NewId) -> tuple[str | None, list[ToolCall]]:
-        start = text.find(CALL_OPEN)
-        if start < 0:
-            return text, []
-        calls = []
-        for match in _CALL_RE.finditer(text, start):
-            call = call_from_object(loads(match.group(1)), names, new_id)
-            if call is None:
-                return text, []       # one unreadable call: hand the whole reply back as text, as vLLM does
-            calls.append(call)
-        return text[:start].strip() or None, calls
+    def call_values(self, calls_text: str) -> list[Any] | None:
+        # One unreadable call (None here) makes the whole reply text, as vLLM does.
+        return [loads(match.group(1)) for match in _CALL_RE.finditer(calls_text)]
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou may call one or more functions to answer the user. The functions you can call are "

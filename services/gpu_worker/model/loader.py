@@ -23,6 +23,7 @@ from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from services.gpu_worker.model.moe import expert_target
 from services.gpu_worker.model.packed_linear_layer import pack_linear_weights
+from services.gpu_worker.packed_weight_cache import PackedWeightCache
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
 def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
                device: torch.device, plan: KernelPlan | None = None) -> LlamaForCausalLM:
     """plan None: KernelPlan.reference (no C kernel). With plan.packed_linears the loaded weights are packed
-    before this returns."""
+    (or read from the packed-weight cache) before this returns."""
     cfg = LlamaModelConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, plan)
@@ -56,7 +57,7 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     for rotary in model.rotaries():
         rotary.build_cache(device, dtype)
     if model.plan.packed_linears:
-        log.info("%s", pack_linear_weights(model))
+        log.info("%s", pack_linear_weights(model, PackedWeightCache.for_checkpoint(safetensors_files(path))))
     return model.eval()
 
 

@@ -52,7 +52,7 @@ def pack_linear_weights(model: nn.Module, cache=None) -> str:
         packed = {name: pack(m.weight.data) if m.weight.device.type == "cpu" else None
                   for name, m in layers.items()}
         if cache is not None:
-            cache.store(packed)
+            cache.store(packed, layers)
     for name, weight in packed.items():
         if weight is not None:
             layers[name].use_packed(weight)
