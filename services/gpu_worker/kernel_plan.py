@@ -85,8 +85,11 @@ def resolve_kernel_plan(config: WorkerConfig, device: torch.device, dtype: torch
     """The plan for this worker: its flags, the STEPLOOP_CPU_* switches, the device and the model's shapes."""
     backend = config.resolved_attention_backend(device.type)
     if device.type != "cpu":
-        return KernelPlan(backend, "triton" if backend == "triton" else "torch",
-                          cuda_graphs=config.use_cuda_graphs(device.type))
+        graphs = config.use_cuda_graphs(device.type) and not cfg.has_host_planned_attention
+        why_graphs = (("CUDA graphs", "sliding-window / soft-capped layers plan their attention on the host"),) \
+            if config.use_cuda_graphs(device.type) and not graphs else ()
+        return KernelPlan(backend, "triton" if backend == "triton" else "torch", cuda_graphs=graphs,
+                          why_off=why_graphs)
     why: dict[str, str | None] = {"huge pages": _why_no_hugepages()}
     if dtype == torch.float32:
         why.update(_why_no_cpu_kernels(backend, cfg))
@@ -134,5 +137,6 @@ def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | 
            "packed linears": switch(envs.CPU_PACKED_WEIGHTS) or built(),
            "C attention kernel": switch(envs.CPU_ATTENTION_KERNEL) or torch_backend() or heads_fit() or built()}
     needs = next((f"no {feature}" for feature, reason in why.items() if reason), None)
-    why["C decoder"] = switch(envs.CPU_DECODER) or needs
+    why["C decoder"] = switch(envs.CPU_DECODER) or needs or (
+        None if cfg.is_plain_llama else f"{cfg.model_type}: decoder.c is the plain Llama layer (this family is torch)")
     return why

@@ -1,7 +1,9 @@
-"""Load a HuggingFace Llama-family folder (config.json + *.safetensors, sharded or not) into LlamaForCausalLM.
+"""Load a HuggingFace folder of a supported family (config.json + *.safetensors, sharded or not) into
+LlamaForCausalLM.
 
 Checkpoint names map onto ours one to one, except q/k/v_proj (fused into qkv_proj) and gate/up_proj (fused into
-gate_up_proj), which are copied into row slices. Every parameter must be filled once, or loading fails.
+gate_up_proj), which are copied into row slices (Phi-3 checkpoints hold them fused already). Every parameter must be
+filled once, or loading fails. Gemma's (1 + w) norms get the 1 folded into the loaded weights.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from safetensors import safe_open
 
 from services.gpu_worker.attention.backend import AttentionBackend
 from services.gpu_worker.kernel_plan import KernelPlan
+from services.gpu_worker.model.layers import RMSNorm
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig
+from services.gpu_worker.model.moe import expert_target
 from services.gpu_worker.model.packed_linear_layer import pack_linear_weights
 from services.gpu_worker.packed_weight_cache import PackedWeightCache
 
@@ -48,10 +52,21 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     _load_weights(model, cfg, path)
-    model.rotary.build_cache(device, dtype)
+    if cfg.norm_offset:
+        _fold_norm_offset(model, cfg.norm_offset)
+    for rotary in model.rotaries():
+        rotary.build_cache(device, dtype)
     if model.plan.packed_linears:
         log.info("%s", pack_linear_weights(model, PackedWeightCache.for_checkpoint(safetensors_files(path))))
     return model.eval()
+
+
+def _fold_norm_offset(model: LlamaForCausalLM, offset: float) -> None:
+    """Gemma's norms scale by (offset + w): store offset + w so every rms_norm implementation applies it."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.add_(offset)
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path) -> None:
@@ -64,39 +79,47 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
             for name in f.keys():
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
-                target, rows = _target(name, cfg)
+                target, expert, rows = _target(name, cfg)
                 if target not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a Llama-family weight)")
-                dest = params[target].data if rows is None else params[target].data[rows[0]:rows[1]]
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a weight of this model_type)")
+                dest = params[target].data if expert is None else params[target].data[expert]
+                dest = dest if rows is None else dest[rows[0]:rows[1]]
                 tensor = f.get_tensor(name)
                 if dest.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
                 dest.copy_(tensor)
-                filled.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
+                part = ("" if expert is None else f"[{expert}]") + ("" if rows is None else f"[{rows[0]}:{rows[1]}]")
+                filled.add(target + part)
     _check_complete(params, filled, cfg)
 
 
-def _target(name: str, cfg: LlamaModelConfig) -> tuple[str, tuple[int, int] | None]:
-    """Checkpoint name -> (our parameter name, row slice or None)."""
+def _target(name: str, cfg: LlamaModelConfig) -> tuple[str, int | None, tuple[int, int] | None]:
+    """Checkpoint name -> (our parameter name, expert index or None, row slice or None)."""
+    if cfg.moe is not None:
+        routed = expert_target(name, cfg.moe)
+        if routed is not None:
+            return routed
     m = _FUSED.match(name)
     if not m:
-        return name, None
+        return name, None, None
     prefix, _, qkv, gate_up, kind = m.groups()
     q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
         cfg.intermediate_size
     if qkv:
         start = {"q": 0, "k": q, "v": q + kv}[qkv]
-        return f"{prefix}self_attn.qkv_proj.{kind}", (start, start + (q if qkv == "q" else kv))
+        return f"{prefix}self_attn.qkv_proj.{kind}", None, (start, start + (q if qkv == "q" else kv))
     start = 0 if gate_up == "gate" else inter
-    return f"{prefix}mlp.gate_up_proj.{kind}", (start, start + inter)
+    return f"{prefix}mlp.gate_up_proj.{kind}", None, (start, start + inter)
 
 
 def _check_complete(params: dict, filled: set[str], cfg: LlamaModelConfig) -> None:
+    """Every parameter filled whole, or by all of its parts (q/k/v, gate/up, each expert's pieces)."""
+    experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    parts = {"qkv_proj": 3, "gate_up_proj": 2, "mlp.w13": 2 * experts, "mlp.w2": experts}
     covered = {n.split("[")[0] for n in filled}
-    fused_parts = {"qkv_proj": 3, "gate_up_proj": 2}
     missing = [n for n in params if n not in covered]
-    partial = [n for n in covered if any(k in n for k in fused_parts)
-               and sum(f.startswith(n + "[") for f in filled) != next(v for k, v in fused_parts.items() if k in n)]
+    partial = [n for n in covered if n not in filled
+               and sum(f.startswith(n + "[") for f in filled) != next(v for k, v in parts.items() if k in n)]
     if cfg.tie_word_embeddings and "lm_head.weight" in missing:
         missing.remove("lm_head.weight")
     if missing or partial:
