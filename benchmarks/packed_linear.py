@@ -1,5 +1,5 @@
 """The packed fp32 matmul (cpu_kernels/packed_linear.c) vs torch's fp32 matmul on the default model's real weights:
-    python -m benchmarks.packed_linear [--rows 1 4 8 16 32 64 256] [--rounds 5]
+    python -m benchmarks.packed_linear [--rows 1 4 8 16 32 64 256] [--rounds 5] [--isa avx2]
 
 One "pass" is what a forward does with the weights: for each of the 30 layers qkv, o, gate_up and down on [M, in]
 activations, then lm_head, so the weights stream from memory as in serving (one layer's weights would sit in
@@ -78,13 +78,14 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 256])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--isa", default=None, help="the kernel build to time (build.py ISAS; default: the host's)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     weights = layer_weights(resolve_model(None))
     packed = [pack(w) for w in weights]
-    if any(pk is None for pk in packed) or not kernel.available():
+    if any(pk is None for pk in packed) or not kernel.available(args.isa):
         raise SystemExit("the model's weights do not all pack, or the kernel did not build")
     fp32_mb = sum(w.numel() * 4 for w in weights) / 2**20
     packed_mb = sum(pk.nbytes for pk in packed) / 2**20
@@ -94,7 +95,8 @@ def main(argv=None) -> None:
         xs = [torch.randn(m, w.shape[1]) for w in weights]
         flop = sum(2 * m * w.numel() for w in weights)
         torch_fns = [lambda x=x, w=w: torch.matmul(x, w.T) for x, w in zip(xs, weights)]
-        packed_fns = [lambda x=x, pk=pk: kernel.packed_linear(x, pk, threads) for x, pk in zip(xs, packed)]
+        packed_fns = [lambda x=x, pk=pk: kernel.packed_linear(x, pk, threads, isa=args.isa)
+                      for x, pk in zip(xs, packed)]
         torch_s = packed_s = float("inf")
         for _ in range(args.rounds):                       # alternate, so drift hits both alike
             torch_s = min(torch_s, time_pass(torch_fns, 1))
@@ -106,7 +108,8 @@ def main(argv=None) -> None:
         print(f"M={m:4d}: torch {row['torch_ms']:7.1f} ms ({row['torch_gflops']:5.1f} GFLOP/s)   packed "
               f"{row['packed_ms']:7.1f} ms ({row['packed_gflops']:5.1f} GFLOP/s)   {row['speedup']:.2f}x", flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"threads": threads, "fp32_mib": fp32_mb, "packed_mib": packed_mb,
+    RESULTS.write_text(json.dumps({"threads": threads, "isa": args.isa or "host", "fp32_mib": fp32_mb,
+                                   "packed_mib": packed_mb,
                                    "rows": rows}, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 

@@ -21,6 +21,8 @@ CPU_ATTENTION_KERNEL = PREFIX + "CPU_ATTENTION_KERNEL"   # 0: the torch backend 
 CPU_PACKED_WEIGHTS = PREFIX + "CPU_PACKED_WEIGHTS"       # 0: CPU fp32 linears stay torch matmuls (no packed kernel)
 CPU_DECODER = PREFIX + "CPU_DECODER"                     # 0: CPU decode steps run layer by layer from Python
 CPU_HUGEPAGES = PREFIX + "CPU_HUGEPAGES"                 # 0: the CPU KV cache stays in 4 KiB pages (no MADV_HUGEPAGE)
+CPU_KERNEL_PROBE = PREFIX + "CPU_KERNEL_PROBE"           # 0: keep the packed matmul without timing it against torch at start
+CPU_ISA = PREFIX + "CPU_ISA"                             # avx512 / avx2 / generic: the C kernels' instruction set (default: the best the CPU has)
 
 
 def switched_off(*names: str) -> str | None:

@@ -29,7 +29,7 @@ class WorkerConfig:
     max_model_len: int | None = None         # None: the model's max_position_embeddings
     dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"                     # auto: cuda if available, else cpu
-    num_threads: int | None = None           # torch threads on CPU; None: all cores
+    num_threads: int | None = None           # CPU threads; None: the CPUs the affinity mask and cgroup grant
     attention_backend: str = "auto"          # auto: triton on CUDA, torch on CPU (triton on CPU: TRITON_INTERPRET=1)
     cuda_graphs: bool = True                 # capture decode-only steps in CUDA graphs (CUDA + triton only)
     worker_id: str = ""                      # "" -> host:pid
@@ -114,7 +114,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="longest sequence (prompt + output); default and cap: the model's max_position_embeddings")
     add_flag(parser, "--dtype", default="auto", choices=DTYPES, help="weights and activations dtype")
     add_flag(parser, "--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    add_flag(parser, "--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    add_flag(parser, "--num-threads", type=int, default=None,
+             help="CPU threads (default: the CPUs the affinity mask and the cgroup's cpu.max quota grant)")
     add_flag(parser, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
              help="auto: triton on CUDA, torch on CPU; triton on the CPU needs TRITON_INTERPRET=1")
     add_flag(parser, "--cuda-graphs", type=bool, default=True,

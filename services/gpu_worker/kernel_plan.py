@@ -12,7 +12,7 @@ live in services/common/envs.py). A feature the plan leaves off carries its reas
 The C kernels (cpu_kernels/) serve fp32 on the CPU. Features on the CPU and what each needs:
 
     elementwise "cpu"     RMSNorm, rotary, SiLU-and-mul in C      torch attention backend, the library built
-    packed_linears        linears read packed Q4_1/Q8_0 weights   the library built (which weights pack: at load)
+    packed_linears        linears read packed Q4_1/Q8_0 weights   the library built, faster than torch here (probe.py)
     cpu_attention_kernel  fused paged attention for short queries  torch backend, heads within the kernel's limits
     cpu_decoder           every layer in one C call per step      all three above (and every linear packed: at bind)
     hugepages             the CPU KV cache in 2 MiB pages         Linux with MADV_HUGEPAGE (any dtype)
@@ -20,6 +20,7 @@ The C kernels (cpu_kernels/) serve fp32 on the CPU. Features on the CPU and what
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,8 @@ from services.common import envs
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from services.gpu_worker.model.ops import TorchOps, TritonOps
+
+log = logging.getLogger(__name__)
 
 ELEMENTWISE = ("torch", "triton", "cpu")
 
@@ -113,8 +116,8 @@ def _why_no_hugepages() -> str | None:
 
 
 def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | None]:
-    """Each C-kernel feature -> None (on) or why it is off, for fp32 on the CPU. A start-up probe that times a
-    kernel against torch on the model's shapes decides here too (the reason then names the measured times)."""
+    """Each C-kernel feature -> None (on) or why it is off, for fp32 on the CPU. A start-up probe times the packed
+    matmul against torch's on the model's shapes and keeps the faster (the log names both figures)."""
     def switch(*names: str) -> str | None:
         off = envs.switched_off(envs.CPU_KERNELS, *names)
         return f"{off}=0" if off else None
@@ -133,8 +136,17 @@ def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | 
         return (f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of size {cfg.head_dim}: "
                 "past the kernel's limits")
 
+    def faster_than_torch() -> str | None:    # times both on the model's shapes (cpu_kernels/probe.py)
+        from services.gpu_worker.cpu_kernels.probe import layer_shapes, probe_packed_linear
+        if envs.switched_off(envs.CPU_KERNEL_PROBE):
+            log.info("packed-linear probe skipped (%s=0)", envs.CPU_KERNEL_PROBE)
+            return None
+        result = probe_packed_linear(layer_shapes(cfg))
+        log.info("%s: %s", "packed linears" if result.use_packed else "torch matmuls", result.describe())
+        return None if result.use_packed else f"torch is faster here: {result.describe()}"
+
     why = {"C elementwise ops": switch() or torch_backend() or built(),
-           "packed linears": switch(envs.CPU_PACKED_WEIGHTS) or built(),
+           "packed linears": switch(envs.CPU_PACKED_WEIGHTS) or built() or faster_than_torch(),
            "C attention kernel": switch(envs.CPU_ATTENTION_KERNEL) or torch_backend() or heads_fit() or built()}
     needs = next((f"no {feature}" for feature, reason in why.items() if reason), None)
     why["C decoder"] = switch(envs.CPU_DECODER) or needs or (

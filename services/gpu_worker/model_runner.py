@@ -10,7 +10,6 @@ scheduler has seen it. A failing step returns StepResult(error=...) instead of r
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 import time
 
@@ -21,6 +20,7 @@ from services.common.step_contract import StepPlan, StepResult, TokenLogprob, Wo
 from services.gpu_worker import kv_cache
 from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.cpu_kernels.threads import granted_cpus
 from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.kernel_plan import resolve_kernel_plan
@@ -60,7 +60,7 @@ class ModelRunner:
         device = torch.device(config.resolved_device())
         dtype = config.resolved_dtype(device.type)
         if device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.num_threads or granted_cpus())
         cfg = LlamaModelConfig.from_dir(model_path)
         max_len = _max_model_len(config, cfg)
         plan = resolve_kernel_plan(config, device, dtype, cfg)

@@ -28,6 +28,7 @@ needs_kernels = pytest.mark.skipif(load() is None, reason="the C kernels did not
 def no_switches(monkeypatch):
     for name in SWITCHES:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(envs.CPU_KERNEL_PROBE, "0")       # timed choices: tests/worker/test_kernel_probe.py
 
 
 def plan_for(dtype=torch.float32, device=CPU, **flags) -> KernelPlan:

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from services.gpu_worker.cpu_kernels import build
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q8_0, pack, unpack
 from services.gpu_worker.model.packed_linear_layer import PackedLinear, pack_linear_weights
@@ -57,26 +58,43 @@ def test_weights_that_are_not_quantized_stay_fp32():
     assert pack(gguf_q4_1(32, 64, seed=3).double()) is None
 
 
+@pytest.mark.parametrize("isa", build.runnable_isas())    # every build this CPU runs (vector widths 16, 8, 4)
 @pytest.mark.parametrize("n, k", [(48, 64), (64, 96), (16, 32)])      # 48: a tail tile of 16 rows
 @pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0])
-def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k):
+def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k, isa):
     w = make(n, k, seed=n + k)
     packed = pack(w)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(7))
-    full = kernel.packed_linear(x, packed, num_threads=2)           # > 48 rows: the scratch-tile path
+    full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)           # > 48 rows: the scratch-tile path
     ref = (x.double() @ w.double().T).float()
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
     # the fused path (<= 48 rows: passes of 16, then the rest) and the scratch path's register blocks of 8, full
     # and partial; every row bitwise as in the 70-row batch
     for m in (1, 7, 8, 9, 13, 16, 17, 32, 33, 40, 48, 49, 57, 64, 65):
-        part = kernel.packed_linear(x[:m], packed, num_threads=1)
+        part = kernel.packed_linear(x[:m], packed, num_threads=1, isa=isa)
         assert same_bits(part, full[:m]), m
         if m > 1:
-            assert same_bits(kernel.packed_linear(x[1:m], packed, num_threads=2), full[1:m]), m
-    alone = kernel.packed_linear(x[12:13], packed, num_threads=2)
+            assert same_bits(kernel.packed_linear(x[1:m], packed, num_threads=2, isa=isa), full[1:m]), m
+    alone = kernel.packed_linear(x[12:13], packed, num_threads=2, isa=isa)
     assert same_bits(alone[0], full[12])
-    assert kernel.packed_linear(x[:0], packed, 2).shape == (0, n)
-    assert kernel.packed_linear(x[:21].view(3, 7, k), packed, 2).shape == (3, 7, n)
+    assert kernel.packed_linear(x[:0], packed, 2, isa=isa).shape == (0, n)
+    assert kernel.packed_linear(x[:21].view(3, 7, k), packed, 2, isa=isa).shape == (3, 7, n)
+
+
+FMA_ISAS = [isa for isa in build.runnable_isas() if isa in ("avx512", "avx2")]
+
+
+@pytest.mark.skipif(len(FMA_ISAS) < 2, reason="this CPU has no AVX-512: only the AVX2 build runs here")
+@pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0])
+def test_avx2_build_gives_the_avx512_builds_bits(make):
+    """8-lane and 16-lane vectors, other register blocks and pass sizes: each output is still one fma chain in k
+    order, so an AVX2 host serves the very numbers an AVX-512 host does (the generic build has no fma: not here)."""
+    w = make(96, 160, seed=11)
+    packed = pack(w)
+    x = torch.randn(300, 160, generator=torch.Generator().manual_seed(12))
+    for m in (1, 5, 8, 16, 33, 48, 49, 64, 300):
+        wide, narrow = (kernel.packed_linear(x[:m], packed, 2, isa=isa) for isa in FMA_ISAS)
+        assert same_bits(wide, narrow), m
 
 
 def test_kernel_rejects_bad_input():

@@ -12,6 +12,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vector_width.h"
+
 #define PAR_MIN_ELEMS 8192     /* below this many elements one thread does it all (OpenMP start-up costs more) */
 
 int steploop_rms_norm(float *y, float *x, float *residual, const float *w, int64_t T, int64_t H, float eps,
@@ -76,55 +78,52 @@ int steploop_rotary_neox(float *q, float *k, const int64_t *positions, const flo
     return 0;
 }
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-/* exp(x), ~2 ulp, 16 lanes at a time (glibc's expf is a scalar call): 2^n * exp(r), |r| <= ln(2) / 2 (Cephes);
-   n rounded with the 1.5 * 2^23 trick, 2^n built from its exponent bits */
-static inline v16f select16(v16i mask, v16f a, v16f b)      /* mask lanes are -1 (take a) or 0 (take b) */
+/* exp(x), ~2 ulp, VL lanes at a time (glibc's expf is a scalar call; each lane's value is the same whatever VL):
+   2^n * exp(r), |r| <= ln(2) / 2 (Cephes); n rounded with the 1.5 * 2^23 trick, 2^n built from its exponent bits */
+static inline vf select_lanes(vi mask, vf a, vf b)      /* mask lanes are -1 (take a) or 0 (take b) */
 {
-    return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask));
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
 }
 
-static inline v16f exp16(v16f x)
+static inline vf exp_lanes(vf x)
 {
-    v16f hi = (v16f){0} + 88.0f, lo = (v16f){0} - 87.0f;
-    x = select16(x < hi, x, hi);
-    x = select16(x > lo, x, lo);
-    v16f n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    vf hi = (vf){0} + 88.0f, lo = (vf){0} - 87.0f;
+    x = select_lanes(x < hi, x, hi);
+    x = select_lanes(x > lo, x, lo);
+    vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16f)bits;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
 }
 
-static inline v16f silu_mul16(v16f g, v16f u)
+static inline vf silu_mul_lanes(vf g, vf u)
 {
-    return g / (1.0f + exp16(-g)) * u;
+    return g / (1.0f + exp_lanes(-g)) * u;
 }
 
 static void silu_and_mul_row(float *restrict o, const float *restrict gate, const float *restrict up, int64_t I)
 {
     int64_t i = 0;
-    for (; i + 16 <= I; i += 16) {
-        v16f g, u;
+    for (; i + VL <= I; i += VL) {
+        vf g, u;
         __builtin_memcpy(&g, gate + i, sizeof g);
         __builtin_memcpy(&u, up + i, sizeof u);
-        v16f y = silu_mul16(g, u);
+        vf y = silu_mul_lanes(g, u);
         __builtin_memcpy(o + i, &y, sizeof y);
     }
     if (i < I) {                                   /* the tail goes through the same lanes, zero-padded */
-        v16f g = {0}, u = {0};
+        vf g = {0}, u = {0};
         for (int64_t j = 0; j < I - i; j++) {
             g[j] = gate[i + j];
             u[j] = up[i + j];
         }
-        v16f y = silu_mul16(g, u);
+        vf y = silu_mul_lanes(g, u);
         for (int64_t j = 0; j < I - i; j++)
             o[i + j] = y[j];
     }

@@ -5,110 +5,121 @@
    bit, so this kernel multiplies by the very same fp32 weights while reading 6 (Q4_1) or 9 (Q8_0) bits per weight
    from memory instead of 32: at decode batch sizes the fp32 matmul is memory-bound on a small CPU.
 
-   Layout, per group of 16 output rows (g = n / 16), so one vector load yields 16 rows' values at one k:
+   Layout, per group of 16 output rows (g = n / 16), so one 16-lane vector load yields 16 rows' values at one k:
      Q4_1: qs uint8 [N/16][K/2][16]: byte = q(k even) | q(k odd) << 4;  d, m float [N/16][K/32][16]
      Q8_0: qs int8  [N/16][K][16];                                       d      float [N/16][K/32][16]
    Dequantizing is exact: d * q is exact in fp32 since d is an fp16 value and |q| < 256, so the fused multiply-add
-   rounds once, as numpy's d * q + m does. For small batches each 16-row group is dequantized in registers and used
-   at once; larger batches dequantize a tile of 32 output rows into a [K][32] fp32 scratch once,
-   then MR x 32 register blocks accumulate broadcast(x[r, k]) * scratch[k, :] over k.
+   rounds once, as numpy's d * q + m does. For small batches each VL-row slice of a group is dequantized in
+   registers and used at once; larger batches dequantize a tile of NR output rows into a [K][NR] fp32 scratch once,
+   then MR x NR register blocks accumulate broadcast(x[r, k]) * scratch[k, :] over k.
 
-   Every output y[r, n] is one fma chain over k = 0 .. K-1 in order, whatever M, the row's place in the batch, or
-   the register block it fell in: a token's result does not depend on the rest of the batch. */
+   The vectors are as wide as the instruction set build.py compiles for (VL floats, vector_width.h: 16 with
+   AVX-512, 8 with AVX2, 4 otherwise) and the blocking is sized to its registers (32 zmm, 16 ymm): 16-float generic
+   vectors on AVX2 made gcc keep every accumulator on the stack, reloading it through general registers after each
+   fma (~14x slower than torch at 64 rows). A VL-row slice of a 16-row group is a work item of its own.
+
+   Every output y[r, n] is one fma chain over k = 0 .. K-1 in order, whatever M, the row's place in the batch, the
+   register block it fell in or the vector width: a token's result does not depend on the rest of the batch, and
+   the AVX2 and AVX-512 builds give the same bits. */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+#include "vector_width.h"
 
 #define QK 32    /* weights per quantization block along K */
-#define G 16     /* output rows per layout group (one vector) */
-#define NR 32    /* output rows per tile (two groups) */
-#define MR 8     /* x rows per register block */
-#define FUSED_M 16        /* x rows per pass of the fused path */
+#define G 16     /* output rows per layout group */
+#define NR (2 * VL)   /* output rows per scratch tile (two vectors) */
+#if VL == 16
+#define MR 8          /* x rows per register block: 16 accumulators of 32 zmm */
+#define FUSED_M 16    /* x rows per pass of the fused path: 16 accumulators */
+#else
+#define MR 6          /* 12 accumulators + 2 weights + a broadcast in 16 ymm / xmm */
+#define FUSED_M 8     /* 8 accumulators + 2 weights, d, m, the bytes and a broadcast */
+#endif
 /* batches up to this many rows take the fused path (benchmarks/packed_linear.py, a whole forward's weights: with x
-   transposed it beats the scratch tile up to ~48 rows, 187 vs 162 GFLOP/s at 20; the tile wins from ~64) */
+   transposed it beats the scratch tile up to ~48 rows, 187 vs 162 GFLOP/s at 20 with AVX-512; the tile wins from
+   ~64) */
 #define FUSED_MAX_M_Q4_1 48
 #define FUSED_MAX_M_Q8_0 48
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
-static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* 16 bytes widened to 16 int32 lanes. gcc scalarizes __builtin_convertvector from 8-bit lanes (dozens of byte
+/* VL bytes widened to VL int32 lanes. gcc scalarizes __builtin_convertvector from 8-bit lanes (dozens of byte
    inserts per vector, which made dequantizing ~4x slower), so the x86 widening instructions are spelled out. */
-#if defined(__AVX512F__)
+#if VL == 16
 #include <immintrin.h>
-static inline v16i widen_u8(const uint8_t *p) { return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline v16i widen_s8(const int8_t *p) { return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-#elif defined(__AVX2__)
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi widen_s8(const int8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#elif VL == 8
 #include <immintrin.h>
-static inline v16i widen_u8(const uint8_t *p)
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi widen_s8(const int8_t *p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#elif defined(__SSE4_1__)
+#include <immintrin.h>
+static inline vi widen_u8(const uint8_t *p)
 {
-    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    v16i v;
-    memcpy(&v, &lo, 32);
-    memcpy((char *)&v + 32, &hi, 32);
-    return v;
+    int32_t w;
+    memcpy(&w, p, 4);
+    return (vi)_mm_cvtepu8_epi32(_mm_cvtsi32_si128(w));
 }
-static inline v16i widen_s8(const int8_t *p)
+static inline vi widen_s8(const int8_t *p)
 {
-    __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    v16i v;
-    memcpy(&v, &lo, 32);
-    memcpy((char *)&v + 32, &hi, 32);
-    return v;
+    int32_t w;
+    memcpy(&w, p, 4);
+    return (vi)_mm_cvtepi8_epi32(_mm_cvtsi32_si128(w));
 }
 #else
-static inline v16i widen_u8(const uint8_t *p) { v16i v; for (int i = 0; i < 16; i++) v[i] = p[i]; return v; }
-static inline v16i widen_s8(const int8_t *p) { v16i v; for (int i = 0; i < 16; i++) v[i] = p[i]; return v; }
+static inline vi widen_u8(const uint8_t *p) { vi v; for (int i = 0; i < VL; i++) v[i] = p[i]; return v; }
+static inline vi widen_s8(const int8_t *p) { vi v; for (int i = 0; i < VL; i++) v[i] = p[i]; return v; }
 #endif
 
-/* dequantize group g (16 rows) into scratch columns [col, col + 16) of a [K][NR] tile */
-static void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t g, int64_t K, float *tile,
+/* Slice s holds output rows [s * VL, s * VL + VL): layout group s * VL / G, lanes from (s * VL) % G. These give
+   the offset (in elements) of its values at quantization block b, k pair k / 2 (Q4_1) or k (Q8_0). */
+static inline int64_t scale_at(int64_t s, int64_t K, int64_t b) { return (s * VL / G * (K / QK) + b) * G + s * VL % G; }
+static inline int64_t q4_at(int64_t s, int64_t K, int64_t k) { return (s * VL / G * (K / 2) + k / 2) * G + s * VL % G; }
+static inline int64_t q8_at(int64_t s, int64_t K, int64_t k) { return (s * VL / G * K + k) * G + s * VL % G; }
+
+/* dequantize slice s (VL rows) into scratch columns [col, col + VL) of a [K][NR] tile */
+static void dequant_q4_1(const uint8_t *qs, const float *d, const float *m, int64_t s, int64_t K, float *tile,
                          int64_t col)
 {
-    const uint8_t *q = qs + g * (K / 2) * G;
-    const float *dg = d + g * (K / QK) * G, *mg = m + g * (K / QK) * G;
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db = load16(dg + b * G), mb = load16(mg + b * G);
+        vf db = loadv(d + scale_at(s, K, b)), mb = loadv(m + scale_at(s, K, b));
         for (int64_t p = 0; p < QK / 2; p++) {
             int64_t k = b * QK + 2 * p;
-            v16i iv = widen_u8(q + (k / 2) * G);
-            store16(tile + k * NR + col, __builtin_convertvector(iv & 15, v16f) * db + mb);
-            store16(tile + (k + 1) * NR + col, __builtin_convertvector(iv >> 4, v16f) * db + mb);
+            vi iv = widen_u8(qs + q4_at(s, K, k));
+            storev(tile + k * NR + col, __builtin_convertvector(iv & 15, vf) * db + mb);
+            storev(tile + (k + 1) * NR + col, __builtin_convertvector(iv >> 4, vf) * db + mb);
         }
     }
 }
 
-static void dequant_q8_0(const int8_t *qs, const float *d, int64_t g, int64_t K, float *tile, int64_t col)
+static void dequant_q8_0(const int8_t *qs, const float *d, int64_t s, int64_t K, float *tile, int64_t col)
 {
-    const int8_t *q = qs + g * K * G;
-    const float *dg = d + g * (K / QK) * G;
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db = load16(dg + b * G);
+        vf db = loadv(d + scale_at(s, K, b));
         for (int64_t j = 0; j < QK; j++) {
             int64_t k = b * QK + j;
-            store16(tile + k * NR + col, __builtin_convertvector(widen_s8(q + k * G), v16f) * db);
+            storev(tile + k * NR + col, __builtin_convertvector(widen_s8(qs + q8_at(s, K, k)), vf) * db);
         }
     }
 }
 
-/* y[r, 0:16*nv] = sum_k x[r, k] * tile[k, 0:16*nv] for r < mr; mr and nv are constants after inlining */
+/* y[r, 0:VL*nv] = sum_k x[r, k] * tile[k, 0:VL*nv] for r < mr; mr and nv are constants after inlining */
 static inline __attribute__((always_inline)) void block(int mr, int nv, const float *restrict x, int64_t K,
                                                         const float *restrict tile, float *restrict y, int64_t N)
 {
-    v16f acc[MR][2];
+    vf acc[MR][2];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++)
-            acc[r][v] = (v16f){0};
+            acc[r][v] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
-        v16f w0 = load16(tile + k * NR), w1 = nv > 1 ? load16(tile + k * NR + G) : (v16f){0};
+        vf w0 = loadv(tile + k * NR), w1 = nv > 1 ? loadv(tile + k * NR + VL) : (vf){0};
         for (int r = 0; r < mr; r++) {
             float xv = x[r * K + k];
             acc[r][0] += xv * w0;
@@ -118,7 +129,7 @@ static inline __attribute__((always_inline)) void block(int mr, int nv, const fl
     }
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++)
-            store16(y + r * N + v * G, acc[r][v]);
+            storev(y + r * N + v * VL, acc[r][v]);
 }
 
 #define BLOCK_CASE(R)                                   \
@@ -132,33 +143,35 @@ static inline __attribute__((always_inline)) void block(int mr, int nv, const fl
 static void block_dispatch(int mr, int nv, const float *x, int64_t K, const float *tile, float *y, int64_t N)
 {
     switch (mr) {
-        BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4)
-        BLOCK_CASE(5) BLOCK_CASE(6) BLOCK_CASE(7) BLOCK_CASE(8)
+        BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4) BLOCK_CASE(5) BLOCK_CASE(6)
+#if MR > 6
+        BLOCK_CASE(7) BLOCK_CASE(8)
+#endif
     }
 }
 
-/* Small batches (M <= FUSED_MAX_M_*): no scratch; each group of 16 output rows is dequantized in registers, one pair
-   of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 32 fmas). x comes
-   transposed (xt[k][r], see steploop_packed_linear) so all rows broadcast from one pointer: with x[r * K + k], gcc
-   kept a pointer per row and, past ~12 rows, spilled them into vector registers inside the loop. One
-   group per work item: walking 2 or 4 groups side by side (independent fma chains for few rows) measured slower
-   at every M from 1 to 16 on a whole forward's weights (M = 4: 9.9 vs 8.1 ms), and coarser items split a
-   576-row matrix unevenly over the threads. */
+/* Small batches (M <= FUSED_MAX_M_*): no scratch; each slice of VL output rows is dequantized in registers, one
+   pair of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 2 * FUSED_M
+   fmas). x comes transposed (xt[k][r], see steploop_packed_linear) so all rows broadcast from one pointer: with
+   x[r * K + k], gcc kept a pointer per row and, past ~12 rows, spilled them into vector registers inside the loop.
+   One slice per work item: walking 2 or 4 groups side by side (independent fma chains for few rows) measured
+   slower at every M from 1 to 16 on a whole forward's weights (M = 4: 9.9 vs 8.1 ms, AVX-512), and coarser items
+   split a 576-row matrix unevenly over the threads. */
 static inline __attribute__((always_inline)) void fused_q4_1(int mr, const float *restrict xt, int64_t K,
                                                              const uint8_t *restrict qs, const float *restrict d,
-                                                             const float *restrict m, int64_t g,
+                                                             const float *restrict m, int64_t s,
                                                              float *restrict y, int64_t N)
 {
-    v16f acc[FUSED_M];
+    vf acc[FUSED_M];
     for (int r = 0; r < mr; r++)
-        acc[r] = (v16f){0};
+        acc[r] = (vf){0};
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db = load16(d + (g * (K / QK) + b) * G), mb = load16(m + (g * (K / QK) + b) * G);
+        vf db = loadv(d + scale_at(s, K, b)), mb = loadv(m + scale_at(s, K, b));
         for (int64_t p = 0; p < QK / 2; p++) {
             int64_t k = b * QK + 2 * p;
-            v16i iv = widen_u8(qs + (g * (K / 2) + k / 2) * G);
-            v16f w0 = __builtin_convertvector(iv & 15, v16f) * db + mb;
-            v16f w1 = __builtin_convertvector(iv >> 4, v16f) * db + mb;
+            vi iv = widen_u8(qs + q4_at(s, K, k));
+            vf w0 = __builtin_convertvector(iv & 15, vf) * db + mb;
+            vf w1 = __builtin_convertvector(iv >> 4, vf) * db + mb;
             for (int r = 0; r < mr; r++)
                 acc[r] += xt[k * mr + r] * w0;
             for (int r = 0; r < mr; r++)
@@ -166,61 +179,65 @@ static inline __attribute__((always_inline)) void fused_q4_1(int mr, const float
         }
     }
     for (int r = 0; r < mr; r++)
-        store16(y + r * N + g * G, acc[r]);
+        storev(y + r * N + s * VL, acc[r]);
 }
 
 static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float *restrict xt, int64_t K,
                                                              const int8_t *restrict qs, const float *restrict d,
-                                                             int64_t g, float *restrict y, int64_t N)
+                                                             int64_t s, float *restrict y, int64_t N)
 {
-    v16f acc[FUSED_M];
+    vf acc[FUSED_M];
     for (int r = 0; r < mr; r++)
-        acc[r] = (v16f){0};
+        acc[r] = (vf){0};
     for (int64_t b = 0; b < K / QK; b++) {
-        v16f db = load16(d + (g * (K / QK) + b) * G);
+        vf db = loadv(d + scale_at(s, K, b));
         for (int64_t i = 0; i < QK; i++) {
             int64_t k = b * QK + i;
-            v16f w = __builtin_convertvector(widen_s8(qs + (g * K + k) * G), v16f) * db;
+            vf w = __builtin_convertvector(widen_s8(qs + q8_at(s, K, k)), vf) * db;
             for (int r = 0; r < mr; r++)
                 acc[r] += xt[k * mr + r] * w;
         }
     }
     for (int r = 0; r < mr; r++)
-        store16(y + r * N + g * G, acc[r]);
+        storev(y + r * N + s * VL, acc[r]);
 }
 
 #define FUSED_CASE(R)                                                  \
     case R:                                                            \
         if (kind == KIND_Q4_1)                                         \
-            fused_q4_1(R, xt, K, qs, d, m, g, y, N);                   \
+            fused_q4_1(R, xt, K, qs, d, m, s, y, N);                   \
         else                                                           \
-            fused_q8_0(R, xt, K, qs, d, g, y, N);                      \
+            fused_q8_0(R, xt, K, qs, d, s, y, N);                      \
         break;
 
 static void fused_dispatch(int mr, int kind, const float *xt, int64_t K, const void *qs, const float *d,
-                           const float *m, int64_t g, float *y, int64_t N)
+                           const float *m, int64_t s, float *y, int64_t N)
 {
     switch (mr) {
         FUSED_CASE(1) FUSED_CASE(2) FUSED_CASE(3) FUSED_CASE(4) FUSED_CASE(5) FUSED_CASE(6) FUSED_CASE(7)
-        FUSED_CASE(8) FUSED_CASE(9) FUSED_CASE(10) FUSED_CASE(11) FUSED_CASE(12) FUSED_CASE(13) FUSED_CASE(14)
+        FUSED_CASE(8)
+#if FUSED_M > 8
+        FUSED_CASE(9) FUSED_CASE(10) FUSED_CASE(11) FUSED_CASE(12) FUSED_CASE(13) FUSED_CASE(14)
         FUSED_CASE(15) FUSED_CASE(16)
+#endif
     }
 }
 
-/* The calling thread's buffer for x transposed (grown as needed, kept for the next call: this runs ~120 times a
-   step). NULL when out of memory. */
-static float *transposed_buffer(int64_t n)
+/* The calling thread's buffer `slot` (0: x transposed, 1: the scratch tile), grown as needed and kept for the next
+call: this runs ~120 times a step, and a fresh ~200 KB tile per call came from mmap with its page faults. NULL
+when out of memory. */
+static float *thread_buffer(int slot, int64_t n)
 {
-    static __thread float *buf;
-    static __thread int64_t cap;
-    if (n > cap) {
-        free(buf);
-        cap = (n + 4095) & ~(int64_t)4095;
-        buf = aligned_alloc(64, (size_t)cap * sizeof(float));
-        if (!buf)
-            cap = 0;
+    static __thread float *buf[2];
+    static __thread int64_t cap[2];
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        cap[slot] = (n + 4095) & ~(int64_t)4095;
+        buf[slot] = aligned_alloc(64, (size_t)cap[slot] * sizeof(float));
+        if (!buf[slot])
+            cap[slot] = 0;
     }
-    return buf;
+    return buf[slot];
 }
 
 /* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 32 == 0. Returns 0, or -1 on bad sizes or no memory. */
@@ -233,7 +250,7 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         return 0;
     if (M <= (kind == KIND_Q4_1 ? FUSED_MAX_M_Q4_1 : FUSED_MAX_M_Q8_0)) {
         /* passes of up to FUSED_M rows; pass p's rows transposed to xt + p * FUSED_M * K as [K][rows] */
-        float *xt = transposed_buffer(M * K);
+        float *xt = thread_buffer(0, M * K);
         if (!xt)
             return -1;
 #pragma omp parallel num_threads(num_threads)
@@ -246,37 +263,36 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
                         xt[r0 * K + k * mr + r] = x[(r0 + r) * K + k];
                 }
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < N / G; g++)
+            for (int64_t sl = 0; sl < N / VL; sl++)
                 for (int64_t r0 = 0; r0 < M; r0 += FUSED_M)
-                    fused_dispatch(M - r0 < FUSED_M ? (int)(M - r0) : FUSED_M, kind, xt + r0 * K, K, qs, d, m, g,
+                    fused_dispatch(M - r0 < FUSED_M ? (int)(M - r0) : FUSED_M, kind, xt + r0 * K, K, qs, d, m, sl,
                                    y + r0 * N, N);
         }
         return 0;
     }
-    int64_t num_tiles = (N + NR - 1) / NR;
+    int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *tile = aligned_alloc(64, (size_t)K * NR * sizeof(float));
+        float *tile = thread_buffer(1, K * NR);
         if (!tile)
             failed = 1;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tiles; t++) {
             if (!tile)
                 continue;
-            int nv = (N - t * NR) >= NR ? 2 : 1;
+            int nv = num_slices - t * 2 >= 2 ? 2 : 1;
             for (int v = 0; v < nv; v++) {
                 if (kind == KIND_Q4_1)
-                    dequant_q4_1(qs, d, m, t * 2 + v, K, tile, v * G);
+                    dequant_q4_1(qs, d, m, t * 2 + v, K, tile, v * VL);
                 else
-                    dequant_q8_0(qs, d, t * 2 + v, K, tile, v * G);
+                    dequant_q8_0(qs, d, t * 2 + v, K, tile, v * VL);
             }
             for (int64_t r = 0; r < M; r += MR) {
                 int mr = M - r < MR ? (int)(M - r) : MR;
                 block_dispatch(mr, nv, x + r * K, K, tile, y + r * N + t * NR, N);
             }
         }
-        free(tile);
     }
     return failed ? -1 : 0;
 }

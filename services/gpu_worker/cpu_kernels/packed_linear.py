@@ -2,6 +2,7 @@
 
     if available():                       # builds/loads the library on first call
         y = packed_linear(x, packed, num_threads)      # packed: packed_weights.pack(weight)
+        y = packed_linear(x, packed, num_threads, isa="avx2")     # the AVX2 build's kernel (same bits)
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
-def _kernel():
-    return function("steploop_packed_linear", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int])
+def _kernel(isa: str | None = None):
+    return function("steploop_packed_linear", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int], isa=isa)
 
 
-def available() -> bool:
-    return _kernel() is not None
+def available(isa: str | None = None) -> bool:
+    return _kernel(isa) is not None
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32 on the CPU -> [..., N] fp32."""
+                  out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
+    """x [..., K] fp32 on the CPU -> [..., N] fp32; `isa` picks another build's kernel (build.py; tests, benchmarks)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] != packed.in_features:
         raise ValueError(f"packed_linear: expected fp32 CPU input [..., {packed.in_features}], got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
@@ -37,7 +38,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
     y = out if out is not None else torch.empty(x2.shape[0], packed.out_features, dtype=torch.float32)
     if y.shape != (x2.shape[0], packed.out_features) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError(f"packed_linear: out must be a contiguous fp32 [{x2.shape[0]}, {packed.out_features}]")
-    kernel = _kernel()
+    kernel = _kernel(isa)
     if kernel is None:
         raise RuntimeError("the packed linear library is not available (see build.py's warning)")
     rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(), packed.m_or_d.data_ptr(),
