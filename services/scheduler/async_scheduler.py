@@ -26,6 +26,8 @@ from services.scheduler.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):
+    runs_ahead = True
+
     def _num_output_placeholders(self, request: Request) -> int:
         return request.num_output_placeholders
 
@@ -42,24 +44,18 @@ class AsyncScheduler(Scheduler):
     def _wants_drafts(self, request: Request, placeholders: int) -> bool:
         return request not in self._awaiting_drafts and super()._wants_drafts(request, placeholders)
 
-    def _after_schedule(self, plan: StepPlan, scheduled: list[Request]) -> None:
-        # The base class's advance, in the same pass (once per scheduled request: lengths read directly).
-        drafts, ends = plan.draft_token_ids, []
-        add_end = ends.append
-        for request, num_new in zip(scheduled, plan.num_scheduled_tokens):
-            # It samples iff its tokens (drafts aside) reach the end of what the worker knows: the tokens seen
-            # here plus the placeholders in flight.
-            num_drafts = len(drafts.get(request.handle, ())) if drafts else 0
-            end = request.num_computed_tokens + num_new
-            if end - num_drafts >= (len(request.prompt_token_ids) + len(request.output_token_ids)
-                                    + request.num_output_placeholders):
-                request.num_output_placeholders += 1
-            if num_drafts:
-                self._awaiting_drafts.add(request)
-            request.num_computed_tokens = end
-            add_end(end)
-        if scheduled:
-            self._in_flight[plan.step_id] = (scheduled, ends)
+    def _advance(self, plan: StepPlan, request: Request, num_new: int) -> int:
+        # It samples iff its tokens (drafts aside) reach the end of what the worker knows: the tokens seen here
+        # plus the placeholders in flight. (Scheduler._schedule_running does this inline for a plain decode.)
+        drafts = plan.draft_token_ids
+        num_drafts = len(drafts.get(request.handle, ())) if drafts else 0
+        end = request.num_computed_tokens + num_new
+        if end - num_drafts >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+        if num_drafts:
+            self._awaiting_drafts.add(request)
+        request.num_computed_tokens = end
+        return end
 
     def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
         if request.num_output_placeholders:

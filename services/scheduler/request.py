@@ -55,6 +55,10 @@ class Request:
     # EOS unless ignore_eos) and the output length at which it stops (max_tokens or the context, whichever first).
     stop_ids: frozenset[int] = frozenset()
     max_output_tokens: int = 0
+    # Also set by add_request, so the per-step loops touch neither the prompt list nor the sampling params:
+    # len(prompt_token_ids) (a prompt never changes) and whether sampling asks for prompt logprobs.
+    num_prompt: int = 0
+    sends_prompt_logprobs: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

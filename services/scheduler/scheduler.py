@@ -29,6 +29,8 @@ RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
+    runs_ahead = False                           # schedules tokens sampled by a step in flight (async scheduling)
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
@@ -66,6 +68,8 @@ class Scheduler:
         request.stop_ids = (frozenset(params.stop_token_ids) | self._no_stop_ids[params.ignore_eos]
                             if params.stop_token_ids else self._no_stop_ids[params.ignore_eos])
         request.max_output_tokens = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)
+        request.num_prompt = len(request.prompt_token_ids)
+        request.sends_prompt_logprobs = params.prompt_logprobs >= 0
         request.status = RequestStatus.WAITING
         self.handles.assign(request)
         self.requests[request.request_id] = request
@@ -132,7 +136,8 @@ class Scheduler:
            max_num_seqs and free blocks (minus the admission watermark) allow; none in a step that preempted
            (the blocks just freed belong to the running requests that needed them). Under the priority policy
            a better waiting request that cannot fit preempts worse running ones first (it is admitted next step).
-        5. num_computed_tokens advances now by the scheduled count, as if the step had run (`_after_schedule`).
+        5. num_computed_tokens advances by the scheduled count as each request is scheduled, as if the step had
+           run (`_advance`), so the next schedule() sees the new gaps.
         """
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
@@ -142,12 +147,14 @@ class Scheduler:
         if self.config.scheduling_policy == "priority" and self.waiting and self.running:
             self._preempt_for_waiting(plan)
         scheduled: list[Request] = []
+        ends: list[int] = []                     # num_computed_tokens each scheduled request reaches
         if self.pacer is not None:
             self.pacer.begin_step(len(self.running))
-        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, scheduled)
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens, scheduled, ends)
         if not plan.preempted_handles:
-            self._schedule_waiting(plan, budget, scheduled)
-        self._after_schedule(plan, scheduled)
+            self._schedule_waiting(plan, budget, scheduled, ends)
+        if scheduled:
+            self._in_flight[plan.step_id] = (scheduled, ends)
         if self.pacer is not None:
             self.pacer.end_step(plan.step_id)
         self.handles.recycle()
@@ -163,35 +170,42 @@ class Scheduler:
                                                  self.watermark_blocks, max_new):
             self._preempt(victim, plan)
 
-    def _schedule_running(self, plan: StepPlan, budget: int, scheduled: list[Request]) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int, scheduled: list[Request], ends: list[int]) -> int:
         # Hot path: once per running request per step. A plain decode (gap 1, no drafts, room to run ahead) is
-        # worked out inline, with the pacer's tally summed once after the loop; everything else goes through
-        # _num_new_tokens / _add_to_batch. Placeholders (async scheduling) only run ahead within max_tokens and
-        # max_model_len, and not while drafts in flight await their verdict (AsyncScheduler._num_new_tokens).
+        # worked out and advanced inline (what _advance does for it), with the pacer's tally summed once after
+        # the loop; everything else goes through _num_new_tokens / _add_to_batch / _advance. Placeholders (async
+        # scheduling) only run ahead within max_tokens and max_model_len, and not while drafts in flight await
+        # their verdict (AsyncScheduler._num_new_tokens). Request fields are read once each, and the prompt's
+        # length comes from request.num_prompt, so the loop does not touch the prompt lists.
         running, kv, i, awaiting = self.running, self.kv, 0, self._awaiting_drafts
-        add_handle, add_count, add_scheduled = (plan.scheduled_handles.append, plan.num_scheduled_tokens.append,
-                                                scheduled.append)
-        max_model_len, block_size = self.max_model_len, kv.block_size
+        add_handle, add_count, add_scheduled, add_end = (plan.scheduled_handles.append,
+                                                         plan.num_scheduled_tokens.append, scheduled.append,
+                                                         ends.append)
+        last_position, block_size, runs_ahead = self.max_model_len - 1, kv.block_size, self.runs_ahead
         num_decodes = decode_context = 0
         while i < len(running) and budget > 0:
             request = running[i]
             computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
-            num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
-            decode = (num_prompt + num_output + placeholders - computed == 1 and not request.spec_token_ids
-                      and computed < max_model_len - 1
+            num_output = len(request.output_token_ids)
+            decode = (request.num_prompt + num_output + placeholders - computed == 1 and computed < last_position
+                      and not request.spec_token_ids
                       and (not placeholders or (num_output + placeholders < request.max_output_tokens
                                                 and (not awaiting or request not in awaiting))))
-            num_new = 1 if decode else self._num_new_tokens(request, budget)
-            if num_new <= 0:
-                i += 1
-                continue
             if decode and computed % block_size:    # room in its last block: allocate_slots would return []
                 add_handle(request.handle)
                 add_count(1)
-                num_decodes += 1
-                decode_context += computed + 1
                 add_scheduled(request)
+                request.num_computed_tokens = computed = computed + 1
+                if runs_ahead:                   # it samples: one more placeholder (AsyncScheduler._advance)
+                    request.num_output_placeholders = placeholders + 1
+                add_end(computed)
+                num_decodes += 1
+                decode_context += computed
                 budget -= 1
+                i += 1
+                continue
+            num_new = 1 if decode else self._num_new_tokens(request, budget)
+            if num_new <= 0:
                 i += 1
                 continue
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
@@ -210,6 +224,7 @@ class Scheduler:
             else:
                 self._add_to_batch(plan, request, num_new)
             add_scheduled(request)
+            add_end(self._advance(plan, request, num_new))
             budget -= num_new
             i += 1
         self._tally_decodes(num_decodes, decode_context)
@@ -220,7 +235,7 @@ class Scheduler:
         if self.pacer is not None and num_decodes:
             self.pacer.tally_decodes(num_decodes, context)
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int, scheduled: list[Request]) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, scheduled: list[Request], ends: list[int]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(request)
@@ -234,6 +249,7 @@ class Scheduler:
             self._admit(plan, request, num_hit)
             self._add_to_batch(plan, request, num_new)
             scheduled.append(request)
+            ends.append(self._advance(plan, request, num_new))
             budget -= num_new
 
     def _admit(self, plan: StepPlan, request: Request, num_hit: int) -> None:
@@ -308,15 +324,11 @@ class Scheduler:
         """Tokens sampled by a step in flight but not yet seen here. Synchronous scheduling: always 0."""
         return 0
 
-    def _after_schedule(self, plan: StepPlan, scheduled: list[Request]) -> None:
-        """Advance num_computed_tokens as if the plan had run, so the next schedule() sees the new gaps."""
-        ends = []
-        add_end = ends.append
-        for request, num_new in zip(scheduled, plan.num_scheduled_tokens):
-            request.num_computed_tokens = end = request.num_computed_tokens + num_new
-            add_end(end)
-        if scheduled:
-            self._in_flight[plan.step_id] = (scheduled, ends)
+    def _advance(self, plan: StepPlan, request: Request, num_new: int) -> int:
+        """Advance num_computed_tokens by the request's scheduled tokens as if the plan had run (so the next
+        schedule() sees the new gap); returns the count it reaches."""
+        request.num_computed_tokens += num_new
+        return request.num_computed_tokens
 
     def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
         """A step's sampled tokens for the request arrived (async scheduling drops a placeholder here)."""
@@ -373,17 +385,18 @@ class Scheduler:
                 self._cache_blocks(request, end, num_new)
                 continue
             output_ids = request.output_token_ids
-            if (len(tokens) != 1 or request.spec_token_ids or tokens[0] in request.stop_ids
-                    or len(output_ids) + 1 >= request.max_output_tokens or request.sampling.prompt_logprobs >= 0):
+            num_output = len(output_ids) + 1
+            if (len(tokens) != 1 or tokens[0] in request.stop_ids or num_output >= request.max_output_tokens
+                    or request.sends_prompt_logprobs or request.spec_token_ids):
                 add_output(self._append_tokens(request, tokens, None, None, end, num_new))
                 continue
             if request.num_output_placeholders:  # what _on_sampled does for a step without drafts
                 request.num_output_placeholders -= 1
             output_ids.append(tokens[0])
-            num_prompt = len(request.prompt_token_ids)
+            num_prompt = request.num_prompt
             if end % block_size < num_new:       # it filled a block: key it (_cache_blocks)
-                kv.cache_blocks(request, min(end, num_prompt + len(output_ids)))
-            add_output(RequestOutput(request.request_id, tokens, None, None, None, num_prompt, len(output_ids),
+                kv.cache_blocks(request, min(end, num_prompt + num_output))
+            add_output(RequestOutput(request.request_id, tokens, None, None, None, num_prompt, num_output,
                                      request.num_cached_tokens))
         return outputs
 
