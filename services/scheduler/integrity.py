@@ -19,6 +19,8 @@ def check_scheduler(sched) -> None:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request.status
         assert request.num_computed_tokens == 0 and not kv.get_block_ids(request), request.request_id
         assert request.num_output_placeholders == 0, request.request_id
+    for request in sched.requests.values():      # the hot loops read the prompt length from num_prompt
+        assert request.num_prompt == len(request.prompt_token_ids), f"{request.request_id}: stale num_prompt"
     live = {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
     assert len(live) == len(sched.running) + len(sched.waiting) == len(sched.requests), "queues disagree"
     assert set(kv.request_ids) <= live, f"blocks held by dead requests: {set(kv.request_ids) - live}"
