@@ -16,14 +16,26 @@ from aiohttp import web
 from services.common import model_path
 from services.gateway import metrics as gateway_metrics
 from services.gateway import routes
-from services.gateway.app_keys import CHAT_TEMPLATE, DRAIN, HEALTH, MAX_BODY, SERVING, TOOL_PARSER
+from services.gateway.app_keys import (
+    CHAT_TEMPLATE,
+    DRAIN,
+    HEALTH,
+    MAX_BODY,
+    REASONING_PARSER,
+    RESPONSE_STORE,
+    SERVING,
+    TOOL_PARSER,
+)
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import Drain
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, internal_error
 from services.gateway.health import HealthProbe
+from services.gateway.messages_api import errors as anthropic_errors
 from services.gateway.model_state import ModelState
+from services.gateway.reasoning import get_reasoning_parser
+from services.gateway.responses_api.store import ResponseStore
 from services.gateway.serving import Serving
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_parsers import get_tool_parser
@@ -39,14 +51,21 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as err:
-        return err.to_response()
+        return _render(request, err)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _http_error(request, exc).to_response()
+        return _render(request, _http_error(request, exc))
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
-        return internal_error().to_response()
+        return _render(request, internal_error())
+
+
+def _render(request: web.Request, err: APIError) -> web.Response:
+    """In the shape of the API the path belongs to: Anthropic's for /v1/messages*, OpenAI's elsewhere."""
+    if request.path.startswith(anthropic_errors.PATH_PREFIX):
+        return anthropic_errors.to_response(err)
+    return err.to_response()
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
@@ -67,15 +86,17 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
 
 
 def auth_middleware(api_key: str):
+    """`Authorization: Bearer <key>` (OpenAI's SDK) or `x-api-key: <key>` (Anthropic's)."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+            bearer = request.headers.get("Authorization", "").encode()
+            key = f"Bearer {request.headers.get('x-api-key', '')}".encode()
+            if not (hmac.compare_digest(bearer, expected) | hmac.compare_digest(key, expected)):
+                raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                               "'x-api-key: <key>'", code="invalid_api_key")
         return await handler(request)
 
     return check_key
@@ -97,6 +118,8 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     app[HEALTH] = HealthProbe(engine_client, drain)
     app[DRAIN] = drain
     app[MAX_BODY] = config.max_request_body_bytes
+    app[RESPONSE_STORE] = ResponseStore()
+    app[REASONING_PARSER] = get_reasoning_parser(config.reasoning_parser)
     routes.add_routes(app)
     gateway_metrics.install(app, engine_client, model)   # /metrics, HTTP metrics, the request's span
 

@@ -8,6 +8,8 @@ from aiohttp import web
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.drain import Drain
 from services.gateway.health import HealthProbe
+from services.gateway.reasoning import ReasoningParser
+from services.gateway.responses_api.store import ResponseStore
 from services.gateway.serving import Serving
 from services.gateway.tool_parsers import ToolParser
 
@@ -17,3 +19,5 @@ TOOL_PARSER = web.AppKey("tool_parser", ToolParser)       # --tool-call-parser: 
 HEALTH = web.AppKey("health", HealthProbe)
 DRAIN = web.AppKey("drain", Drain)
 MAX_BODY = web.AppKey("max_body", int)                   # --max-request-body-bytes, for the 413's message
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)   # /v1/responses created with store: true
+REASONING_PARSER = web.AppKey("reasoning_parser", ReasoningParser)   # --reasoning-parser; None: no split

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from services.common import envs
 from services.common.tls import TlsConfig
 from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from services.gateway.reasoning import REASONING_PARSERS, get_reasoning_parser
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
@@ -28,6 +29,7 @@ class GatewayConfig:
     engine_session: bool = True               # all requests on one Session stream; False: a Generate call each
     tool_call_parser: str = DEFAULT_TOOL_PARSER  # the format the model writes tool calls in (tool_parsers/)
     scheduler_discovery_interval: float = 0.0  # > 0: re-resolve the scheduler names this often (discovery.py)
+    reasoning_parser: str | None = None       # --reasoning-parser: how the model writes its thinking (reasoning.py)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -42,6 +44,7 @@ class GatewayConfig:
         if self.scheduler_discovery_interval < 0:
             raise ValueError(f"--scheduler-discovery-interval must be >= 0 seconds (0: off), "
                              f"got {self.scheduler_discovery_interval}")
+        get_reasoning_parser(self.reasoning_parser)   # an unknown name fails at start, listing the known ones
         addresses = self.scheduler_addresses   # any gRPC target: host:port, [::1]:port, unix:path, dns:///...
         if self.scheduler_discovery_interval > 0 and any(
                 a.startswith(("unix:", "dns:", "ipv4:", "ipv6:")) or not a.rpartition(":")[2].isdigit()
@@ -57,13 +60,14 @@ class GatewayConfig:
         return tuple(a.strip() for a in self.scheduler_address.split(",") if a.strip())
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "GatewayConfig":
+    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         return cls(host=args.host, port=args.port, scheduler_address=args.scheduler_address, model=args.model,
                    served_model_name=args.served_model_name, api_key=args.api_key or None,
                    max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
                    tls=TlsConfig.from_args(args), engine_session=args.engine_session,
                    tool_call_parser=args.tool_call_parser,
-                   scheduler_discovery_interval=args.scheduler_discovery_interval)
+                   scheduler_discovery_interval=args.scheduler_discovery_interval,
+                   reasoning_parser=args.reasoning_parser or None)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -94,5 +98,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   help="every this many seconds, re-resolve each --scheduler-address name:port and route to every "
                        "address it resolves to (a Kubernetes headless Service: scheduler replicas join and leave "
                        "without a restart); 0: resolve once, at start, by gRPC")
+    envs.add_flag(parser, "--reasoning-parser", default=None,
+                  help=f"split the model's <think> reasoning from its answer: one of {sorted(REASONING_PARSERS)} "
+                       "(chat's reasoning_content, Messages' thinking blocks, Responses' reasoning items)")
     TlsConfig.add_cli_args(parser)
     return parser

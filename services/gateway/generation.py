@@ -59,6 +59,8 @@ class TextEvent:
     finish_reason: str | None = None  # set on the choice's last event
     usage: Usage | None = None        # set on the choice's last event
     logprobs: tuple[TokenInfo, ...] | None = None   # tokens behind this text, when logprobs were asked for
+    stop_str: str | None = None       # the stop string that ended the choice (Anthropic's stop_sequence)
+    reasoning: str = ""               # thinking split off `text` by --reasoning-parser (reasoning.py)
 
 
 async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choice) -> AsyncIterator[TextEvent]:
@@ -92,7 +94,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                     pending = []
                 if stops.stopped:
                     usage = Usage(len(choice.prompt_ids), num_tokens)
-                    yield TextEvent(choice.index, text, "stop", usage, lps)
+                    yield TextEvent(choice.index, text, "stop", usage, lps, stops.matched)
                     return
                 if not finish:
                     if text:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.gateway.messages_api import openapi as messages_openapi
 from services.gateway.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
+from services.gateway.responses_api import openapi as responses_openapi
 
 _NUM = {"type": "number"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -129,9 +131,11 @@ def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "steploop", "version": "1",
-                 "description": "OpenAI-compatible completions and chat completions, plus vLLM's utility routes."},
+                 "description": "OpenAI-compatible completions, chat completions and Responses, Anthropic's "
+                                "Messages, plus vLLM's utility routes."},
         "servers": [{"url": server_url}],
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                           "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
         "paths": {
             "/v1/completions": {"post": {"operationId": "createCompletion", "security": [{"bearer": []}, {}],
                                          "requestBody": _json_body(_COMPLETION_REQUEST),
@@ -166,5 +170,7 @@ def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
             "/version": {"get": {"operationId": "version", "responses": {"200": {
                 "description": "OK", "content": {"application/json": {"schema": {
                     "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}}}}},
+            **messages_openapi.paths(_json_body),
+            **responses_openapi.paths(_json_body, _responses),
         },
     }

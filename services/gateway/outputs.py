@@ -21,6 +21,7 @@ class Collected:
     finish: dict[int, str | None] = field(default_factory=dict)
     usages: dict[int, Usage] = field(default_factory=dict)
     logprobs: dict[int, list[TokenInfo]] = field(default_factory=dict)   # only choices that asked
+    reasoning: dict[int, str] = field(default_factory=dict)              # --reasoning-parser's split, if any
 
 
 async def collect(events: AsyncIterator[TextEvent]) -> Collected:
@@ -28,6 +29,8 @@ async def collect(events: AsyncIterator[TextEvent]) -> Collected:
     async with contextlib.aclosing(events):
         async for event in events:
             out.texts[event.index] = out.texts.get(event.index, "") + event.text
+            if event.reasoning:
+                out.reasoning[event.index] = out.reasoning.get(event.index, "") + event.reasoning
             if event.logprobs is not None:
                 out.logprobs.setdefault(event.index, []).extend(event.logprobs)
             if event.finish_reason is not None:
@@ -54,6 +57,8 @@ async def chat_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logpro
             if calls:
                 messages[i] = {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}
                 got.finish[i] = tools.finish_reason(calls, got.finish.get(i))
+        if i in got.reasoning:
+            messages[i]["reasoning_content"] = got.reasoning[i]   # vLLM's field
     return responses.chat_completion(meta, messages, got.finish, total_usage(got.usages, n), lps)
 
 
@@ -92,6 +97,8 @@ async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Seq
                     yield responses.chat_chunk(meta, index, first, None)
             if event.usage is not None:
                 usages[event.index] = event.usage
+            if event.reasoning:
+                yield responses.chat_chunk(meta, event.index, {"reasoning_content": event.reasoning}, None)
             if not (event.text or event.finish_reason):
                 continue
             if calling:

@@ -11,10 +11,13 @@ from typing import Any
 from aiohttp import web
 
 from services.gateway import outputs, utility_routes
-from services.gateway.app_keys import CHAT_TEMPLATE, HEALTH, SERVING, TOOL_PARSER
+from services.gateway.app_keys import CHAT_TEMPLATE, HEALTH, REASONING_PARSER, SERVING, TOOL_PARSER
+from services.gateway.messages_api import routes as messages_routes
 from services.gateway.protocol import parse_chat, parse_completion
+from services.gateway.reasoning import split_reasoning
 from services.gateway.request_body import read_json
 from services.gateway.responses import Meta, new_id
+from services.gateway.responses_api import routes as responses_routes
 from services.gateway.serving import Serving
 from services.gateway.sse import stream_sse
 from services.gateway.structured_length import log_length_finishes, structured_kind
@@ -55,6 +58,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     meta = Meta(new_id("chatcmpl"), serving.model.served_model_name)
     choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages")
     events = log_length_finishes(serving.run(choices), meta.id, structured_kind(req.sampling, req.tools))
+    events = split_reasoning(events, request.app[REASONING_PARSER])
     logprobs = req.sampling.logprobs >= 0
     if req.sampling.stream:
         indices = [c.index for c in choices]
@@ -100,6 +104,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/tokenize", utility_routes.tokenize)
     app.router.add_post("/detokenize", utility_routes.detokenize)
     app.router.add_get("/openapi.json", utility_routes.openapi)
+    messages_routes.add_routes(app)   # Anthropic's Messages API
+    responses_routes.add_routes(app)  # OpenAI's Responses API
 
 
 def route_list(app: web.Application) -> list[str]:

@@ -1,7 +1,8 @@
-"""Server-sent events, as OpenAI streams them: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`.
+"""Server-sent events, as OpenAI streams them: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`; and
+as Anthropic's Messages and OpenAI's Responses stream them: `event: {type}\\ndata: {json}\\n\\n`, no [DONE].
 
-Once the 200 and headers are out, an error can no longer change the status; it goes out as one
-`data: {"error": ...}` event before [DONE], as vLLM and OpenAI do.
+Once the 200 and headers are out, an error can no longer change the status; it goes out as one error event
+(OpenAI: `data: {"error": ...}` before [DONE], as vLLM and OpenAI do; Anthropic: an `error` event).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -26,7 +27,23 @@ def _event(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _typed_event(payload: dict[str, Any]) -> bytes:
+    return f"event: {payload['type']}\n".encode() + _event(payload)
+
+
 async def stream_sse(request: web.Request, chunks: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+    """OpenAI's form; see _stream."""
+    return await _stream(request, chunks, _event, lambda err: _event(err.body()), _event("[DONE]"))
+
+
+async def stream_typed_sse(request: web.Request, chunks: AsyncIterator[dict[str, Any]],
+                           error_event: Callable[[APIError], dict[str, Any]]) -> web.StreamResponse:
+    """Each chunk names its event in its "type" (Anthropic's and Responses' form); an error is `error_event(err)`."""
+    return await _stream(request, chunks, _typed_event, lambda err: _typed_event(error_event(err)), b"")
+
+
+async def _stream(request: web.Request, chunks: AsyncIterator[dict[str, Any]], encode: Callable[[Any], bytes],
+                  encode_error: Callable[[APIError], bytes], trailer: bytes) -> web.StreamResponse:
     """Writes chunks as they come. The first chunk is awaited before the 200 goes out, so errors that happen
     before any output (engine unavailable, invalid request at the engine) still get their real status."""
     # aclosing: however we leave (client gone, cancellation), the chunks' engine calls are cancelled now,
@@ -37,16 +54,17 @@ async def stream_sse(request: web.Request, chunks: AsyncIterator[dict[str, Any]]
         await response.prepare(request)
         try:
             if first is not None:
-                await response.write(_event(first))
+                await response.write(encode(first))
             async for chunk in chunks:
-                await response.write(_event(chunk))
+                await response.write(encode(chunk))
         except APIError as err:
-            await response.write(_event(err.body()))
+            await response.write(encode_error(err))
         except ConnectionError:
             raise   # the client went away; aclosing aborts the engine calls
         except Exception:
             logger.exception("stream failed")
-            await response.write(_event(internal_error().body()))
-    await response.write(_event("[DONE]"))
+            await response.write(encode_error(internal_error()))
+    if trailer:
+        await response.write(trailer)
     await response.write_eof()
     return response

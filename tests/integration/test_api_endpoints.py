@@ -98,10 +98,12 @@ def _fuzz(op, base_url: str, failures: list[str], deadline: float) -> None:
 def _narrowed_for_speed(spec: dict) -> dict:
     """The server's spec states its real limits; on 2 CPU cores the fuzzer keeps generations and prompts short
     (unset max_tokens means "what fits": ~8k tokens, minutes here)."""
-    limits = {"max_tokens": 16, "max_completion_tokens": 16, "min_tokens": 16, "n": 4}
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    limits = {"max_tokens": 16, "max_completion_tokens": 16, "min_tokens": 16, "n": 4, "max_output_tokens": 16}
+    for path, cap_field in (("/v1/completions", "max_tokens"), ("/v1/chat/completions", "max_tokens"),
+                            ("/v1/messages", "max_tokens"), ("/v1/responses", "max_output_tokens")):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        body["required"].append("max_tokens")
+        if cap_field not in body["required"]:
+            body["required"].append(cap_field)
         for name, cap in limits.items():
             if name in body["properties"]:
                 body["properties"][name]["maximum"] = cap

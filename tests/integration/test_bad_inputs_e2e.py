@@ -17,6 +17,8 @@ pytestmark = pytest.mark.slow
 M = "SmolLM2-135M-Instruct"
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
+RESP = "/v1/responses"
+MSGS = "/v1/messages"
 HI = [{"role": "user", "content": "hi"}]
 
 # (name, route, body (dict, or raw bytes), expected status)
@@ -65,6 +67,41 @@ BAD_INPUTS = [
     ("tool message without tool_call_id", CHAT, {"model": M, "messages": [*HI, {"role": "tool", "content": "1"}]},
      400),
     ("deprecated functions", CHAT, {"model": M, "messages": HI, "functions": [{"name": "f"}]}, 400),
+    ("responses: missing input", RESP, {"model": M}, 400),
+    ("responses: input an empty list", RESP, {"model": M, "input": []}, 400),
+    ("responses: unknown input item", RESP, {"model": M, "input": [{"type": "computer_call"}]}, 400),
+    ("responses: image input", RESP, {"model": M, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x"}]}]}, 400),
+    ("responses: max_output_tokens zero", RESP, {"model": M, "input": "hi", "max_output_tokens": 0}, 400),
+    ("responses: built-in tool", RESP, {"model": M, "input": "hi", "tools": [{"type": "web_search"}]}, 400),
+    ("responses: json_schema without a schema", RESP, {"model": M, "input": "hi", "text": {
+        "format": {"type": "json_schema", "name": "x"}}}, 400),
+    ("responses: unknown previous_response_id", RESP, {"model": M, "input": "hi",
+                                                       "previous_response_id": "resp_nope"}, 404),
+    ("responses: prompt over the context", RESP, {"model": M, "input": "word " * 9000}, 400),
+    ("responses: unknown model", RESP, {"model": "gpt-17", "input": "hi"}, 404),
+]
+# Anthropic's Messages API answers in its own shape: {"type": "error", "error": {"type", "message"}}.
+MESSAGES_BAD_INPUTS = [
+    ("messages: malformed JSON", MSGS, b'{"model": ', 400),
+    ("messages: missing max_tokens", MSGS, {"model": M, "messages": HI}, 400),
+    ("messages: max_tokens zero", MSGS, {"model": M, "messages": HI, "max_tokens": 0}, 400),
+    ("messages: empty messages", MSGS, {"model": M, "messages": [], "max_tokens": 4}, 400),
+    ("messages: system role in messages", MSGS, {"model": M, "messages": [{"role": "system", "content": "x"}],
+                                                 "max_tokens": 4}, 400),
+    ("messages: image block", MSGS, {"model": M, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400),
+    ("messages: temperature above 1", MSGS, {"model": M, "messages": HI, "max_tokens": 4, "temperature": 1.5},
+     400),
+    ("messages: tool_choice names a tool not in tools", MSGS, {"model": M, "messages": HI, "max_tokens": 4,
+     "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},
+     400),
+    ("messages: server tool", MSGS, {"model": M, "messages": HI, "max_tokens": 4,
+                                     "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400),
+    ("messages: prompt + max_tokens over the context", MSGS, {"model": M, "messages": HI, "max_tokens": 9000},
+     400),
+    ("messages: unknown model", MSGS, {"model": "claude-17", "messages": HI, "max_tokens": 4}, 404),
+    ("count_tokens: missing messages", MSGS + "/count_tokens", {"model": M}, 400),
 ]
 NAN_BODIES = [   # JSON with NaN / Infinity literals (Python's json accepts them; the API must not)
     ("NaN temperature", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
@@ -85,6 +122,16 @@ def test_bad_input_gets_4xx_in_openai_shape(cluster, name, route, body, status):
     err = reply["error"]
     assert {"message", "type", "param", "code"} <= set(err), (name, reply)
     assert err["message"] and "Traceback" not in json.dumps(reply), name
+
+
+@pytest.mark.parametrize("name,route,body,status", MESSAGES_BAD_INPUTS, ids=lambda x: x if isinstance(x, str)
+                         and not x.startswith("/") else None)
+def test_bad_input_gets_4xx_in_anthropic_shape(cluster, name, route, body, status):
+    got, reply = cluster.post(route, body)
+    assert got == status, (name, reply)
+    assert reply["type"] == "error" and set(reply["error"]) == {"type", "message"}, (name, reply)
+    assert reply["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), name
+    assert reply["error"]["message"] and "Traceback" not in json.dumps(reply), name
 
 
 def test_oversize_body_is_413(cluster):

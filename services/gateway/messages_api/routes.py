@@ -1,0 +1,51 @@
+"""The Messages handlers: parse Anthropic's body, render the conversation with the chat template (as chat
+completions do, so the same conversation is the same prompt), run it through Serving, shape the reply. Errors
+raised here are APIErrors; app.py renders those of /v1/messages* with errors.to_response."""
+
+from __future__ import annotations
+
+import uuid
+
+from aiohttp import web
+
+from services.gateway import validation as v
+from services.gateway.app_keys import CHAT_TEMPLATE, REASONING_PARSER, SERVING, TOOL_PARSER
+from services.gateway.messages_api import errors, outputs
+from services.gateway.messages_api.protocol import parse_conversation, parse_messages, parse_tool_request
+from services.gateway.reasoning import split_reasoning
+from services.gateway.request_body import read_json
+from services.gateway.responses import Meta
+from services.gateway.sse import stream_typed_sse
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    serving = request.app[SERVING]
+    req = parse_messages(await read_json(request), request.app[TOOL_PARSER])
+    serving.check_model(req.model)
+    prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=not req.continue_final_message,
+                                                     continue_final_message=req.continue_final_message,
+                                                     tools=req.tools)
+    meta = Meta(f"msg_{uuid.uuid4().hex}", serving.model.served_model_name)
+    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages")
+    events = split_reasoning(serving.run(choices), request.app[REASONING_PARSER])
+    if req.sampling.stream:
+        return await stream_typed_sse(request, outputs.message_events(meta, events, req.tools, len(prompt)),
+                                      errors.error_event)
+    return web.json_response(await outputs.message_body(meta, events, req.tools))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt a Messages request with this body would have, counted (tools included, as they are rendered)."""
+    serving = request.app[SERVING]
+    body = v.require_object(await read_json(request))
+    serving.check_model(v.get_str(body, "model"))
+    messages, prefill = parse_conversation(body)
+    tools = parse_tool_request(body, request.app[TOOL_PARSER])
+    prompt = await request.app[CHAT_TEMPLATE].render(messages, add_generation_prompt=not prefill,
+                                                     continue_final_message=prefill, tools=tools)
+    return web.json_response({"input_tokens": len(prompt)})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
