@@ -53,7 +53,7 @@ class ReasoningSplitter:
         self.pending = ""
 
     def feed(self, delta: str, last: bool = False) -> tuple[str, str]:
-        text, reasoning, content = self.pending + delta, "", ""
+        text, reasoning = self.pending + delta, ""
         self.pending = ""
         if self.state == "start":
             stripped = text.lstrip()

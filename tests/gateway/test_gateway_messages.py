@@ -120,8 +120,8 @@ async def test_stream_stop_sequence(gateway):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_tool_choice_tool_is_guided_and_a_tool_use_block(gateway, reply, stream):
     reply('{"city": "Paris"}')
-    kwargs = dict(model=SERVED_NAME, max_tokens=100, messages=ASK, tools=[WEATHER],
-                  tool_choice={"type": "tool", "name": "get_weather"})
+    kwargs = {"model": SERVED_NAME, "max_tokens": 100, "messages": ASK, "tools": [WEATHER],
+              "tool_choice": {"type": "tool", "name": "get_weather"}}
     if stream:
         async with client(gateway).messages.stream(**kwargs) as s:
             m = await s.get_final_message()
@@ -136,7 +136,8 @@ async def test_tool_choice_tool_is_guided_and_a_tool_use_block(gateway, reply, s
 @pytest.mark.parametrize("stream", [False, True])
 async def test_tool_choice_any_is_guided(gateway, reply, stream):
     reply('[{"name": "get_weather", "arguments": {"city": "Rome"}}]')
-    kwargs = dict(model=SERVED_NAME, max_tokens=100, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"})
+    kwargs = {"model": SERVED_NAME, "max_tokens": 100, "messages": ASK, "tools": [WEATHER],
+              "tool_choice": {"type": "any"}}
     if stream:
         async with client(gateway).messages.stream(**kwargs) as s:
             m = await s.get_final_message()
@@ -149,7 +150,7 @@ async def test_tool_choice_any_is_guided(gateway, reply, stream):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_tool_choice_auto_text_then_call(gateway, reply, tokenizer, stream):
     reply(HERMES_CALL)
-    kwargs = dict(model=SERVED_NAME, max_tokens=100, messages=ASK, tools=[WEATHER])
+    kwargs = {"model": SERVED_NAME, "max_tokens": 100, "messages": ASK, "tools": [WEATHER]}
     if stream:
         async with client(gateway).messages.stream(**kwargs) as s:
             m = await s.get_final_message()

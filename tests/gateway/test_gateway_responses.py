@@ -68,7 +68,7 @@ async def test_stream_event_sequence(gateway):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_function_call_auto(gateway, reply, tokenizer, stream):
     reply(HERMES_CALL)
-    kwargs = dict(model=SERVED_NAME, input="Weather in Paris?", tools=[WEATHER])
+    kwargs = {"model": SERVED_NAME, "input": "Weather in Paris?", "tools": [WEATHER]}
     if stream:
         async with gateway.openai().responses.stream(**kwargs) as s:
             r = await s.get_final_response()
