@@ -202,6 +202,7 @@ async def test_count_tokens_is_the_prompt_length(gateway):
     ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5}, "image"),
     ({"messages": ASK, "max_tokens": 5, "temperature": 1.5}, "temperature"),
+    ({"messages": [{"role": "user", "content": []}], "max_tokens": 5}, "no content"),
     ({"messages": ASK, "max_tokens": 5, "stop_sequences": "x"}, "stop_sequences"),
     ({"messages": ASK, "max_tokens": 5, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice"),

@@ -154,6 +154,7 @@ def test_store_evicts_oldest_and_expired():
 @pytest.mark.parametrize("body, param", [
     ({}, "input"),
     ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

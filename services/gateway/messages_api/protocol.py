@@ -131,6 +131,8 @@ def parse_conversation(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...]
             out.extend(_user_turn(blocks, where))
         else:
             out.append(_assistant_turn(blocks, where))
+    if not any(m["role"] != "system" for m in out):
+        raise bad_request("'messages' has no content: every message's content is empty", param="messages")
     prefill = out[-1]["role"] == "assistant"
     if prefill and out[-1].get("tool_calls"):
         raise bad_request("the last message is an assistant turn with tool_use: send the tool_result in a user "

@@ -91,6 +91,8 @@ def parse_input(value: Any) -> list[dict[str, Any]]:
         elif kind != "reasoning":
             raise bad_request(f"{where}.type {kind!r} is not supported (message, function_call, "
                               "function_call_output)", param="input")
+    if not out:
+        raise bad_request("'input' has no message, function_call or function_call_output item", param="input")
     return out
 
 

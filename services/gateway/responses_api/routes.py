@@ -25,7 +25,8 @@ def error_event(err: APIError) -> dict[str, Any]:
 
 def _remember(store: ResponseStore, conversation: tuple[dict[str, Any], ...], response: dict[str, Any]) -> None:
     """The conversation a later previous_response_id continues: this input, then this response's output."""
-    store.put(response, conversation + tuple(parse_input(response["output"])) if response["output"] else conversation)
+    said = [item for item in response["output"] if item["type"] in ("message", "function_call")]
+    store.put(response, conversation + tuple(parse_input(said)) if said else conversation)
 
 
 async def create(request: web.Request) -> web.StreamResponse:
