@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from services.common import envs
 from services.common.tls import TlsConfig
-from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from services.gateway.reasoning import REASONING_PARSERS, get_reasoning_parser
+from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 
