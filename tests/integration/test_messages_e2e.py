@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 24
+GREEDY = {"temperature": 0}   # this SDK version takes sampling only in the body
 SYSTEM = "You are a terse assistant."
 ASK = [{"role": "user", "content": "Name three primary colors."}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
@@ -39,7 +40,7 @@ def chat_text(cluster, messages, max_tokens: int = MAX_TOKENS, **kwargs) -> str:
 
 
 def test_create_with_system_equals_chat_completions(cluster):
-    m = messages_client(cluster).messages.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0,
+    m = messages_client(cluster).messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY,
                                                  system=SYSTEM, messages=ASK)
     assert m.content[0].text == chat_text(cluster, [{"role": "system", "content": SYSTEM}, *ASK])
     assert m.stop_reason in ("end_turn", "max_tokens")
@@ -48,7 +49,7 @@ def test_create_with_system_equals_chat_completions(cluster):
 
 
 def test_stream_equals_chat_completions(cluster):
-    with messages_client(cluster).messages.stream(model=MODEL, max_tokens=MAX_TOKENS, temperature=0,
+    with messages_client(cluster).messages.stream(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY,
                                                   messages=ASK) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -59,7 +60,8 @@ def test_stop_sequence_cuts_the_greedy_text(cluster):
     full = chat_text(cluster, ASK)
     words = full.split()
     stop = words[len(words) // 2]
-    m = messages_client(cluster).messages.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, messages=ASK,
+    m = messages_client(cluster).messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY,
+                                                 messages=ASK,
                                                  stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == full[:full.index(stop)]
@@ -68,7 +70,7 @@ def test_stop_sequence_cuts_the_greedy_text(cluster):
 def test_forced_tool_call_streamed_validates_and_the_loop_continues(cluster):
     client = messages_client(cluster)
     ask = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-    with client.messages.stream(model=MODEL, max_tokens=60, temperature=0, messages=ask, tools=[WEATHER],
+    with client.messages.stream(model=MODEL, max_tokens=60, extra_body=GREEDY, messages=ask, tools=[WEATHER],
                                 tool_choice={"type": "tool", "name": "get_weather"}) as stream:
         call_message = stream.get_final_message()
     [call] = [b for b in call_message.content if b.type == "tool_use"]
@@ -78,7 +80,7 @@ def test_forced_tool_call_streamed_validates_and_the_loop_continues(cluster):
     history = [*ask, {"role": "assistant", "content": [b.model_dump() for b in call_message.content]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                              "content": "18 degrees and sunny"}]}]
-    answer = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, messages=history,
+    answer = client.messages.create(model=MODEL, max_tokens=MAX_TOKENS, extra_body=GREEDY, messages=history,
                                     tools=[WEATHER])
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
     chat_tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
@@ -114,7 +116,7 @@ def test_wrong_key_and_overloaded_are_the_sdks_exception_types(guarded_cluster):
 
     def one(_):
         try:
-            return client.messages.create(model=MODEL, max_tokens=64, messages=ASK, temperature=0)
+            return client.messages.create(model=MODEL, max_tokens=64, messages=ASK, extra_body=GREEDY)
         except anthropic.APIStatusError as err:
             return err
 
