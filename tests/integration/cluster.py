@@ -75,7 +75,7 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start(self, timeout: float = 180.0) -> "Cluster":
+    def start(self, timeout: float = 600.0) -> "Cluster":
         for name in ("scheduler", "worker", "gateway"):
             self.start_service(name)
         self.wait_ready(timeout)
@@ -90,7 +90,7 @@ class Cluster:
         except OSError:
             return 0
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
+    def wait_ready(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.health() == 200:

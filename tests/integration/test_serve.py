@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_serve_starts_restarts_and_stops(tmp_path):
     serve = ServeProcess(tmp_path, "--num-kv-blocks", "600")
     try:
-        serve.wait_ready(240)
+        serve.wait_ready(600)
         status, body = serve.cluster.post("/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi",
                                                               "max_tokens": 3})
         assert status == 200, body
@@ -32,7 +32,7 @@ def test_serve_starts_restarts_and_stops(tmp_path):
         while time.monotonic() < deadline and len(serve.pids("worker")) < 2:
             time.sleep(0.5)
         assert len(serve.pids("worker")) == 2, serve.log()[-3000:]
-        serve.wait_ready(180)                                         # ...and is back, serving
+        serve.wait_ready(600)                                         # ...and is back, serving
         status, body = serve.cluster.post("/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "Hi",
                                                               "max_tokens": 3})
         assert status == 200, body
