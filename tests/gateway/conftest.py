@@ -22,6 +22,7 @@ from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
 REPLY_TEXT = "Hello there! 你好，世界 🎉🚀 The end."
 SERVED_NAME = "test-model"
+HERMES_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 async def wait_for(condition, timeout: float = 5.0) -> None:
@@ -104,3 +105,16 @@ async def gateway(fake_engine, tokenizer, gateway_config):
             yield Gateway(url, fake_engine, health, app)
     finally:
         await server.stop(None)
+
+
+@pytest.fixture
+def reply(fake_engine, tokenizer):
+    """reply(text): the fake engine answers every request with `text` then EOS."""
+    def set_reply(text: str) -> None:
+        fake_engine.reply_ids = tokenizer.encode_sync(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return set_reply
+
+
+def sent_prompt(gateway, tokenizer) -> str:
+    """The text of the last prompt the fake engine received."""
+    return tokenizer.decode(gateway.engine.requests[-1].prompt_token_ids, skip_special_tokens=False)

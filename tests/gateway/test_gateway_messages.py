@@ -13,27 +13,15 @@ import grpc
 import pytest
 
 from services.gateway import errors
-from tests.gateway.conftest import REPLY_TEXT, SERVED_NAME
+from tests.gateway.conftest import HERMES_CALL, REPLY_TEXT, SERVED_NAME, sent_prompt
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-HERMES_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def client(gateway, api_key: str = "none") -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=gateway.url, api_key=api_key, max_retries=0)
-
-
-@pytest.fixture
-def reply(fake_engine, tokenizer):
-    def set_reply(text: str) -> None:
-        fake_engine.reply_ids = tokenizer.encode_sync(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-    return set_reply
-
-
-def sent_prompt(gateway, tokenizer) -> str:
-    return tokenizer.decode(gateway.engine.requests[-1].prompt_token_ids, skip_special_tokens=False)
 
 
 async def post(gateway, path, body, headers=None):

@@ -13,23 +13,11 @@ import pytest
 
 from services.gateway.errors import APIError
 from services.gateway.responses_api.store import ResponseStore
-from tests.gateway.conftest import REPLY_TEXT, SERVED_NAME
+from tests.gateway.conftest import HERMES_CALL, REPLY_TEXT, SERVED_NAME, sent_prompt
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}}
-HERMES_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture
-def reply(fake_engine, tokenizer):
-    def set_reply(text: str) -> None:
-        fake_engine.reply_ids = tokenizer.encode_sync(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-    return set_reply
-
-
-def sent_prompt(gateway, tokenizer) -> str:
-    return tokenizer.decode(gateway.engine.requests[-1].prompt_token_ids, skip_special_tokens=False)
 
 
 async def test_create_text(gateway, tokenizer):

@@ -11,7 +11,7 @@ import pytest
 from services.gateway.chat_template import for_template
 from services.gateway.tool_parsers import ContentSplitter, get_tool_parser
 from services.gateway.tools import ToolRequest, parse_tools
-from tests.gateway.conftest import SERVED_NAME
+from tests.gateway.conftest import HERMES_CALL, SERVED_NAME, sent_prompt
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -21,19 +21,6 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 HERMES = get_tool_parser("hermes")
-HERMES_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture
-def reply(fake_engine, tokenizer):
-    """reply(text): the fake engine answers every request with `text` then EOS."""
-    def set_reply(text: str) -> None:
-        fake_engine.reply_ids = tokenizer.encode_sync(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-    return set_reply
-
-
-def sent_prompt(gateway, tokenizer) -> str:
-    return tokenizer.decode(gateway.engine.requests[-1].prompt_token_ids, skip_special_tokens=False)
 
 
 async def test_auto_call_unstreamed(gateway, tokenizer, reply):
