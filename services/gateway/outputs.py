@@ -161,3 +161,10 @@ class ToolCallStream:
     def _take(self) -> list[TokenInfo]:
         taken, self.pending = self.pending, []
         return taken
+
+
+def chat_deltas(event: TextEvent, calling: ToolCallStream | None) -> list[dict[str, Any]]:
+    """The chat-shaped deltas one event carries, reasoning first: what the Messages and Responses streams translate
+    into their own events (finish reasons and token infos are theirs to read from the event)."""
+    deltas = calling.feed(event) if calling is not None else [({"content": event.text}, None, ())]
+    return [{"reasoning": event.reasoning}, *(delta for delta, _, _ in deltas)]

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.gateway.generation import TextEvent, Usage
-from services.gateway.outputs import ToolCallStream
+from services.gateway.outputs import ToolCallStream, chat_deltas
 from services.gateway.responses import Meta
 from services.gateway.tool_parsers import ToolCall
 from services.gateway.tools import ToolRequest
@@ -137,9 +137,7 @@ async def message_events(meta: Meta, events: AsyncIterator[TextEvent], tools: To
                 started = True
                 yield {"type": "message_start", "message": _message(meta, [], None, None, Usage(prompt_tokens))}
                 yield {"type": "ping"}
-            deltas = calling.feed(event) if calling is not None else [({"content": event.text}, event.finish_reason,
-                                                                       ())]
-            for delta, _, _ in [({"reasoning": event.reasoning}, None, ()), *deltas]:
+            for delta in chat_deltas(event, calling):
                 for out in blocks.delta(delta):
                     yield out
             if event.finish_reason is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.generation import TextEvent, Usage
-from services.gateway.outputs import ToolCallStream
+from services.gateway.outputs import ToolCallStream, chat_deltas
 from services.gateway.tool_parsers import ToolCall
 from services.gateway.tools import ToolRequest
 
@@ -173,8 +173,7 @@ async def response_events(meta: ResponseMeta, events: AsyncIterator[TextEvent], 
                 started = True
                 for kind in ("response.created", "response.in_progress"):
                     yield items.event(kind, response=response_object(meta, [], "in_progress", None))
-            deltas = calling.feed(event) if calling is not None else [({"content": event.text}, None, ())]
-            for delta, _, _ in [({"reasoning": event.reasoning}, None, ()), *deltas]:
+            for delta in chat_deltas(event, calling):
                 for out in items.delta(delta):
                     yield out
             if event.finish_reason is not None:
