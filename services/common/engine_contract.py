@@ -120,7 +120,7 @@ class EngineChunk:
         u = pb.usage
         return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id,
                    Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs,
-                   list(pb.embedding))
+                   list(pb.embedding) if pb.embedding else ())
 
 
 @dataclass(frozen=True, slots=True)
