@@ -139,3 +139,20 @@ def test_mean_and_cls_pooling_match_transformers(random_model, tmp_path):
         vectors, _ = run_pooling(runner, PROMPTS, chunk=5)
         for h, prompt in PROMPTS.items():
             assert_close(vectors[h], reference(folder, prompt, kind))
+
+
+def test_matryoshka_dimensions_truncate_before_normalizing(random_model, tmp_path):
+    folder = tmp_path / "matryoshka"
+    shutil.copytree(random_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [32, 128]}))
+    runner = make_runner(folder)
+    assert runner.info.pooling == PoolingConfig("LAST", True, 128, True, (32, 128))
+    prompt = PROMPTS[1]
+    plan = StepPlan(step_id=0, new_requests=[NewRequestData(1, prompt, [], SamplingParams(), [1, 2, 3], 0,
+                                                            pooling=PoolingParams(dimensions=32))],
+                    scheduled_handles=[1], num_scheduled_tokens=[len(prompt)])
+    vector = runner.execute(plan).pooled[1]
+    assert len(vector) == 32
+    full = reference(folder, prompt, "LAST")     # normalized; truncating and renormalizing it is the same
+    assert_close(vector, torch.nn.functional.normalize(full[:32], dim=-1))
