@@ -23,7 +23,7 @@ class PoolingParams:
         return engine_pb2.PoolingParams(dimensions=self.dimensions or 0)
 
     @classmethod
-    def from_pb(cls, pb: engine_pb2.PoolingParams) -> "PoolingParams":
+    def from_pb(cls, pb: engine_pb2.PoolingParams) -> PoolingParams:
         return cls(dimensions=pb.dimensions or None)
 
 
@@ -66,7 +66,7 @@ class PoolingConfig:
                                         matryoshka_dimensions=list(self.matryoshka_dimensions))
 
     @classmethod
-    def from_pb(cls, pb: engine_pb2.PoolingConfig) -> "PoolingConfig":
+    def from_pb(cls, pb: engine_pb2.PoolingConfig) -> PoolingConfig:
         return cls(pb.pooling_type or "LAST", pb.normalize, pb.hidden_size, pb.is_matryoshka,
                    tuple(pb.matryoshka_dimensions))
 

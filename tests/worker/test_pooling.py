@@ -76,7 +76,7 @@ def reference(folder, prompt: list[int], kind: str) -> torch.Tensor:
     return torch.nn.functional.normalize(pooled, dim=-1)
 
 
-def run_pooling(runner, prompts: dict[int, list[int]], chunk: int, hits: dict[int, tuple[list[int], int]] = None):
+def run_pooling(runner, prompts: dict[int, list[int]], chunk: int, hits: dict[int, tuple[list[int], int]] | None = None):
     """Schedules min(chunk, left) tokens of every request per step; hits: handle -> (cached blocks, tokens)."""
     hits, step, state = hits or {}, 0, {}
     next_block = 1 + max((b for cached, _ in hits.values() for b in cached), default=20)   # past earlier runs'
