@@ -148,3 +148,19 @@ def test_dimensions_need_a_matryoshka_model():
                                                     pooling=PoolingParams(dimensions=5)))
     pooling_scheduler(only).add_request(Request(request_id="d", prompt_token_ids=[11, 12],
                                                 pooling=PoolingParams(dimensions=4)))
+
+
+
+@pytest.mark.parametrize("pooling", [LAST, MEAN], ids=["last", "mean"])
+def test_preempted_pooling_requests_are_recomputed_to_the_same_vector(pooling):
+    # Async scheduling with 15 usable blocks of 4 tokens for 12 prompts of up to 40: running prompts outgrow the
+    # pool mid-prompt and preempt each other (the synchronous scheduler's admission happens to avoid it here).
+    sched = pooling_scheduler(pooling, budget=24, async_scheduling=True, num_blocks=16)
+    worker = PoolingWorker()
+    requests = pooling_requests(12, seed=7, prefix_len=0)
+    outputs = run(sched, requests, worker)
+    assert sched.num_preemptions > 0
+    for request in requests:
+        assert outputs[request.request_id].embedding == vector_of(request.prompt_token_ids)
+    if pooling is MEAN:
+        assert all(start == 0 for _, start in worker.first_positions)   # recomputed from the first position

@@ -13,7 +13,7 @@ import torch
 from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import NewRequestData, StepPlan
-from services.gpu_worker.pooling import load_pooling_config
+from services.gpu_worker.pooling import has_sentence_transformers_config, load_pooling_config
 from tests.worker.family_models import build_family_model
 
 BLOCK = 16
@@ -36,7 +36,9 @@ def write_sentence_transformers(folder, mode: str | None, normalize: bool, extra
 def test_pooling_config_as_vllm_reads_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [32, 64]}))
     assert load_pooling_config(tmp_path, 128) == PoolingConfig("LAST", True, 128, True, (32, 64))
+    assert not has_sentence_transformers_config(tmp_path)       # --runner auto: generate
     write_sentence_transformers(tmp_path, "mean_tokens", True)
+    assert has_sentence_transformers_config(tmp_path)           # --runner auto: pooling
     assert load_pooling_config(tmp_path, 128).pooling_type == "MEAN"
     write_sentence_transformers(tmp_path, "lasttoken", False)
     assert (load_pooling_config(tmp_path, 128).pooling_type, load_pooling_config(tmp_path, 128).normalize) == \
