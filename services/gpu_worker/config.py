@@ -15,6 +15,7 @@ from services.common.envs import add_flag
 from services.common.tls import TlsConfig
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+RUNNERS = ("generate", "pooling", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -34,6 +35,8 @@ class WorkerConfig:
     cuda_graphs: bool = True                 # capture decode-only steps in CUDA graphs (CUDA + triton only)
     worker_id: str = ""                      # "" -> host:pid
     seed: int = 0                            # seeds the shared generator used by unseeded sampled requests
+    runner: str = "generate"                 # generate (text) | pooling (embeddings) | auto (pooling for a
+                                             # sentence-transformers folder, i.e. one with modules.json)
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
 
     def __post_init__(self) -> None:
@@ -46,7 +49,7 @@ class WorkerConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
-                   worker_id=args.worker_id, seed=args.seed, tls=TlsConfig.from_args(args))
+                   worker_id=args.worker_id, seed=args.seed, runner=args.runner, tls=TlsConfig.from_args(args))
 
     @property
     def resolved_worker_id(self) -> str:
@@ -98,6 +101,7 @@ def _validate(c: WorkerConfig) -> None:
     check(c.num_threads is None or c.num_threads > 0, f"--num-threads {c.num_threads} must be positive")
     check(c.attention_backend in ATTENTION_BACKENDS,
           f"--attention-backend {c.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    check(c.runner in RUNNERS, f"--runner {c.runner!r} is not one of {', '.join(RUNNERS)}")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
 
 
@@ -122,5 +126,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="replay decode-only steps from CUDA graphs (CUDA with the triton backend only)")
     add_flag(parser, "--worker-id", default="", help="name in logs (default host:pid)")
     add_flag(parser, "--seed", type=int, default=0, help="seed for requests sampled without their own seed")
+    add_flag(parser, "--runner", default="generate", choices=RUNNERS,
+             help="generate: text (completions, chat, ...); pooling: embeddings (/v1/embeddings), pooled as the "
+                  "folder's sentence-transformers config says (default: last token, normalized); auto: pooling "
+                  "when the folder has a sentence-transformers modules.json")
     TlsConfig.add_cli_args(parser)
     return parser
