@@ -42,3 +42,4 @@ def make_case(token_slots: list[int], hidden: int, n: int, rank: int, dtype: tor
 MIXED = [3, -1, 0, 0, -1, 5, 3, 3, 0, 7, -1, 5, 1]   # many segments of mixed lengths, slots out of order
 DECODE = [-1, -1, 2, -1]                             # T' = 1
 CHUNK = [4] * 70 + [-1] * 3 + [1] * 17               # a long prompt chunk (two row tiles) beside a short one
+WHOLE = [6] * 20                                     # every row on one adapter (the CPU path skips the gather)

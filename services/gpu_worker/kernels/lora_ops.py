@@ -2,22 +2,32 @@
 
     z = lora_shrink(x, lora_a, seg, scale)          # [T', R]  scale[slot] * x[token_indices] @ A[slot]^T
     lora_expand(y, z, lora_b, seg, n_offset)        # y[token_indices, n_offset:n_offset + N] += z @ B[slot]^T
+    lora_expand_slices(y, z, [b_q, b_k, b_v], seg, [0, q, q + kv])   # a fused output, each slice from its
+                                                                      # columns of z (A stacked [L, sum R_i, H])
 
 CUDA tensors run the Triton kernels (lora_shrink.py, lora_expand.py; z is fp32). CPU tensors run a torch path
-that serves real traffic: one index_select of the adapter rows, one matmul per segment (segments = distinct
-adapters in the step, at most --max-loras), one index_add_ back; z is in x's dtype, as peft's lora_A output is.
-The Triton modules are imported on first CUDA use only, so the CPU path never imports triton.
-
-For a fused projection (qkv, gate_up), stack the slices' A as [L, sum R_i, H] for one shrink, then expand each
-slice from its column slice of z with its own B and n_offset.
+that serves real traffic. The shrink gathers the adapter rows once (index_select) and runs one addmm per segment
+(segments = distinct adapters in the step, at most --max-loras). The expand gathers y's adapter rows once, adds
+one addmm per segment and slice into them and writes them back with one index_copy_ (index_add_ on a column
+slice of y measured ~10x slower; a zeroed delta + index_add_ on whole rows no faster). z is in x's dtype, as
+peft's lora_A output is. When every row uses the step's one adapter, rows are used in place. A projection costs
+(slices + 1) x segments small GEMMs plus two row passes, whatever the number of tokens. The Triton modules are
+imported on first CUDA use only, so the CPU path never imports triton.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from services.gpu_worker.kernels import lora_meta
 from services.gpu_worker.lora.segments import LoraSegments
+
+
+def _whole_batch(seg: LoraSegments, num_rows: int) -> bool:
+    """Every row uses the one adapter of the step: token_indices is arange(T), no gather needed."""
+    return seg.num_tokens == num_rows and len(seg.host_segments) == 1
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg: LoraSegments, scale: torch.Tensor) -> torch.Tensor:
@@ -27,26 +37,49 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg: LoraSegments, scale:
         return lora_shrink_triton(x, lora_a, seg, scale)
     lora_meta.check_shrink(x, lora_a, scale)
     lora_meta.check_segments(seg, x.shape[0], lora_a.shape[0], x.device)
-    rows = x.index_select(0, seg.token_indices)                                  # [T', H]
+    rows = x if _whole_batch(seg, x.shape[0]) else x.index_select(0, seg.token_indices)   # [T', H]
     z = torch.empty((seg.num_tokens, lora_a.shape[1]), dtype=x.dtype)
     scales = scale.tolist()
     for start, n, slot in seg.host_segments:
         out = z[start:start + n]
-        torch.mm(rows[start:start + n], lora_a[slot].t(), out=out)
-        out.mul_(scales[slot])
+        torch.addmm(out, rows[start:start + n], lora_a[slot].t(), beta=0, alpha=scales[slot], out=out)
     return z
 
 
 def lora_expand(y: torch.Tensor, z: torch.Tensor, lora_b: torch.Tensor, seg: LoraSegments, n_offset: int = 0) -> None:
     """In place: y [T, N_total] columns [n_offset, n_offset + N) += z [T', R] @ lora_b [L, N, R]^T per segment."""
+    lora_expand_slices(y, z, [lora_b], seg, [n_offset])
+
+
+def lora_expand_slices(y: torch.Tensor, z: torch.Tensor, lora_bs: Sequence[torch.Tensor], seg: LoraSegments,
+                       n_offsets: Sequence[int]) -> None:
+    """In place, for each slice i: y[:, n_offsets[i]:+N_i] += z[:, sum R_<i : +R_i] @ lora_bs[i]^T per segment,
+    lora_bs[i] [L, N_i, R_i]. On the CPU the rows are gathered and written back once for all slices."""
+    if len(lora_bs) != len(n_offsets) or z.dim() != 2 or z.shape[1] != sum(b.shape[2] for b in lora_bs):
+        raise ValueError(f"z {tuple(z.shape)} must hold the ranks of {len(lora_bs)} slices "
+                         f"{[tuple(b.shape) for b in lora_bs]} at offsets {list(n_offsets)}")
+    cols = [sum(b.shape[2] for b in lora_bs[:i]) for i in range(len(lora_bs))]
     if y.is_cuda:
         from services.gpu_worker.kernels.lora_expand import lora_expand_triton
-        lora_expand_triton(y, z, lora_b, seg, n_offset)
+        for b, col, offset in zip(lora_bs, cols, n_offsets):
+            lora_expand_triton(y, z[:, col:col + b.shape[2]], b, seg, offset)
         return
-    lora_meta.check_expand(y, z, lora_b, seg, n_offset)
-    lora_meta.check_segments(seg, y.shape[0], lora_b.shape[0], y.device)
-    z = z.to(lora_b.dtype)
-    delta = torch.empty((seg.num_tokens, lora_b.shape[1]), dtype=y.dtype)
-    for start, n, slot in seg.host_segments:
-        torch.mm(z[start:start + n], lora_b[slot].t(), out=delta[start:start + n])
-    y.narrow(1, n_offset, lora_b.shape[1]).index_add_(0, seg.token_indices, delta)
+    for b, col, offset in zip(lora_bs, cols, n_offsets):
+        lora_meta.check_expand(y, z[:, col:col + b.shape[2]], b, seg, offset)
+        lora_meta.check_segments(seg, y.shape[0], b.shape[0], y.device)
+    if _whole_batch(seg, y.shape[0]):
+        _add_slices(y, z, lora_bs, seg, cols, n_offsets)
+        return
+    rows = y.index_select(0, seg.token_indices)                              # [T', N_total]
+    _add_slices(rows, z, lora_bs, seg, cols, n_offsets)
+    y.index_copy_(0, seg.token_indices, rows)
+
+
+def _add_slices(rows: torch.Tensor, z: torch.Tensor, lora_bs: Sequence[torch.Tensor], seg: LoraSegments,
+                cols: list[int], n_offsets: Sequence[int]) -> None:
+    """rows [T', N_total] (the adapter rows, in segment order) += each slice's z @ B^T, one addmm per segment."""
+    for b, col, offset in zip(lora_bs, cols, n_offsets):
+        zs = z[:, col:col + b.shape[2]].to(b.dtype)
+        out = rows.narrow(1, offset, b.shape[1])
+        for start, n, slot in seg.host_segments:
+            out[start:start + n].addmm_(zs[start:start + n], b[slot].t())
