@@ -3,6 +3,7 @@ CPU worker serves with), on CUDA the Triton kernels. Includes a fused qkv-style 
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -66,6 +67,13 @@ def test_base_rows_are_untouched(device):
     lora_expand(on.y, lora_shrink(on.x, on.lora_a, on.seg, on.scale), on.lora_b, on.seg)
     base = [row for row, slot in enumerate(MIXED) if slot < 0]
     assert torch.equal(on.y[base].cpu(), case.y[base])
+
+
+def test_rejects_segments_without_host_segments(device):
+    case = make_case(MIXED, hidden=16, n=16, rank=8, dtype=torch.float32).to(device)
+    bare = dataclasses.replace(case.seg, host_segments=())
+    with pytest.raises(ValueError, match="build_lora_segments"):
+        lora_shrink(case.x, case.lora_a, bare, case.scale)
 
 
 def test_cpu_path_imports_no_triton():

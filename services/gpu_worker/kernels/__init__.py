@@ -6,6 +6,7 @@ checks its inputs and explains its grid, and a slow obvious torch reference (in 
     fused             RMSNorm (+ residual add), neox rotary in place on q and k, SiLU-and-mul
     lora_shrink       batched LoRA z = scale * x[rows] @ A[slot]^T over the step's adapter segments (Punica/S-LoRA)
     lora_expand       batched LoRA y[rows, slice] += z @ B[slot]^T in place (lora_meta: their shared checks/tiles)
+    lora_rows         the jit prologue both share: one program's rows of a segment and its slot
     lora_ops          the LoRA dispatch: Triton on CUDA, a torch path on the CPU (imports no triton itself;
                       references in lora_reference.py)
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from services.gpu_worker.kernels import lora_meta
+from services.gpu_worker.kernels.lora_rows import segment_rows
 from services.gpu_worker.lora.segments import LoraSegments
 
 
@@ -39,11 +40,8 @@ def lora_expand_kernel(
     n_tile = tl.program_id(2)
     seg_len = tl.load(seg_lens_ptr + seg)
     if m_tile * BLOCK_M < seg_len:
-        seg_start = tl.load(seg_starts_ptr + seg)
-        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < seg_len
-        rows = tl.load(token_indices_ptr + seg_start + offs_m, mask=m_ok, other=0)          # [M] int64
+        seg_start, slot, offs_m, m_ok, rows = segment_rows(token_indices_ptr, seg_starts_ptr, seg_slots_ptr, seg,
+                                                           m_tile, seg_len, BLOCK_M)
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < rank
         offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)

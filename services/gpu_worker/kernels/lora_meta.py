@@ -64,6 +64,9 @@ def check_segments(seg: LoraSegments, num_rows: int, num_slots: int, device: tor
         if t.device != device or t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"segments.{name} is {t.dtype} on {t.device}; want contiguous {dtype} on {device} "
                              "(move the step's segments once with LoraSegments.to(device))")
+    if len(seg.host_segments) != seg.seg_lens.numel():
+        raise ValueError(f"segments carry {len(seg.host_segments)} host segments for {seg.seg_lens.numel()} "
+                         "segments; build them with build_lora_segments")
     if seg.num_tokens > num_rows or num_slots < 1:
         raise ValueError(f"segments cover {seg.num_tokens} rows of a batch of {num_rows} over {num_slots} slots")
 
