@@ -69,6 +69,21 @@ def test_base_rows_are_untouched(device):
     assert torch.equal(on.y[base].cpu(), case.y[base])
 
 
+def test_cpu_path_restores_the_thread_count():
+    """The CPU path runs its small ops on one thread and gives the worker its threads back, also on errors."""
+    case = make_case(MIXED, hidden=16, n=16, rank=8, dtype=torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lora_expand(case.y, lora_shrink(case.x, case.lora_a, case.seg, case.scale), case.lora_b, case.seg)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(IndexError):   # a row past y's end (rows are the caller's contract): fails inside
+            lora_expand(case.y[:11], torch.zeros((case.seg.num_tokens, 8)), case.lora_b, case.seg)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rejects_segments_without_host_segments(device):
     case = make_case(MIXED, hidden=16, n=16, rank=8, dtype=torch.float32).to(device)
     bare = dataclasses.replace(case.seg, host_segments=())

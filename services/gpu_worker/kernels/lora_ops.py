@@ -17,12 +17,30 @@ imported on first CUDA use only, so the CPU path never imports triton.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from services.gpu_worker.kernels import lora_meta
 from services.gpu_worker.lora.segments import LoraSegments
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The CPU path's ops are small (skinny GEMMs, row copies): on 2 loaded cores, splitting each over threads
+    cost 5x (a gate_up's LoRA at 64 rows: 44 ms on 2 threads, 8.3 ms on 1; at 1024 rows a layer's LoRA 1490 ms vs
+    258 ms), so they run on one thread (a toggle costs ~2.5 us). Process-wide, like the worker's own
+    torch.set_num_threads; the model runs on one Python thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _whole_batch(seg: LoraSegments, num_rows: int) -> bool:
@@ -37,12 +55,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg: LoraSegments, scale:
         return lora_shrink_triton(x, lora_a, seg, scale)
     lora_meta.check_shrink(x, lora_a, scale)
     lora_meta.check_segments(seg, x.shape[0], lora_a.shape[0], x.device)
-    rows = x if _whole_batch(seg, x.shape[0]) else x.index_select(0, seg.token_indices)   # [T', H]
-    z = torch.empty((seg.num_tokens, lora_a.shape[1]), dtype=x.dtype)
-    scales = scale.tolist()
-    for start, n, slot in seg.host_segments:
-        out = z[start:start + n]
-        torch.addmm(out, rows[start:start + n], lora_a[slot].t(), beta=0, alpha=scales[slot], out=out)
+    with _one_thread():
+        rows = x if _whole_batch(seg, x.shape[0]) else x.index_select(0, seg.token_indices)   # [T', H]
+        z = torch.empty((seg.num_tokens, lora_a.shape[1]), dtype=x.dtype)
+        scales = scale.tolist()
+        for start, n, slot in seg.host_segments:
+            out = z[start:start + n]
+            torch.addmm(out, rows[start:start + n], lora_a[slot].t(), beta=0, alpha=scales[slot], out=out)
     return z
 
 
@@ -67,12 +86,13 @@ def lora_expand_slices(y: torch.Tensor, z: torch.Tensor, lora_bs: Sequence[torch
     for b, col, offset in zip(lora_bs, cols, n_offsets):
         lora_meta.check_expand(y, z[:, col:col + b.shape[2]], b, seg, offset)
         lora_meta.check_segments(seg, y.shape[0], b.shape[0], y.device)
-    if _whole_batch(seg, y.shape[0]):
-        _add_slices(y, z, lora_bs, seg, cols, n_offsets)
-        return
-    rows = y.index_select(0, seg.token_indices)                              # [T', N_total]
-    _add_slices(rows, z, lora_bs, seg, cols, n_offsets)
-    y.index_copy_(0, seg.token_indices, rows)
+    with _one_thread():
+        if _whole_batch(seg, y.shape[0]):
+            _add_slices(y, z, lora_bs, seg, cols, n_offsets)
+            return
+        rows = y.index_select(0, seg.token_indices)                          # [T', N_total]
+        _add_slices(rows, z, lora_bs, seg, cols, n_offsets)
+        y.index_copy_(0, seg.token_indices, rows)
 
 
 def _add_slices(rows: torch.Tensor, z: torch.Tensor, lora_bs: Sequence[torch.Tensor], seg: LoraSegments,
