@@ -76,9 +76,17 @@ def test_zmq_subscriber_sees_vllm_events_with_sha256_cbor_hashes(zmq_cluster):
         first = prompt(1, 3 * bs + 5)
         asyncio.run(generate(cluster.scheduler_address, first, "first"))
         sub.recover(0)                      # a new subscriber asks the replay socket for everything so far
-        stored = [h for b in sub.batches.values() for e in b.events if isinstance(e, BlockStored)
-                  for h in e.block_hashes]
         want = [low64(h) for h in expected_chain(first, bs)]
+
+        def stored_hashes():
+            return [h for _, b in sorted(sub.batches.items()) for e in b.events if isinstance(e, BlockStored)
+                    for h in e.block_hashes]
+        for _ in range(20):                 # the publisher thread may still be sending the last batch
+            if set(want) <= set(stored_hashes()):
+                break
+            if not sub.poll_once(1000):
+                sub.recover(sub.next_seq)
+        stored = stored_hashes()
         assert stored[:3] == want and len(stored) == len(set(stored)), stored   # one entry per full block
         for i in range(8):                  # distinct prompts until the first one's blocks are reused
             asyncio.run(generate(cluster.scheduler_address, prompt(100 + i, 8 * bs), f"fill-{i}"))

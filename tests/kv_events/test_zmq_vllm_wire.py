@@ -5,6 +5,7 @@ recovers a gap through the replay ROUTER socket."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -172,6 +173,10 @@ def test_a_gap_is_recovered_through_the_replay_socket(wired):
     for i in range(3):
         run_prompt(kv, f"m{i}", [60000 + i] * 4)
         missed.append(hub.flush().sequence)
+    for _ in range(2000):                                   # sent (to no one) before the subscriber is back
+        if hub.publisher.last_sent >= missed[-1]:
+            break
+        time.sleep(0.005)
     sub.reconnect()
     pump_until_received(hub, kv, sub, start=42000)           # the next live batch reveals the gap
     assert sub.replayed >= len(missed)
@@ -192,3 +197,17 @@ def test_kv_events_config_is_vllms_json():
         KvEventsConfig.from_json('{"enable_kv_cache_events": true, "endpont": "x"}')
     with pytest.raises(KvEventsConfigError, match="publisher"):
         KvEventsConfig.from_json('{"publisher": "kafka"}')
+
+
+def test_without_the_extra_a_zmq_config_or_sha256_cbor_is_a_startup_error(monkeypatch):
+    import sys
+
+    from services.common.block_hashing import get_block_hasher
+    from services.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
+    monkeypatch.setitem(sys.modules, "zmq", None)          # as if pyzmq were not installed
+    with pytest.raises(KvEventsConfigError, match=r"pyzmq.*steploop\[kv-events\]"):
+        KvEventsConfig.from_json('{"enable_kv_cache_events": true}')
+    assert not KvEventsConfig.from_json('{"enable_kv_cache_events": true, "publisher": "null"}').zmq
+    monkeypatch.setitem(sys.modules, "cbor2", None)
+    with pytest.raises(ValueError, match=r"cbor2.*steploop\[kv-events\]"):
+        get_block_hasher("sha256_cbor")

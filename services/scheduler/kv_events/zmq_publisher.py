@@ -45,6 +45,7 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self.dropped = 0
+        self.last_sent = -1                  # the last sequence sent on the PUB socket (the thread's progress)
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
@@ -85,6 +86,7 @@ class ZmqEventPublisher:
             seq = batch.sequence.to_bytes(8, "big")
             self._pub.send_multipart((self._topic, seq, payload))
             self._buffer.append((batch.sequence, payload))
+            self.last_sent = batch.sequence
 
     def _service_replay(self) -> None:
         frames = self._replay.recv_multipart()
