@@ -66,9 +66,9 @@ class Replica:
         self.worker: subprocess.Popen | None = None
 
     def _spawn(self, name: str, module: str, *args: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"replica{self.index}-{name}.log", "ab")
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with open(self.log_dir / f"replica{self.index}-{name}.log", "ab") as log:   # the child keeps its own fd
+            return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def start_scheduler(self) -> None:
         self.scheduler = self._spawn("scheduler", "services.scheduler", "--scheduler-port", str(self.port),

@@ -4,37 +4,19 @@ init_none_hash; vllm/utils/hashing.py sha256_cbor; vLLM 0.32.0), and the schedul
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 
-import cbor2
 import pytest
 
 from services.common.block_hashing import block_hashes, get_block_hasher, hasher_root
+from services.common.sampling_params import SamplingParams
 from services.scheduler.config import SchedulerConfig, SchedulerConfigError
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
-from services.common.sampling_params import SamplingParams
 from tests.integration.cluster import ROOT
-
-
-def cbor_sha256(value) -> bytes:
-    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
-
-
-SEED = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")   # vLLM's seed: PYTHONHASHSEED, else its fixed default
-
-
-def expected_chain(tokens, block_size, seed=SEED, salt=None) -> list[bytes]:
-    parent, out = cbor_sha256(seed), []
-    for i in range(len(tokens) // block_size):
-        extra = (("cache_salt", salt),) if i == 0 and salt else None
-        parent = cbor_sha256((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), extra))
-        out.append(parent)
-    return out
-
+from tests.kv_events.helpers import SEED, cbor_sha256, expected_chain
 
 TOKENS = list(range(100, 141))   # 41 tokens: 2 full blocks of 16 and a partial one (no key)
 

@@ -64,7 +64,7 @@ class KvEventHub:
         self._cache_keys: Callable[[], tuple[list[bytes], int]] = lambda: ([], 0)
         self.publisher = None
         if config.zmq:
-            from services.scheduler.kv_events.zmq_publisher import ZmqEventPublisher   # optional extra
+            from services.scheduler.kv_events.zmq_publisher import ZmqEventPublisher  # optional extra
             self.publisher = ZmqEventPublisher(config)
 
     def watch_cache(self, cache_keys: Callable[[], tuple[list[bytes], int]]) -> None:
