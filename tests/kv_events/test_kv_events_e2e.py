@@ -48,6 +48,19 @@ async def generate(address: str, ids: list[int], rid: str) -> int:
         await client.close()
 
 
+def wait_serving(address: str, tries: int = 600) -> None:
+    """Until the scheduler at `address` (just restarted) listens and its worker re-attached: a request runs."""
+    from services.gateway.errors import APIError
+    for i in range(tries):
+        try:
+            asyncio.run(generate(address, [9, 9, 9], f"probe-{i}"))
+            return
+        except APIError:
+            import time
+            time.sleep(0.2)    # a retry interval while the process starts
+    raise AssertionError(f"{address} never served again")
+
+
 async def block_size_of(address: str) -> int:
     client = EngineClient(address)
     try:
@@ -212,5 +225,5 @@ def test_the_router_follows_the_real_cache_through_eviction_and_restart(two_repl
     a.stop_service("scheduler", sig=signal.SIGKILL)                        # A restarts: its cache is empty
     a.start_service("scheduler")
     asyncio.run(generate(b.scheduler_address, shared + [7], "direct-b-2"))
-    asyncio.run(generate(a.scheduler_address, [9, 9, 9], "a-is-back"))      # waits for A's worker to re-attach
+    wait_serving(a.scheduler_address)                                      # A's worker re-attached
     routed(a, shared + prompt(23, 8), want=b, bs=bs, shared=len(shared), replicas=[a, b])
