@@ -18,8 +18,9 @@ def test_finish_reasons_are_the_wire_values():
 
 def test_request_round_trip():
     request = EngineRequest("r1", [5, 6, 7], SamplingParams(temperature=0.5, seed=3, logprobs=2), priority=-1,
-                            cache_salt="tenant")
+                            cache_salt="tenant", resume_output_token_ids=[9, 10])
     assert EngineRequest.from_pb(request.to_pb()) == request
+    assert request.to_pb().resume_output_token_ids == [9, 10]
     assert EngineRequest.from_pb(engine_pb2.GenerateRequest(prompt_token_ids=[1])).sampling.max_tokens is None
 
 

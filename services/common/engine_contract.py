@@ -41,11 +41,14 @@ class EngineRequest:
     priority: int = 0                    # lower runs first under --scheduling-policy priority
     cache_salt: str = ""                 # mixed into the first prefix-cache block hash (tenant isolation)
     pooling: PoolingParams | None = None  # set: an embedding request (prompt only; the chunk carries a vector)
+    # Migration: outputs another engine already delivered; this one continues after them (engine.proto).
+    resume_output_token_ids: list[int] = field(default_factory=list)
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
         pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                                         sampling=self.sampling.to_pb(), priority=self.priority,
-                                        cache_salt=self.cache_salt)
+                                        cache_salt=self.cache_salt,
+                                        resume_output_token_ids=self.resume_output_token_ids)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -53,7 +56,8 @@ class EngineRequest:
     @classmethod
     def from_pb(cls, pb: engine_pb2.GenerateRequest) -> "EngineRequest":
         return cls(pb.request_id, list(pb.prompt_token_ids), SamplingParams.from_pb(pb.sampling), pb.priority,
-                   pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None)
+                   pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
+                   list(pb.resume_output_token_ids))
 
 
 @dataclass(slots=True)

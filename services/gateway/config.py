@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.common import envs
 from services.common.tls import TlsConfig
+from services.gateway.migration import DEFAULT_MAX_MIGRATIONS
 from services.gateway.reasoning import REASONING_PARSERS, get_reasoning_parser
 from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
@@ -31,6 +32,7 @@ class GatewayConfig:
     scheduler_discovery_interval: float = 0.0  # > 0: re-resolve the scheduler names this often (discovery.py)
     reasoning_parser: str | None = None       # --reasoning-parser: how the model writes its thinking (reasoning.py)
     kv_events_routing: bool = True            # route by replicas' KV events where they publish them (kv_index.py)
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS  # times one request may move to another replica (migration.py)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -45,6 +47,8 @@ class GatewayConfig:
         if self.scheduler_discovery_interval < 0:
             raise ValueError(f"--scheduler-discovery-interval must be >= 0 seconds (0: off), "
                              f"got {self.scheduler_discovery_interval}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0 (0: off), got {self.max_migrations}")
         get_reasoning_parser(self.reasoning_parser)   # an unknown name fails at start, listing the known ones
         addresses = self.scheduler_addresses   # any gRPC target: host:port, [::1]:port, unix:path, dns:///...
         if self.scheduler_discovery_interval > 0 and any(
@@ -68,7 +72,8 @@ class GatewayConfig:
                    tls=TlsConfig.from_args(args), engine_session=args.engine_session,
                    tool_call_parser=args.tool_call_parser,
                    scheduler_discovery_interval=args.scheduler_discovery_interval,
-                   reasoning_parser=args.reasoning_parser or None, kv_events_routing=args.kv_events_routing)
+                   reasoning_parser=args.reasoning_parser or None, kv_events_routing=args.kv_events_routing,
+                   max_migrations=args.max_migrations)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -105,5 +110,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     envs.add_flag(parser, "--kv-events-routing", type=bool, default=d.kv_events_routing,
                   help="with several scheduler replicas, route by the prefix each one's KV events say it caches "
                        "(schedulers started with --kv-events-config); replicas without events: by guess")
+    envs.add_flag(parser, "--max-migrations", type=int, default=d.max_migrations,
+                  help="with several scheduler replicas, how many times one request may move to another replica "
+                       "when its own dies, drains or its stream breaks mid-generation (it continues from the tokens "
+                       "already delivered); 0: never, the request fails")
     TlsConfig.add_cli_args(parser)
     return parser

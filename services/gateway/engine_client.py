@@ -11,8 +11,9 @@ in errors.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,14 +46,19 @@ class EngineClient:
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._session: SessionStream | None = None
+        # Generate calls live (multiplex=False) -> None, or why it was evicted
+        self._calls: dict[grpc.aio.Call, Callable[[], errors.APIError] | None] = {}
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str = "",
-                       pooling: PoolingParams | None = None) -> AsyncIterator[EngineChunk]:
+                       pooling: PoolingParams | None = None,
+                       resume_output_token_ids: Sequence[int] = ()) -> AsyncIterator[EngineChunk]:
         """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it.
         request_id must be unique among this engine's live requests. pooling set: an embedding request (its
-        one chunk carries the vector)."""
-        request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt, pooling).to_pb()
+        one chunk carries the vector). resume_output_token_ids: outputs another replica already delivered
+        (migration.py); the chunks carry only the tokens after them."""
+        request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt, pooling,
+                                list(resume_output_token_ids)).to_pb()
         span = gateway_tracing.start_generate(request_id, prompt_ids, params) if tracing.ENABLED else None
         chunks = self._on_session(request, span) if self.multiplex else self._on_call(request, span)
         with_logprobs = params.logprobs >= 0 or params.prompt_logprobs >= 0
@@ -89,13 +95,29 @@ class EngineClient:
 
     async def _on_call(self, request: engine_pb2.GenerateRequest, span) -> AsyncIterator[engine_pb2.GenerateChunk]:
         call = self._stub.Generate(request, metadata=tracing.grpc_metadata(span))
+        self._calls[call] = None
         try:
             async for chunk in call:
                 yield chunk
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
+        except asyncio.CancelledError:
+            failure = self._calls.get(call)
+            if failure is None or asyncio.current_task().cancelling():   # cancelled by our caller, not evicted
+                raise
+            raise failure() from None
         finally:
+            self._calls.pop(call, None)
             call.cancel()   # no-op once the stream ended; otherwise the scheduler sees the cancel and aborts
+
+    def evict(self, failure: Callable[[], errors.APIError]) -> int:
+        """Ends every request live on this replica with `failure` now (it stopped serving: migration.py moves
+        them elsewhere; the scheduler hears each as an abort). Returns how many there were."""
+        count = self._session.evict(failure) if self._session is not None else 0
+        for call in list(self._calls):
+            self._calls[call] = failure
+            call.cancel()
+        return count + len(self._calls)
 
     async def abort(self, request_ids: Sequence[str]) -> int:
         try:

@@ -55,6 +55,16 @@ class SessionStream:
         if abort and not self.closed:
             self._outbox.put_nowait(engine_pb2.SessionRequest(abort=engine_pb2.AbortRequest(request_ids=[request_id])))
 
+    def evict(self, failure: Callable[[], errors.APIError]) -> int:
+        """Ends every request live here with `failure` (its replica stopped serving: migration.py moves them);
+        the scheduler is told to drop them, and chunks that still come for them are dropped. Returns how many."""
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(failure)
+        if queues and not self.closed:
+            self._outbox.put_nowait(engine_pb2.SessionRequest(abort=engine_pb2.AbortRequest(request_ids=list(queues))))
+        return len(queues)
+
     def cancel(self) -> None:
         self._call.cancel()
 

@@ -70,6 +70,7 @@ class GatewayMetrics:
     async def handle(self, request: web.Request) -> web.Response:
         body = metrics.exposition(self.registry)
         if isinstance(self.engine, EngineRouter):
+            body += metrics.exposition(self.engine.migration.registry)   # steploop:request_migrations_total
             body += labelled_by_replica(await self.engine.metrics_texts(), self.engine.replica_samples())
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
         try:

@@ -19,10 +19,10 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, choos
   the whole prompt, so equal load still spreads). In-flight counts are the gateway's own, so they are
   exact and free.
 - Failover. A replica that answers "unavailable" or "at capacity" before the request's first token (down,
-  restarting, full queue) is skipped for `cooldown_s` and the request goes to the next one; once tokens flowed, an
-  error is the request's (it cannot be replayed elsewhere without the client seeing it twice). Each replica's
-  grpc health is also polled every `health_interval_s`: one that is not SERVING (no worker attached, hung,
-  draining) gets no new requests while another one is.
+  restarting, full queue) is skipped for `cooldown_s` and the request goes to the next one; once tokens flowed,
+  a broken stream migrates the request to another replica with the tokens already delivered (migration.py).
+  Each replica's grpc health is also polled every `health_interval_s`: one that is not SERVING (no worker
+  attached, hung, draining) gets no new requests while another one is, and its live requests migrate.
 
 The gateway builds one for two or more addresses (with one it talks to its EngineClient directly), or for
 --scheduler-discovery-interval, where discovery.py adds and removes replicas as DNS changes (add_replica /
@@ -46,10 +46,12 @@ from services.common.sampling_params import SamplingParams
 from services.gateway import errors, route_header
 from services.gateway.engine_client import EngineClient
 from services.gateway.kv_index import KvEventWatcher, ReplicaCacheIndex
+from services.gateway.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement, draining_error
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE = {"engine_unavailable", "overloaded"}   # APIError codes that mean "this replica cannot take it now"
+# APIError codes that mean "this replica cannot take it now"
+RETRYABLE = {"engine_unavailable", "overloaded", DRAINING_CODE}
 
 
 @dataclass
@@ -107,7 +109,8 @@ class EngineRouter:
 
     def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 0, min_match: float = 0.5,
                  min_match_tokens: int = 64, imbalance: int = 8, cooldown_s: float = 2.0,
-                 health_interval_s: float = 1.0, discovered: bool = False, kv_events: bool = True) -> None:
+                 health_interval_s: float = 1.0, discovered: bool = False, kv_events: bool = True,
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
         if not clients and not discovered:   # discovered: replicas come and go, none at all is a state
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
@@ -118,6 +121,7 @@ class EngineRouter:
         self.kv_events = kv_events                   # watch replicas' KV events (those with them off: guess)
         self._poller: asyncio.Task | None = None
         self._learn_after = 0.0                      # monotonic time before which no model info is asked again
+        self.migration = Migration(max_migrations)
 
     def _poll_health(self) -> None:
         """Started with the first routed request (the router is built before the event loop serves)."""
@@ -171,6 +175,13 @@ class EngineRouter:
                 log("scheduler %s is %s", replica.address, "serving again" if serving else
                     "not serving: no new requests go there until it is")
             replica.healthy = serving
+        now = time.monotonic()
+        for replica, serving in zip(live, states):
+            if not serving and replica.in_flight and any(r.up(now) for r in live):   # somewhere to go
+                moved = replica.client.evict(lambda a=replica.address: draining_error(a))
+                if moved:
+                    logger.warning("scheduler %s is not serving: migrating its %d live requests", replica.address,
+                                   moved)
         return states
 
     @property
@@ -227,34 +238,47 @@ class EngineRouter:
             return guess[0], guess[1] * self.affinity.block_size, "guess"
         return None
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "", pooling=None) -> AsyncIterator[EngineChunk]:
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+                 priority: int = 0, cache_salt: str = "", pooling=None) -> AsyncIterator[EngineChunk]:
+        """The request's chunks from the replica chosen for it, then from others it migrates to."""
+        return self.migration.generate(self._route, request_id, prompt_ids, params, priority=priority,
+                                       cache_salt=cache_salt, pooling=pooling)
+
+    async def _route(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int,
+                     cache_salt: str, pooling, resume: Sequence[int], avoid: frozenset[str],
+                     placement: Placement) -> AsyncIterator[EngineChunk]:
+        """One try of the request (resumed after `resume` delivered tokens), failing over before its first chunk;
+        `avoid`: the replica it just failed on."""
         self._poll_health()
         if not self.live:
             raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none); retry shortly")
         if not self.affinity.block_size and time.monotonic() >= self._learn_after:
             await self._learn_block_size()
         order, matched, source = self.route(prompt_ids, cache_salt)
+        order = [i for i in order if self.replicas[i].address not in avoid]
+        if not order:
+            raise errors.engine_unavailable(f"no scheduler replica other than {', '.join(sorted(avoid))} to move to")
         for attempt, index in enumerate(order):
             replica = self.replicas[index]
-            if attempt:   # failed over: this replica is where the prefix's blocks will be now
+            if attempt or avoid:   # failed over or migrated: this replica is where the prefix's blocks will be now
                 self.affinity.record(self.affinity.block_hashes(prompt_ids, cache_salt), index)
                 matched, source = 0, "failover"
             self._log_route(request_id, replica.address, matched, source)
             replica.in_flight += 1
             replica.routed += 1
-            started = False
+            placement.address, placement.started = replica.address, False
             stream = replica.client.generate(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
-                                             pooling=pooling)
+                                             pooling=pooling, resume_output_token_ids=resume)
             try:
                 async for chunk in stream:
-                    started = True
+                    placement.started = True
                     yield chunk
                 return
             except errors.APIError as err:
-                if started or err.code not in RETRYABLE or attempt == len(order) - 1:
-                    raise
-                replica.down_until = time.monotonic() + self.cooldown_s
+                if err.code in RETRYABLE:
+                    replica.down_until = time.monotonic() + self.cooldown_s
+                if placement.started or err.code not in RETRYABLE or attempt == len(order) - 1:
+                    raise   # mid-generation: migration.py moves it
                 logger.warning("scheduler %s cannot take %s (%s); trying the next replica", replica.address,
                                request_id, err.message)
             finally:

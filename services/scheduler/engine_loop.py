@@ -79,7 +79,8 @@ class EngineLoop:
         if not self.has_work() and self.link is not None:
             self.last_progress = time.monotonic()
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
-                          priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling)
+                          priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling,
+                          output_token_ids=list(req.resume_output_token_ids))   # migrated: outputs, not prompt
         if self.scheduler is None:
             self._pending.append(request)
         else:
@@ -92,10 +93,11 @@ class EngineLoop:
     def _admit(self, request: Request) -> None:
         """Checks the prompt against the model; the scheduler resolves max_tokens and checks the context."""
         info = self.worker_info
-        bad = [t for t in request.prompt_token_ids if t >= info.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is out of range for vocab size {info.vocab_size}",
-                                      param="prompt")
+        for param, ids in (("prompt", request.prompt_token_ids), ("resume_output_token_ids", request.output_token_ids)):
+            bad = [t for t in ids if t >= info.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is out of range for vocab size {info.vocab_size}",
+                                          param=param)
         try:
             self.scheduler.add_request(request)
         except RequestRejectedError as exc:

@@ -67,11 +67,12 @@ class EngineObserver:
         self.registry.register(self)
         self.live: dict[str, _Live] = {}
         self.prompt_tokens = self.generation_tokens = self.plan_bytes = self.num_steps = 0
+        self.resumed_requests = 0                    # arrived with outputs delivered elsewhere (migrated in)
         self.attaches = self.detaches = 0
         self.success: Counter[str] = Counter({r: 0 for r in FINISHED_REASONS.values()})
         self.aborts: Counter[str] = Counter()
         self._sent: dict[int, float] = {}                 # step_id -> when its plan left
-        self._last_log = (time.monotonic(), 0, 0, 0, 0)  # when, prompt, generation, prefix queries, hits
+        self._last_log = (time.monotonic(), 0, 0, 0, 0, 0)  # when, prompt, generation, prefix queries, hits, resumed
         self.ttft = m.BatchHistogram(m.TTFT_BUCKETS)
         self.itl = m.BatchHistogram(m.ITL_BUCKETS)        # also exported as vllm:time_per_output_token_seconds
         self.tpot = m.BatchHistogram(m.ITL_BUCKETS)
@@ -92,6 +93,8 @@ class EngineObserver:
     # ---- hooks --------------------------------------------------------------------------------------------------
     def on_arrival(self, request: Request) -> None:
         rec = self.live[request.request_id] = _Live(request)
+        if request.output_token_ids:
+            self.resumed_requests += 1
         if tracing.ENABLED:
             request_tracing.start(rec, request, self.model_name)
 
@@ -215,21 +218,24 @@ class EngineObserver:
     def log_stats(self) -> None:
         """One line of throughput and load since the last call, when anything happened."""
         now, load = time.monotonic(), self.load_report()
-        then, prompt, gen, queries, hits = self._last_log
+        then, prompt, gen, queries, hits, resumed = self._last_log
         running, waiting, counts = load.num_running, load.num_waiting, load.counters
-        self._last_log = (now, self.prompt_tokens, self.generation_tokens, counts.prefix_queries, counts.prefix_hits)
+        self._last_log = (now, self.prompt_tokens, self.generation_tokens, counts.prefix_queries, counts.prefix_hits,
+                          self.resumed_requests)
         if self.prompt_tokens == prompt and self.generation_tokens == gen and not running and not waiting:
             return
         dt = max(now - then, 1e-9)
         dq, dh = counts.prefix_queries - queries, counts.prefix_hits - hits
         usage = load.kv_cache_usage * 100
         log.info("engine: prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV usage %.1f%%, "
-                 "prefix cache hit rate %.1f%%", (self.prompt_tokens - prompt) / dt, (self.generation_tokens - gen)
-                 / dt, running, waiting, usage, 100 * dh / dq if dq else 0.0,
+                 "prefix cache hit rate %.1f%%, migrated in %d", (self.prompt_tokens - prompt) / dt,
+                 (self.generation_tokens - gen) / dt, running, waiting, usage, 100 * dh / dq if dq else 0.0,
+                 self.resumed_requests - resumed,
                  extra={"prompt_throughput": round((self.prompt_tokens - prompt) / dt, 2),
                         "generation_throughput": round((self.generation_tokens - gen) / dt, 2),
                         "running": running, "waiting": waiting, "kv_usage_perc": round(usage, 2),
-                        "prefix_hit_rate": round(dh / dq, 4) if dq else 0.0})
+                        "prefix_hit_rate": round(dh / dq, 4) if dq else 0.0,
+                        "migrated_in": self.resumed_requests - resumed})
 
 
 def _ignore(*_: Any, **__: Any) -> None:

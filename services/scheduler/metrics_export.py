@@ -122,6 +122,8 @@ def _steploop(obs: Any, load: LoadReport, labels: list[str]) -> Iterator:
     yield _hist("steploop:worker_forward_seconds", "Per step: forward + sampling time the worker reported.",
                 labels, obs.forward)
     yield _counter("steploop:plan_bytes", "Bytes of StepPlan messages sent to workers.", labels, obs.plan_bytes)
+    yield _counter("steploop:resumed_requests", "Requests that arrived with outputs another replica delivered "
+                   "(migrated in).", labels, obs.resumed_requests)
     yield _hist("steploop:plan_size_bytes", "Size of one StepPlan message.", labels, obs.plan_size)
     aborts = CounterMetricFamily("steploop:request_aborts", "Requests ended before finishing, by reason.",
                                  labels=MODEL + ["reason"])

@@ -75,6 +75,7 @@ def validate_request(request: Request, kv, max_model_len: int) -> None:
     max_tokens = resolve_max_tokens(n, request.sampling, max_model_len)
     if max_tokens != request.sampling.max_tokens:
         request.sampling = dataclasses.replace(request.sampling, max_tokens=max_tokens)
+    check_resumed_outputs(request, max_tokens)
     # The most KV it will ever hold: every token but the last sampled one.
     final_len = n + max_tokens
     if not kv.can_fit(final_len - 1):
@@ -112,3 +113,17 @@ def validate_pooling_request(request: Request, kv, max_model_len: int, pooling: 
         pooling.check_dimensions(request.pooling.dimensions, "this model")
     except ValueError as exc:
         raise RequestRejectedError(str(exc), "invalid_value", "dimensions") from exc
+
+
+def check_resumed_outputs(request: Request, max_tokens: int) -> None:
+    """A migrated request's delivered outputs (GenerateRequest.resume_output_token_ids) must leave a token to
+    generate, and its prompt logprobs went out with the first delivery."""
+    num_resumed = len(request.output_token_ids)
+    if not num_resumed:
+        return
+    if num_resumed >= max_tokens:
+        raise RequestRejectedError(f"{num_resumed} resumed output tokens leave nothing to generate under max_tokens "
+                                   f"({max_tokens})", "invalid_value", "resume_output_token_ids")
+    if request.sampling.prompt_logprobs >= 0:
+        raise RequestRejectedError("a resumed request cannot ask for prompt logprobs (they came with its first "
+                                   "delivery)", "invalid_value", "prompt_logprobs")

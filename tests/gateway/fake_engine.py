@@ -43,10 +43,13 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     sessions: int = 0                              # Session streams opened
     _drop: asyncio.Event = field(default_factory=asyncio.Event)
+    _drops: int = 0                                # drop_sessions calls so far
 
     def drop_sessions(self) -> None:
-        """Ends every open Session stream with UNAVAILABLE (a scheduler restart, as the gateway sees it)."""
+        """Ends every open Session stream, and every Generate call, with UNAVAILABLE (a scheduler restart, as the
+        gateway sees it)."""
         self._drop.set()
+        self._drops += 1
 
     def _failure(self, request) -> tuple[grpc.StatusCode, str, tuple] | None:
         """(status, message, trailing metadata) the request fails with: the scripted one, else the engine's
@@ -65,7 +68,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         failure = self._failure(request)
         if failure is not None:
             await context.abort(failure[0], failure[1], trailing_metadata=failure[2])
+        drops = self._drops
         async for chunk in self._script(request):
+            if self._drops != drops:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the call was dropped")
             yield chunk
 
     async def Session(self, request_iterator, context):
@@ -128,6 +134,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                                         self.max_model_len)
         if len(ids) > max_tokens:
             ids, finish = ids[:max_tokens], engine_pb2.FINISH_REASON_LENGTH
+        resumed = list(request.resume_output_token_ids)   # migrated here: go on after what was delivered
+        assert ids[:len(resumed)] == resumed, f"resumed with {resumed}, the script is {ids}"
+        num_outputs, ids = len(ids), ids[len(resumed):]
         try:
             if self.fail_after is not None:
                 yield engine_pb2.GenerateChunk(token_ids=ids[:self.fail_after])
@@ -150,7 +159,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 if start + self.tokens_per_chunk >= len(ids):
                     chunk.finish_reason = finish
                     chunk.usage.prompt_tokens = len(request.prompt_token_ids)
-                    chunk.usage.completion_tokens = len(ids)
+                    chunk.usage.completion_tokens = num_outputs
                     chunk.usage.cached_tokens = self.cached_tokens
                 yield chunk
             self.finished.append(request.request_id)

@@ -39,8 +39,11 @@ class Driver:
         self.results: list[StepResult] = []
         self.outputs: dict[int, list[int]] = {}   # handle -> output of a finished request
 
-    def add(self, handle: int, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None) -> None:
-        self.requests[handle] = DriverRequest(handle, list(prompt), sampling or SamplingParams(), max_tokens)
+    def add(self, handle: int, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
+            output: list[int] = ()) -> None:
+        """output: tokens already generated elsewhere (a migrated request); max_tokens counts them."""
+        self.requests[handle] = DriverRequest(handle, list(prompt), sampling or SamplingParams(), max_tokens,
+                                              list(output))
 
     def step(self, chunk: int | dict[int, int]) -> StepResult:
         """Schedule min(gap, chunk) tokens for every live request and run one step."""

@@ -94,6 +94,24 @@ def test_seeded_sampling_independent_of_batch_and_preemption(fresh_runner, promp
     assert alone == mixed
 
 
+SEEDED_PENALISED = SamplingParams(temperature=0.9, top_k=40, seed=99, presence_penalty=0.5, frequency_penalty=0.3,
+                                  repetition_penalty=1.2)
+
+
+@pytest.mark.parametrize("k", [1, 6])
+def test_seeded_sampling_resumes_exactly_from_delivered_tokens(fresh_runner, prompts, k):
+    """A migrated request arrives with k outputs another worker sampled: the rest is what the undisturbed run
+    gave, penalties counting the k (the seed is per output position, not a generator's state)."""
+    driver = Driver(fresh_runner)
+    driver.add(0, prompts[1], MAX_TOKENS, SEEDED_PENALISED)
+    full = driver.run(4)[0]
+    fresh_runner.reset()
+    driver = Driver(fresh_runner)
+    driver.add(1, prompts[0], MAX_TOKENS, SamplingParams(temperature=1.0, seed=5))   # a neighbour in the batch
+    driver.add(0, prompts[1], MAX_TOKENS, SEEDED_PENALISED, output=full[:k])
+    assert driver.run(3)[0] == full
+
+
 def test_logprobs_and_errors(fresh_runner, prompts, hf_model):
     ids = prompts[0]
     plan = StepPlan(step_id=0, new_requests=[NewRequestData(1, ids, [], SamplingParams(logprobs=3), [1, 2], 0)],
