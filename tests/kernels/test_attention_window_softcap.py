@@ -46,6 +46,21 @@ def test_sliding_window_fp32(name, num_splits, device):
         assert not torch.allclose(got.cpu(), reference(case).float().cpu(), atol=1e-3)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_window_skips_key_tiles_before_it(num_splits, device):
+    """A decode at position 300 with a 37-token window: its first key is 264, in the 64-key tile from 256. NaN in K
+    and V at positions 0..255 would reach the output if any of those tiles were read (0 * NaN in the P @ V dot),
+    so a finite, exact output shows the kernel reads O(window) keys, not the whole context."""
+    case = make_case([1], [300], device=device)
+    write_kv_cache_ref(case.k, case.v, case.kv_cache, case.common.slot_mapping)
+    want = reference(case, 37)
+    table = case.block_tables[0].long()
+    case.kv_cache[:, table[:16]] = float("nan")              # blocks 0..15 = positions 0..255
+    got = run_kernel(case, num_splits, 37)
+    assert torch.isfinite(got).all()
+    assert_close(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_window_and_softcap_dtypes_head_sizes_gqa(dtype, head_dim, device):

@@ -13,8 +13,9 @@ expert and padded per expert to the GEMM's row block, then one grouped-GEMM laun
     grid = (len(sorted_ids) / BLOCK_M, cdiv(N, BLOCK_N)); a program owns BLOCK_M sorted rows (one expert) x BLOCK_N
     output columns and walks K in BLOCK_K steps; programs past num_padded return at once.
 
-The alignment is sized for the worst case (every expert present gets a partial block), so nothing syncs with the
-host and the shapes depend only on T: the launches can be captured in a CUDA graph. Weights: w13 [E, 2I, hidden]
+The alignment is sized for the worst case (every expert present gets a partial block) and built from torch ops
+that do not wait on the device (no bincount, unique or .item()), so the shapes depend only on T and the whole MoE
+layer can be captured in a CUDA graph (the torch loop in model/moe.py cannot: it reads the experts on the host). Weights: w13 [E, 2I, hidden]
 (gate rows, then up rows), w2 [E, hidden, I], as model/moe.py holds them.
 """
 
@@ -108,7 +109,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     em = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)                       # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))                                        # [E] (bincount syncs on CUDA)
     padded = (counts + block_m - 1) // block_m * block_m
     run_end = torch.cumsum(padded, 0)                                          # end of each expert's run
     order = torch.argsort(flat, stable=True)                                   # pairs by expert, in token order
