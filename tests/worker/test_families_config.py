@@ -141,5 +141,5 @@ def test_kernel_plan_routes_family_differences_to_torch():
     plan = resolve_kernel_plan(config, torch.device("cpu"), torch.float32, gemma2)
     assert not plan.cpu_decoder and "gemma2" in dict(plan.why_off)["C decoder"]
     cuda = WorkerConfig(model="unused", device="cuda")
-    assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, gemma2).cuda_graphs   # the kernel serves them
+    assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, gemma2).cuda_graphs   # kernel-served
     assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, parse("Qwen3Config")).cuda_graphs

@@ -15,8 +15,8 @@ expert and padded per expert to the GEMM's row block, then one grouped-GEMM laun
 
 The alignment is sized for the worst case (every expert present gets a partial block) and built from torch ops
 that do not wait on the device (no bincount, unique or .item()), so the shapes depend only on T and the whole MoE
-layer can be captured in a CUDA graph (the torch loop in model/moe.py cannot: it reads the experts on the host). Weights: w13 [E, 2I, hidden]
-(gate rows, then up rows), w2 [E, hidden, I], as model/moe.py holds them.
+layer can be captured in a CUDA graph (the torch loop in model/moe.py cannot: it reads the experts on the host).
+Weights: w13 [E, 2I, hidden] (gate rows, then up rows), w2 [E, hidden, I], as model/moe.py holds them.
 """
 
 from __future__ import annotations
