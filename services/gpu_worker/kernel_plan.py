@@ -88,11 +88,9 @@ def resolve_kernel_plan(config: WorkerConfig, device: torch.device, dtype: torch
     """The plan for this worker: its flags, the STEPLOOP_CPU_* switches, the device and the model's shapes."""
     backend = config.resolved_attention_backend(device.type)
     if device.type != "cpu":
-        graphs = config.use_cuda_graphs(device.type) and not cfg.has_host_planned_attention
-        why_graphs = (("CUDA graphs", "sliding-window / soft-capped layers plan their attention on the host"),) \
-            if config.use_cuda_graphs(device.type) and not graphs else ()
-        return KernelPlan(backend, "triton" if backend == "triton" else "torch", cuda_graphs=graphs,
-                          why_off=why_graphs)
+        # graphs need the triton backend, whose kernel also serves sliding-window / soft-capped layers
+        return KernelPlan(backend, "triton" if backend == "triton" else "torch",
+                          cuda_graphs=config.use_cuda_graphs(device.type))
     why: dict[str, str | None] = {"huge pages": _why_no_hugepages()}
     if dtype == torch.float32:
         why.update(_why_no_cpu_kernels(backend, cfg))

@@ -16,8 +16,12 @@ import torch
 
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 MODEL_SHAPES = [(9, 3, 64), (32, 8, 128)]   # (heads, kv heads, head dim): SmolLM2-135M, Llama-3-8B
-INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "tile_req_ptr", "tile_qstart_ptr"}
-FLOATS = {"scale", "eps"}
+INT_POINTERS = {"block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "tile_req_ptr", "tile_qstart_ptr",
+                "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr"}
+FLOATS = {"scale", "eps", "softcap"}
+# per-layer attention variants (window, softcap): Mistral's window, Gemma 2's local layers with its cap, and
+# Gemma 2's global layers (cap only)
+VARIANTS = {"window": (4096, None), "window+softcap": (4096, 50.0), "softcap": (None, 50.0)}
 
 
 def signature(kernel, constexprs: dict, dtype: str, pointers: dict[str, str] | None = None) -> dict:
@@ -47,6 +51,12 @@ def configs() -> list[tuple[str, object, dict, dict]]:
                 ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
                 out.append((f"attention {mode} {t} h{h}/{hk} d{d}", pa.unified_attention_kernel,
                             signature(pa.unified_attention_kernel, c, t, ptrs), c))
+            for variant, (window, softcap) in VARIANTS.items():
+                for mode, (block_q, splits) in modes.items():
+                    c = pa.attention_constexprs(h, hk, d, 16, block_q, splits, dtype, False, window, softcap)
+                    ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+                    out.append((f"attention {mode} {variant} {t} h{h}/{hk} d{d}", pa.unified_attention_kernel,
+                                signature(pa.unified_attention_kernel, c, t, ptrs), c))
             for splits in (2, 16):
                 c = {"HEAD_DIM": d, "HEAD_DIM_P": d, "NUM_SPLITS": splits}
                 ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
@@ -58,6 +68,7 @@ def configs() -> list[tuple[str, object, dict, dict]]:
             c = {"NUM_HEADS": h, "NUM_KV_HEADS": hk, "HEADS_P": 1 << (h - 1).bit_length(), "HALF": d // 2, "HALF_P": d // 2}
             out.append((f"rotary {t} h{h}/{hk} d{d}", fused.rotary_neox_kernel,
                         signature(fused.rotary_neox_kernel, c, t, {"positions_ptr": "*i64"}), c))
+        out += moe_configs(dtype, t)
         for hidden, inter in ((576, 1536), (4096, 14336)):
             for residual in (False, True):
                 c = {"N": hidden, "BLOCK": 1 << (hidden - 1).bit_length(), "HAS_RESIDUAL": residual}
@@ -66,6 +77,21 @@ def configs() -> list[tuple[str, object, dict, dict]]:
             c = {"I": inter, "BLOCK": min(fused.SILU_BLOCK, 1 << (inter - 1).bit_length())}
             out.append((f"silu_and_mul {t} {inter}", fused.silu_and_mul_kernel,
                         signature(fused.silu_and_mul_kernel, c, t), c))
+    return out
+
+
+def moe_configs(dtype: torch.dtype, t: str) -> list[tuple[str, object, dict, dict]]:
+    """The fused-MoE launches: both row blocks; the GLU up projection per activation, the routed down projection
+    (the shapes are runtime arguments, so these cover every model)."""
+    from services.gpu_worker.kernels import fused_moe as fm
+
+    out = []
+    for block_m in (fm.choose_block_m(2, 8), fm.choose_block_m(4096, 8)):
+        launches = [(f"w13 {act}", 2, True, act, False) for act in fm.ACTIVATIONS] + [("w2", 1, False, "", True)]
+        for label, top_k, glu, act, routed in launches:
+            c = fm.moe_constexprs(top_k, glu, act, routed, block_m, dtype, interpret=False)
+            out.append((f"fused_moe {label} {t} m{block_m}", fm.fused_moe_kernel,
+                        signature(fm.fused_moe_kernel, c, t, {"topk_weights_ptr": "*fp32"}), c))
     return out
 
 

@@ -3,6 +3,8 @@ run eagerly; and (slow) the real default model's greedy tokens through both back
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -33,11 +35,11 @@ def test_backend_matches_torch_backend(num_splits, device):
     assert_close(got, want, torch.float32)
 
 
-def tiny_models(device) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+def tiny_models(device, cfg: LlamaModelConfig = TINY) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     torch.manual_seed(0)
     models = []
     for name in ("torch", "triton"):
-        m = LlamaForCausalLM(TINY, create_backend(name, 4, 2, 64, 0.125), 128).to(device)
+        m = LlamaForCausalLM(cfg, create_backend(name, 4, 2, 64, 0.125), 128).to(device)
         m.tie_weights()
         m.rotary.build_cache(device, torch.float32)
         models.append(m)
@@ -76,6 +78,24 @@ def test_tiny_model_triton_ops_match_torch(device):
     m_torch, m_triton = tiny_models(device)
     caches = {m: kv_caches(device) for m in ("torch", "triton")}
     for query_lens, cached in (([9, 4], [0, 0]), ([1, 3], [9, 4])):
+        ids, pos, common = batch(query_lens, cached, 8, device)
+        rows = torch.tensor(np.cumsum(query_lens) - 1, device=device)
+        outs = [m(ids, pos, caches[name], m.backend.build_metadata(common), rows)
+                for name, m in (("torch", m_torch), ("triton", m_triton))]
+        assert_close(outs[1], outs[0], torch.float32, scale=10)
+
+
+def test_windowed_softcapped_layers_run_in_the_kernel(device):
+    """Gemma 2's shape of attention (a local layer with a 5-token window, a global one, both soft-capped, its own
+    scale): the triton model attends every layer in the kernel (no torch windowed path), and matches the torch model
+    (whose windowed layers run model/windowed_attention.py) over prompt chunks and decodes past the window."""
+    cfg = dataclasses.replace(TINY, layer_windows=(5, None), attn_softcap=2.0, attention_scale=0.3)
+    m_torch, m_triton = tiny_models(device, cfg)
+    assert all(layer.self_attn.windowed is not None for layer in m_torch.model.layers)
+    assert all(layer.self_attn.windowed is None for layer in m_triton.model.layers)
+    assert m_triton.backend.variants == {0: (5, 2.0), 1: (None, 2.0)}
+    caches = {m: kv_caches(device) for m in ("torch", "triton")}
+    for query_lens, cached in (([9, 4], [0, 0]), ([1, 3], [9, 4]), ([1, 1], [10, 7])):
         ids, pos, common = batch(query_lens, cached, 8, device)
         rows = torch.tensor(np.cumsum(query_lens) - 1, device=device)
         outs = [m(ids, pos, caches[name], m.backend.build_metadata(common), rows)

@@ -128,8 +128,8 @@ def test_refused_config_exits_2_before_loading_weights(tmp_path, model_dir, chan
 
 
 def test_kernel_plan_routes_family_differences_to_torch():
-    """The C whole-step decoder is plain Llama's; windowed / soft-capped layers keep CUDA graphs off (they plan on
-    the host), and the plan says why."""
+    """The C whole-step decoder is plain Llama's, and the plan says why; on CUDA the triton kernel serves windowed /
+    soft-capped layers, so they keep CUDA graphs."""
     from services.gpu_worker.config import WorkerConfig
     from services.gpu_worker.kernel_plan import resolve_kernel_plan
 
@@ -141,5 +141,5 @@ def test_kernel_plan_routes_family_differences_to_torch():
     plan = resolve_kernel_plan(config, torch.device("cpu"), torch.float32, gemma2)
     assert not plan.cpu_decoder and "gemma2" in dict(plan.why_off)["C decoder"]
     cuda = WorkerConfig(model="unused", device="cuda")
-    assert not resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, gemma2).cuda_graphs
+    assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, gemma2).cuda_graphs   # kernel-served
     assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, parse("Qwen3Config")).cuda_graphs

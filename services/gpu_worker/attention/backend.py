@@ -1,5 +1,6 @@
 """The attention backend interface. A backend plans once per step, then runs every layer from that plan.
 
+    backend.serve_variant(layer, window, softcap)             # at model build, per windowed / soft-capped layer
     metadata = backend.build_metadata(common)                 # once per step
     out = backend.forward(layer, q, k, v, kv_cache, metadata)  # per layer: write K/V by slot, attend
 
@@ -26,6 +27,11 @@ class AttentionBackend(ABC):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def serve_variant(self, layer: int, window: int | None, softcap: float | None) -> bool:
+        """Attend `layer` with a sliding window (keys p - window < j <= p) and/or soft-capped logits from now on.
+        False: this backend cannot, and the model attends that layer in torch (model/windowed_attention.py)."""
+        return False
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata, max_seq_len_hint: int | None = None) -> Any:

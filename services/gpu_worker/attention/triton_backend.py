@@ -3,6 +3,10 @@
     build_metadata(common)  once per step: plan the query tiles and the split count (host, numpy) -> plan
     forward(layer, ...)     per layer: write K/V by slot (one launch), attend (one launch, two with split-KV)
 
+Layers with a sliding window or soft-capped logits (Mistral, Gemma 2/3 local layers, Gemma 2's caps) run the same
+kernel with those constexprs on (serve_variant, called as the model is built); the step's plan serves every layer,
+so they replay in CUDA graphs like the others.
+
 Requires the kernels to run: a CUDA device, or TRITON_INTERPRET=1 set before the first import (CPU tensors;
 for tests only, it is slow).
 """
@@ -33,6 +37,11 @@ class TritonAttentionBackend(AttentionBackend):
                  num_splits: int | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.num_splits = num_splits   # None: the launcher's heuristic; tests force 1 or N
+        self.variants: dict[int, tuple[int | None, float | None]] = {}   # layer -> (window, softcap)
+
+    def serve_variant(self, layer: int, window: int | None, softcap: float | None) -> bool:
+        self.variants[layer] = (window, softcap)
+        return True
 
     def build_metadata(self, common: CommonAttentionMetadata,
                        max_seq_len_hint: int | None = None) -> TritonAttentionMetadata:
@@ -45,4 +54,5 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata: TritonAttentionMetadata) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)    # [T, H, D]
-        return unified_attention(q, kv_cache, out, metadata.plan, self.scale)
+        window, softcap = self.variants.get(layer, (None, None))
+        return unified_attention(q, kv_cache, out, metadata.plan, self.scale, window, softcap)

@@ -15,6 +15,12 @@ online softmax in fp32.
 
     grid = (num_tiles, num_kv_heads, num_splits)
 
+Per-layer variants (constexprs, so a plain layer compiles to exactly the kernel without them):
+    SLIDING_WINDOW = W > 0   query at position p sees keys j with p - W < j <= p (transformers' sliding-window mask,
+                             Mistral / Gemma 2-3 local layers); key tiles wholly before the tile's first window are
+                             skipped, so a windowed layer reads O(W) keys, not O(context)
+    USE_SOFTCAP              logits s = softcap * tanh(s / softcap) after the scale, before the mask (Gemma 2)
+
 Split-KV (flash-decoding): when a decode batch has too few programs to fill the GPU and the contexts are long,
 each program takes 1/num_splits of the key tiles and writes an unnormalized partial (acc, max, sum); a second
 kernel merges the splits per (token, head). The launcher picks num_splits (choose_num_splits).
@@ -28,6 +34,8 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from services.gpu_worker.kernels.activations import tanh
 
 
 @triton.jit
@@ -54,6 +62,7 @@ def unified_attention_kernel(
     tile_req_ptr,          # [num_tiles] int32 request of each query tile
     tile_qstart_ptr,       # [num_tiles] int32 first query (index inside its request) of each tile
     scale,                 # softmax scale (fp32)
+    softcap,               # logit soft-cap (fp32; read only with USE_SOFTCAP)
     num_heads,             # H
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,   # cache strides: block, slot, kv head
@@ -62,6 +71,8 @@ def unified_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,   # head size, rounded to a power of 2
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,   # 0: full causal attention; W: keys p - W < j <= p
+    USE_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,   # upcast operands to fp32 before tl.dot (fp32 inputs; bf16 under the interpreter)
     DOT_PRECISION: tl.constexpr,   # "ieee" for fp32 inputs (no tf32 rounding), else "tf32" (ignored for 16-bit)
 ):
@@ -90,14 +101,18 @@ def unified_attention_kernel(
         q = q.to(tl.float32)
     q_pos = ctx_len + q_idx                                  # [M] position of each query row
 
-    # keys this tile can see: up to its last query's position; in split mode, this split's share of them
+    # keys this tile can see: up to its last query's position, from its first query's window on; in split mode,
+    # this split's share of those key tiles
     kv_end = tl.minimum(seq_len, ctx_len + q_first + BLOCK_Q)
     num_kv_tiles = tl.cdiv(kv_end, BLOCK_N)
-    t_begin = 0
+    first_tile = 0
+    if SLIDING_WINDOW > 0:
+        first_tile = tl.maximum(ctx_len + q_first - SLIDING_WINDOW + 1, 0) // BLOCK_N
+    t_begin = first_tile
     t_end = num_kv_tiles
     if IS_SPLIT:
-        per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
-        t_begin = split * per_split
+        per_split = tl.cdiv(num_kv_tiles - first_tile, NUM_SPLITS)
+        t_begin = first_tile + split * per_split
         t_end = tl.minimum(t_begin + per_split, num_kv_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -116,7 +131,11 @@ def unified_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale   # [M, N] fp32
+        if USE_SOFTCAP:
+            s = softcap * tanh(s / softcap)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        if SLIDING_WINDOW > 0:
+            visible = visible & (q_pos[:, None] - kv_pos[None, :] < SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row that saw no key yet
@@ -229,12 +248,14 @@ def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
 
 
 def attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, block_q: int,
-                         num_splits: int, dtype: torch.dtype, interpret: bool) -> dict:
-    """The kernel's compile-time configuration for one launch (also used by the ahead-of-time compile test)."""
+                         num_splits: int, dtype: torch.dtype, interpret: bool, window: int | None = None,
+                         softcap: float | None = None) -> dict:
+    """The kernel's compile-time configuration for one launch (also used by the ahead-of-time compile test).
+    window None = full causal attention (SLIDING_WINDOW 0); softcap None = no soft-capping."""
     qpk = num_heads // num_kv_heads
     return {"QPK": qpk, "QPK_P": _pow2(qpk), "HEAD_DIM": head_dim, "HEAD_DIM_P": _pow2(head_dim), "BLOCK_SIZE": block_size,
                 "BLOCK_Q": block_q, "BLOCK_N": 64 if head_dim <= 64 else 32, "NUM_SPLITS": num_splits,
-                "IS_SPLIT": num_splits > 1,
+                "IS_SPLIT": num_splits > 1, "SLIDING_WINDOW": window or 0, "USE_SOFTCAP": softcap is not None,
                 "DOT_FP32": dtype == torch.float32 or (interpret and dtype == torch.bfloat16),
                 "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
 
@@ -244,9 +265,10 @@ def _interpreting() -> bool:
 
 
 def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, plan: AttentionPlan,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D] (a view is fine: last dim contiguous), kv_cache [2, num_blocks, block_size, Hk, D],
-    out [T, H, D] -> out. One launch (two with split-KV)."""
+    out [T, H, D] -> out. One launch (two with split-KV). window: keys p - window < j <= p (None: all j <= p);
+    softcap: logits softcap * tanh(logits / softcap) (None: none)."""
     t, h, d = q.shape
     _, _, block_size, hk, dk = kv_cache.shape
     if kv_cache.shape[0] != 2 or dk != d or h % hk or out.shape != q.shape:
@@ -257,9 +279,12 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         raise ValueError("q/out need a contiguous last dim and kv_cache must be contiguous")
     if t != plan.num_tokens or plan.block_tables.dtype != torch.int32 or plan.seq_lens.dtype != torch.int32:
         raise ValueError(f"plan for {plan.num_tokens} tokens (int32 tables/lens) used for {t} tokens")
+    if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+        raise ValueError(f"window {window} must be >= 1 and softcap {softcap} > 0 (None: off)")
     if t == 0:
         return out
-    c = attention_constexprs(h, hk, d, block_size, plan.block_q, plan.num_splits, q.dtype, _interpreting())
+    c = attention_constexprs(h, hk, d, block_size, plan.block_q, plan.num_splits, q.dtype, _interpreting(),
+                             window, softcap)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     parts = [out, out, out]    # unused pointers when not split
     if plan.num_splits > 1:
@@ -269,8 +294,8 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
     grid = (plan.tile_req.shape[0], hk, plan.num_splits)
     unified_attention_kernel[grid](
         q, k_cache, v_cache, out, *parts, plan.block_tables, plan.seq_lens, plan.query_start_loc,
-        plan.tile_req, plan.tile_qstart, scale, h, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), plan.block_tables.stride(0), **c)
+        plan.tile_req, plan.tile_qstart, scale, softcap or 1.0, h, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), plan.block_tables.stride(0), **c)
     if plan.num_splits > 1:
         reduce_splits_kernel[(t, h)](out, *parts, h, out.stride(0), out.stride(1), HEAD_DIM=d,
                                      HEAD_DIM_P=c["HEAD_DIM_P"], NUM_SPLITS=plan.num_splits)

@@ -7,8 +7,11 @@ import torch
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_lens: list[int], seq_lens: list[int],
-                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D]; kv_cache [2, num_blocks, block_size, Hk, D]; block_tables [R, max_blocks] -> [T, H, D]."""
+                        block_tables: torch.Tensor, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D]; kv_cache [2, num_blocks, block_size, Hk, D]; block_tables [R, max_blocks] -> [T, H, D].
+    window: query at p sees keys p - window < j <= p (transformers' sliding window); softcap: logits
+    softcap * tanh(logits / softcap) before the mask, as Gemma 2's eager attention."""
     block_size, hk = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // hk
     out = torch.empty_like(q)
@@ -21,8 +24,12 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_lens: lis
         v = flat[1].repeat_interleave(group, dim=1)
         qr = q[start:start + q_len].float()                       # [q_len, H, D]
         scores = torch.einsum("qhd,khd->hqk", qr, k) * scale      # [H, q_len, seq_len]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = seq_len - q_len + torch.arange(q_len)
         visible = pos[None, :] <= q_pos[:, None]                  # [q_len, seq_len]
+        if window is not None:
+            visible &= q_pos[:, None] - pos[None, :] < window
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         start += q_len
@@ -64,3 +71,17 @@ def rotary_neox_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, c
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+    """x [T, hidden], w13 [E, 2I, hidden] (gate rows, then up rows), w2 [E, hidden, I], topk [T, k] -> [T, hidden]:
+    per token, per slot, in fp32: weight * w2_e @ (act(gate_e @ x) * (up_e @ x))."""
+    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+           "gelu_tanh": lambda h: torch.nn.functional.gelu(h, approximate="tanh")}[activation]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for weight, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist()):
+            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
+            out[t] += weight * (w2[e].float() @ (act(gate) * up))
+    return out.to(x.dtype)

@@ -14,8 +14,8 @@ the KernelPlan when it is built (kernel_plan.py): torch, the fused Triton kernel
     pre       x, r = in_norm(x, r); x = attn(x);           x, r = post_attn_norm(x, r); x = mlp(x)
     sandwich  x, r = in_norm(x, r); x = post_attn_norm(attn(x)); x, r = pre_ff_norm(x, r); x = post_ff_norm(mlp(x))
     post      h = x + r; x = post_attn_norm(attn(h)); h = x + h; x = post_ff_norm(mlp(h)); r = h
-Layers with a sliding window or soft-capping attend through model/windowed_attention.py (torch, any backend);
-the others through the worker's attention backend.
+Layers with a sliding window or soft-capping attend through the backend when it serves them (the triton kernel
+does), else through model/windowed_attention.py (torch); the others through the worker's attention backend.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         window = cfg.window(layer_idx)
         window = window if window is not None and window < max_positions else None   # wider: the same as full
-        self.windowed = None
-        if window is not None or cfg.attn_softcap is not None:
+        self.windowed = None    # the torch path, for a backend without the kernel's window / soft-cap
+        if (window is not None or cfg.attn_softcap is not None) and not backend.serve_variant(layer_idx, window,
+                                                                                              cfg.attn_softcap):
             self.windowed = WindowedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.scale, window,
                                               cfg.attn_softcap)
         # the backend was built with the default scale; a family's own scale is folded into q for it

@@ -68,11 +68,6 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
-    def has_host_planned_attention(self) -> bool:
-        """Some layer attends through model/windowed_attention.py (a sliding window or soft-capping)."""
-        return self.attn_softcap is not None or any(w is not None for w in self.layer_windows)
-
-    @property
     def is_plain_llama(self) -> bool:
         """The Llama decoder itself (what the C whole-step decoder implements): no declared difference."""
         return (self.hidden_act == "silu" and not self.qk_norm and not self.norm_offset

@@ -1,6 +1,7 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE) in torch: a router, top-k experts per token, renormalised as the
 config says, each expert a gated MLP. The torch path, exact against transformers (the same fp32 softmax, top-k,
-and weighted sum per expert); experts run one after another over the tokens routed to them.
+and weighted sum per expert); experts run one after another over the tokens routed to them. On CUDA the experts
+run in the Triton fused-MoE kernel instead (tokens sorted by expert, one grouped GEMM per projection).
 
 Weights: w13 [E, 2I, hidden] (each expert's gate rows, then up rows), w2 [E, hidden, I]; the loader copies
 Mixtral's experts.N.w1/w3/w2 and Qwen3-MoE's experts.N.gate_proj/up_proj/down_proj into them.
@@ -26,6 +27,11 @@ class MoESpec:
     sparse_layers: tuple[int, ...]      # the layers that are MoE; the others keep the dense MLP
 
 
+def fused_kernel_serves(x: torch.Tensor) -> bool:
+    """The Triton kernel runs on CUDA only (importing triton elsewhere would cost the CPU worker for nothing)."""
+    return x.is_cuda
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, spec: MoESpec, act: str):
         super().__init__()
@@ -40,7 +46,14 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)                # [T, k]
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return self._experts(x, weights.to(x.dtype), experts)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, weights/experts [T, k] -> [T, hidden]: on CUDA the Triton fused-MoE
+        kernel (kernels/fused_moe.py, two grouped GEMMs); elsewhere each expert in turn over its tokens."""
+        if fused_kernel_serves(x):
+            from services.gpu_worker.kernels.fused_moe import fused_experts
+            return fused_experts(x, self.w13, self.w2, weights, experts, self.act)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             token, slot = torch.where(experts == e)

@@ -1,5 +1,6 @@
-"""Paged attention in torch for the layers the attention backends do not compute: a sliding window (Mistral, Qwen2/3
-with use_sliding_window, Gemma 2/3 local layers, Phi-3) and/or tanh soft-capping of the logits (Gemma 2).
+"""Paged attention in torch for the layers a backend does not serve itself (the torch backend; the triton kernel
+serves them): a sliding window (Mistral, Qwen2/3 with use_sliding_window, Gemma 2/3 local layers, Phi-3) and/or
+tanh soft-capping of the logits (Gemma 2).
 
 Works beside any backend: it reads only the step's CommonAttentionMetadata (metadata.common) and the paged cache
 layout [2, num_blocks, block_size, Hk, D]. Per step it plans once (cached on the backend's metadata object), as the
