@@ -135,8 +135,9 @@ def gguf_model_type(gguf: pathlib.Path) -> str:
     try:
         model_type = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]["model_type"]
     except ValueError as exc:
+        known = ", ".join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
         raise ValueError(f"{gguf}: transformers' GGUF reader cannot load it ({exc}); it reads the architectures "
-                         f"{', '.join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer'))}") from exc
+                         f"{known}") from exc
     if model_type not in FAMILIES:
         raise ValueError(f"{gguf}: GGUF architecture {model_type!r} is not a family steploop runs "
                          f"({', '.join(FAMILIES)})")
