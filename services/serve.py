@@ -102,6 +102,9 @@ def validate_configs(args: argparse.Namespace) -> None:
 
 
 def ensure_model(model: str | None) -> None:
+    if model_path.is_gguf(model) and not model_path.is_model_dir(model_path.gguf_model_dir(model)):
+        log.info("converting %s (first start only)", model)
+        subprocess.run([sys.executable, "-m", "services.gpu_worker.gguf_convert", model], check=True)
     if model and model != model_path.DEFAULT_MODEL:
         model_path.resolve_model(model)          # fails early, with the reason, if the folder is wrong
         return

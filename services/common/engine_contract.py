@@ -14,6 +14,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.pb.steploop.v1 import engine_pb2
 from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
@@ -140,12 +141,14 @@ class ModelInfo:
     num_workers: int = 0                 # attached now
     runner: str = ""                     # "generate" or "pooling"; "" while no worker is attached
     pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
+    generation_defaults: GenerationDefaults = NO_DEFAULTS   # the model's sampling defaults
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.ModelInfo) -> "ModelInfo":
         return cls(pb.model_name, pb.max_model_len, pb.vocab_size, pb.block_size, pb.num_kv_blocks,
                    tuple(pb.eos_token_ids), pb.num_workers, pb.runner,
-                   PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None)
+                   PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
+                   GenerationDefaults.from_pb(pb.generation_defaults))
 
 
 @dataclass(frozen=True, slots=True)

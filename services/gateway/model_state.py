@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from services.gateway.engine_client import EngineClient
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.pooling_params import PoolingConfig, unsupported_api_message
+from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
@@ -20,11 +21,23 @@ class ModelState:
         self.vocab_size = 0
         self.runner = ""                # "generate" or "pooling" (embeddings); "" = not known yet
         self.pooling: PoolingConfig | None = None
+        self.generation_defaults = NO_DEFAULTS   # the model's sampling defaults, once a worker has said them
 
     async def refresh(self) -> None:
         info = await self.engine.model_info()
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.runner, self.pooling = info.runner, info.pooling
+        if info.max_model_len and info.generation_defaults != self.generation_defaults:
+            self.generation_defaults = info.generation_defaults
+            logger.info("Using default sampling params from the model's generation config: %s",
+                        self.generation_defaults.overridden())
+
+    async def sampling_defaults(self) -> GenerationDefaults:
+        """The defaults for the sampling fields a request leaves unset: asks the engine again while no worker has
+        attached yet (a request before that gets the API's own defaults; an unreachable engine fails it anyway)."""
+        if self.max_model_len == 0:
+            await self.try_refresh()
+        return self.generation_defaults
 
     async def check_serves(self, runner: str, api: str) -> None:
         """A 400 in vLLM's words when the model's runner does not serve `api` ("Embeddings", "Chat Completions",

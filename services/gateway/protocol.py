@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.sampling_params import SamplingParams
 from services.gateway import validation as v
 from services.gateway.errors import bad_request
@@ -118,7 +119,9 @@ def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool]:
                       param="response_format")
 
 
-def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int | None) -> SamplingFields:
+def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int | None,
+                   defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingFields:
+    """`defaults`: the model's (generation_config.json) for the fields the body leaves unset."""
     stream = v.get_bool(body, "stream", False)
     stream_options = v.get_object(body, "stream_options")
     if stream_options and not stream:
@@ -130,14 +133,15 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
     json_schema, json_object = _parse_response_format(body)
     return SamplingFields(
         max_tokens=max_tokens,
-        temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=v.get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_exclusive=True),
-        top_k=v.get_int(body, "top_k", 0, lo=-1, hi=MAX_INT32),
-        min_p=v.get_number(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
+        top_p=v.get_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_exclusive=True),
+        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=-1, hi=MAX_INT32),
+        min_p=v.get_number(body, "min_p", defaults.get("min_p", 0.0), lo=0.0, hi=1.0),
         seed=v.get_int(body, "seed", None, lo=0, hi=2**64 - 1),
         presence_penalty=v.get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=v.get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=v.get_number(body, "repetition_penalty", 1.0, lo=0.0, lo_exclusive=True),
+        repetition_penalty=v.get_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0), lo=0.0,
+                                        lo_exclusive=True),
         n=v.get_int(body, "n", 1, lo=1, hi=MAX_N),
         stop=v.get_stop(body),
         stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
@@ -180,7 +184,8 @@ def _parse_prompts(value: Any, vocab_size: int | None) -> tuple[str | tuple[int,
     raise v.type_error("prompt", "a string, an array of strings, or an array of token ids (non-empty)", value)
 
 
-def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequest:
+def parse_completion(body: Any, vocab_size: int | None = None,
+                     defaults: GenerationDefaults = NO_DEFAULTS) -> CompletionRequest:
     body = v.require_object(body)
     if v.get_str(body, "suffix"):
         raise not_supported("suffix")
@@ -190,7 +195,7 @@ def parse_completion(body: Any, vocab_size: int | None = None) -> CompletionRequ
     max_tokens = v.get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, lo=0, hi=MAX_UINT32)
     if max_tokens == 0 and not echo:
         raise bad_request("'max_tokens' must be >= 1 (0 is allowed only with 'echo')", param="max_tokens")
-    sampling = parse_sampling(body, max_tokens, vocab_size)
+    sampling = parse_sampling(body, max_tokens, vocab_size, defaults)
     return CompletionRequest(
         model=v.get_str(body, "model"),
         prompts=_parse_prompts(body.get("prompt"), vocab_size),
@@ -286,7 +291,8 @@ def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...
     return messages, add_generation_prompt, continue_final
 
 
-def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser) -> ChatRequest:
+def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
+               defaults: GenerationDefaults = NO_DEFAULTS) -> ChatRequest:
     """`tool_parser`: the format an "auto" tool call is written in (--tool-call-parser)."""
     body = v.require_object(body)
     logprobs = v.get_bool(body, "logprobs", False)
@@ -298,7 +304,7 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser) -> Ch
     max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1, hi=MAX_UINT32)
     if max_tokens is None:
         max_tokens = v.get_int(body, "max_tokens", None, lo=1, hi=MAX_UINT32)
-    sampling = parse_sampling(body, max_tokens, vocab_size)
+    sampling = parse_sampling(body, max_tokens, vocab_size, defaults)
     tools = parse_tools(body, sampling.json_schema, sampling.json_object, tool_parser)
     forced = tools.guided_schema() if tools is not None else ""
     if forced:   # a forced call: the worker's grammar writes valid calls

@@ -35,7 +35,8 @@ def _version() -> str:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING]
-    req = parse_completion(await read_json(request), serving.model.vocab_size or None)
+    req = parse_completion(await read_json(request), serving.model.vocab_size or None,
+                           await serving.model.sampling_defaults())
     serving.check_model(req.model)
     prompts = [p if isinstance(p, tuple) else await serving.tokenizer.encode(p) for p in req.prompts]
     texts = [p if isinstance(p, str) else None for p in req.prompts]
@@ -51,7 +52,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING]
-    req = parse_chat(await read_json(request), serving.model.vocab_size or None, request.app[TOOL_PARSER])
+    req = parse_chat(await read_json(request), serving.model.vocab_size or None, request.app[TOOL_PARSER],
+                     await serving.model.sampling_defaults())
     serving.check_model(req.model)
     prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                                      continue_final_message=req.continue_final_message,

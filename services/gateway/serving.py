@@ -28,17 +28,20 @@ class Serving:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                                 f"'{self.model.served_model_name}'", param="model", code="model_not_found")
 
-    @staticmethod
-    def engine_max_tokens(prompt_len: int, sampling: SamplingFields, param: str) -> int | None:
+    def engine_max_tokens(self, prompt_len: int, sampling: SamplingFields, param: str) -> int | None:
         """OpenAI's max_tokens as the engine takes it: None (unset) is what fits; completions' default of 16 came
-        from the parser. Echo with max_tokens 0 asks for one token, which the gateway drops. The engine alone
-        checks prompt + max_tokens against the context (and min_tokens against what fits, when max_tokens is unset)."""
+        from the parser. Echo with max_tokens 0 asks for one token, which the gateway drops. The model's
+        generation_config max_new_tokens caps it, set or not (as vLLM's get_max_tokens). The engine alone checks
+        prompt + max_tokens against the context (and min_tokens against what fits, when max_tokens is unset)."""
         if prompt_len == 0:
             raise bad_request(f"'{param}' is empty (0 tokens)", param=param, code="empty_prompt")
         if sampling.max_tokens and sampling.min_tokens > sampling.max_tokens:   # wrong whatever the context
             raise bad_request(f"'min_tokens' ({sampling.min_tokens}) must be <= max_tokens ({sampling.max_tokens})",
                               param="min_tokens")
-        return 1 if sampling.max_tokens == 0 else sampling.max_tokens
+        if sampling.max_tokens == 0:
+            return 1
+        cap = self.model.generation_defaults.max_tokens
+        return sampling.max_tokens if cap is None else min(cap, sampling.max_tokens or cap)
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,
                            param: str, prompt_texts: Sequence[str | None] | None = None, *,

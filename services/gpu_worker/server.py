@@ -27,6 +27,8 @@ from services.common.metrics import MetricsServer
 from services.common.model_path import (
     DEFAULT_MODEL,
     default_model_dir,
+    gguf_model_dir,
+    is_gguf,
     is_model_dir,
     resolve_model,
 )
@@ -49,6 +51,9 @@ def model_path_for(config: WorkerConfig):
         from services.gpu_worker.gguf_convert import convert_default_model
         log.info("default model not converted yet; converting it now")
         convert_default_model()
+    if is_gguf(config.model) and not is_model_dir(gguf_model_dir(config.model)):
+        from services.gpu_worker.gguf_convert import convert_gguf
+        convert_gguf(config.model)
     return resolve_model(config.model)
 
 

@@ -36,6 +36,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     status_metadata: tuple = ()
     fail_after: int | None = None                  # if set, ends with FINISH_REASON_ERROR after this many tokens
     reply_fn: Callable[[engine_pb2.GenerateRequest], Sequence[int]] | None = None
+    generation_defaults: dict = field(default_factory=dict)   # GetModelInfo's model sampling defaults
     requests: list = field(default_factory=list)   # GenerateRequests received
     finished: list = field(default_factory=list)   # request ids streamed to their end
     cancelled: list = field(default_factory=list)  # request ids whose call the client cancelled
@@ -175,7 +176,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ModelInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                     block_size=self.block_size, num_kv_blocks=100 if self.num_workers else 0,
                                     eos_token_ids=[self.eos_token_id], num_workers=self.num_workers,
-                                    runner="generate" if self.num_workers else "")
+                                    runner="generate" if self.num_workers else "",
+                                    generation_defaults=engine_pb2.GenerationDefaults(**self.generation_defaults))
 
     async def GetLoadReport(self, request, context):
         return engine_pb2.LoadReport()

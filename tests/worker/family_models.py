@@ -76,6 +76,11 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                      "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
                                      "head_dim": 128, "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": False,
                                      "decoder_sparse_step": 1, "mlp_only_layers": [1], "tie_word_embeddings": False}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"hidden_size": 128, "intermediate_size": 192, "moe_intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 96, "num_hidden_layers": 4,
+                                     "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 6,
+                                     "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 2,
+                                     "mlp_only_layers": [3], "tie_word_embeddings": True}),
 }
 
 

@@ -19,7 +19,7 @@ from services.gpu_worker.model_runner import ModelRunner
 from tests.worker.driver import Driver
 from tests.worker.family_models import FAMILY_CONFIGS, WINDOW, build_family_model, load_oracle
 
-pytestmark = pytest.mark.slow     # 14 families x 3 schedules: 13 min on 2 shared cores
+pytestmark = pytest.mark.slow     # 15 families x 3 schedules: 13 min on 2 shared cores
 
 PROMPT_LENS = (41, 57, 70)     # all longer than the 16-24-token windows
 NEW_TOKENS = 8

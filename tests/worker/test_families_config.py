@@ -22,7 +22,8 @@ from tests.worker.family_models import TOKENIZER_FILES
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig",
                   "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config",
-                  "granite": "GraniteConfig", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
+                  "granite": "GraniteConfig", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
+                  "qwen2_moe": "Qwen2MoeConfig"}
 
 
 def test_every_family_has_its_config_class():
@@ -75,6 +76,15 @@ def test_family_differences_are_declared():
     granite = parse("GraniteConfig", logits_scaling=8.0, residual_multiplier=0.2)
     assert (granite.logits_scale, granite.residual_scale) == (0.125, 0.2)
     assert not parse("MistralConfig", sliding_window=4096).is_plain_llama
+    qwen2_moe = parse("Qwen2MoeConfig", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert (qwen2_moe.attention_bias, qwen2_moe.output_bias, qwen2_moe.moe.sparse_layers) == (True, False, (1,))
+    assert qwen2_moe.moe.shared_intermediate_size == 5632 and not qwen2_moe.moe.renormalize
+
+
+def test_qwen2_moe_window_is_refused():
+    """transformers' own Qwen2-MoE windows every layer under eager/sdpa but only the upper ones under flash."""
+    with pytest.raises(ValueError, match="use_sliding_window=True"):
+        read_fields(transformers.Qwen2MoeConfig(use_sliding_window=True, sliding_window=64).to_dict())
 
 
 ROPE_CASES = [
@@ -113,7 +123,7 @@ def test_rope_frequencies_match_transformers(cls, kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("change, named", [({"hidden_act": "relu"}, "hidden_act='relu'"),
-                                           ({"model_type": "qwen2_moe"}, "qwen2_moe")])
+                                           ({"model_type": "falcon"}, "falcon")])
 def test_refused_config_exits_2_before_loading_weights(tmp_path, model_dir, change, named):
     """A folder without weights: the worker names the field and exits 2 without looking for them."""
     for name in TOKENIZER_FILES:

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.gateway import validation as v
 from services.gateway.errors import bad_request
 from services.gateway.protocol import SamplingFields
@@ -186,7 +187,7 @@ def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:
     return v.get_stop(body, "stop_sequences")
 
 
-def parse_messages(body: Any, parser: ToolParser) -> MessagesRequest:
+def parse_messages(body: Any, parser: ToolParser, defaults: GenerationDefaults = NO_DEFAULTS) -> MessagesRequest:
     body = v.require_object(body)
     if body.get("max_tokens") is None:
         raise bad_request("'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
@@ -196,10 +197,11 @@ def parse_messages(body: Any, parser: ToolParser) -> MessagesRequest:
     v.get_object(body, "metadata")
     sampling = SamplingFields(
         max_tokens=max_tokens,
-        temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=1.0),
-        top_p=v.get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_exclusive=True),
-        top_k=v.get_int(body, "top_k", 0, lo=0),
-        min_p=0.0, seed=None, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, n=1,
+        temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=1.0),
+        top_p=v.get_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_exclusive=True),
+        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=0),
+        min_p=defaults.get("min_p", 0.0), seed=None, presence_penalty=0.0, frequency_penalty=0.0,
+        repetition_penalty=defaults.get("repetition_penalty", 1.0), n=1,
         stop=_stop_sequences(body), stop_token_ids=(), ignore_eos=False, min_tokens=0,
         include_stop_str_in_output=False,
         # auto calls in a format whose marker is a special token (mistral): it must survive detokenizing

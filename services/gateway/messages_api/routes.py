@@ -20,7 +20,8 @@ from services.gateway.sse import stream_typed_sse
 
 async def messages(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING]
-    req = parse_messages(await read_json(request), request.app[TOOL_PARSER])
+    req = parse_messages(await read_json(request), request.app[TOOL_PARSER],
+                        await serving.model.sampling_defaults())
     serving.check_model(req.model)
     prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=not req.continue_final_message,
                                                      continue_final_message=req.continue_final_message,

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.gateway import validation as v
 from services.gateway.errors import bad_request
 from services.gateway.protocol import SamplingFields
@@ -136,7 +137,7 @@ def _text_format(body: dict[str, Any]) -> tuple[str, bool, dict[str, Any]]:
                       param="text")
 
 
-def parse_responses(body: Any, parser: ToolParser) -> ResponsesRequest:
+def parse_responses(body: Any, parser: ToolParser, defaults: GenerationDefaults = NO_DEFAULTS) -> ResponsesRequest:
     body = v.require_object(body)
     items = parse_input(body.get("input"))
     instructions = v.get_str(body, "instructions")
@@ -144,11 +145,12 @@ def parse_responses(body: Any, parser: ToolParser) -> ResponsesRequest:
     tools = parse_tools(_openai_tools(body), json_schema, json_object, parser)
     sampling = SamplingFields(
         max_tokens=v.get_int(body, "max_output_tokens", None, lo=1),
-        temperature=v.get_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
-        top_p=v.get_number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_exclusive=True),
-        top_k=v.get_int(body, "top_k", 0, lo=-1),
-        min_p=0.0, seed=v.get_int(body, "seed", None, lo=0, hi=2**64 - 1), presence_penalty=0.0,
-        frequency_penalty=0.0, repetition_penalty=1.0, n=1, stop=(), stop_token_ids=(), ignore_eos=False,
+        temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
+        top_p=v.get_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_exclusive=True),
+        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=-1),
+        min_p=defaults.get("min_p", 0.0), seed=v.get_int(body, "seed", None, lo=0, hi=2**64 - 1),
+        presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=defaults.get("repetition_penalty", 1.0), n=1,
+        stop=(), stop_token_ids=(), ignore_eos=False,
         min_tokens=0, include_stop_str_in_output=False, skip_special_tokens=True,
         stream=v.get_bool(body, "stream", False), include_usage=False,
         json_schema=json_schema, json_object=json_object, cache_salt=v.get_str(body, "cache_salt", "") or "")

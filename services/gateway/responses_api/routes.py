@@ -31,7 +31,8 @@ def _remember(store: ResponseStore, conversation: tuple[dict[str, Any], ...], re
 
 async def create(request: web.Request) -> web.StreamResponse:
     serving, store = request.app[SERVING], request.app[RESPONSE_STORE]
-    req = parse_responses(await read_json(request), request.app[TOOL_PARSER])
+    req = parse_responses(await read_json(request), request.app[TOOL_PARSER],
+                         await serving.model.sampling_defaults())
     serving.check_model(req.model)
     history = store.get(req.previous_response_id, "previous_response_id").messages if req.previous_response_id else ()
     conversation = history + req.items

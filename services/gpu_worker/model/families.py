@@ -189,17 +189,33 @@ def _mixtral(f: Fields) -> dict[str, Any]:
 def _qwen3_moe(f: Fields) -> dict[str, Any]:
     cfg = _qwen3(f)
     experts, step, dense = f.get("num_experts", 0), f.get("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
-    sparse = tuple(i for i in range(cfg["num_hidden_layers"])
-                   if i not in dense and experts > 0 and (i + 1) % step == 0)   # as transformers' decoder layer
     moe = MoESpec(experts, f.get("num_experts_per_tok"), f.get("moe_intermediate_size"),
-                  bool(f.get("norm_topk_prob", False)), "mlp", sparse)
+                  bool(f.get("norm_topk_prob", False)), "mlp", _sparse_layers(cfg, experts, step, dense))
     return {**cfg, "moe": moe}
+
+
+def _sparse_layers(cfg: dict[str, Any], experts: int, step: int, dense: list[int]) -> tuple[int, ...]:
+    """Qwen-MoE's MoE layers, as transformers' decoder layer picks them."""
+    return tuple(i for i in range(cfg["num_hidden_layers"]) if i not in dense and experts > 0 and (i + 1) % step == 0)
+
+
+def _qwen2_moe(f: Fields) -> dict[str, Any]:
+    cfg = _decoder(f)
+    # transformers' eager/sdpa masks window every layer, its flash path only those past max_window_layers: no oracle
+    f.refuse_if("use_sliding_window", bool, "transformers' own Qwen2-MoE windows differ by attention implementation")
+    f.get("sliding_window"), f.get("max_window_layers")     # unused without use_sliding_window
+    f.refuse_if("shared_expert_intermediate_size", lambda v: v <= 0, "the shared expert must have a width")
+    experts, step, dense = f.get("num_experts", 0), f.get("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
+    moe = MoESpec(experts, f.get("num_experts_per_tok"), f.get("moe_intermediate_size"),
+                  bool(f.get("norm_topk_prob", False)), "mlp", _sparse_layers(cfg, experts, step, dense),
+                  shared_intermediate_size=f.get("shared_expert_intermediate_size"))
+    return {**cfg, "attention_bias": bool(f.get("qkv_bias", True)), "o_bias": False, "moe": moe}
 
 
 FAMILIES: dict[str, Callable[[Fields], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "ministral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
     "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2,
-    "granite": _granite, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
+    "granite": _granite, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe,
 }
 
 

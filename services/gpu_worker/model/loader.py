@@ -115,7 +115,7 @@ def _target(name: str, cfg: LlamaModelConfig) -> tuple[str, int | None, tuple[in
 def _check_complete(params: dict, filled: set[str], cfg: LlamaModelConfig) -> None:
     """Every parameter filled whole, or by all of its parts (q/k/v, gate/up, each expert's pieces)."""
     experts = cfg.moe.num_experts if cfg.moe is not None else 0
-    parts = {"qkv_proj": 3, "gate_up_proj": 2, "mlp.w13": 2 * experts, "mlp.w2": experts}
+    parts = {"qkv_proj": 3, "gate_up_proj": 2, "mlp.w13": 2 * experts, "mlp.w2": experts, "shared_w13": 2}
     covered = {n.split("[")[0] for n in filled}
     missing = [n for n in params if n not in covered]
     partial = [n for n in covered if n not in filled

@@ -1,10 +1,12 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE) in torch: a router, top-k experts per token, renormalised as the
-config says, each expert a gated MLP. The torch path, exact against transformers (the same fp32 softmax, top-k,
-and weighted sum per expert); experts run one after another over the tokens routed to them. On CUDA the experts
-run in the Triton fused-MoE kernel instead (tokens sorted by expert, one grouped GEMM per projection).
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE): a router, top-k experts per token, renormalised as
+the config says, each expert a gated MLP; Qwen2-MoE adds a shared expert every token takes, scaled by
+sigmoid(shared_expert_gate(x)). The torch path, exact against transformers (the same fp32 softmax, top-k,
+and weighted sum per expert), runs the experts one after another over the tokens routed to them; on CUDA the
+routed experts run in the Triton fused-MoE kernel instead (tokens sorted by expert, one grouped GEMM per projection).
 
 Weights: w13 [E, 2I, hidden] (each expert's gate rows, then up rows), w2 [E, hidden, I]; the loader copies
-Mixtral's experts.N.w1/w3/w2 and Qwen3-MoE's experts.N.gate_proj/up_proj/down_proj into them.
+Mixtral's experts.N.w1/w3/w2 and Qwen3-MoE's experts.N.gate_proj/up_proj/down_proj into them; Qwen2-MoE's
+shared_expert.gate_proj/up_proj/down_proj go into shared_w13 / shared_w2, shared_expert_gate into shared_gate.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class MoESpec:
     renormalize: bool                   # divide the top-k weights by their sum (Mixtral: always; Qwen3: norm_topk_prob)
     module: str                         # the checkpoint's name of the MoE block: "block_sparse_moe" or "mlp"
     sparse_layers: tuple[int, ...]      # the layers that are MoE; the others keep the dense MLP
+    shared_intermediate_size: int = 0   # Qwen2-MoE's shared expert (sigmoid-gated); 0: none
 
 
 def fused_kernel_serves(x: torch.Tensor) -> bool:
@@ -39,6 +42,10 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)            # the router
         self.w13 = nn.Parameter(torch.empty(spec.num_experts, 2 * spec.intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden_size, spec.intermediate_size))
+        if spec.shared_intermediate_size:
+            self.shared_w13 = nn.Parameter(torch.empty(2 * spec.shared_intermediate_size, hidden_size))
+            self.shared_w2 = nn.Parameter(torch.empty(hidden_size, spec.shared_intermediate_size))
+            self.shared_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -46,7 +53,10 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)                # [T, k]
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self._experts(x, weights.to(x.dtype), experts)
+        out = self._experts(x, weights.to(x.dtype), experts)
+        if self.spec.shared_intermediate_size:   # Qwen2-MoE: every token also takes the gated shared expert
+            out = out + torch.sigmoid(self.shared_gate(x)) * self._expert(x, self.shared_w13, self.shared_w2)
+        return out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, weights/experts [T, k] -> [T, hidden]: on CUDA the Triton fused-MoE
@@ -57,10 +67,13 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             token, slot = torch.where(experts == e)
-            gate, up = F.linear(x[token], self.w13[e]).chunk(2, dim=-1)
-            h = F.linear(self._activate(gate) * up, self.w2[e])
+            h = self._expert(x[token], self.w13[e], self.w2[e])
             out.index_add_(0, token, h * weights[token, slot, None])
         return out
+
+    def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, w13).chunk(2, dim=-1)
+        return F.linear(self._activate(gate) * up, w2)
 
     def _activate(self, gate: torch.Tensor) -> torch.Tensor:
         if self.act == "silu":
@@ -68,8 +81,8 @@ class SparseMoE(nn.Module):
         return F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.(?:experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|"
-                     r"down_proj)|(gate))\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.(?:(experts\.\d+|shared_expert)\.(w1|w2|w3|"
+                     r"gate_proj|up_proj|down_proj)|(gate|shared_expert_gate))\.weight$")
 _ROWS = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 
@@ -78,10 +91,13 @@ def expert_target(name: str, spec: MoESpec) -> tuple[str, int | None, tuple[int,
     m = _EXPERT.match(name)
     if not m or int(name.split(".")[2]) not in spec.sparse_layers:
         return None
-    prefix, expert, piece, router = m.groups()
+    prefix, owner, piece, router = m.groups()
     if router:
-        return f"{prefix}mlp.gate.weight", None, None
+        return f"{prefix}mlp.{'shared_gate' if router == 'shared_expert_gate' else 'gate'}.weight", None, None
+    shared = owner == "shared_expert"
+    expert, name, size = (None, "shared_", spec.shared_intermediate_size) if shared else \
+        (int(owner.split(".")[1]), "", spec.intermediate_size)
     if piece in ("w2", "down_proj"):
-        return f"{prefix}mlp.w2", int(expert), None
-    start = _ROWS[piece] * spec.intermediate_size
-    return f"{prefix}mlp.w13", int(expert), (start, start + spec.intermediate_size)
+        return f"{prefix}mlp.{name}w2", expert, None
+    start = _ROWS[piece] * size
+    return f"{prefix}mlp.{name}w13", expert, (start, start + size)

@@ -1,0 +1,96 @@
+"""Write a small random HF model as a GGUF file, as llama.cpp's convert_hf_to_gguf.py would (no download): F32
+tensors named by the gguf package's TensorNameMap (through transformers' get_gguf_hf_weights_map, the map its reader
+inverts), the metadata keys transformers' reader takes, llama.cpp's q/k row permutation for llama-arch models and
+Gemma's norms stored as 1 + w, and the default model's byte-level BPE tokenizer with its chat template."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import torch
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+             "phi3": "phi3", "gemma3_text": "gemma3"}
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (transformers' LlamaTensorProcessor undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensors(model) -> dict[str, np.ndarray]:
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+    cfg = model.config
+    to_gguf = {hf: g for g, hf in get_gguf_hf_weights_map(model).items()}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.to(torch.float32).numpy().copy()
+        gguf_name = to_gguf[name]
+        if GGUF_ARCH[cfg.model_type] == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            w = _permute(w, cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads)
+        if cfg.model_type.startswith("gemma") and "norm.weight" in gguf_name:
+            w = w + 1.0
+        out[gguf_name] = w
+    return out
+
+
+def _add_tokenizer(writer, tokenizer_dir: pathlib.Path, unigram: bool) -> None:
+    """unigram: transformers reads a Gemma GGUF's tokenizer as sentencepiece (scores, an unk id), so it gets those
+    too; the tests send token ids, so only the model's ids matter."""
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["id"] for t in spec["added_tokens"] if t.get("special")}
+    for t in spec["added_tokens"]:
+        vocab[t["content"]] = t["id"]
+    tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    if unigram:
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    template = tokenizer_dir / "chat_template.jinja"
+    if template.is_file():
+        writer.add_chat_template(template.read_text())
+
+
+def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str = "steploop-test") -> pathlib.Path:
+    """`model`: a transformers CausalLM (random weights); returns the GGUF file written at `out`."""
+    import gguf
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(out), GGUF_ARCH[cfg.model_type])
+    writer.add_name(name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_vocab_size(cfg.vocab_size)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+    _add_tokenizer(writer, tokenizer_dir, unigram=cfg.model_type.startswith("gemma"))
+    for tensor_name, w in _tensors(model).items():
+        writer.add_tensor(tensor_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
