@@ -137,13 +137,14 @@ class StepResult:
     # handle -> logprobs of prompt tokens c+1, c+2, ... where c was its num_computed_tokens at this step's start
     # (only for requests whose sampling asks for prompt_logprobs, for the prompt positions of this chunk).
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    collective_seconds: float = 0.0      # tensor parallel: this rank's time in collectives during the step
 
     def to_pb(self) -> worker_pb2.StepResult:
         handles = list(self.sampled)
         pb = worker_pb2.StepResult(
             step_id=self.step_id, handles=handles, num_sampled=[len(self.sampled[h]) for h in handles],
             sampled_token_ids=[t for h in handles for t in self.sampled[h]], error=self.error,
-            forward_seconds=self.forward_seconds)
+            forward_seconds=self.forward_seconds, collective_seconds=self.collective_seconds)
         if self.logprobs:
             for h in handles:
                 lps = self.logprobs.get(h) or [TokenLogprob(0.0)] * len(self.sampled[h])
@@ -168,7 +169,8 @@ class StepResult:
             prompt_logprobs[handle] = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs[pos:pos + n]]
             pos += n
         return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
-                   forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs)
+                   forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs,
+                   collective_seconds=pb.collective_seconds)
 
 
 @dataclass(frozen=True)
@@ -184,15 +186,19 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     rank: int = 0
     world_size: int = 1
+    dtype: str = ""                      # e.g. "float32"; the ranks of a group must agree
+    tp_rendezvous: str = ""              # rank 0 of a group: host:port of its process-group store
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         return worker_pb2.WorkerHello(
             worker_id=self.worker_id, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids))
+            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), dtype=self.dtype,
+            tp_rendezvous=self.tp_rendezvous)
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.WorkerHello) -> "WorkerInfo":
         return cls(worker_id=pb.worker_id, model_name=pb.model_name, block_size=pb.block_size,
                    num_kv_blocks=pb.num_kv_blocks, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
-                   eos_token_ids=tuple(pb.eos_token_ids), rank=pb.rank, world_size=pb.world_size)
+                   eos_token_ids=tuple(pb.eos_token_ids), rank=pb.rank, world_size=pb.world_size,
+                   dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous)
