@@ -25,3 +25,10 @@ def tp2_replicated_kv_dir(tmp_path_factory, model_dir):
     """4 heads / 1 KV head, tied embeddings: at -tp 2 the KV head is replicated on both ranks."""
     from tests.tp.tp_models import build_llama
     return build_llama(tmp_path_factory.mktemp("tp2-kv1"), model_dir, num_heads=4, num_kv_heads=1, tied=True)
+
+
+@pytest.fixture(scope="session")
+def hf(model_dir):
+    """transformers on the default model: the oracle for -tp 3."""
+    from tests.integration.hf_reference import HFReference
+    return HFReference(model_dir)
