@@ -65,16 +65,14 @@ class WorkerGroup:
         self.bytes_written += len(data) * len(self.links)
 
     async def recv(self, plan: StepPlan) -> StepResult:
-        answers = [asyncio.ensure_future(link.recv(plan)) for link in self.links]
-        done, pending = await asyncio.wait(answers, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((task for task in done if task.exception() is not None), None)
-        if failed is not None:
-            for task in pending:
-                task.cancel()
-            self.close(str(failed.exception()))
-            raise WorkerLost(self.close_reason)
-        errors = [r.error for r in (t.result() for t in answers[1:]) if r.error]
-        result = answers[0].result()
+        """Rank by rank: a rank that is lost closes its link, and EngineLoop.detach closes the whole group, so
+        waiting on rank 0 first never outlives a dead rank 1."""
+        try:
+            result = await self.links[0].recv(plan)
+            errors = [ack.error for ack in [await link.recv_raw(plan) for link in self.links[1:]] if ack.error]
+        except WorkerLost as exc:
+            self.close(str(exc))
+            raise WorkerLost(self.close_reason) from exc
         if errors and not result.error:      # a rank failed a step rank 0 did not: their states diverged
             self.close(f"rank answered step {plan.step_id} with an error rank 0 did not have: {errors[0]}")
             raise WorkerLost(self.close_reason)

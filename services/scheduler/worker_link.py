@@ -97,17 +97,24 @@ class WorkerLink:
 
     async def recv(self, plan: StepPlan) -> StepResult:
         """The result of `plan`, the oldest plan sent and not yet answered (the worker answers in order)."""
-        get = asyncio.ensure_future(self._results.get())
-        closed = asyncio.ensure_future(self.closed.wait())
-        try:
-            await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closed.cancel()
-            if not get.done():
-                get.cancel()
-        if not get.done() or get.cancelled():
-            raise WorkerLost(self.close_reason)
-        result = StepResult.from_pb(get.result())
+        return StepResult.from_pb(await self.recv_raw(plan))
+
+    async def recv_raw(self, plan: StepPlan) -> worker_pb2.StepResult:
+        """recv without decoding: a group's other ranks only confirm the step id (and report errors)."""
+        if self._results.empty():
+            get = asyncio.ensure_future(self._results.get())
+            closed = asyncio.ensure_future(self.closed.wait())
+            try:
+                await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closed.cancel()
+                if not get.done():
+                    get.cancel()
+            if not get.done() or get.cancelled():
+                raise WorkerLost(self.close_reason)
+            result = get.result()
+        else:
+            result = self._results.get_nowait()
         if result.step_id != plan.step_id:
             self.close(f"worker answered step {result.step_id} to plan {plan.step_id}")
             raise WorkerLost(self.close_reason)

@@ -87,3 +87,25 @@ def test_one_rank_lost_closes_every_link():
             await group.recv(plan)
         assert all(link.closed.is_set() for link in links)
     asyncio.run(scenario())
+
+
+def test_engine_serves_only_while_the_group_is_whole():
+    """EngineLoop: NOT_SERVING until every rank attached; one rank's stream ending detaches the whole group
+    (every link closed, so the other ranks' Attach calls end too) and the KV pool is the smallest rank's."""
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.engine_loop import EngineLoop
+    from services.scheduler.server_config import ServerConfig
+
+    async def scenario():
+        loop = EngineLoop(SchedulerConfig(), ServerConfig(tensor_parallel_size=2))
+        links = [WorkerLink(FakeStream(), info(r, world=2)) for r in range(2)]
+        loop.attach(links[1])
+        assert not loop.is_serving() and loop.link is None
+        loop.attach(links[0])
+        assert loop.is_serving() and loop.scheduler.kv.num_blocks == 100
+        assert loop.load_report().workers_attached == 2
+        loop.detach(links[1], "the worker closed its stream")
+        assert not loop.is_serving() and loop.link is None and links[0].closed.is_set()
+        with pytest.raises(InvalidRequestError, match="started with -tp 1"):
+            loop.attach(WorkerLink(FakeStream(), info(0, world=1)))
+    asyncio.run(scenario())
