@@ -6,48 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
-import openai
 import pytest
 
 from tests.integration.cluster import assert_healthy_and_no_leak
 from tests.integration.hf_reference import HFReference
+from tests.integration.test_openai_e2e import _sixteen_at_once as sixteen_at_once
 from tests.tp.tp_cluster import TpCluster
 
 pytestmark = pytest.mark.slow
-
-MAX_TOKENS = 20
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "You are a terse assistant."},
-          {"role": "user", "content": "Name three primary colors."}]]
-PROMPTS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a land far away,",
-           "The three laws of thermodynamics are"]
-
-
-async def sixteen_at_once(cluster, hf: HFReference, model: str, streamed: bool) -> None:
-    client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    jobs = [("chat", CHATS[i % 2]) if i % 2 else ("text", PROMPTS[i // 2 % 4]) for i in range(16)]
-
-    async def one(kind, item):
-        if kind == "chat":
-            if streamed:
-                s = await client.chat.completions.create(model=model, messages=item, temperature=0,
-                                                         max_tokens=MAX_TOKENS, stream=True)
-                return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
-            r = await client.chat.completions.create(model=model, messages=item, temperature=0,
-                                                     max_tokens=MAX_TOKENS)
-            return r.choices[0].message.content
-        if streamed:
-            s = await client.completions.create(model=model, prompt=item, temperature=0, max_tokens=MAX_TOKENS,
-                                                stream=True)
-            return "".join([ch.choices[0].text async for ch in s if ch.choices])
-        r = await client.completions.create(model=model, prompt=item, temperature=0, max_tokens=MAX_TOKENS)
-        return r.choices[0].text
-
-    texts = await asyncio.gather(*(one(k, item) for k, item in jobs))
-    await client.close()
-    for (kind, item), text in zip(jobs, texts):
-        ids = hf.chat_ids(item) if kind == "chat" else hf.text_ids(item)
-        assert text == hf.greedy_text(ids, MAX_TOKENS), (kind, item)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +27,7 @@ def tp3_cluster(tmp_path_factory, model_dir):
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_tp3_default_model_sixteen_at_once_equal_transformers(tp3_cluster, hf, streamed):
-    asyncio.run(sixteen_at_once(tp3_cluster, hf, "SmolLM2-135M-Instruct", streamed))
+    asyncio.run(sixteen_at_once(tp3_cluster, hf, streamed))
 
 
 def test_tp3_group_is_whole_and_leaks_nothing(tp3_cluster, hf):
@@ -78,6 +44,6 @@ def test_tp2_small_llama_sixteen_at_once_equal_transformers(tmp_path, tp2_model_
     cluster = TpCluster(tmp_path, 2, model=str(tp2_model_dir)).start()
     try:
         for streamed in (False, True):
-            asyncio.run(sixteen_at_once(cluster, hf, tp2_model_dir.name, streamed))
+            asyncio.run(sixteen_at_once(cluster, hf, streamed, model=tp2_model_dir.name))
     finally:
         cluster.stop()

@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration.cluster import assert_healthy_and_no_leak
 from tests.integration.hf_reference import HFReference
+from tests.integration.test_worker_restart_e2e import _stream
 from tests.tp.tp_cluster import TpCluster
 
 pytestmark = pytest.mark.slow
@@ -20,17 +21,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["The history of the Roman Empire", "A recipe for pancakes:", "In computer science, a hash table",
            "The weather today is"]
 MAX_TOKENS = 48
-
-
-async def _stream(client, model, prompt, progress: dict) -> str:
-    stream = await client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
-                                             stream=True)
-    text = ""
-    async for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-            progress[prompt] = len(text)
-    return text
 
 
 def _wait_for_log(path, needle: str, timeout: float = 120.0) -> None:
@@ -44,7 +34,7 @@ def _fault_scenario(cluster: TpCluster, model: str, fault) -> list[str]:
     async def scenario():
         client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=600)
         progress: dict = {}
-        tasks = [asyncio.create_task(_stream(client, model, p, progress)) for p in PROMPTS]
+        tasks = [asyncio.create_task(_stream(client, p, progress, model, MAX_TOKENS)) for p in PROMPTS]
         while len(progress) < len(PROMPTS):
             await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, fault)
@@ -64,12 +54,13 @@ def tp2(tmp_path, tp2_model_dir):
         cluster.stop()
 
 
-def _check(cluster, hf, texts) -> None:
+def _check(cluster, hf, model, texts) -> None:
     for prompt, text in zip(PROMPTS, texts):
         assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS), prompt
     assert "detached" in (cluster.log_dir / "scheduler.log").read_text()
     assert "2 of 2 ranks in" in (cluster.log_dir / "scheduler.log").read_text()
-    assert_healthy_and_no_leak(cluster, PROMPTS[0], 8, expect_text=hf.greedy_text(hf.text_ids(PROMPTS[0]), 8))
+    assert_healthy_and_no_leak(cluster, PROMPTS[0], 8, expect_text=hf.greedy_text(hf.text_ids(PROMPTS[0]), 8),
+                               model=model)
 
 
 def test_killed_rank_breaks_the_group_and_it_reforms(tp2):
@@ -80,7 +71,7 @@ def test_killed_rank_breaks_the_group_and_it_reforms(tp2):
         time.sleep(0.5)
         cluster.start_service("worker-1")
 
-    _check(cluster, hf, _fault_scenario(cluster, model, kill_and_restart))
+    _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart))
     assert "generation 2" in (cluster.log_dir / "worker-0.log").read_text()
 
 
@@ -95,6 +86,6 @@ def test_stopped_rank_times_out_its_peer_and_the_group_reforms(tp2):
         finally:
             cluster.procs["worker-1"].send_signal(signal.SIGCONT)
 
-    _check(cluster, hf, _fault_scenario(cluster, model, stop_then_continue))
+    _check(cluster, hf, model, _fault_scenario(cluster, model, stop_then_continue))
     for rank in (0, 1):
         assert cluster.procs[f"worker-{rank}"].poll() is None, f"worker-{rank} exited"

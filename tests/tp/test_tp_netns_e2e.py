@@ -46,7 +46,7 @@ def test_ranks_on_two_hosts_survive_a_cut_link(tmp_path, tp2_model_dir):
             for prompt, text in zip(PROMPTS, texts):
                 assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS), prompt
             _wait_for_log(tmp_path / "worker-1.log", "generation 2", timeout=120)
-            assert_healthy_and_no_leak(cluster, PROMPTS[0], 8,
+            assert_healthy_and_no_leak(cluster, PROMPTS[0], 8, model=tp2_model_dir.name,
                                        expect_text=hf.greedy_text(hf.text_ids(PROMPTS[0]), 8))
         finally:
             cluster.stop()

@@ -30,7 +30,7 @@ class TpCluster(Cluster):
     def ranks(self) -> list[str]:
         return [f"worker-{r}" for r in range(self.world_size)]
 
-    def start(self, timeout: float = 600.0) -> "TpCluster":
+    def start(self, timeout: float = 600.0) -> TpCluster:
         for name in ("scheduler", *reversed(self.ranks), "gateway"):
             self.start_service(name)
         self.wait_ready(timeout)
