@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best median is kept")
     parser.add_argument("--throughput", action="store_true", help="also run the -tp 1 / -tp 3 clusters")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (--throughput)")
     parser.add_argument("--tmp", type=Path, default=Path("/tmp/tp_plan_cost"))
     args = parser.parse_args()
     rounds = [[asyncio.run(fan_out(ws, args.num_running, args.steps)) for ws in (1, 2, 4)]
@@ -129,7 +130,7 @@ def main() -> None:
         print(f"{r['world_size']:>3} {r['num_running']:>8} {r['cpu_median_ms']:>12.3f} {r['cpu_min_ms']:>8.3f} "
               f"{r['cpu_vs_ws1']:>6.3f} {r['plan_bytes_per_step']:>12.0f} {r['bytes_written_per_step']:>15.0f}")
     if args.throughput:
-        report["throughput"] = [throughput(ws, args.tmp) for ws in (1, 3)]
+        report["throughput"] = [throughput(ws, args.tmp, max_tokens=args.max_tokens) for ws in (1, 3)]
         for r in report["throughput"]:
             print(f"-tp {r['world_size']}: {r['output_tok_s']} output tok/s at {r['concurrent']} concurrent"
                   + (f"; collectives {r['collective_ms_per_step']:.2f} ms of {r['forward_ms_per_step']:.2f} ms "

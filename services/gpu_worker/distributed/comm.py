@@ -8,10 +8,13 @@ stream, which the scheduler treats as the whole group lost. Before a group exist
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class CollectiveError(RuntimeError):
@@ -32,12 +35,15 @@ class TensorParallelComm:
         self.group, self.generation, self.timeout = group, generation, timeout
 
     def detach(self) -> None:
+        """Leave the group. NCCL needs its communicators aborted (a peer may be gone mid-collective); gloo's
+        pairs close when the group object is dropped."""
         group, self.group = self.group, None
-        if group is not None:
+        abort = getattr(group, "abort", None)
+        if abort is not None:
             try:
-                group.abort() if hasattr(group, "abort") else None
-            except Exception:  # noqa: BLE001 - leaving a broken group: nothing more to do with it
-                pass
+                abort()
+            except Exception as exc:  # noqa: BLE001 - leaving a broken group: nothing more to do with it
+                log.debug("aborting the old process group: %s", exc)
 
     @property
     def ready(self) -> bool:
