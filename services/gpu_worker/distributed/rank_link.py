@@ -69,12 +69,17 @@ class RankLink:
         self._forward += result.forward_seconds
         self._collective += result.collective_seconds
         if self._steps == LOG_EVERY:
-            log.info("rank %d: collectives %.2f ms/step of %.2f ms/step forward over the last %d steps",
-                     self.config.rank, 1e3 * self._collective / self._steps, 1e3 * self._forward / self._steps,
-                     self._steps)
-            self._steps, self._forward, self._collective = 0, 0.0, 0.0
+            self._log_collectives()
+
+    def _log_collectives(self) -> None:
+        log.info("rank %d: collectives %.2f ms/step of %.2f ms/step forward over the last %d steps",
+                 self.config.rank, 1e3 * self._collective / self._steps, 1e3 * self._forward / self._steps,
+                 self._steps)
+        self._steps, self._forward, self._collective = 0, 0.0, 0.0
 
     def leave(self) -> None:
+        if self._steps:
+            self._log_collectives()
         if self.comm is not None and self.comm.group is not None:
             log.info("rank %d leaves tensor-parallel group generation %d", self.config.rank, self.comm.generation)
             self.comm.detach()
