@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.common.pb.steploop.v1 import engine_pb2
+from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import TokenLogprob
 
@@ -39,16 +40,20 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0                    # lower runs first under --scheduling-policy priority
     cache_salt: str = ""                 # mixed into the first prefix-cache block hash (tenant isolation)
+    pooling: PoolingParams | None = None  # set: an embedding request (prompt only; the chunk carries a vector)
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
-        return engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                                          sampling=self.sampling.to_pb(), priority=self.priority,
-                                          cache_salt=self.cache_salt)
+        pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                                        sampling=self.sampling.to_pb(), priority=self.priority,
+                                        cache_salt=self.cache_salt)
+        if self.pooling is not None:
+            pb.pooling.CopyFrom(self.pooling.to_pb())
+        return pb
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.GenerateRequest) -> "EngineRequest":
         return cls(pb.request_id, list(pb.prompt_token_ids), SamplingParams.from_pb(pb.sampling), pb.priority,
-                   pb.cache_salt)
+                   pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None)
 
 
 @dataclass(slots=True)
@@ -70,6 +75,7 @@ class EngineChunk:
     error_message: str = ""              # why, for ERROR
     # Logprobs of prompt tokens 1 .. P-1, in the first chunk that carries a token, when prompt_logprobs was set.
     prompt_logprobs: Sequence[TokenLogprob] = ()
+    embedding: Sequence[float] = ()      # a pooling request's vector, in its last chunk
 
     @property
     def finished(self) -> bool:
@@ -84,6 +90,8 @@ class EngineChunk:
             pb.logprobs.extend([lp.to_pb() for lp in self.logprobs])
         if self.prompt_logprobs:
             pb.prompt_logprobs.extend([lp.to_pb() for lp in self.prompt_logprobs])
+        if self.embedding:
+            pb.embedding.extend(self.embedding)
         if self.finish_reason:
             pb.finish_reason = self.finish_reason
             pb.stop_token_id = self.stop_token_id
@@ -111,7 +119,8 @@ class EngineChunk:
                 return cls(list(pb.token_ids), logprobs, prompt_logprobs=prompt_logprobs)
         u = pb.usage
         return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id,
-                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs)
+                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs,
+                   list(pb.embedding) if pb.embedding else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +134,14 @@ class ModelInfo:
     num_kv_blocks: int = 0
     eos_token_ids: tuple[int, ...] = ()
     num_workers: int = 0                 # attached now
+    runner: str = ""                     # "generate" or "pooling"; "" while no worker is attached
+    pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.ModelInfo) -> "ModelInfo":
         return cls(pb.model_name, pb.max_model_len, pb.vocab_size, pb.block_size, pb.num_kv_blocks,
-                   tuple(pb.eos_token_ids), pb.num_workers)
+                   tuple(pb.eos_token_ids), pb.num_workers, pb.runner,
+                   PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None)
 
 
 @dataclass(frozen=True, slots=True)

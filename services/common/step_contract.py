@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.pb.steploop.v1 import engine_pb2, worker_pb2
+from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
 
 
@@ -26,19 +27,24 @@ class NewRequestData:
     block_ids: list[int]                 # its whole block table, in order
     num_computed_tokens: int             # tokens whose KV is already in block_ids (prefix-cache hits)
     traceparent: str = ""                # W3C trace context of the scheduler's request span; "" = not traced
+    pooling: PoolingParams | None = None  # set: pool the prompt once computed, sample nothing (pooling runner)
 
     def to_pb(self) -> worker_pb2.NewRequest:
-        return worker_pb2.NewRequest(
+        pb = worker_pb2.NewRequest(
             handle=self.handle, prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
             sampling=self.sampling.to_pb(), block_ids=self.block_ids,
             num_computed_tokens=self.num_computed_tokens, traceparent=self.traceparent)
+        if self.pooling is not None:
+            pb.pooling.CopyFrom(self.pooling.to_pb())
+        return pb
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.NewRequest) -> "NewRequestData":
         return cls(handle=pb.handle, prompt_token_ids=list(pb.prompt_token_ids),
                    output_token_ids=list(pb.output_token_ids), sampling=SamplingParams.from_pb(pb.sampling),
                    block_ids=list(pb.block_ids), num_computed_tokens=pb.num_computed_tokens,
-                   traceparent=pb.traceparent)
+                   traceparent=pb.traceparent,
+                   pooling=PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None)
 
 
 @dataclass
@@ -138,6 +144,8 @@ class StepResult:
     # (only for requests whose sampling asks for prompt_logprobs, for the prompt positions of this chunk).
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     collective_seconds: float = 0.0      # tensor parallel: this rank's time in collectives during the step
+    # handle -> pooled vector of a pooling request whose whole prompt is computed as of this step.
+    pooled: dict[int, list[float]] = field(default_factory=dict)
 
     def to_pb(self) -> worker_pb2.StepResult:
         handles = list(self.sampled)
@@ -153,6 +161,10 @@ class StepResult:
             pb.prompt_logprob_handles.append(h)
             pb.num_prompt_logprobs.append(len(lps))
             pb.prompt_logprobs.extend(lp.to_pb() for lp in lps)
+        for h, vector in self.pooled.items():
+            pb.pooled_handles.append(h)
+            pb.pooled_dims.append(len(vector))
+            pb.pooled_values.extend(vector)
         return pb
 
     @classmethod
@@ -168,8 +180,12 @@ class StepResult:
         for handle, n in zip(pb.prompt_logprob_handles, pb.num_prompt_logprobs):
             prompt_logprobs[handle] = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs[pos:pos + n]]
             pos += n
+        pooled, pos, values = {}, 0, list(pb.pooled_values)
+        for handle, n in zip(pb.pooled_handles, pb.pooled_dims):
+            pooled[handle] = values[pos:pos + n]
+            pos += n
         return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
-                   forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs,
+                   forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs, pooled=pooled,
                    collective_seconds=pb.collective_seconds)
 
 
@@ -186,19 +202,26 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     rank: int = 0
     world_size: int = 1
+    runner: str = "generate"             # "generate" or "pooling" (embeddings)
+    pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
     dtype: str = ""                      # e.g. "float32"; the ranks of a group must agree
     tp_rendezvous: str = ""              # rank 0 of a group: host:port of its process-group store
 
     def to_pb(self) -> worker_pb2.WorkerHello:
-        return worker_pb2.WorkerHello(
+        pb = worker_pb2.WorkerHello(
             worker_id=self.worker_id, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), dtype=self.dtype,
-            tp_rendezvous=self.tp_rendezvous)
+            vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), runner=self.runner,
+            dtype=self.dtype, tp_rendezvous=self.tp_rendezvous)
+        if self.pooling is not None:
+            pb.pooling.CopyFrom(self.pooling.to_pb())
+        return pb
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.WorkerHello) -> "WorkerInfo":
         return cls(worker_id=pb.worker_id, model_name=pb.model_name, block_size=pb.block_size,
                    num_kv_blocks=pb.num_kv_blocks, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
                    eos_token_ids=tuple(pb.eos_token_ids), rank=pb.rank, world_size=pb.world_size,
+                   runner=pb.runner or "generate",
+                   pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous)

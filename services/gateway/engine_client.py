@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import grpc_options, tracing
 from services.common.engine_contract import EngineChunk, EngineRequest, LoadReport, ModelInfo
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from services.common.pooling_params import PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.tls import TlsConfig, open_channel
 from services.gateway import errors
@@ -46,10 +47,12 @@ class EngineClient:
         self._session: SessionStream | None = None
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[EngineChunk]:
+                       priority: int = 0, cache_salt: str = "",
+                       pooling: PoolingParams | None = None) -> AsyncIterator[EngineChunk]:
         """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it.
-        request_id must be unique among this engine's live requests."""
-        request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt).to_pb()
+        request_id must be unique among this engine's live requests. pooling set: an embedding request (its
+        one chunk carries the vector)."""
+        request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt, pooling).to_pb()
         span = gateway_tracing.start_generate(request_id, prompt_ids, params) if tracing.ENABLED else None
         chunks = self._on_session(request, span) if self.multiplex else self._on_call(request, span)
         with_logprobs = params.logprobs >= 0 or params.prompt_logprobs >= 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from services.gateway.engine_client import EngineClient
-from services.gateway.errors import APIError
+from services.common.pooling_params import PoolingConfig, unsupported_api_message
+from services.gateway.errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
@@ -17,10 +18,25 @@ class ModelState:
         self.model_path = model_path
         self.max_model_len = 0          # 0 = not known yet (engine not reachable, or no worker attached)
         self.vocab_size = 0
+        self.runner = ""                # "generate" or "pooling" (embeddings); "" = not known yet
+        self.pooling: PoolingConfig | None = None
 
     async def refresh(self) -> None:
         info = await self.engine.model_info()
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self.runner, self.pooling = info.runner, info.pooling
+
+    async def check_serves(self, runner: str, api: str) -> None:
+        """A 400 in vLLM's words when the model's runner does not serve `api` ("Embeddings", "Chat Completions",
+        ...). Unknown yet (no worker attached): the request goes on and the engine checks it itself."""
+        if not self.max_model_len:
+            await self.try_refresh()
+        if self.runner and self.runner != runner:
+            raise bad_request(unsupported_api_message(api), param="model", code="model_not_supported")
+
+    def tasks(self) -> list[str]:
+        """What the model serves, for /v1/models: ["generate"] or ["embed"] (vLLM's task names)."""
+        return {"generate": ["generate"], "pooling": ["embed"]}.get(self.runner, [])
 
     async def try_refresh(self) -> None:
         """At startup: the engine may not be up yet, which is not fatal; known_max_model_len asks again while it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.gateway.embeddings_api import openapi as embeddings_openapi
 from services.gateway.messages_api import openapi as messages_openapi
 from services.gateway.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
 from services.gateway.responses_api import openapi as responses_openapi
@@ -131,8 +132,8 @@ def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "steploop", "version": "1",
-                 "description": "OpenAI-compatible completions, chat completions and Responses, Anthropic's "
-                                "Messages, plus vLLM's utility routes."},
+                 "description": "OpenAI-compatible completions, chat completions, Responses and embeddings, "
+                                "Anthropic's Messages, plus vLLM's utility routes."},
         "servers": [{"url": server_url}],
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
@@ -172,5 +173,6 @@ def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
                     "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}}}}},
             **messages_openapi.paths(_json_body),
             **responses_openapi.paths(_json_body, _responses),
+            **embeddings_openapi.paths(_json_body, _responses),
         },
     }

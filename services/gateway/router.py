@@ -182,7 +182,7 @@ class EngineRouter:
         return [choice, *rest, *down]
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "") -> AsyncIterator[EngineChunk]:
+                       priority: int = 0, cache_salt: str = "", pooling=None) -> AsyncIterator[EngineChunk]:
         self._poll_health()
         if not self.live:
             raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none); retry shortly")
@@ -196,7 +196,8 @@ class EngineRouter:
             replica.in_flight += 1
             replica.routed += 1
             started = False
-            stream = replica.client.generate(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt)
+            stream = replica.client.generate(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
+                                             pooling=pooling)
             try:
                 async for chunk in stream:
                     started = True

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from services.gateway import outputs, utility_routes
 from services.gateway.app_keys import CHAT_TEMPLATE, HEALTH, REASONING_PARSER, SERVING, TOOL_PARSER
+from services.gateway.embeddings_api import routes as embeddings_routes
 from services.gateway.messages_api import routes as messages_routes
 from services.gateway.protocol import parse_chat, parse_completion
 from services.gateway.reasoning import split_reasoning
@@ -70,7 +71,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _model_card(serving: Serving) -> dict[str, Any]:
     model = serving.model
     return {"id": model.served_model_name, "object": "model", "created": STARTED_AT, "owned_by": "steploop",
-            "root": model.model_path, "parent": None, "max_model_len": await model.known_max_model_len()}
+            "root": model.model_path, "parent": None, "max_model_len": await model.known_max_model_len(),
+            "tasks": model.tasks()}   # ["generate"] or ["embed"] (vLLM's task names); [] while no worker is up
 
 
 async def models(request: web.Request) -> web.Response:
@@ -106,6 +108,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/openapi.json", utility_routes.openapi)
     messages_routes.add_routes(app)   # Anthropic's Messages API
     responses_routes.add_routes(app)  # OpenAI's Responses API
+    embeddings_routes.add_routes(app)  # OpenAI's Embeddings API (a --runner pooling worker)
 
 
 def route_list(app: web.Application) -> list[str]:

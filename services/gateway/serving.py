@@ -13,6 +13,9 @@ from services.gateway.model_state import ModelState
 from services.gateway.protocol import SamplingFields, choice_params
 from services.gateway.tokenizer import Tokenizer
 
+# The API a generation request came through, by the field its prompt is in (vLLM names it when refusing).
+API_BY_PARAM = {"prompt": "Completions", "messages": "Chat Completions", "input": "Responses"}
+
 
 class Serving:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelState) -> None:
@@ -38,9 +41,12 @@ class Serving:
         return 1 if sampling.max_tokens == 0 else sampling.max_tokens
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,
-                           param: str, prompt_texts: Sequence[str | None] | None = None) -> list[Choice]:
+                           param: str, prompt_texts: Sequence[str | None] | None = None, *,
+                           api: str | None = None) -> list[Choice]:
         """n choices per prompt, indexed prompt-major: prompt i's choices are i*n .. i*n+n-1. Seeded choices get
-        seeds seed, seed+1, ... so the n samples differ (and repeat across runs)."""
+        seeds seed, seed+1, ... so the n samples differ (and repeat across runs). A pooling model (embeddings
+        only) refuses them: a 400 naming `api` (by default the API whose prompt field is `param`)."""
+        await self.model.check_serves("generate", api or API_BY_PARAM.get(param, "Completions"))
         choices = []
         for p, prompt_ids in enumerate(prompts):
             params = sampling.to_sampling_params(self.engine_max_tokens(len(prompt_ids), sampling, param))

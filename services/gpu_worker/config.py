@@ -16,6 +16,7 @@ from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check
 from services.common.tls import TlsConfig
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+RUNNERS = ("generate", "pooling", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -35,6 +36,8 @@ class WorkerConfig:
     cuda_graphs: bool = True                 # capture decode-only steps in CUDA graphs (CUDA + triton only)
     worker_id: str = ""                      # "" -> host:pid
     seed: int = 0                            # seeds the shared generator used by unseeded sampled requests
+    runner: str = "generate"                 # generate (text) | pooling (embeddings) | auto (pooling for a
+                                             # sentence-transformers folder, i.e. one with modules.json)
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
     tensor_parallel_size: int = 1            # ranks in this worker's group (1: no tensor parallelism)
     rank: int = 0                            # this worker's rank in the group
@@ -50,7 +53,7 @@ class WorkerConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
-                   worker_id=args.worker_id, seed=args.seed, tls=TlsConfig.from_args(args),
+                   worker_id=args.worker_id, seed=args.seed, runner=args.runner, tls=TlsConfig.from_args(args),
                    tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host)
 
     @property
@@ -103,6 +106,7 @@ def _validate(c: WorkerConfig) -> None:
     check(c.num_threads is None or c.num_threads > 0, f"--num-threads {c.num_threads} must be positive")
     check(c.attention_backend in ATTENTION_BACKENDS,
           f"--attention-backend {c.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    check(c.runner in RUNNERS, f"--runner {c.runner!r} is not one of {', '.join(RUNNERS)}")
     check_size(c.tensor_parallel_size)
     check(0 <= c.rank < c.tensor_parallel_size,
           f"--rank {c.rank} must be in 0..{c.tensor_parallel_size - 1} for -tp {c.tensor_parallel_size}")
@@ -130,6 +134,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="replay decode-only steps from CUDA graphs (CUDA with the triton backend only)")
     add_flag(parser, "--worker-id", default="", help="name in logs (default host:pid)")
     add_flag(parser, "--seed", type=int, default=0, help="seed for requests sampled without their own seed")
+    add_flag(parser, "--runner", default="generate", choices=RUNNERS,
+             help="generate: text (completions, chat, ...); pooling: embeddings (/v1/embeddings), pooled as the "
+                  "folder's sentence-transformers config says (default: last token, normalized); auto: pooling "
+                  "when the folder has a sentence-transformers modules.json")
     TlsConfig.add_cli_args(parser)
     add_tensor_parallel_flag(parser)
     add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its tensor-parallel group")

@@ -12,9 +12,11 @@ ahead of what the scheduler has seen: that is what lets it feed step N's token i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from services.common.pooling_params import PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import NewRequestData, StepPlan
 
@@ -27,6 +29,8 @@ class RequestState:
     block_ids: list[int]          # [num_blocks] the block table, in order
     num_computed_tokens: int      # tokens whose KV is in the cache
     sampling: SamplingParams
+    pooling: PoolingParams | None = None   # an embedding request (pooling runner): pooled, never sampled
+    pooled_sum: Any = None        # MEAN pooling: [hidden] fp32 sum of its hidden states over the chunks so far
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +92,7 @@ class InputBatch:
         self.requests[new.handle] = RequestState(
             handle=new.handle, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids), block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens, sampling=new.sampling)
+            num_computed_tokens=new.num_computed_tokens, sampling=new.sampling, pooling=new.pooling)
 
     def append_sampled(self, handle: int, tokens: list[int], num_computed_tokens: int) -> None:
         """Record tokens this worker sampled, and how many tokens now have KV."""

@@ -31,6 +31,7 @@ from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from services.gpu_worker.penalties import PenaltyInputs
+from services.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
 from services.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
 from services.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from services.gpu_worker.step_inputs import (
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, info: WorkerInfo, seed: int = 0, structured: StructuredOutput | None = None,
-                 graphs: DecodeGraphRunner | None = None):
+                 graphs: DecodeGraphRunner | None = None, pooler: Pooler | None = None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.max_model_len, self.info = max_model_len, info
         self.device = kv_caches[0].device
@@ -54,6 +55,7 @@ class ModelRunner:
         self.batch = InputBatch()
         self.sampler = Sampler(seed, self.device)
         self.graphs = graphs             # decode-only steps replay CUDA graphs when set
+        self.pooler = pooler             # --runner pooling: steps pool hidden states instead of sampling
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
 
@@ -66,6 +68,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or granted_cpus())
         cfg = LlamaModelConfig.from_dir(model_path)
         rank = RankSetup.for_worker(config, cfg)    # refuses shapes that cannot split, before weights load
+        pooling = (load_pooling_config(model_path, cfg.hidden_size) if config.runner == "pooling" or
+                   (config.runner == "auto" and has_sentence_transformers_config(model_path)) else None)
         max_len = _max_model_len(config, cfg)
         plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg))
         log.info("kernel plan: %s", plan.describe())
@@ -88,13 +92,17 @@ class ModelRunner:
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, rank=config.rank,
-                          world_size=config.tensor_parallel_size, dtype=str(dtype).removeprefix("torch."))
+                          world_size=config.tensor_parallel_size, dtype=str(dtype).removeprefix("torch."),
+                          runner="generate" if pooling is None else "pooling", pooling=pooling)
+        if pooling is not None:
+            log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
+                     "" if pooling.normalize else "not ", pooling.hidden_size)
         graphs = None
-        if plan.cuda_graphs:
+        if plan.cuda_graphs and pooling is None:    # graphs are for decode steps; a pooling runner has none
             graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
             graphs.capture_all()
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
-                     StructuredOutput(model_path, cfg.vocab_size), graphs)
+                     StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None)
         runner.tp_comm = rank.comm
         return runner
 
@@ -121,6 +129,8 @@ class ModelRunner:
 
     def _run(self, plan: StepPlan) -> StepResult:
         inputs = prepare_step_inputs(self.batch, plan, self.block_size, self.max_model_len, self.device)
+        if self.pooler is not None:
+            return self._run_pooling(plan, inputs)
         prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
         hidden = None
         if self.graphs is not None and not prompt_rows:
@@ -140,6 +150,20 @@ class ModelRunner:
         if inputs.sampling:
             out = self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(inputs))
             self._record(inputs, out, result)
+        return result
+
+    def _run_pooling(self, plan: StepPlan, inputs: StepInputs) -> StepResult:
+        """Forward for the rows the pooler needs; the requests whose prompt is complete get their vector."""
+        rows = self.pooler.plan_rows(self.batch, plan)
+        result = StepResult(step_id=plan.step_id)
+        indices = torch.tensor(rows.rows, dtype=torch.int64, device=self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                            self.model.backend.build_metadata(inputs.attn), indices)
+        for handle, num_computed in inputs.num_computed_after.items():
+            self.batch.requests[handle].num_computed_tokens = num_computed
+        for slot in inputs.sampling:     # its whole prompt is computed: nothing is sampled
+            self.batch.requests[slot.handle].num_computed_tokens = slot.num_known_end
+        result.pooled = self.pooler.pool(self.batch, rows, hidden)
         return result
 
     def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:

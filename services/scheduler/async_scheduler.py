@@ -50,7 +50,7 @@ class AsyncScheduler(Scheduler):
         drafts = plan.draft_token_ids
         num_drafts = len(drafts.get(request.handle, ())) if drafts else 0
         end = request.num_computed_tokens + num_new
-        if end - num_drafts >= request.num_tokens + request.num_output_placeholders:
+        if end - num_drafts >= request.num_tokens + request.num_output_placeholders and request.pooling is None:
             request.num_output_placeholders += 1
         if num_drafts:
             self._awaiting_drafts.add(request)
@@ -72,7 +72,7 @@ class AsyncScheduler(Scheduler):
         super()._finish(request, status)
 
 
-def make_scheduler(config, kv, max_model_len: int, eos_token_ids=()) -> Scheduler:
+def make_scheduler(config, kv, max_model_len: int, eos_token_ids=(), pooling=None) -> Scheduler:
     """The scheduler class the config asks for (AsyncScheduler when async_scheduling is on)."""
     cls = AsyncScheduler if config.async_scheduling else Scheduler
-    return cls(config, kv, max_model_len, eos_token_ids)
+    return cls(config, kv, max_model_len, eos_token_ids, pooling)

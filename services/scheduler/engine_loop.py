@@ -76,7 +76,7 @@ class EngineLoop:
         if not self.has_work() and self.link is not None:
             self.last_progress = time.monotonic()
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
-                          priority=req.priority, cache_salt=req.cache_salt or None)
+                          priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling)
         if self.scheduler is None:
             self._pending.append(request)
         else:
@@ -142,7 +142,8 @@ class EngineLoop:
         if self.worker_info is not None and info.model_name != self.worker_info.model_name:
             raise InvalidRequestError(f"worker serves {info.model_name!r}, this scheduler serves "
                                       f"{self.worker_info.model_name!r}", param="model")
-        if self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks:
+        if (self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks
+                or info.pooling != self.worker_info.pooling):     # a pooling worker serves other requests
             self._build_scheduler(info)
         self.worker_info, self.link, self.lost_since = info, link, None
         self.observer.on_attach(info)
@@ -156,7 +157,8 @@ class EngineLoop:
         kv = KVCacheManager(info.num_kv_blocks, info.block_size, self.sched_config.enable_prefix_caching)
         if old is not None:
             self._retired_counters += old.counters()
-        self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids))
+        self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids),
+                                        info.pooling)
         self.worker_info = info
         carried = self._pending + ([] if old is None else old.drain_requests())
         self._pending = []

@@ -87,8 +87,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of the request's full blocks: (block ids, tokens they hold). No side effect
         on the pool. Never the whole sequence: the last token is always computed, to have logits to sample.
-        A request that asks for prompt logprobs takes no hits (as vLLM): every prompt position needs its logits."""
-        if not self.enable_prefix_caching or request.sampling.prompt_logprobs >= 0:
+        A request that asks for prompt logprobs takes no hits (as vLLM): every prompt position needs its logits;
+        nor does an embedding request pooled over every position (MEAN, CLS: Request.no_prefix_hits)."""
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs >= 0 or request.no_prefix_hits:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.common.pooling_params import PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import TokenLogprob
 
@@ -59,6 +60,10 @@ class Request:
     # len(prompt_token_ids) (a prompt never changes) and whether sampling asks for prompt logprobs.
     num_prompt: int = 0
     sends_prompt_logprobs: bool = False
+    # An embedding request: prompt only, finished (FINISHED_STOPPED, nothing sampled) with the worker's pooled
+    # vector once the whole prompt is computed. no_prefix_hits: its pooling needs every prompt position (MEAN, CLS).
+    pooling: PoolingParams | None = None
+    no_prefix_hits: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -109,6 +114,7 @@ class RequestOutput:
     num_cached_tokens: int               # prompt tokens served from the prefix cache
     error: str = ""                      # why, for FINISHED_ERROR
     prompt_logprobs: list[TokenLogprob] | None = None  # [num_prompt_tokens - 1], on the first output only
+    embedding: list[float] | None = None  # a pooling request's vector, on its one (last) output
 
     @property
     def finished(self) -> bool:

@@ -1,10 +1,12 @@
 """Per-request rules: stop conditions on token ids, the RequestOutput a step produces, admission validation
-(max_tokens resolved and checked against the context here, and only here)."""
+(max_tokens resolved and checked against the context here, and only here; embedding requests checked against
+the worker's runner and pooling config)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from services.common.pooling_params import PoolingConfig, unsupported_api_message
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import TokenLogprob
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
@@ -80,3 +82,33 @@ def validate_request(request: Request, kv, max_model_len: int) -> None:
             f"prompt ({n}) + max_tokens ({max_tokens}) needs KV for {final_len - 1} tokens, "
             f"but the whole KV cache holds {kv.num_usable_blocks * kv.block_size}: "
             "lower max_tokens or give the worker more KV memory", "kv_cache_too_small")
+
+
+def check_runner(request: Request, pooling: PoolingConfig | None) -> None:
+    """An embedding request needs a pooling worker and a generation request a generate one (vLLM's words)."""
+    if request.pooling is not None and pooling is None:
+        raise RequestRejectedError(unsupported_api_message("Embeddings"), "model_not_supported", "model")
+    if request.pooling is None and pooling is not None:
+        raise RequestRejectedError("The model does not support generation: it is served with --runner pooling "
+                                   "(embedding requests only)", "model_not_supported", "model")
+
+
+def validate_pooling_request(request: Request, kv, max_model_len: int, pooling: PoolingConfig) -> None:
+    """An embedding request's prompt (no completion) must fit the context and the KV pool; `dimensions` must be
+    one the model allows."""
+    n = request.num_prompt_tokens
+    if n == 0:
+        raise RequestRejectedError("the input must contain at least one token", "invalid_value", "input")
+    if n > max_model_len:
+        raise RequestRejectedError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {n} tokens in "
+            "the input for embedding generation. Please reduce the length of the input.",
+            "context_length_exceeded", "input")
+    if not kv.can_fit(n):
+        raise RequestRejectedError(f"the input ({n} tokens) needs more KV than the whole cache holds "
+                                   f"({kv.num_usable_blocks * kv.block_size}): give the worker more KV memory",
+                                   "kv_cache_too_small", "input")
+    try:
+        pooling.check_dimensions(request.pooling.dimensions, "this model")
+    except ValueError as exc:
+        raise RequestRejectedError(str(exc), "invalid_value", "dimensions") from exc

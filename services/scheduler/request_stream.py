@@ -54,6 +54,8 @@ def merge(outputs: Sequence) -> EngineChunk:
             chunk.stop_token_id = out.stop_token_id or 0
             chunk.error_message = out.error or ""
             chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+            if out.embedding is not None:
+                chunk.embedding = out.embedding
     return chunk
 
 

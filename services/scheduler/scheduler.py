@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from services.common.pooling_params import PoolingConfig
 from services.common.step_contract import NewRequestData, StepPlan, StepResult, TokenLogprob
 from services.scheduler import policy
 from services.scheduler.config import SchedulerConfig
@@ -20,7 +21,14 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.ngram_proposer import NgramProposer, propose_drafts
 from services.scheduler.prefill_pacing import PrefillPacer
 from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.request_outputs import add_prompt_logprobs, make_output, stop_status, validate_request
+from services.scheduler.request_outputs import (
+    add_prompt_logprobs,
+    check_runner,
+    make_output,
+    stop_status,
+    validate_pooling_request,
+    validate_request,
+)
 from services.scheduler.stats import SchedulerCounters, SchedulerStats
 
 log = logging.getLogger(__name__)
@@ -32,7 +40,9 @@ class Scheduler:
     runs_ahead = False                           # schedules tokens sampled by a step in flight (async scheduling)
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), pooling: PoolingConfig | None = None) -> None:
+        """pooling: the worker's PoolingConfig when it runs `--runner pooling` (then it serves embedding requests
+        only: prompt-only, finished with the worker's pooled vector, no sampling), else None."""
         self.config = config
         self.kv = kv
         if kv.enable_prefix_caching != config.enable_prefix_caching:
@@ -41,6 +51,7 @@ class Scheduler:
                              "KVCacheManager(..., enable_prefix_caching=config.enable_prefix_caching)")
         self.max_model_len = max_model_len          # from the worker's hello, not from config
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.pooling = pooling
         self.requests: dict[str, Request] = {}      # every unfinished request
         self.waiting, self.running = policy.make_queues(config.scheduling_policy)
         self.handles = HandleTable()
@@ -63,6 +74,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        check_runner(request, self.pooling)
+        if request.pooling is not None:
+            self._add_pooling_request(request)
+            return
         validate_request(request, self.kv, self.max_model_len)
         params = request.sampling
         request.stop_ids = (frozenset(params.stop_token_ids) | self._no_stop_ids[params.ignore_eos]
@@ -70,6 +85,17 @@ class Scheduler:
         request.max_output_tokens = min(params.max_tokens, self.max_model_len - request.num_prompt_tokens)
         request.num_prompt = len(request.prompt_token_ids)
         request.sends_prompt_logprobs = params.prompt_logprobs >= 0
+        self._enqueue(request)
+
+    def _add_pooling_request(self, request: Request) -> None:
+        """Prompt only: no output token, so no stop ids; its last chunk's result carries the pooled vector."""
+        validate_pooling_request(request, self.kv, self.max_model_len, self.pooling)
+        request.max_output_tokens = 0
+        request.num_prompt = len(request.prompt_token_ids)
+        request.no_prefix_hits = self.pooling.pools_every_position
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.handles.assign(request)
         self.requests[request.request_id] = request
@@ -196,7 +222,7 @@ class Scheduler:
                 add_count(1)
                 add_scheduled(request)
                 request.num_computed_tokens = computed = computed + 1
-                if runs_ahead:                   # it samples: one more placeholder (AsyncScheduler._advance)
+                if runs_ahead and request.max_output_tokens:   # it samples (not pooling): one more placeholder
                     request.num_output_placeholders = placeholders + 1
                 add_end(computed)
                 num_decodes += 1
@@ -263,7 +289,7 @@ class Scheduler:
         plan.new_requests.append(NewRequestData(
             handle=request.handle, prompt_token_ids=list(request.prompt_token_ids),
             output_token_ids=list(request.output_token_ids), sampling=request.sampling,
-            block_ids=list(self.kv.get_block_ids(request)), num_computed_tokens=num_hit))
+            block_ids=list(self.kv.get_block_ids(request)), num_computed_tokens=num_hit, pooling=request.pooling))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         # Hot path (once per running request per step): lengths read directly instead of via properties.
@@ -274,7 +300,8 @@ class Scheduler:
         if 0 < threshold < gap:
             gap = threshold
         # KV is needed for positions < max_model_len - 1 only: sampling from the last position would overflow.
-        num_new = min(gap, budget, self.max_model_len - 1 - computed)
+        # An embedding request samples nothing: its prompt may fill the context.
+        num_new = min(gap, budget, self.max_model_len - (request.pooling is None) - computed)
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
             num_new = self.pacer.clip(num_new, computed)
         return num_new
@@ -298,8 +325,9 @@ class Scheduler:
                 request.spec_token_ids = propose_drafts(self.proposer, request, placeholders, self.max_model_len)
 
     def _wants_drafts(self, request: Request, placeholders: int) -> bool:
-        """Only a request in the decode state: its KV covers all but its last token (not mid-prompt)."""
-        return request.num_computed_tokens == request.num_tokens + placeholders - 1
+        """Only a request in the decode state: its KV covers all but its last token (not mid-prompt); never an
+        embedding request (it samples nothing to verify drafts against)."""
+        return request.pooling is None and request.num_computed_tokens == request.num_tokens + placeholders - 1
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.kv.free(request)
@@ -348,20 +376,23 @@ class Scheduler:
             self.pacer.observe(plan.step_id, result.forward_seconds)
         if result.error:
             return self._fail_plan(in_flight[0], result.error)
-        if plan.draft_token_ids or result.logprobs or result.prompt_logprobs:
+        if plan.draft_token_ids or result.logprobs or result.prompt_logprobs or result.pooled:
             return self._apply_results(in_flight, plan, result)
         return self._apply_tokens(in_flight, plan, result.sampled)
 
     def _apply_results(self, in_flight: tuple[list[Request], list[int]], plan: StepPlan,
                        result: StepResult) -> list[RequestOutput]:
-        """update_from_output for a step with drafts, logprobs or prompt logprobs."""
+        """update_from_output for a step with drafts, logprobs, prompt logprobs or pooled vectors."""
         outputs, sampled, logprobs, all_drafts = [], result.sampled, result.logprobs, plan.draft_token_ids
-        prompt_logprobs = result.prompt_logprobs
+        prompt_logprobs, pooled = result.prompt_logprobs, result.pooled
         for request, end, handle, num_new in zip(*in_flight, plan.scheduled_handles, plan.num_scheduled_tokens):
             if request.status is not RUNNING:
                 continue
             if prompt_logprobs and handle in prompt_logprobs:
                 add_prompt_logprobs(request, prompt_logprobs[handle], end - num_new)
+            if pooled and handle in pooled:
+                outputs.append(self._finish_pooled(request, pooled[handle], end, num_new))
+                continue
             tokens = sampled.get(handle)
             if tokens is None:                   # a prompt chunk that does not reach the end: nothing sampled
                 self._cache_blocks(request, end, num_new)
@@ -428,6 +459,15 @@ class Scheduler:
         output = make_output(request, tokens, logprobs)
         if request.sampling.prompt_logprobs >= 0 and not request.prompt_logprobs_sent:
             output.prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        return output
+
+    def _finish_pooled(self, request: Request, vector: list[float], end: int, num_new: int) -> RequestOutput:
+        """An embedding request's whole prompt is computed: key its full blocks (later requests share them),
+        finish it and hand out its vector; nothing was sampled."""
+        self._cache_blocks(request, end, num_new)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        output = make_output(request, [], None)
+        output.embedding = vector
         return output
 
     def _cache_blocks(self, request: Request, end: int, num_new: int) -> None:

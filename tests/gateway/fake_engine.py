@@ -165,7 +165,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request, context):
         return engine_pb2.ModelInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                     block_size=self.block_size, num_kv_blocks=100 if self.num_workers else 0,
-                                    eos_token_ids=[self.eos_token_id], num_workers=self.num_workers)
+                                    eos_token_ids=[self.eos_token_id], num_workers=self.num_workers,
+                                    runner="generate" if self.num_workers else "")
 
     async def GetLoadReport(self, request, context):
         return engine_pb2.LoadReport()

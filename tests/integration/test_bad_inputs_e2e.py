@@ -19,6 +19,7 @@ CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 RESP = "/v1/responses"
 MSGS = "/v1/messages"
+EMB = "/v1/embeddings"
 HI = [{"role": "user", "content": "hi"}]
 
 # (name, route, body (dict, or raw bytes), expected status)
@@ -58,6 +59,12 @@ BAD_INPUTS = [
     ("json_schema without a schema", CHAT, {"model": M, "messages": HI, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x"}}}, 400),
     ("unknown response_format type", CHAT, {"model": M, "messages": HI, "response_format": {"type": "xml"}}, 400),
+    # /v1/embeddings on this (generate) model: refused in vLLM's words; bad bodies are refused before that.
+    # The pooling model's own table is in test_embeddings_e2e.py.
+    ("embeddings to a generate model", EMB, {"model": M, "input": "hi"}, 400),
+    ("embeddings: empty input", EMB, {"model": M, "input": ""}, 400),
+    ("embeddings: input a number", EMB, {"model": M, "input": 3.5}, 400),
+    ("embeddings: unknown model", EMB, {"model": "text-embedding-17", "input": "hi"}, 404),
     ("tool_choice names a function not in tools", CHAT, {"model": M, "messages": HI, "tools": [
         {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
             "name": "g"}}}, 400),

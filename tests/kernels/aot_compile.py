@@ -6,6 +6,9 @@ pick for real models (no GPU needed: triton.compile + GPUTarget). Run as a scrip
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,7 +69,7 @@ def configs() -> list[tuple[str, object, dict, dict]]:
     return out
 
 
-def compile_all(arch: int, workers: int = 1) -> list[str]:
+def compile_all(arch: int, workers: int = 1, items: list | None = None) -> list[str]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -83,7 +86,20 @@ def compile_all(arch: int, workers: int = 1) -> list[str]:
         return None
 
     with ThreadPoolExecutor(workers) as pool:
-        return [f for f in pool.map(one, configs()) if f]
+        return [f for f in pool.map(one, configs() if items is None else items) if f]
+
+
+def compile_in_subprocesses(module: str, archs=(80, 90), timeout: float = 600) -> dict[int, str]:
+    """Run `python -m module ARCH` for each architecture in parallel, outside the interpreter (the calling pytest
+    process has TRITON_INTERPRET=1); -> {arch: output} of the ones that failed."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    procs = {arch: subprocess.Popen([sys.executable, "-m", module, str(arch)], cwd=root, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for arch in archs}
+    outputs = {arch: p.communicate(timeout=timeout)[0] for arch, p in procs.items()}
+    return {arch: out for arch, out in outputs.items() if procs[arch].returncode}
 
 
 if __name__ == "__main__":

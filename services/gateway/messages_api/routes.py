@@ -26,7 +26,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                                                      continue_final_message=req.continue_final_message,
                                                      tools=req.tools)
     meta = Meta(f"msg_{uuid.uuid4().hex}", serving.model.served_model_name)
-    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages")
+    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", api="Messages")
     events = split_reasoning(serving.run(choices), request.app[REASONING_PARSER])
     if req.sampling.stream:
         return await stream_typed_sse(request, outputs.message_events(meta, events, req.tools, len(prompt)),

@@ -4,8 +4,14 @@ checks its inputs and explains its grid, and a slow obvious torch reference (in 
     paged_attention   unified paged attention over one flat batch (prompt chunks + decodes), split-KV + reduce
     cache_write       write the step's new K/V into the paged cache by slot (slot -1 = skip)
     fused             RMSNorm (+ residual add), neox rotary in place on q and k, SiLU-and-mul
+    lora_shrink       batched LoRA z = scale * x[rows] @ A[slot]^T over the step's adapter segments (Punica/S-LoRA)
+    lora_expand       batched LoRA y[rows, slice] += z @ B[slot]^T in place (lora_meta: their shared checks/tiles)
+    lora_rows         the jit prologue both share: one program's rows of a segment and its slot
+    lora_ops          the LoRA dispatch: Triton on CUDA, a torch path on the CPU (imports no triton itself;
+                      references in lora_reference.py)
 
-Importing any of these modules imports triton and decorates the kernels. Triton decides at decoration time
+Importing any kernel module imports triton and decorates the kernels. Triton decides at decoration time
 whether a kernel is interpreted (TRITON_INTERPRET=1) or compiled, so set that variable before the first import.
-Nothing in the worker imports this package unless the triton backend is selected.
+Nothing in the worker imports a kernel module unless the triton backend is selected or LoRA runs on CUDA;
+lora_ops and lora_meta import no triton, so the CPU LoRA path runs on the `[worker-cpu]` install (no triton).
 """

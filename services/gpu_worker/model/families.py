@@ -32,6 +32,8 @@ INERT_FIELDS: dict[str, str] = {
     **dict.fromkeys(("cache_implementation", "_attn_implementation_autoset"), "how transformers caches / attends"),
     "auto_map": "custom-code pointers: transformers' built-in class (the oracle) does not use them",
     "chunk_size_feed_forward": "chunking the MLP over tokens computes the same values",
+    **dict.fromkeys(("matryoshka_dimensions", "is_matryoshka"),
+                    "embeddings: which `dimensions` a pooling worker allows (gpu_worker/pooling.py reads them)"),
     "dtype": "the worker's --dtype decides (auto: fp32 on CPU, bf16 on CUDA)",
     "torch_dtype": "the worker's --dtype decides",
     **dict.fromkeys((
