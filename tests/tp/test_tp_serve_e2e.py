@@ -17,7 +17,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_serve_tp3_starts_three_ranks_and_serves_greedy_text(tmp_path, hf):
-    serve = ServeProcess(tmp_path, "-tp", "3", "--num-kv-blocks", "512")
+    serve = ServeProcess(tmp_path, "-tp", "3", "--num-kv-blocks", "640")
     try:
         serve.wait_ready(600)
         assert len(serve.pids("worker")) == 1 and len(serve.pids("worker-1")) == len(serve.pids("worker-2")) == 1
