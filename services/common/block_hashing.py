@@ -13,14 +13,26 @@ A block's key thus names its whole prefix, so equal keys mean equal KV (for the 
 mixed into the first block only: every later key inherits it through the chain. The encoding is fixed (no
 Python `hash()`, which is randomized per process), so keys are equal across restarts, machines and services.
 
-Functions are registered by name (`BLOCK_HASHERS`), so another encoding can be chosen where keys must match a
-peer's, e.g. vLLM's `sha256_cbor` for its KV-event consumers: sha256(cbor2.dumps((parent, tuple(tokens),
-extra_keys), canonical=True)), the first parent being sha256_cbor("vllm-none-hash").
+Functions are registered by name (`BLOCK_HASHERS`; the scheduler's `--prefix-caching-hash-algo`), so another
+encoding can be chosen where keys must match a peer's. "sha256_cbor" is vLLM's (vllm/utils/hashing.py sha256_cbor
+and vllm/v1/core/kv_cache_utils.py hash_block_tokens / init_none_hash, vLLM 0.32.0), for routers written for vLLM's
+KV events:
+
+    h(block i) = sha256(cbor2.dumps((h(block i-1) or NONE_HASH, tuple(tokens), extra_keys), canonical=True))
+    NONE_HASH  = sha256(cbor2.dumps(PYTHONHASHSEED if set, else "vllm-none-hash", canonical=True))
+    extra_keys = (("cache_salt", salt),) for a salted request's first block, else None
+
+vLLM before 0.32 drew NONE_HASH at random per process when PYTHONHASHSEED was unset (then no two processes
+agree); 0.32 fixed the default seed for its cryptographic hashes, and so does this. vLLM's own "sha256" pickles
+the tuple (Python-only, not reproducible outside CPython); steploop's "sha256" above is its own fixed encoding.
+cbor2 is the optional extra `steploop[kv-events]`; choosing sha256_cbor without it fails at start-up.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import struct
 from collections.abc import Callable, Sequence
 
@@ -31,24 +43,65 @@ ROOT_HASH = hashlib.sha256(b"steploop-prefix-cache-v1").digest()
 DEFAULT_HASHER = "sha256"
 
 
-def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
+VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"   # vllm/v1/core/kv_cache_utils.py DEFAULT_NONE_HASH_SEED
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, *,
+               root: bytes = ROOT_HASH) -> bytes:
     """steploop's key of one full block ("sha256"); parent is None for a request's first block."""
     if parent is None:
         salt_bytes = (salt or "").encode()
-        head = ROOT_HASH + b"\x01" + struct.pack("<I", len(salt_bytes)) + salt_bytes
+        head = root + b"\x01" + struct.pack("<I", len(salt_bytes)) + salt_bytes
     else:
         head = parent + b"\x00"
     return hashlib.sha256(head + struct.pack(f"<{len(tokens)}I", *tokens)).digest()
 
 
-BLOCK_HASHERS: dict[str, BlockHasher] = {"sha256": hash_block}
-
-
-def get_block_hasher(name: str = DEFAULT_HASHER) -> BlockHasher:
+def _cbor2():
     try:
-        return BLOCK_HASHERS[name]
+        import cbor2
+    except ImportError:
+        raise ValueError("block hash function 'sha256_cbor' needs cbor2: pip install 'steploop[kv-events]'") from None
+    return cbor2
+
+
+def sha256_cbor(value: object) -> bytes:
+    """vLLM's sha256_cbor: SHA-256 of the canonical CBOR encoding (reproducible in any language)."""
+    return hashlib.sha256(_cbor2().dumps(value, canonical=True)).digest()
+
+
+@functools.cache
+def vllm_none_hash() -> bytes:
+    """vLLM's NONE_HASH for sha256_cbor (the first block's parent), from this process's PYTHONHASHSEED."""
+    return sha256_cbor(os.environ.get("PYTHONHASHSEED", VLLM_DEFAULT_NONE_HASH_SEED))
+
+
+def hash_block_cbor(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, *,
+                    root: bytes | None = None) -> bytes:
+    """vLLM's key of one full block ("sha256_cbor"); `root` overrides NONE_HASH (a peer's, as it reported it)."""
+    extra_keys = (("cache_salt", salt),) if parent is None and salt else None
+    if parent is None:
+        parent = root if root is not None else vllm_none_hash()
+    return sha256_cbor((parent, tuple(tokens), extra_keys))
+
+
+BLOCK_HASHERS: dict[str, BlockHasher] = {"sha256": hash_block, "sha256_cbor": hash_block_cbor}
+
+
+def get_block_hasher(name: str = DEFAULT_HASHER, root: bytes | None = None) -> BlockHasher:
+    """The registered function `name`; with `root`, its first block chains from that key (a peer's root)."""
+    try:
+        hasher = BLOCK_HASHERS[name]
     except KeyError:
         raise ValueError(f"unknown block hash function {name!r}; known: {', '.join(sorted(BLOCK_HASHERS))}") from None
+    if name == "sha256_cbor":
+        _cbor2()   # fail at start-up, not on the first request
+    return hasher if root is None else functools.partial(hasher, root=root)
+
+
+def hasher_root(name: str) -> bytes:
+    """The key the first block of `name` chains from in this process (reported to routers with KV events)."""
+    return vllm_none_hash() if name == "sha256_cbor" else ROOT_HASH
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,

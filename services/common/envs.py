@@ -22,6 +22,7 @@ CPU_PACKED_WEIGHTS = PREFIX + "CPU_PACKED_WEIGHTS"       # 0: CPU fp32 linears s
 CPU_DECODER = PREFIX + "CPU_DECODER"                     # 0: CPU decode steps run layer by layer from Python
 CPU_HUGEPAGES = PREFIX + "CPU_HUGEPAGES"                 # 0: the CPU KV cache stays in 4 KiB pages (no MADV_HUGEPAGE)
 CPU_KERNEL_PROBE = PREFIX + "CPU_KERNEL_PROBE"           # 0: keep the packed matmul without timing it against torch at start
+KV_EVENTS_INT_BLOCK_HASHES = PREFIX + "KV_EVENTS_INT_BLOCK_HASHES"  # 0: ZMQ KV events carry 32-byte keys, not vLLM's 64-bit ints
 CPU_ISA = PREFIX + "CPU_ISA"                             # avx512 / avx2 / generic: the C kernels' instruction set (default: the best the CPU has)
 
 

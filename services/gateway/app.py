@@ -15,7 +15,7 @@ from aiohttp import web
 
 from services.common import model_path
 from services.gateway import metrics as gateway_metrics
-from services.gateway import routes
+from services.gateway import route_header, routes
 from services.gateway.app_keys import (
     CHAT_TEMPLATE,
     DRAIN,
@@ -105,10 +105,11 @@ def auth_middleware(api_key: str):
 def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: Tokenizer) -> web.Application:
     """The gateway app. On startup it asks the engine for model info (not fatal if the engine is not up yet)."""
     drain = Drain()
-    middlewares = [error_middleware, drain.middleware]
+    middlewares = [error_middleware, drain.middleware, route_header.middleware]   # route: x-steploop-replica
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_body_bytes)
+    app.on_response_prepare.append(route_header.on_prepare)
     path = pathlib.Path(config.model).expanduser().resolve() if config.model else model_path.default_model_dir()
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))

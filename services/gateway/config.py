@@ -30,6 +30,7 @@ class GatewayConfig:
     tool_call_parser: str = DEFAULT_TOOL_PARSER  # the format the model writes tool calls in (tool_parsers/)
     scheduler_discovery_interval: float = 0.0  # > 0: re-resolve the scheduler names this often (discovery.py)
     reasoning_parser: str | None = None       # --reasoning-parser: how the model writes its thinking (reasoning.py)
+    kv_events_routing: bool = True            # route by replicas' KV events where they publish them (kv_index.py)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -67,7 +68,7 @@ class GatewayConfig:
                    tls=TlsConfig.from_args(args), engine_session=args.engine_session,
                    tool_call_parser=args.tool_call_parser,
                    scheduler_discovery_interval=args.scheduler_discovery_interval,
-                   reasoning_parser=args.reasoning_parser or None)
+                   reasoning_parser=args.reasoning_parser or None, kv_events_routing=args.kv_events_routing)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -101,5 +102,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     envs.add_flag(parser, "--reasoning-parser", default=None,
                   help=f"split the model's <think> reasoning from its answer: one of {sorted(REASONING_PARSERS)} "
                        "(chat's reasoning_content, Messages' thinking blocks, Responses' reasoning items)")
+    envs.add_flag(parser, "--kv-events-routing", type=bool, default=d.kv_events_routing,
+                  help="with several scheduler replicas, route by the prefix each one's KV events say it caches "
+                       "(schedulers started with --kv-events-config); replicas without events: by guess")
     TlsConfig.add_cli_args(parser)
     return parser

@@ -126,6 +126,12 @@ class EngineClient:
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
 
+    def watch_kv_events(self, from_sequence: int, instance_id: str):
+        """The replica's KV events (Engine.WatchKVEvents): a server stream of KvEventMessage, read by
+        kv_index.py; gRPC errors are left to it (it tells "events off" from "stream broke")."""
+        return self._stub.WatchKVEvents(engine_pb2.KvEventWatchRequest(from_sequence=from_sequence,
+                                                                        instance_id=instance_id))
+
     async def health(self) -> bool:
         """True when the engine's grpc.health.v1 service reports SERVING for the server as a whole ("")."""
         try:

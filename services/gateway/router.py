@@ -9,6 +9,11 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, choos
   the prompt (as SGLang's cache-aware router's threshold) and `min_match_tokens`, so a shared chat-template header
   or default system prompt alone (a few dozen tokens, little prefill to save) does not pin every conversation to
   one replica.
+- KV events. A replica that publishes them (scheduler --kv-events-config) is matched against its real cache
+  instead (kv_index.py: the prompt's longest prefix of full blocks it holds, hashed with its own function and
+  root); the guess above is the fallback for replicas that do not, and for a prefix no replica holds yet (it
+  may be in flight where the guess sent it). The decision is logged and sent back as x-steploop-replica
+  headers (route_header.py).
 - Load. Without a match, or when the affine replica has `imbalance` more requests in flight than the least loaded
   one (and at least half as many again), the least loaded replica takes it (ties: the lowest rendezvous hash of
   the whole prompt, so equal load still spreads). In-flight counts are the gateway's own, so they are
@@ -38,8 +43,9 @@ from dataclasses import dataclass, field
 from services.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
 from services.common.engine_contract import EngineChunk, ModelInfo
 from services.common.sampling_params import SamplingParams
-from services.gateway import errors
+from services.gateway import errors, route_header
 from services.gateway.engine_client import EngineClient
+from services.gateway.kv_index import KvEventWatcher, ReplicaCacheIndex
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,8 @@ class Replica:
     healthy: bool = True                             # its last grpc health check said SERVING
     routed: int = 0                                  # requests sent here (for logs and tests)
     retired: bool = False                            # removed (discovery): no new requests; slot reusable
+    cache: ReplicaCacheIndex = field(default_factory=ReplicaCacheIndex)   # from its KV events, when in sync
+    watcher: KvEventWatcher | None = None
 
     @property
     def address(self) -> str:
@@ -99,7 +107,7 @@ class EngineRouter:
 
     def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 0, min_match: float = 0.5,
                  min_match_tokens: int = 64, imbalance: int = 8, cooldown_s: float = 2.0,
-                 health_interval_s: float = 1.0, discovered: bool = False) -> None:
+                 health_interval_s: float = 1.0, discovered: bool = False, kv_events: bool = True) -> None:
         if not clients and not discovered:   # discovered: replicas come and go, none at all is a state
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
@@ -107,6 +115,7 @@ class EngineRouter:
         self.min_match, self.min_match_tokens = min_match, min_match_tokens
         self.imbalance, self.cooldown_s = imbalance, cooldown_s
         self.health_interval_s = health_interval_s
+        self.kv_events = kv_events                   # watch replicas' KV events (those with them off: guess)
         self._poller: asyncio.Task | None = None
         self._learn_after = 0.0                      # monotonic time before which no model info is asked again
 
@@ -114,6 +123,13 @@ class EngineRouter:
         """Started with the first routed request (the router is built before the event loop serves)."""
         if self._poller is None:
             self._poller = asyncio.create_task(self._health_loop(), name="replica-health")
+            for replica in self.live:
+                self._watch(replica)
+
+    def _watch(self, replica: Replica) -> None:
+        if self.kv_events and replica.watcher is None:
+            replica.watcher = KvEventWatcher(replica.client, replica.cache)
+            replica.watcher.start()
 
     async def _health_loop(self) -> None:
         while True:
@@ -126,17 +142,23 @@ class EngineRouter:
 
     def add_replica(self, client: EngineClient) -> None:
         """Routes to `client` from now on, in a retired slot whose requests have all ended, else a new one."""
+        new = Replica(client)
         for index, replica in enumerate(self.replicas):
             if replica.retired and replica.in_flight == 0:
-                self.replicas[index] = Replica(client)
-                return
-        self.replicas.append(Replica(client))
+                self.replicas[index] = new
+                break
+        else:
+            self.replicas.append(new)
+        if self._poller is not None:
+            self._watch(new)
 
     async def remove_replica(self, address: str) -> None:
         """No new requests go to `address`; those in flight there finish, then its channel closes."""
         for replica in self.live:
             if replica.address == address:
                 replica.retired = True
+                if replica.watcher is not None:
+                    await replica.watcher.stop()
                 if replica.in_flight == 0:
                     await replica.client.close()
 
@@ -158,6 +180,11 @@ class EngineRouter:
     # ---- routing ----------------------------------------------------------------------------------------------
     def order(self, prompt_ids: Sequence[int], cache_salt: str = "") -> list[int]:
         """Replica indices to try, best first, and records the choice in the affinity map."""
+        return self.route(prompt_ids, cache_salt)[0]
+
+    def route(self, prompt_ids: Sequence[int], cache_salt: str = "") -> tuple[list[int], int, str]:
+        """(replica indices to try, best first; prompt tokens matched at the first; "events", "guess" or
+        "load": what chose it). Records the choice in the affinity map."""
         now = time.monotonic()
         live = [i for i, r in enumerate(self.replicas) if not r.retired]
         up = [i for i in live if self.replicas[i].up(now)] or live
@@ -167,19 +194,38 @@ class EngineRouter:
         whole = hashlib.blake2b(struct.pack(f"<{len(prompt_ids)}I", *prompt_ids), digest_size=16).digest()
         by_hash = sorted(up, key=lambda i: hashlib.blake2b(whole + i.to_bytes(4, "little"), digest_size=8).digest())
         least = min(by_hash, key=lambda i: self.replicas[i].in_flight)
-        choice = least
-        match = self.affinity.deepest(hashes)
-        if match is not None and match[0] in up:
-            replica, depth = match
-            matched = depth * self.affinity.block_size
+        choice, chosen_match, source = least, 0, "load"
+        match = self._best_match(prompt_ids, cache_salt, hashes, by_hash)
+        if match is not None:
+            replica, matched, how = match
             load, low = self.replicas[replica].in_flight, self.replicas[least].in_flight
             worth_it = matched >= self.min_match_tokens and matched >= self.min_match * len(prompt_ids)
             if worth_it and not (load - low > self.imbalance and load > 1.5 * low):
-                choice = replica
+                choice, chosen_match, source = replica, matched, how
         self.affinity.record(hashes, choice)
         rest = [i for i in by_hash if i != choice]
         down = [i for i in live if i not in up]
-        return [choice, *rest, *down]
+        return [choice, *rest, *down], chosen_match, source
+
+    def _best_match(self, prompt_ids: Sequence[int], cache_salt: str, hashes: list[bytes],
+                    candidates: list[int]) -> tuple[int, int, str] | None:
+        """(replica, matched tokens, how): the longest prefix a replica's KV events say it caches (ties: the
+        less loaded, then rendezvous order); without one, where the prefix was last sent (the guess)."""
+        memo: dict = {}
+        best: tuple[int, int] | None = None
+        for i in candidates:
+            cache = self.replicas[i].cache
+            if cache.synced:
+                matched = cache.matched_tokens(prompt_ids, cache_salt, memo)
+                if matched and (best is None or (matched, -self.replicas[i].in_flight) >
+                                (best[1], -self.replicas[best[0]].in_flight)):
+                    best = (i, matched)
+        if best is not None:
+            return best[0], best[1], "events"
+        guess = self.affinity.deepest(hashes)
+        if guess is not None and guess[0] in candidates:
+            return guess[0], guess[1] * self.affinity.block_size, "guess"
+        return None
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str = "", pooling=None) -> AsyncIterator[EngineChunk]:
@@ -188,11 +234,13 @@ class EngineRouter:
             raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none); retry shortly")
         if not self.affinity.block_size and time.monotonic() >= self._learn_after:
             await self._learn_block_size()
-        order = self.order(prompt_ids, cache_salt)
+        order, matched, source = self.route(prompt_ids, cache_salt)
         for attempt, index in enumerate(order):
             replica = self.replicas[index]
             if attempt:   # failed over: this replica is where the prefix's blocks will be now
                 self.affinity.record(self.affinity.block_hashes(prompt_ids, cache_salt), index)
+                matched, source = 0, "failover"
+            self._log_route(request_id, replica.address, matched, source)
             replica.in_flight += 1
             replica.routed += 1
             started = False
@@ -214,6 +262,13 @@ class EngineRouter:
                 await stream.aclose()
                 if replica.retired and replica.in_flight == 0:   # removed while this ran: the last one closes
                     await replica.client.close()
+
+    @staticmethod
+    def _log_route(request_id: str, address: str, matched: int, source: str) -> None:
+        route_header.note(route_header.RouteNote(address, matched, source))
+        logger.info("routed %s to %s (%s, %d prompt tokens cached there)", request_id, address, source, matched,
+                    extra={"request_id": request_id, "replica": address, "route_source": source,
+                           "matched_tokens": matched})
 
     # ---- the other Engine calls -------------------------------------------------------------------------------
     async def _first(self, call: str):
@@ -257,6 +312,14 @@ class EngineRouter:
              {r.address: float(r.in_flight) for r in self.live}),
             ("steploop:replica_routed", "counter", "Requests this gateway sent to the replica (failover tries too)",
              {r.address: float(r.routed) for r in self.live}),
+            ("steploop:replica_kv_events_synced", "gauge",
+             "1 while the router's view of the replica's prefix cache follows its KV events (0: routing by guess)",
+             {r.address: float(r.cache.synced) for r in self.live}),
+            ("steploop:replica_kv_cached_blocks", "gauge", "Prefix-cache blocks the replica's KV events say it holds",
+             {r.address: float(len(r.cache.keys)) for r in self.live if r.cache.synced}),
+            ("steploop:replica_kv_events_sequence", "gauge",
+             "The next KV event batch expected from the replica (all before it are applied)",
+             {r.address: float(r.cache.next_sequence) for r in self.live if r.cache.synced}),
         ]
 
     async def metrics_texts(self) -> list[tuple[str, str]]:
@@ -268,4 +331,5 @@ class EngineRouter:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        await asyncio.gather(*(r.watcher.stop() for r in self.replicas if r.watcher is not None))
         await asyncio.gather(*(r.client.close() for r in self.replicas if not (r.retired and r.in_flight == 0)))

@@ -47,7 +47,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
     discovery = None
     if config.scheduler_discovery_interval > 0:       # replicas follow DNS: always the router, maybe empty now
-        engine = EngineRouter([], discovered=True)
+        engine = EngineRouter([], discovered=True, kv_events=config.kv_events_routing)
         targets = [discovery_mod.Target.parse(a) for a in config.scheduler_addresses]
         discovery = discovery_mod.SchedulerDiscovery(engine, targets, discovery_mod.client_factory(
             config.tls, config.engine_session), config.scheduler_discovery_interval)
@@ -56,7 +56,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     else:
         clients = [EngineClient(address, tls=config.tls, multiplex=config.engine_session)
                    for address in config.scheduler_addresses]
-        engine = clients[0] if len(clients) == 1 else EngineRouter(clients)   # one scheduler: no routing layer
+        engine = clients[0] if len(clients) == 1 else \
+            EngineRouter(clients, kv_events=config.kv_events_routing)   # one scheduler: no routing layer
     app = create_app(config, engine, tokenizer)
     # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
     runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)

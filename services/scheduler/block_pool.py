@@ -26,12 +26,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the recorder is passed in; the pool itself imports nothing of KV events
+    from services.scheduler.kv_events.recorder import KvEventRecorder
 
 NULL_BLOCK_ID = 0
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KvEventRecorder | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the reserved null block)")
         self.num_blocks = num_blocks
@@ -40,6 +44,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.block_hash: dict[int, bytes] = {}   # block id -> prefix-cache key of its (full) contents
         self._cached: dict[bytes, int] = {}      # prefix-cache key -> block id (one block per key)
+        self.events = events                     # KV events (BlockRemoved, AllBlocksCleared); None = off
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,17 +86,22 @@ class BlockPool:
         key = self.block_hash.pop(block_id, None)
         if key is not None:
             del self._cached[key]
+            if self.events is not None:
+                self.events.removed(key)
 
     # ---- prefix cache
     def get_cached_block(self, key: bytes) -> int | None:
         return self._cached.get(key)
 
-    def cache_block(self, block_id: int, key: bytes) -> None:
-        """Register a held, full block under its key. If another block already holds the same contents (two
-        requests computed one prefix at once) the first keeps the key and this one stays unkeyed."""
+    def cache_block(self, block_id: int, key: bytes) -> bool:
+        """Register a held, full block under its key; True if it was keyed. If another block already holds the
+        same contents (two requests computed one prefix at once) the first keeps the key and this one stays
+        unkeyed."""
         if key not in self._cached and block_id not in self.block_hash:
             self._cached[key] = block_id
             self.block_hash[block_id] = key
+            return True
+        return False
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference to each (cached) block; a free one leaves the free queue."""
@@ -104,6 +114,8 @@ class BlockPool:
         """Forget every key (a new worker's KV cache is empty); the blocks stay where they are."""
         self.block_hash.clear()
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def check_integrity(self) -> None:
         assert NULL_BLOCK_ID not in self._free, "null block 0 is in the free queue"

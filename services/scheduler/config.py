@@ -7,10 +7,12 @@ in scheduler state, never here.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common import envs
+from services.common.block_hashing import BLOCK_HASHERS, DEFAULT_HASHER, get_block_hasher
+from services.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
 
 
 class SchedulerConfigError(ValueError):
@@ -31,6 +33,11 @@ class SchedulerConfig:
     max_decode_slowdown: float = 2.0
     # Reuse the KV of full blocks whose prefix (token ids + cache salt) was computed before.
     enable_prefix_caching: bool = True
+    # The prefix-cache block key (services/common/block_hashing.py): "sha256" (steploop's) or "sha256_cbor"
+    # (vLLM's, so routers written for vLLM's KV events compute the same keys; needs steploop[kv-events]).
+    prefix_caching_hash_algo: str = DEFAULT_HASHER
+    # KV events (vLLM's --kv-events-config fields): prefix-cache changes over ZMQ and Engine.WatchKVEvents.
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     # "fcfs": arrival order (preempted first); "priority": by (priority, arrival), and may preempt for a better one.
     scheduling_policy: str = "fcfs"
     # Plan step N+1 before step N's result is back (one output placeholder per decoding request), so the worker
@@ -77,6 +84,11 @@ class SchedulerConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise SchedulerConfigError(
                 f"scheduling_policy={self.scheduling_policy!r} is unknown; set --scheduling-policy to fcfs or priority")
+        try:
+            get_block_hasher(self.prefix_caching_hash_algo)
+        except ValueError as err:
+            raise SchedulerConfigError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r}: {err}; set "
+                                       f"--prefix-caching-hash-algo to one of {', '.join(BLOCK_HASHERS)}") from None
         if not 0.0 <= self.admission_watermark < 1.0:
             raise SchedulerConfigError(
                 f"admission_watermark={self.admission_watermark} must be in [0, 1); set --admission-watermark to "
@@ -103,6 +115,12 @@ class SchedulerConfig:
                       help="a step with prompt chunks may take at most this x its decodes' predicted time; 0 = off")
         envs.add_flag(parser, "--enable-prefix-caching", type=bool, default=d.enable_prefix_caching,
                       help="reuse the KV of cached full-block prefixes")
+        envs.add_flag(parser, "--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo,
+                      choices=list(BLOCK_HASHERS),
+                      help="prefix-cache block key: sha256 (steploop's) or sha256_cbor (vLLM's, for KV-event routers)")
+        envs.add_flag(parser, "--kv-events-config", default="",
+                      help='KV events as vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                           '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'')
         envs.add_flag(parser, "--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
                       help="fcfs (arrival order) or priority (lower priority value first, may preempt)")
         envs.add_flag(parser, "--async-scheduling", type=bool, default=d.async_scheduling,
@@ -118,10 +136,15 @@ class SchedulerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SchedulerConfig":
-        return cls(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        try:
+            kv_events = KvEventsConfig.from_json(args.kv_events_config)
+        except KvEventsConfigError as err:
+            raise SchedulerConfigError(str(err)) from None
+        return cls(kv_events=kv_events,max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                    long_prefill_token_threshold=args.long_prefill_token_threshold,
                    max_decode_slowdown=args.max_decode_slowdown,
-                   enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
+                   enable_prefix_caching=args.enable_prefix_caching,
+                   prefix_caching_hash_algo=args.prefix_caching_hash_algo, scheduling_policy=args.scheduling_policy,
                    async_scheduling=args.async_scheduling, admission_watermark=args.admission_watermark,
                    num_speculative_tokens=args.speculative_ngram, prompt_lookup_min=args.ngram_prompt_lookup_min,
                    prompt_lookup_max=args.ngram_prompt_lookup_max)

@@ -18,12 +18,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 
+from services.common.block_hashing import get_block_hasher, hasher_root
 from services.common.engine_contract import EngineRequest
 from services.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_events.hub import KvEventHub
 from services.scheduler.metrics import make_observer
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from services.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
@@ -54,6 +56,9 @@ class EngineLoop:
         self._retired_counters = SchedulerCounters()    # of schedulers replaced since start
         # Metrics, request logs and spans (metrics.py): fed by data pushed from here, and load_report.
         self.observer = make_observer(self.load_report, sched_config.enable_prefix_caching)
+        algo = sched_config.prefix_caching_hash_algo
+        self.kv_events = (KvEventHub(sched_config.kv_events, algo, hasher_root(algo))
+                          if sched_config.kv_events.enable_kv_cache_events else None)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest,
@@ -154,7 +159,13 @@ class EngineLoop:
 
     def _build_scheduler(self, info: WorkerInfo) -> None:
         old = self.scheduler
-        kv = KVCacheManager(info.num_kv_blocks, info.block_size, self.sched_config.enable_prefix_caching)
+        kv = KVCacheManager(info.num_kv_blocks, info.block_size, self.sched_config.enable_prefix_caching,
+                            get_block_hasher(self.sched_config.prefix_caching_hash_algo),
+                            None if self.kv_events is None else self.kv_events.recorder)
+        if self.kv_events is not None:
+            if old is not None:
+                self.kv_events.recorder.cleared()     # a new pool: the old one's keys are gone
+            self.kv_events.watch_cache(lambda: (list(kv.pool.block_hash.values()), kv.block_size))
         if old is not None:
             self._retired_counters += old.counters()
         self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids),
@@ -182,6 +193,8 @@ class EngineLoop:
         self.observer.on_detach()
         if self.scheduler is not None:
             self.scheduler.preempt_all()
+        if self.kv_events is not None:
+            self.kv_events.flush()                  # AllBlocksCleared now, not at the next step
         log.warning("worker %s detached (%s); its requests will be recomputed when a worker is back",
                     link.info.worker_id, reason)
 
@@ -230,6 +243,8 @@ class EngineLoop:
         self.observer.on_step(StepStats(plan.step_id, plan.total_num_scheduled_tokens, result.forward_seconds,
                                         plan_bytes, outputs))
         self._dispatch(outputs)
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def check_idle(self) -> None:
         """At idle every KV block must be free again (cached-but-free counts as free); anything else is a leak,

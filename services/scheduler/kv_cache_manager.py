@@ -10,20 +10,28 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from services.common.block_hashing import BlockHasher, hash_block
 from services.common.intmath import cdiv
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.prefix_cache import PrefixCacheStats, ensure_block_hashes
 from services.scheduler.request import Request
 
+if TYPE_CHECKING:   # the recorder is passed in (engine_loop.py)
+    from services.scheduler.kv_events.recorder import KvEventRecorder
+
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hasher: BlockHasher = hash_block, events: KvEventRecorder | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} must be >= 1")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.hasher = hasher
+        self.events = events                       # None: KV events off (nothing recorded, no cost)
+        self.pool = BlockPool(num_blocks, events)
         self.prefix_cache_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}   # request_id -> block ids, in token order
         self._num_cached: dict[str, int] = {}     # request_id -> leading blocks of its table already keyed
@@ -93,7 +101,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for key in ensure_block_hashes(request, max_blocks, self.block_size)[:max_blocks]:
+        for key in ensure_block_hashes(request, max_blocks, self.block_size, self.hasher)[:max_blocks]:
             block_id = self.pool.get_cached_block(key)
             if block_id is None:
                 break
@@ -111,10 +119,11 @@ class KVCacheManager:
             return                                # the decode fast path: nothing new filled
         table = self._tables[rid]
         num_full = min(num_full, len(table))
-        hashes = ensure_block_hashes(request, num_full, self.block_size)
-        for i in range(done, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+        hashes = ensure_block_hashes(request, num_full, self.block_size, self.hasher)
+        keyed = [i for i in range(done, num_full) if self.pool.cache_block(table[i], hashes[i])]
         self._num_cached[rid] = num_full
+        if self.events is not None and keyed:
+            self.events.stored(request, keyed, hashes, self.block_size)
 
     def reset_prefix_cache(self) -> None:
         """Drop every key (the worker that held the KV is gone); held and free blocks are otherwise unchanged."""

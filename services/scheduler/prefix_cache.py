@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.block_hashing import hash_block
+from services.common.block_hashing import BlockHasher, hash_block
 from services.scheduler.request import Request
 
 
@@ -20,12 +20,13 @@ def block_tokens(request: Request, index: int, block_size: int) -> list[int]:
     return prompt[start:end] + request.output_token_ids[out_start:end - len(prompt)]
 
 
-def ensure_block_hashes(request: Request, num_full_blocks: int, block_size: int) -> list[bytes]:
+def ensure_block_hashes(request: Request, num_full_blocks: int, block_size: int,
+                        hasher: BlockHasher = hash_block) -> list[bytes]:
     """Extend request.block_hashes to cover its first num_full_blocks blocks (each hashed once per request)."""
     hashes = request.block_hashes
     while len(hashes) < num_full_blocks:
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, block_tokens(request, len(hashes), block_size), request.cache_salt))
+        hashes.append(hasher(parent, block_tokens(request, len(hashes), block_size), request.cache_salt))
     return hashes
 
 

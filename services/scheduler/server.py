@@ -95,6 +95,8 @@ class SchedulerService:
         await self.metrics_server.stop()
         for task in self.tasks:
             task.cancel()
+        if self.loop.kv_events is not None:
+            self.loop.kv_events.close()     # the ZMQ publisher's last batches, then its sockets
         log.info("scheduler stopped")
 
     async def _watch_health(self) -> None:

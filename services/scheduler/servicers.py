@@ -14,6 +14,7 @@ from services.common.errors import EngineError, abort_with
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from services.common.step_contract import WorkerInfo
 from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.kv_events.hub import WatcherCutOff, message_pb
 from services.scheduler.session import EngineSession
 from services.scheduler.worker_link import WorkerLink
 
@@ -70,6 +71,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def GetMetrics(self, request, context):
         return engine_pb2.MetricsText(text=metrics.exposition(self.loop.observer.registry).decode())
+
+    async def WatchKVEvents(self, request, context):
+        hub = self.loop.kv_events
+        if hub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off on this scheduler; start "
+                                "it with --kv-events-config '{\"enable_kv_cache_events\": true}'")
+        try:
+            async for item in hub.watch(request.from_sequence, request.instance_id):
+                yield message_pb(item)
+        except WatcherCutOff as err:
+            await context.abort(grpc.StatusCode.ABORTED, f"KV event watcher cut off ({err}); reconnect")
 
 
 class PlanStreamServicer(worker_pb2_grpc.PlanStreamServicer):

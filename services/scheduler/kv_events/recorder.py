@@ -1,0 +1,49 @@
+"""KvEventRecorder: the prefix cache's changes since the last take(), in order. The block pool and KV manager
+call it only when KV events are on (they hold None otherwise, so a step with events off costs one `is None`
+test per keyed or evicted block). The engine loop takes the events once per step (hub.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.scheduler.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from services.scheduler.prefix_cache import block_tokens
+
+
+class KvEventRecorder:
+    def __init__(self) -> None:
+        self.pending: list[KvEvent] = []
+
+    def stored(self, request, indices: Sequence[int], hashes: Sequence[bytes], block_size: int) -> None:
+        """Blocks `indices` of `request` (its keys `hashes`) entered the prefix cache: one BlockStored per run
+        of consecutive blocks (a block already cached under another id breaks a run, as it is not stored)."""
+        run: list[int] = []
+        for i in indices:
+            if run and i != run[-1] + 1:
+                self._stored_run(request, run, hashes, block_size)
+                run = []
+            run.append(i)
+        self._stored_run(request, run, hashes, block_size)
+
+    def _stored_run(self, request, run: list[int], hashes: Sequence[bytes], block_size: int) -> None:
+        first = run[0]
+        tokens = [t for i in run for t in block_tokens(request, i, block_size)]
+        extra = None
+        if first == 0 and request.cache_salt:   # vLLM publishes the salt untagged, on the block that hashed it
+            extra = [(request.cache_salt,)] + [None] * (len(run) - 1)
+        self.pending.append(BlockStored([hashes[i] for i in run], hashes[first - 1] if first else None, tokens,
+                                        block_size, extra))
+
+    def removed(self, key: bytes) -> None:
+        last = self.pending[-1] if self.pending else None
+        if isinstance(last, BlockRemoved):      # evictions of one allocation travel as one event
+            last.block_hashes.append(key)
+        else:
+            self.pending.append(BlockRemoved([key]))
+
+    def cleared(self) -> None:
+        self.pending = [AllBlocksCleared()]      # what came before is moot: the cache is empty now
+
+    def take(self) -> list[KvEvent]:
+        events, self.pending = self.pending, []
+        return events
