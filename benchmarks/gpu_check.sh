@@ -16,4 +16,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > benchmarks
 timeout 290 "$PY" -m benchmarks.gpu_check --tests-timeout 150 "$@"
 rc=$?
 [ $rc -eq 124 ] && echo "[gpu_check] stopped by the 290 s guard; partial JSON kept" >&2
+# Tensor parallel: a -tp 2 group (NCCL) against transformers, on a host with two GPUs (TP_CHECK=0 skips it).
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "${TP_CHECK:-1}" = 0 ]; then
+  echo "[gpu_check] TP=2 run skipped (TP_CHECK=0)"
+elif [ "$gpus" -lt 2 ]; then
+  echo "[gpu_check] TP=2 run skipped: it needs 2 GPUs, this host has $gpus"
+else
+  timeout 240 "$PY" -m benchmarks.tp_gpu_check --world-size 2 || rc=$((rc ? rc : $?))
+fi
 exit $rc

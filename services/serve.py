@@ -115,6 +115,32 @@ def ensure_model(model: str | None) -> None:
         log.info("converted the default model in %.0f s", time.monotonic() - started)
 
 
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """-tp N whose shapes cannot split: refused from config.json, before any process starts or weight loads."""
+    if args.tensor_parallel_size == 1:
+        return
+    from services.gpu_worker.distributed.shapes import check_splittable
+    from services.gpu_worker.model.model_config import ModelConfig
+    check_splittable(ModelConfig.from_dir(model_path.resolve_model(args.model)), args.tensor_parallel_size)
+
+
+def worker_specs(args: argparse.Namespace, env: dict[str, str]) -> list[ServiceSpec]:
+    """One worker per rank: rank R gets STEPLOOP_RANK=R, its own metrics port, and its share of the CPUs."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return [ServiceSpec("worker", [sys.executable, "-m", "services.gpu_worker"], env)]
+    specs = []
+    for rank in range(size):
+        rank_env = dict(env, **{envs.env_name("--rank"): str(rank)})
+        if args.worker_metrics_port:
+            rank_env[envs.env_name("--worker-metrics-port")] = str(args.worker_metrics_port + rank)
+        if args.num_threads is None:
+            rank_env[envs.env_name("--num-threads")] = str(max(1, len(os.sched_getaffinity(0)) // size))
+        specs.append(ServiceSpec("worker" if rank == 0 else f"worker-{rank}",
+                                 [sys.executable, "-m", "services.gpu_worker"], rank_env))
+    return specs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -127,16 +153,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"steploop serve: {exc}\n")
     try:
         ensure_model(args.model)
+        check_tensor_parallel(args)
     except (model_path.ModelNotFoundError, subprocess.CalledProcessError) as exc:
         sys.exit(f"steploop serve: {exc}")
+    except ValueError as exc:            # -tp N the model's shapes cannot split
+        parser.exit(2, f"steploop serve: {exc}\n")
     except KeyboardInterrupt:            # Ctrl-C during the conversion: nothing else was started yet
         sys.exit(130)
     env = child_environment(parser, args)
-    specs = [ServiceSpec(name, [sys.executable, "-m", f"services.{module}"], env)
-             for name, module in (("scheduler", "scheduler"), ("worker", "gpu_worker"), ("gateway", "gateway"))]
+    workers = worker_specs(args, env)
+    specs = [ServiceSpec("scheduler", [sys.executable, "-m", "services.scheduler"], env), *workers,
+             ServiceSpec("gateway", [sys.executable, "-m", "services.gateway"], env)]
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     supervisor = Supervisor(specs, health_url=f"{url}/health", ready_timeout=args.ready_timeout,
-                            stop_timeout=args.shutdown_timeout + 5, stop_order=["gateway", "scheduler", "worker"])
+                            stop_timeout=args.shutdown_timeout + 5, stop_order=["gateway", "scheduler", *(w.name for w in workers)])
     started = time.monotonic()
     name = args.served_model_name or model_path.served_model_name(args.model, model_path.resolve_model(args.model))
     code = asyncio.run(supervisor.run(on_ready=lambda: log.info(

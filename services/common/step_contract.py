@@ -144,6 +144,7 @@ class StepResult:
     # handle -> logprobs of prompt tokens c+1, c+2, ... where c was its num_computed_tokens at this step's start
     # (only for requests whose sampling asks for prompt_logprobs, for the prompt positions of this chunk).
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    collective_seconds: float = 0.0      # tensor parallel: this rank's time in collectives during the step
     # handle -> pooled vector of a pooling request whose whole prompt is computed as of this step.
     pooled: dict[int, list[float]] = field(default_factory=dict)
 
@@ -152,7 +153,7 @@ class StepResult:
         pb = worker_pb2.StepResult(
             step_id=self.step_id, handles=handles, num_sampled=[len(self.sampled[h]) for h in handles],
             sampled_token_ids=[t for h in handles for t in self.sampled[h]], error=self.error,
-            forward_seconds=self.forward_seconds)
+            forward_seconds=self.forward_seconds, collective_seconds=self.collective_seconds)
         if self.logprobs:
             for h in handles:
                 lps = self.logprobs.get(h) or [TokenLogprob(0.0)] * len(self.sampled[h])
@@ -185,7 +186,8 @@ class StepResult:
             pooled[handle] = values[pos:pos + n]
             pos += n
         return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
-                   forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs, pooled=pooled)
+                   forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs, pooled=pooled,
+                   collective_seconds=pb.collective_seconds)
 
 
 @dataclass(frozen=True)
@@ -204,13 +206,15 @@ class WorkerInfo:
     runner: str = "generate"             # "generate" or "pooling" (embeddings)
     pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
     generation_defaults: GenerationDefaults = NO_DEFAULTS   # the model's sampling defaults (--generation-config)
+    dtype: str = ""                      # e.g. "float32"; the ranks of a group must agree
+    tp_rendezvous: str = ""              # rank 0 of a group: host:port of its process-group store
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
             worker_id=self.worker_id, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), runner=self.runner,
-            generation_defaults=self.generation_defaults.to_pb())
+            generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -222,4 +226,5 @@ class WorkerInfo:
                    eos_token_ids=tuple(pb.eos_token_ids), rank=pb.rank, world_size=pb.world_size,
                    runner=pb.runner or "generate",
                    pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
-                   generation_defaults=GenerationDefaults.from_pb(pb.generation_defaults))
+                   generation_defaults=GenerationDefaults.from_pb(pb.generation_defaults),
+                   dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous)

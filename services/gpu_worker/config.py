@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass, field
 
 from services.common.envs import add_flag
+from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
 from services.common.tls import TlsConfig
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -39,6 +40,9 @@ class WorkerConfig:
                                              # sentence-transformers folder, i.e. one with modules.json)
     generation_config: str = "auto"          # auto | vllm | a folder: sampling defaults (generation_config.py)
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
+    tensor_parallel_size: int = 1            # ranks in this worker's group (1: no tensor parallelism)
+    rank: int = 0                            # this worker's rank in the group
+    tp_host: str = "127.0.0.1"               # address the other ranks reach this one at (process-group traffic)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -51,7 +55,8 @@ class WorkerConfig:
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
-                   generation_config=args.generation_config, tls=TlsConfig.from_args(args))
+                   generation_config=args.generation_config, tls=TlsConfig.from_args(args),
+                   tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host)
 
     @property
     def resolved_worker_id(self) -> str:
@@ -104,6 +109,9 @@ def _validate(c: WorkerConfig) -> None:
     check(c.attention_backend in ATTENTION_BACKENDS,
           f"--attention-backend {c.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     check(c.runner in RUNNERS, f"--runner {c.runner!r} is not one of {', '.join(RUNNERS)}")
+    check_size(c.tensor_parallel_size)
+    check(0 <= c.rank < c.tensor_parallel_size,
+          f"--rank {c.rank} must be in 0..{c.tensor_parallel_size - 1} for -tp {c.tensor_parallel_size}")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
 
 
@@ -136,4 +144,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="sampling defaults for requests that do not set them: auto (the model's generation_config.json), "
                   "vllm (none), or a folder holding a generation_config.json")
     TlsConfig.add_cli_args(parser)
+    add_tensor_parallel_flag(parser)
+    add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its tensor-parallel group")
+    add_flag(parser, "--tp-host", default="127.0.0.1",
+             help="address the group's other ranks reach this worker at (rank 0 also serves the group's store)")
     return parser

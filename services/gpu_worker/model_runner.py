@@ -23,6 +23,8 @@ from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.cpu_kernels.threads import granted_cpus
 from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
+from services.gpu_worker.distributed.comm import CollectiveError
+from services.gpu_worker.distributed.rank_setup import RankSetup
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.logits_processors import LogitsEdits
@@ -56,6 +58,7 @@ class ModelRunner:
         self.graphs = graphs             # decode-only steps replay CUDA graphs when set
         self.pooler = pooler             # --runner pooling: steps pool hidden states instead of sampling
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
+        self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -65,29 +68,35 @@ class ModelRunner:
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or granted_cpus())
         cfg = LlamaModelConfig.from_dir(model_path)
+        rank = RankSetup.for_worker(config, cfg)    # refuses shapes that cannot split, before weights load
         pooling = (load_pooling_config(model_path, cfg.hidden_size) if config.runner == "pooling" or
                    (config.runner == "auto" and has_sentence_transformers_config(model_path)) else None)
         defaults = read_generation_defaults(config.generation_config, model_path)
         eos_ids = generation_eos_ids(config.generation_config, model_path, cfg.eos_token_ids)
         max_len = _max_model_len(config, cfg)
-        plan = resolve_kernel_plan(config, device, dtype, cfg)
+        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg))
         log.info("kernel plan: %s", plan.describe())
-        backend = create_backend(plan.attention_backend, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                 cfg.head_dim, cfg.head_dim ** -0.5, plan.cpu_attention_kernel)
+        local = rank.local_cfg
+        backend = create_backend(plan.attention_backend, local.num_attention_heads, local.num_key_value_heads,
+                                 local.head_dim, local.head_dim ** -0.5, plan.cpu_attention_kernel)
         start = time.perf_counter()
         log.info("loading model %s (%d layers, %s on %s)", model_path, cfg.num_hidden_layers,
                  str(dtype).removeprefix("torch."), device)
-        model = load_model(model_path, backend, max_len, dtype, device, plan)
+        model = load_model(model_path, backend, max_len, dtype, device, plan, rank.share, rank.comm)
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, _num_params(model) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
-        profile = lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device)
-        num_blocks = kv_cache.decide_num_blocks(config, cfg, max_len, dtype, device, profile)
-        caches = kv_cache.allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device, plan.hugepages)
+        profile = lambda: _profile_forward(model, local, config.block_size, max_len, dtype, device)
+        rank.comm.local_only = True       # the memory profile runs before the group exists: shapes only
+        num_blocks = kv_cache.decide_num_blocks(config, local, max_len, dtype, device, profile)
+        rank.comm.local_only = False
+        caches = kv_cache.allocate_kv_caches(local, num_blocks, config.block_size, dtype, device, plan.hugepages)
         log.info("decode steps: %s", model.bind_kv_caches(caches))
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=eos_ids, generation_defaults=defaults,
+                          rank=config.rank, world_size=config.tensor_parallel_size,
+                          dtype=str(dtype).removeprefix("torch."),
                           runner="generate" if pooling is None else "pooling", pooling=pooling)
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
@@ -96,8 +105,10 @@ class ModelRunner:
         if plan.cuda_graphs and pooling is None:    # graphs are for decode steps; a pooling runner has none
             graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
             graphs.capture_all()
-        return cls(model, caches, config.block_size, max_len, info, config.seed,
-                   StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None)
+        runner = cls(model, caches, config.block_size, max_len, info, config.seed,
+                     StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None)
+        runner.tp_comm = rank.comm
+        return runner
 
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
@@ -110,10 +121,14 @@ class ModelRunner:
             if not plan.scheduled_handles:
                 return StepResult(step_id=plan.step_id)
             result = self._run(plan)
+        except CollectiveError:      # the group broke: not this step's failure; the worker leaves the group
+            raise
         except Exception as exc:     # a failed step is reported, the worker lives on
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         result.forward_seconds = time.perf_counter() - start
+        if self.tp_comm is not None:
+            result.collective_seconds = self.tp_comm.take_seconds()[0]
         return result
 
     def _run(self, plan: StepPlan) -> StepResult:

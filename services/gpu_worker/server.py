@@ -36,6 +36,8 @@ from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
 from services.common.step_contract import StepPlan
 from services.common.tls import open_channel
 from services.gpu_worker.config import WorkerConfig, add_cli_args
+from services.gpu_worker.distributed.comm import CollectiveError
+from services.gpu_worker.distributed.rank_link import RankLink
 from services.gpu_worker.metrics import WorkerObserver, make_observer
 from services.gpu_worker.model_runner import ModelRunner
 
@@ -104,25 +106,30 @@ async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop
     async with open_channel(config.scheduler_address, config.tls, CHANNEL_OPTIONS) as channel:
         call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
         stopper = asyncio.ensure_future(stop.wait())
+        rank = RankLink(config, runner)       # this attach's place in a tensor-parallel group (if any)
         try:
-            await call.write(worker_pb2.WorkerMessage(hello=runner.info.to_pb()))
+            await call.write(worker_pb2.WorkerMessage(hello=rank.hello().to_pb()))
             served = True
             log.info("attached to scheduler %s as %s (%d KV blocks of %d tokens)", config.scheduler_address,
                      runner.info.worker_id, runner.info.num_kv_blocks, runner.info.block_size)
-            await _serve_stream(call, runner, executor, stopper, obs, config.scheduler_address)
+            await _serve_stream(call, runner, executor, stopper, obs, config.scheduler_address, rank)
         except grpc.aio.AioRpcError as err:
             level = logging.WARNING if served else logging.DEBUG
             log.log(level, "plan stream to %s ended: %s %s", config.scheduler_address, err.code().name,
                     err.details())
+        except CollectiveError as err:        # the group broke: leave it and re-attach; the scheduler re-forms it
+            log.warning("tensor-parallel group broke: %s", err)
+            call.cancel()
         finally:
             stopper.cancel()
+            rank.leave()
     if served:
         log.info("detached from scheduler %s; forgetting all requests", config.scheduler_address)
     return served
 
 
 async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Future, obs: WorkerObserver,
-                        address: str) -> None:
+                        address: str, rank: RankLink) -> None:
     """Serve the stream's plans until it ends (EOF), breaks (raises AioRpcError) or `stopper` fires.
 
     The forward thread runs one loop for the whole stream: it takes the next plan from a queue that the event loop
@@ -131,18 +138,21 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
     an event-loop round trip, which had cost ~2.5 ms a step (of ~130 ms at 64 requests) on a busy 2-core host.
     """
     loop = asyncio.get_running_loop()
-    plans: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
+    plans: queue.SimpleQueue = queue.SimpleQueue()  # StepPlan, a group-forming callable, or None to end
     results: asyncio.Queue = asyncio.Queue()
 
     def forward_loop() -> None:
         while (plan := plans.get()) is not None:
-            result = runner.execute(plan)          # never raises: a failed step comes back as an error result
-            loop.call_soon_threadsafe(results.put_nowait, (plan, result))
+            if callable(plan):                     # form the tensor-parallel group, in order with the plans
+                plan()
+                continue
+            result = runner.execute(plan)          # a failed step comes back as an error result; a broken
+            loop.call_soon_threadsafe(results.put_nowait, (plan, result))   # group raises CollectiveError
 
     async def write_results() -> None:
         while True:
             plan, result = await results.get()
-            await call.write(worker_pb2.WorkerMessage(result=result.to_pb()))
+            await call.write(worker_pb2.WorkerMessage(result=rank.answer(result).to_pb()))
             obs.after(plan, result)
 
     forward = asyncio.ensure_future(loop.run_in_executor(executor, forward_loop))
@@ -168,6 +178,8 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
                 plan = StepPlan.from_pb(msg.plan)
                 obs.before(plan)
                 plans.put(plan)
+            elif msg.HasField("tp_group"):
+                plans.put(rank.former(msg.tp_group))
     finally:
         plans.put(None)                            # the forward thread ends after the step it is on
         writer.cancel()

@@ -32,6 +32,7 @@ from services.scheduler.request_stream import FailedOutput, OutputSink, RequestS
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import ServerConfig
 from services.scheduler.stats import LoadReport, SchedulerCounters, StepStats
+from services.scheduler.worker_group import GroupAssembler, WorkerGroup
 from services.scheduler.worker_link import WorkerLink, WorkerLost
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class EngineLoop:
         self.server_config = server_config
         self.scheduler: Scheduler | None = None     # built when the first worker says how many blocks it has
         self.worker_info: WorkerInfo | None = None  # of the first worker; later ones must match its model
-        self.link: WorkerLink | None = None
+        self.link: WorkerLink | WorkerGroup | None = None   # a group when --tensor-parallel-size > 1
+        self.assembler = GroupAssembler(server_config.tensor_parallel_size, server_config.tp_collective_timeout)
         self.streams: dict[str, OutputSink] = {}
         self.accepting = True                       # False once shutdown began: new requests get UNAVAILABLE
         self._pending: list[Request] = []           # arrived before any worker attached
@@ -126,8 +128,20 @@ class EngineLoop:
 
     # ---- workers --------------------------------------------------------------------------------------------
     def attach(self, link: WorkerLink) -> None:
-        """A worker says hello. World size is 1: a newer worker replaces an attached one (a restarted worker
-        reconnects before the old stream's end is noticed), whose requests are then recomputed."""
+        """A worker says hello. World size 1: a newer worker replaces an attached one (a restarted worker
+        reconnects before the old stream's end is noticed), whose requests are then recomputed. Tensor parallel:
+        a rank joins the group being assembled (a rank arriving while a group serves breaks that group), and the
+        group attaches once all its ranks are in."""
+        if self.assembler.world_size > 1 or link.info.world_size > 1:
+            if self.worker_info is not None and link.info.model_name != self.worker_info.model_name:
+                raise InvalidRequestError(f"worker serves {link.info.model_name!r}, this scheduler serves "
+                                          f"{self.worker_info.model_name!r}", param="model")
+            if isinstance(self.link, WorkerGroup) and link.info.rank < len(self.link.links):
+                self.detach(self.link, f"rank {link.info.rank} re-attached as {link.info.worker_id}")
+            group = self.assembler.add(link)
+            if group is None:
+                return
+            link = group
         info = link.info
         if self.link is not None:
             log.warning("worker %s replaces attached worker %s", info.worker_id, self.link.info.worker_id)
@@ -168,8 +182,13 @@ class EngineLoop:
                 self.observer.on_abort(request.request_id, "rejected", "error")
                 self._fail(request.request_id, exc)
 
-    def detach(self, link: WorkerLink, reason: str) -> None:
+    def detach(self, link: WorkerLink | WorkerGroup, reason: str) -> None:
         link.close(reason)
+        if isinstance(link, WorkerLink):
+            self.assembler.discard(link)
+            if isinstance(self.link, WorkerGroup) and link in self.link.links:
+                link = self.link                   # one rank lost is the whole group lost
+                link.close(reason)
         if self.link is not link:
             return
         self.link, self.lost_since = None, time.monotonic()
@@ -286,7 +305,8 @@ class EngineLoop:
 
     def load_report(self) -> LoadReport:
         """What the engine holds now (Engine.GetLoadReport, the vllm:* gauges, the stats line)."""
-        sched, attached = self.scheduler, 0 if self.link is None else 1
+        sched = self.scheduler
+        attached = 0 if self.link is None else len(getattr(self.link, "links", [self.link]))
         if sched is None:
             return LoadReport(num_waiting=len(self._pending), num_steps=self.num_steps,
                               counters=self._retired_counters, workers_attached=attached)

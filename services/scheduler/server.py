@@ -17,11 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common import event_loop, grpc_options, observability, tls
 from services.common.metrics import MetricsServer
-from services.common.pb.steploop.v1 import engine_pb2_grpc, worker_pb2_grpc
+from services.common.pb.steploop.v1 import engine_pb2_grpc
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.server_config import ServerConfig
 from services.scheduler.servicers import EngineServicer, PlanStreamServicer
+from services.scheduler.worker_link import add_plan_stream_servicer
 
 log = logging.getLogger("steploop.scheduler")
 ENGINE_SERVICE = "steploop.v1.Engine"
@@ -43,7 +44,7 @@ class SchedulerService:
         self.engine = EngineServicer(self.loop)
         self.health = health.aio.HealthServicer()
         engine_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
-        worker_pb2_grpc.add_PlanStreamServicer_to_server(PlanStreamServicer(self.loop), self.server)
+        add_plan_stream_servicer(PlanStreamServicer(self.loop), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = tls.add_server_port(self.server, server_config.address, server_config.tls)
         self._stop = asyncio.Event()

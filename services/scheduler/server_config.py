@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from services.common.envs import add_flag
+from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
 from services.common.tls import TlsConfig
 
 
@@ -20,6 +21,8 @@ class ServerConfig:
     max_waiting: int = 1024          # new requests are refused (RESOURCE_EXHAUSTED, HTTP 503) while this many wait
     metrics_port: int = 0            # Prometheus /metrics over HTTP (0 = off; Engine.GetMetrics always answers)
     log_stats_interval: float = 10.0  # seconds between engine stats log lines (0 = off)
+    tensor_parallel_size: int = 1    # ranks of the worker group; it serves once all have attached
+    tp_collective_timeout: float = 30.0  # a group's collective that takes longer breaks the group
 
     def validate(self) -> "ServerConfig":
         for name in ("worker_timeout", "hang_timeout", "shutdown_timeout"):
@@ -30,6 +33,9 @@ class ServerConfig:
         if not 0 <= self.metrics_port < 65536 or self.log_stats_interval < 0:
             raise ValueError(f"--metrics-port must be in 0..65535 (0 = off) and --log-stats-interval >= 0, got "
                              f"{self.metrics_port} and {self.log_stats_interval}")
+        check_size(self.tensor_parallel_size)
+        if self.tp_collective_timeout <= 0:
+            raise ValueError(f"--tp-collective-timeout must be > 0 seconds, got {self.tp_collective_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
         return self
@@ -56,6 +62,9 @@ class ServerConfig:
                  help="port for the scheduler's Prometheus /metrics (0 = off; the gateway's /metrics has them too)")
         add_flag(parser, "--log-stats-interval", type=float, default=10.0,
                  help="seconds between engine stats log lines, when there was activity (0 = off)")
+        add_tensor_parallel_flag(parser)
+        add_flag(parser, "--tp-collective-timeout", type=float, default=30.0,
+                 help="seconds a tensor-parallel collective may take before the group counts as broken")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -63,4 +72,5 @@ class ServerConfig:
                    hang_timeout=args.hang_timeout, shutdown_timeout=args.shutdown_timeout,
                    tls=TlsConfig.from_args(args),
                    max_waiting=args.max_waiting, metrics_port=args.metrics_port,
-                   log_stats_interval=args.log_stats_interval).validate()
+                   log_stats_interval=args.log_stats_interval, tensor_parallel_size=args.tensor_parallel_size,
+                   tp_collective_timeout=args.tp_collective_timeout).validate()

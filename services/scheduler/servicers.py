@@ -59,8 +59,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ModelInfo(
             model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=info.eos_token_ids,
-            num_workers=0 if link is None else 1, runner=info.runner,
-            pooling=info.pooling.to_pb() if info.pooling is not None else None,
+            num_workers=0 if link is None else len(getattr(link, "links", [link])),   # a group: its ranks
+            runner=info.runner, pooling=info.pooling.to_pb() if info.pooling is not None else None,
             generation_defaults=info.generation_defaults.to_pb())
 
     async def GetLoadReport(self, request, context):

@@ -5,6 +5,10 @@ read pending, so a worker that dies or is cut off is noticed at once, busy or id
 StepPlan per step and `recv`s the StepResults in the same order. With async scheduling two plans are outstanding:
 the worker finds plan N+1 queued when it finishes N, so it never waits for a network round trip.
 A broken stream surfaces as WorkerLost, which the loop treats as preemption of everything that worker held.
+
+Plans go out as bytes serialized once (`encode_plan`), so a tensor-parallel group (worker_group.py) writes the
+same bytes to every rank; the PlanStream handler is registered with a serializer that passes bytes through.
+Closing a link ends its Attach call (the worker sees the stream end and re-attaches).
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ class WorkerLost(Exception):
     """The worker's stream broke (it died, restarted, or the link was cut)."""
 
 
+def encode_plan(plan: StepPlan) -> bytes:
+    return worker_pb2.SchedulerMessage(plan=plan.to_pb()).SerializeToString()
+
+
+def _serialize(message) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_plan_stream_servicer(servicer, server: grpc.aio.Server) -> None:
+    """worker_pb2_grpc.add_PlanStreamServicer_to_server, except that pre-serialized bytes are written as-is."""
+    handler = grpc.stream_stream_rpc_method_handler(servicer.Attach,
+                                                    request_deserializer=worker_pb2.WorkerMessage.FromString,
+                                                    response_serializer=_serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("steploop.v1.PlanStream",
+                                                                          {"Attach": handler}),))
+
+
 class WorkerLink:
     def __init__(self, context: grpc.aio.ServicerContext, info: WorkerInfo):
         self.context = context
@@ -37,9 +58,15 @@ class WorkerLink:
 
     async def read_loop(self) -> None:
         """Reads results until the stream ends; run by the Attach handler for the stream's whole life."""
+        closed = asyncio.ensure_future(self.closed.wait())   # close() ends the call, not only the next read
         try:
             while not self.closed.is_set():
-                msg = await self.context.read()
+                read = asyncio.ensure_future(self.context.read())
+                await asyncio.wait([read, closed], return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    return
+                msg = read.result()
                 if msg is grpc.aio.EOF:
                     self.close("the worker closed its stream")
                 elif msg.HasField("result"):
@@ -51,31 +78,43 @@ class WorkerLink:
             raise
         except Exception as exc:  # noqa: BLE001 - any transport failure means the same: the worker is gone
             self.close(f"stream failed: {exc}")
+        finally:
+            closed.cancel()
 
     async def send(self, plan: StepPlan) -> None:
+        await self.send_bytes(encode_plan(plan))
+
+    async def send_bytes(self, data: bytes | worker_pb2.SchedulerMessage) -> None:
+        """Writes one SchedulerMessage, given serialized (a plan) or as a message (a group's TpGroupForm)."""
         if self.closed.is_set():
             raise WorkerLost(self.close_reason)
-        msg = worker_pb2.SchedulerMessage(plan=plan.to_pb())
         try:
-            await self.context.write(msg)
+            await self.context.write(data)
         except Exception as exc:  # noqa: BLE001 - grpc raises several unrelated types for a dead stream
             self.close(f"write failed: {exc}")
             raise WorkerLost(self.close_reason) from exc
-        self.bytes_sent += msg.ByteSize()
+        self.bytes_sent += len(data) if isinstance(data, bytes) else data.ByteSize()
 
     async def recv(self, plan: StepPlan) -> StepResult:
         """The result of `plan`, the oldest plan sent and not yet answered (the worker answers in order)."""
-        get = asyncio.ensure_future(self._results.get())
-        closed = asyncio.ensure_future(self.closed.wait())
-        try:
-            await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closed.cancel()
-            if not get.done():
-                get.cancel()
-        if not get.done() or get.cancelled():
-            raise WorkerLost(self.close_reason)
-        result = StepResult.from_pb(get.result())
+        return StepResult.from_pb(await self.recv_raw(plan))
+
+    async def recv_raw(self, plan: StepPlan) -> worker_pb2.StepResult:
+        """recv without decoding: a group's other ranks only confirm the step id (and report errors)."""
+        if self._results.empty():
+            get = asyncio.ensure_future(self._results.get())
+            closed = asyncio.ensure_future(self.closed.wait())
+            try:
+                await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closed.cancel()
+                if not get.done():
+                    get.cancel()
+            if not get.done() or get.cancelled():
+                raise WorkerLost(self.close_reason)
+            result = get.result()
+        else:
+            result = self._results.get_nowait()
         if result.step_id != plan.step_id:
             self.close(f"worker answered step {result.step_id} to plan {plan.step_id}")
             raise WorkerLost(self.close_reason)

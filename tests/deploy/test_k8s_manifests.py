@@ -67,8 +67,18 @@ def docs_of(rendered, kind: str) -> list[tuple[str, dict]]:
 
 
 def pod_specs(rendered) -> list[tuple[str, str, dict]]:
-    return [(folder, d["metadata"]["name"], d["spec"]["template"]["spec"])
-            for folder, docs in rendered.items() for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    """Every pod template: Deployments', StatefulSets', and a LeaderWorkerSet's leader ("engine") and ranks
+    ("engine-rank", a worker container alone that dials its leader's scheduler)."""
+    specs = []
+    for folder, docs in rendered.items():
+        for d in docs:
+            if d["kind"] in ("Deployment", "StatefulSet"):
+                specs.append((folder, d["metadata"]["name"], d["spec"]["template"]["spec"]))
+            elif d["kind"] == "LeaderWorkerSet":
+                group = d["spec"]["leaderWorkerTemplate"]
+                specs.append((folder, d["metadata"]["name"], group["leaderTemplate"]["spec"]))
+                specs.append((folder, d["metadata"]["name"] + "-rank", group["workerTemplate"]["spec"]))
+    return specs
 
 
 def env_of(container: dict) -> dict[str, str]:
@@ -95,7 +105,7 @@ def test_every_service_container_has_probes_that_restart_a_hung_one(rendered):
             assert "livenessProbe" in c, (folder, name, c["name"])
             assert "readinessProbe" in c or "startupProbe" in c, (folder, name, c["name"])
         by_name = {c["name"]: c for c in spec["containers"]}
-        if "worker" in by_name:   # model loading is a startup probe's job, not the liveness probe's
+        if "worker" in by_name and "scheduler" in by_name:   # model loading is a startup probe's job
             worker = by_name["worker"]
             startup = worker["startupProbe"]
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
@@ -116,7 +126,7 @@ def test_grace_periods_cover_prestop_and_shutdown_timeout(rendered):
             drain = float(env_of(c).get("STEPLOOP_SHUTDOWN_TIMEOUT", 0))
             assert prestop_seconds(c) + drain < grace, (folder, name, c["name"], grace)
         by_name = {c["name"]: c for c in spec["containers"]}
-        if "worker" in by_name:   # the worker stays up while its scheduler drains
+        if "worker" in by_name and "scheduler" in by_name:   # the worker stays up while its scheduler drains
             sched = by_name["scheduler"]
             assert prestop_seconds(by_name["worker"]) >= prestop_seconds(sched) + float(
                 env_of(sched)["STEPLOOP_SHUTDOWN_TIMEOUT"])
@@ -138,7 +148,7 @@ def test_the_worker_reaches_its_scheduler_inside_the_pod(rendered):
     only to ready pods (the scheduler is ready only once its worker attached)."""
     for folder, name, spec in pod_specs(rendered):
         by_name = {c["name"]: c for c in spec["containers"]}
-        if "worker" in by_name:
+        if "worker" in by_name and not name.endswith("-rank"):
             assert "scheduler" in by_name, (folder, name)
             assert env_of(by_name["worker"])["STEPLOOP_SCHEDULER_ADDRESS"] == "127.0.0.1:50051"
 
@@ -147,6 +157,9 @@ def test_gateways_discover_engine_replicas_through_the_headless_service(rendered
     for docs in rendered.values():
         services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+        for lws in (d for d in docs if d["kind"] == "LeaderWorkerSet"):   # the leaders serve; the ranks do not
+            sets[lws["metadata"]["name"]] = {"spec": {"serviceName": "engine-headless", "selector": {
+                "matchLabels": lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"]}}}
         gateway = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway")
         env = env_of(gateway["spec"]["template"]["spec"]["containers"][0])
         host, _, port = env["STEPLOOP_SCHEDULER_ADDRESS"].rpartition(":")
@@ -230,3 +243,29 @@ def test_prometheus_counts_each_counter_once(rendered):
             assert keep["action"] == "keep" and "vllm" not in keep["regex"]
 
 
+
+
+def test_the_tp_overlay_runs_a_leader_worker_set_group(rendered):
+    """overlays/tp: the engine is a LeaderWorkerSet of -tp pods; every rank's worker gets the group size, its rank
+    from the pod's worker-index label and its pod IP as --tp-host; ranks 1.. dial the leader's scheduler; the pod
+    templates validate as Kubernetes PodTemplateSpecs; only the group's pods reach each other."""
+    (lws,) = [d for d in rendered["overlays/tp"] if d["kind"] == "LeaderWorkerSet"]
+    assert not [d for d in rendered["overlays/tp"] if d["kind"] == "StatefulSet"]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    size = group["size"]
+    for which in ("leaderTemplate", "workerTemplate"):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": which},
+                                      "template": group[which]}, KUBERNETES_VERSION, strict=True)
+        worker = next(c for c in group[which]["spec"]["containers"] if c["name"] == "worker")
+        env = {e["name"]: e for e in worker["env"]}
+        assert env["STEPLOOP_TENSOR_PARALLEL_SIZE"]["value"] == str(size)
+        assert "worker-index" in env["STEPLOOP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert env["STEPLOOP_TP_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    leader = {c["name"]: c for c in group["leaderTemplate"]["spec"]["containers"]}
+    assert env_of(leader["scheduler"])["STEPLOOP_TENSOR_PARALLEL_SIZE"] == str(size)
+    (rank,) = group["workerTemplate"]["spec"]["containers"]
+    assert env_of(rank)["STEPLOOP_SCHEDULER_ADDRESS"] == "$(LWS_LEADER_ADDRESS):50051"
+    policy = next(d for d in rendered["overlays/tp"] if d["metadata"]["name"] == "engine-tp-group")
+    peers = {"podSelector": {"matchLabels": {"leaderworkerset.sigs.k8s.io/name": "engine"}}}
+    assert policy["spec"]["ingress"] == [{"from": [peers]}] and policy["spec"]["egress"][0] == {"to": [peers]}

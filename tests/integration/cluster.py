@@ -154,10 +154,10 @@ def is_idle_and_whole(load) -> bool:
 
 
 def assert_healthy_and_no_leak(cluster: Cluster, prompt: str = "Hello", max_tokens: int = 6,
-                               expect_text: str | None = None, timeout: float = 30.0) -> dict:
+                               expect_text: str | None = None, timeout: float = 30.0, model: str = MODEL) -> dict:
     """How every fault test ends: a normal greedy request is served (with `expect_text`, that exact text), then at
     idle no request is left and every KV block is free. Returns the completion body."""
-    status, body = cluster.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+    status, body = cluster.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                                     "temperature": 0})
     assert status == 200, body
     assert body["usage"]["completion_tokens"] >= 1, body

@@ -75,7 +75,9 @@ def test_completion_streamed_equals_transformers(cluster, hf, prompt):
     assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS)
 
 
-async def _sixteen_at_once(cluster, hf, streamed: bool):
+async def _sixteen_at_once(cluster, hf, streamed: bool, model: str = MODEL):
+    """16 requests at once (chats and completions, streamed or not); each text must be transformers' greedy one
+    (tests/tp runs it against tensor-parallel groups, with their model's name)."""
     c = aclient(cluster)
     jobs = []
     for i in range(16):
@@ -87,16 +89,16 @@ async def _sixteen_at_once(cluster, hf, streamed: bool):
     async def one(kind, item):
         if kind == "chat":
             if streamed:
-                s = await c.chat.completions.create(model=MODEL, messages=item, temperature=0,
+                s = await c.chat.completions.create(model=model, messages=item, temperature=0,
                                                     max_tokens=MAX_TOKENS, stream=True)
                 return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
-            r = await c.chat.completions.create(model=MODEL, messages=item, temperature=0, max_tokens=MAX_TOKENS)
+            r = await c.chat.completions.create(model=model, messages=item, temperature=0, max_tokens=MAX_TOKENS)
             return r.choices[0].message.content
         if streamed:
-            s = await c.completions.create(model=MODEL, prompt=item, temperature=0, max_tokens=MAX_TOKENS,
+            s = await c.completions.create(model=model, prompt=item, temperature=0, max_tokens=MAX_TOKENS,
                                            stream=True)
             return "".join([ch.choices[0].text async for ch in s if ch.choices])
-        r = await c.completions.create(model=MODEL, prompt=item, temperature=0, max_tokens=MAX_TOKENS)
+        r = await c.completions.create(model=model, prompt=item, temperature=0, max_tokens=MAX_TOKENS)
         return r.choices[0].text
 
     texts = await asyncio.gather(*(one(k, item) for k, item in jobs))

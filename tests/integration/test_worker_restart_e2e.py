@@ -20,8 +20,8 @@ PROMPTS = ["The history of the Roman Empire", "A recipe for pancakes:", "In comp
 MAX_TOKENS = 40
 
 
-async def _stream(client, prompt, progress: dict):
-    stream = await client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS,
+async def _stream(client, prompt, progress: dict, model: str = MODEL, max_tokens: int = MAX_TOKENS):
+    stream = await client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=max_tokens,
                                              stream=True)
     text = ""
     async for chunk in stream:

@@ -17,6 +17,10 @@ import torch
 from safetensors import safe_open
 
 from services.gpu_worker.attention.backend import AttentionBackend
+from services.gpu_worker.distributed.comm import TensorParallelComm
+from services.gpu_worker.distributed.parallel_layers import make_tensor_parallel
+from services.gpu_worker.distributed.shapes import RankShare, local_config
+from services.gpu_worker.distributed.sharding import CheckpointSharder
 from services.gpu_worker.kernel_plan import KernelPlan
 from services.gpu_worker.model.layers import RMSNorm
 from services.gpu_worker.model.llama import LlamaForCausalLM
@@ -43,15 +47,21 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-               device: torch.device, plan: KernelPlan | None = None) -> LlamaForCausalLM:
+               device: torch.device, plan: KernelPlan | None = None, tp_share: RankShare | None = None,
+               tp_comm: TensorParallelComm | None = None) -> LlamaForCausalLM:
     """plan None: KernelPlan.reference (no C kernel). With plan.packed_linears the loaded weights are packed
-    (or read from the packed-weight cache) before this returns."""
-    cfg = LlamaModelConfig.from_dir(path)
+    (or read from the packed-weight cache) before this returns. With tp_share the model is this rank's share
+    (its heads, MLP rows and vocabulary rows), wired to all-reduce / all-gather through tp_comm."""
+    full_cfg = LlamaModelConfig.from_dir(path)
+    cfg = full_cfg if tp_share is None else local_config(full_cfg, tp_share)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, plan)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    _load_weights(model, cfg, path)
+    _load_weights(model, cfg, path, None if tp_share is None else CheckpointSharder(full_cfg, tp_share))
+    if tp_share is not None:
+        make_tensor_parallel(model, tp_share, tp_comm, full_cfg.vocab_size)
+        model.config = full_cfg      # the runner samples over the whole vocabulary
     if cfg.norm_offset:
         _fold_norm_offset(model, cfg.norm_offset)
     for rotary in model.rotaries():
@@ -69,7 +79,8 @@ def _fold_norm_offset(model: LlamaForCausalLM, offset: float) -> None:
                 module.weight.add_(offset)
 
 
-def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path) -> None:
+def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path,
+                  sharder: CheckpointSharder | None = None) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     files = safetensors_files(path)
@@ -84,7 +95,7 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a weight of this model_type)")
                 dest = params[target].data if expert is None else params[target].data[expert]
                 dest = dest if rows is None else dest[rows[0]:rows[1]]
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(name) if sharder is None else sharder.shard(name, f.get_tensor(name))
                 if dest.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
                 dest.copy_(tensor)

@@ -1,0 +1,89 @@
+"""TensorParallelComm: the collectives a sharded forward calls (all-reduce, all-gather), over the process group
+its ranks formed (process_group.py), each bounded by the group's timeout.
+
+A collective that fails or times out raises CollectiveError; the worker then leaves the group and breaks its plan
+stream, which the scheduler treats as the whole group lost. Before a group exists (the start-up memory profile)
+`local_only` lets the forward run without talking to anyone: shapes and memory are right, values are not used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or ran past the group's timeout: the group is broken."""
+
+
+class TensorParallelComm:
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.group = None                # a torch.distributed ProcessGroup, set when the group forms
+        self.generation = -1
+        self.timeout = timedelta(seconds=30)
+        self.local_only = False          # True only while profiling memory before a group exists
+        self.seconds = 0.0               # time spent in collectives since the last take_seconds()
+        self.calls = 0
+
+    def attach(self, group, generation: int, timeout: timedelta) -> None:
+        self.group, self.generation, self.timeout = group, generation, timeout
+
+    def detach(self) -> None:
+        """Leave the group. NCCL needs its communicators aborted (a peer may be gone mid-collective); gloo's
+        pairs close when the group object is dropped."""
+        group, self.group = self.group, None
+        abort = getattr(group, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception as exc:  # noqa: BLE001 - leaving a broken group: nothing more to do with it
+                log.debug("aborting the old process group: %s", exc)
+
+    @property
+    def ready(self) -> bool:
+        return self.world_size == 1 or self.group is not None
+
+    def take_seconds(self) -> tuple[float, int]:
+        """(seconds in collectives, number of collectives) since the last call."""
+        out, self.seconds, self.calls = (self.seconds, self.calls), 0.0, 0
+        return out
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        if self.world_size == 1 or self.local_only:
+            return x
+        self._run(lambda g: g.allreduce([x]))
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., world_size * n], rank order."""
+        if self.world_size == 1:
+            return x
+        if self.local_only:
+            return torch.cat([x] * self.world_size, dim=-1)
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._run(lambda g: g.allgather([parts], [x]))
+        return torch.cat(parts, dim=-1)
+
+    def _run(self, start) -> None:
+        if self.group is None:
+            raise CollectiveError(f"rank {self.rank}: no tensor-parallel group formed (the group is incomplete)")
+        began = time.perf_counter()
+        try:
+            work = start(self.group)
+            if not work.wait(self.timeout):
+                raise CollectiveError(f"rank {self.rank}: a collective did not finish in "
+                                      f"{self.timeout.total_seconds():g} s")
+        except CollectiveError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subtypes for a dead peer
+            raise CollectiveError(f"rank {self.rank}: collective failed: {exc}") from exc
+        finally:
+            self.seconds += time.perf_counter() - began
+            self.calls += 1

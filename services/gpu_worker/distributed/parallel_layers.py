@@ -1,0 +1,69 @@
+"""The layers that talk across ranks, wrapped around a rank's locally sized modules after its weights load.
+
+    RowParallelReduce        o_proj / down_proj: the partial sums of this rank's input columns, all-reduced
+    VocabParallelEmbedding   each rank looks up the ids in its vocabulary rows (zeros elsewhere), all-reduced
+    GatheredLMHead           each rank's logits over its vocabulary rows, all-gathered, the padding dropped
+
+So per layer there are exactly two all-reduces (after attention and after the MLP), plus one for the embedding
+and one all-gather of the logits per step. Every rank ends with the same full logits (gloo and NCCL give every
+rank the same reduced bytes), so every rank samples the same token with the same seeded generators.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.gpu_worker.distributed.comm import TensorParallelComm
+from services.gpu_worker.distributed.shapes import RankShare
+
+
+class RowParallelReduce(nn.Module):
+    def __init__(self, inner: nn.Module, comm: TensorParallelComm):
+        super().__init__()
+        self.inner, self.comm = inner, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.inner(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, inner: nn.Embedding, first_row: int, comm: TensorParallelComm):
+        super().__init__()
+        self.inner, self.first_row, self.comm = inner, first_row, comm
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.inner.weight.shape[0]
+        local = ids - self.first_row
+        outside = (local < 0) | (local >= rows)
+        x = F.embedding(local.clamp(0, rows - 1), self.inner.weight)
+        x[outside] = 0
+        return self.comm.all_reduce(x)
+
+
+class GatheredLMHead(nn.Module):
+    def __init__(self, inner: nn.Module, vocab_size: int, comm: TensorParallelComm):
+        super().__init__()
+        self.inner, self.vocab_size, self.comm = inner, vocab_size, comm
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather_last(self.inner(hidden).contiguous())[..., :self.vocab_size]
+
+
+def make_tensor_parallel(model: nn.Module, share: RankShare, comm: TensorParallelComm, full_vocab: int) -> None:
+    """Wraps a loaded rank-local model's cross-rank layers in place."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = RowParallelReduce(layer.self_attn.o_proj, comm)
+        layer.mlp.down_proj = RowParallelReduce(layer.mlp.down_proj, comm)
+    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, share.first_vocab_row, comm)
+    model.lm_head = GatheredLMHead(model.lm_head, full_vocab, comm)
+    model.tp_comm = comm

@@ -1,0 +1,50 @@
+"""Forming a tensor-parallel group's process group after its ranks attached, with no fixed start order.
+
+    rank 0, at each attach:  GroupStore(tp_host) serves a TCPStore on a fresh port; its address goes in the hello
+    scheduler, once all N:   TpGroupForm(generation, rendezvous=that address) to every rank
+    every rank:              form_group(...) -> a gloo (CPU) or NCCL (CUDA) ProcessGroup on PrefixStore(generation)
+
+Each re-formed group gets a new generation and rank 0 a new store, so a rank of a broken group can never meet a
+rank of the next. The group is a plain ProcessGroup object (no global default group), so leaving it is dropping it.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class GroupStore:
+    """Rank 0's store server for one attach: other ranks connect to `address`."""
+
+    def __init__(self, host: str, world_size: int, timeout: timedelta = timedelta(seconds=60)):
+        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        self.address = f"{host}:{self.store.port}"
+
+
+def form_group(rank: int, world_size: int, rendezvous: str, generation: int, timeout: timedelta,
+               tp_host: str, device: torch.device, master: GroupStore | None):
+    """Blocks until every rank joined (or `timeout`); returns the ProcessGroup."""
+    host, port = rendezvous.rsplit(":", 1)
+    if rank == 0 and master is not None:
+        store = master.store
+    else:
+        store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"steploop-tp/{generation}", store)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=tp_host)]
+        group = dist.ProcessGroupGloo(store, rank, world_size, options)
+    log.info("rank %d/%d joined tensor-parallel group generation %d at %s (%s)", rank, world_size, generation,
+             rendezvous, "nccl" if device.type == "cuda" else "gloo")
+    return group

@@ -1,0 +1,45 @@
+"""What changes in a worker's start-up when it is one rank of a tensor-parallel group.
+
+The C packed-weight linears and the C whole-step decoder do not shard: the packed-weight cache is keyed by the
+whole checkpoint, and the decoder runs every layer in one C call with no place for the all-reduces. A rank
+therefore runs its linears in torch (fp32 matmuls on its slices); the C elementwise ops and the C paged-attention
+kernel work on any head count and stay on. CUDA graphs are off too: a captured graph would replay collectives on
+a group that may have been re-formed since.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.distributed.comm import TensorParallelComm
+from services.gpu_worker.distributed.shapes import RankShare, check_splittable, local_config, rank_share
+from services.gpu_worker.kernel_plan import KernelPlan
+from services.gpu_worker.model.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSetup:
+    share: RankShare | None          # None: world size 1
+    comm: TensorParallelComm
+    local_cfg: ModelConfig           # the config this rank's layers, attention backend and KV cache are sized by
+
+    @classmethod
+    def for_worker(cls, config: WorkerConfig, cfg: ModelConfig) -> RankSetup:
+        """Checks the shapes split (raises TensorParallelShapeError, before any weight loads)."""
+        size = config.tensor_parallel_size
+        check_splittable(cfg, size)
+        comm = TensorParallelComm(config.rank, size)
+        if size == 1:
+            return cls(None, comm, cfg)
+        share = rank_share(cfg, config.rank, size)
+        return cls(share, comm, local_config(cfg, share))
+
+    def kernel_plan(self, plan: KernelPlan) -> KernelPlan:
+        if self.share is None:
+            return plan
+        why = f"tensor parallel (-tp {self.share.world_size}): linears run in torch on this rank's slices"
+        off = [(name, why) for name, on in (("packed linears", plan.packed_linears), ("C decoder", plan.cpu_decoder),
+                                            ("CUDA graphs", plan.cuda_graphs)) if on]
+        return dataclasses.replace(plan, packed_linears=False, cpu_decoder=False, cuda_graphs=False,
+                                   why_off=plan.why_off + tuple(off))

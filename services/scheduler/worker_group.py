@@ -1,0 +1,136 @@
+"""A tensor-parallel worker group: N rank links the step loop drives as one worker.
+
+    GroupAssembler.add(link)  collects ranks as they attach, in any order; refuses a rank whose model, block size
+                              or dtype differs from the others' (naming both values); once all N are in, returns
+                              a WorkerGroup, which first sends every rank TpGroupForm (rank 0's store address and
+                              a new generation number) so they form their process group
+    WorkerGroup.send(plan)    serializes the plan ONCE and writes the same bytes to every rank
+    WorkerGroup.recv(plan)    every rank's answer to it; rank 0's carries the tokens, the others' that they kept up
+
+Any rank's link breaking closes the whole group (every link, so the surviving ranks' streams end and they leave
+their process group); the step loop sees WorkerLost, as for a single lost worker, and preempts everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from services.common.errors import InvalidRequestError
+from services.common.pb.steploop.v1 import worker_pb2
+from services.common.step_contract import StepPlan, StepResult, WorkerInfo
+from services.scheduler.worker_link import WorkerLink, WorkerLost, encode_plan
+
+log = logging.getLogger(__name__)
+
+
+class _AnyClosed:
+    """Quacks like the asyncio.Event WorkerLink.closed is, for what EngineLoop asks of it."""
+
+    def __init__(self, links: list[WorkerLink]):
+        self.links = links
+
+    def is_set(self) -> bool:
+        return any(link.closed.is_set() for link in self.links)
+
+
+class WorkerGroup:
+    def __init__(self, links: list[WorkerLink], generation: int, collective_timeout: float):
+        self.links, self.generation = links, generation
+        rank0 = links[0].info
+        self.info = dataclasses.replace(rank0, num_kv_blocks=min(link.info.num_kv_blocks for link in links),
+                                        worker_id=f"tp-group-{generation}({rank0.worker_id}+{len(links) - 1})")
+        self.closed = _AnyClosed(links)
+        self.close_reason = ""
+        self.bytes_sent = 0           # plan bytes, counted once per plan (each rank gets the same bytes)
+        self.bytes_written = 0        # all ranks together
+        form = worker_pb2.TpGroupForm(generation=generation, world_size=len(links), rendezvous=rank0.tp_rendezvous,
+                                      collective_timeout_s=collective_timeout)
+        self._formed = asyncio.ensure_future(self._send_all(worker_pb2.SchedulerMessage(tp_group=form)))
+
+    async def _send_all(self, data) -> None:
+        try:
+            for link in self.links:
+                await link.send_bytes(data)
+        except WorkerLost as exc:
+            self.close(str(exc))
+            raise
+
+    async def send(self, plan: StepPlan) -> None:
+        await self._formed
+        data = encode_plan(plan)
+        await self._send_all(data)
+        self.bytes_sent += len(data)
+        self.bytes_written += len(data) * len(self.links)
+
+    async def recv(self, plan: StepPlan) -> StepResult:
+        """Rank by rank: a rank that is lost closes its link, and EngineLoop.detach closes the whole group, so
+        waiting on rank 0 first never outlives a dead rank 1."""
+        try:
+            result = await self.links[0].recv(plan)
+            errors = [ack.error for ack in [await link.recv_raw(plan) for link in self.links[1:]] if ack.error]
+        except WorkerLost as exc:
+            self.close(str(exc))
+            raise WorkerLost(self.close_reason) from exc
+        if errors and not result.error:      # a rank failed a step rank 0 did not: their states diverged
+            self.close(f"rank answered step {plan.step_id} with an error rank 0 did not have: {errors[0]}")
+            raise WorkerLost(self.close_reason)
+        return result
+
+    def close(self, reason: str = "closed") -> None:
+        if not self.close_reason:
+            self.close_reason = f"tensor-parallel group {self.generation}: {reason}"
+        for link in self.links:
+            link.close(f"its group closed ({reason})")
+        if not self._formed.done():
+            self._formed.cancel()
+
+
+class GroupAssembler:
+    """Ranks attached so far for the next group."""
+
+    def __init__(self, world_size: int, collective_timeout: float):
+        self.world_size, self.collective_timeout = world_size, collective_timeout
+        self.pending: dict[int, WorkerLink] = {}
+        self.generation = 0
+
+    def add(self, link: WorkerLink) -> WorkerGroup | None:
+        """Raises InvalidRequestError for a rank that cannot join; returns the group once all ranks are in."""
+        info = link.info
+        if info.world_size != self.world_size:
+            raise InvalidRequestError(f"worker {info.worker_id} was started with -tp {info.world_size}; this "
+                                      f"scheduler serves -tp {self.world_size}", param="world_size")
+        if info.rank >= self.world_size:
+            raise InvalidRequestError(f"worker {info.worker_id}: rank {info.rank} is not below -tp "
+                                      f"{self.world_size}", param="rank")
+        for rank, other in self.pending.items():
+            if rank != info.rank:
+                _check_same(info, other.info)
+        old = self.pending.pop(info.rank, None)
+        if old is not None:
+            log.warning("rank %d: worker %s replaces %s", info.rank, info.worker_id, old.info.worker_id)
+            old.close(f"replaced by worker {info.worker_id}")
+        self.pending[info.rank] = link
+        log.info("rank %d/%d attached (%s); %d of %d ranks in", info.rank, self.world_size, info.worker_id,
+                 len(self.pending), self.world_size)
+        if len(self.pending) < self.world_size:
+            return None
+        self.generation += 1
+        links = [self.pending[r] for r in range(self.world_size)]
+        self.pending = {}
+        return WorkerGroup(links, self.generation, self.collective_timeout)
+
+    def discard(self, link: WorkerLink) -> None:
+        if self.pending.get(link.info.rank) is link:
+            del self.pending[link.info.rank]
+
+
+def _check_same(info: WorkerInfo, other: WorkerInfo) -> None:
+    for field, what in (("model_name", "model"), ("block_size", "block size"), ("dtype", "dtype"),
+                        ("max_model_len", "max model length")):
+        mine, theirs = getattr(info, field), getattr(other, field)
+        if mine != theirs:
+            raise InvalidRequestError(f"rank {info.rank} ({info.worker_id}) has {what} {mine!r}, rank "
+                                      f"{other.rank} ({other.worker_id}) has {theirs!r}: every rank of a group "
+                                      f"must agree", param=field)
