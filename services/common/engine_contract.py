@@ -41,11 +41,12 @@ class EngineRequest:
     priority: int = 0                    # lower runs first under --scheduling-policy priority
     cache_salt: str = ""                 # mixed into the first prefix-cache block hash (tenant isolation)
     pooling: PoolingParams | None = None  # set: an embedding request (prompt only; the chunk carries a vector)
+    lora_name: str = ""                  # the LoRA adapter to run with; "" = the base model
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
         pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                                         sampling=self.sampling.to_pb(), priority=self.priority,
-                                        cache_salt=self.cache_salt)
+                                        cache_salt=self.cache_salt, lora_name=self.lora_name)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -53,7 +54,8 @@ class EngineRequest:
     @classmethod
     def from_pb(cls, pb: engine_pb2.GenerateRequest) -> "EngineRequest":
         return cls(pb.request_id, list(pb.prompt_token_ids), SamplingParams.from_pb(pb.sampling), pb.priority,
-                   pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None)
+                   pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
+                   pb.lora_name)
 
 
 @dataclass(slots=True)
@@ -136,12 +138,14 @@ class ModelInfo:
     num_workers: int = 0                 # attached now
     runner: str = ""                     # "generate" or "pooling"; "" while no worker is attached
     pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
+    lora_adapters: tuple[tuple[str, str], ...] = ()   # (name, folder) of each LoRA adapter served
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.ModelInfo) -> "ModelInfo":
         return cls(pb.model_name, pb.max_model_len, pb.vocab_size, pb.block_size, pb.num_kv_blocks,
                    tuple(pb.eos_token_ids), pb.num_workers, pb.runner,
-                   PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None)
+                   PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
+                   tuple((a.name, a.path) for a in pb.lora_adapters))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +158,10 @@ class LoadReport:
     num_total_blocks: int = 0
     kv_cache_usage: float = 0.0          # 0..1, as vllm:kv_cache_usage_perc
     num_steps: int = 0                   # steps run since start
+    running_lora_adapters: tuple[str, ...] = ()   # adapters of running requests (the router prefers these)
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.LoadReport) -> "LoadReport":
         return cls(pb.num_running, pb.num_waiting, pb.num_free_blocks, pb.num_total_blocks, pb.kv_cache_usage,
-                   pb.num_steps)
+                   pb.num_steps, tuple(pb.running_lora_adapters), tuple(pb.waiting_lora_adapters))

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 
 from services.common import envs
+from services.common import lora_config
+from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 from services.gateway.reasoning import REASONING_PARSERS, get_reasoning_parser
 from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
@@ -30,6 +32,7 @@ class GatewayConfig:
     tool_call_parser: str = DEFAULT_TOOL_PARSER  # the format the model writes tool calls in (tool_parsers/)
     scheduler_discovery_interval: float = 0.0  # > 0: re-resolve the scheduler names this often (discovery.py)
     reasoning_parser: str | None = None       # --reasoning-parser: how the model writes its thinking (reasoning.py)
+    lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora, --allow-runtime-lora-updating (routes)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -67,12 +70,13 @@ class GatewayConfig:
                    tls=TlsConfig.from_args(args), engine_session=args.engine_session,
                    tool_call_parser=args.tool_call_parser,
                    scheduler_discovery_interval=args.scheduler_discovery_interval,
-                   reasoning_parser=args.reasoning_parser or None)
+                   reasoning_parser=args.reasoning_parser or None, lora=LoraConfig.from_args(args))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the gateway's flags; each defaults to STEPLOOP_<FLAG> when that is set."""
     d = GatewayConfig()
+    lora_config.add_cli_args(parser)
     envs.add_flag(parser, "--host", default=d.host, help="interface to bind")
     envs.add_flag(parser, "--port", type=int, default=d.port, help="HTTP port")
     envs.add_flag(parser, "--scheduler-address", default=d.scheduler_address,

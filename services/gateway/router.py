@@ -35,11 +35,12 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from services.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
+from services.common.block_hashing import BlockHasher, block_hashes, first_block_extra, get_block_hasher
 from services.common.engine_contract import EngineChunk, ModelInfo
 from services.common.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.engine_client import EngineClient
+from services.gateway.lora_routing import LoraHomes
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class EngineRouter:
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
         self.affinity = AffinityMap(block_size)     # 0: taken from the first ModelInfo a replica answers
+        self.lora_homes = LoraHomes()                 # replicas that ran each LoRA adapter
         self.min_match, self.min_match_tokens = min_match, min_match_tokens
         self.imbalance, self.cooldown_s = imbalance, cooldown_s
         self.health_interval_s = health_interval_s
@@ -156,8 +158,10 @@ class EngineRouter:
         return ",".join(r.address for r in self.live)
 
     # ---- routing ----------------------------------------------------------------------------------------------
-    def order(self, prompt_ids: Sequence[int], cache_salt: str = "") -> list[int]:
-        """Replica indices to try, best first, and records the choice in the affinity map."""
+    def order(self, prompt_ids: Sequence[int], cache_salt: str = "", lora_name: str = "") -> list[int]:
+        """Replica indices to try, best first, and records the choice in the affinity map. A LoRA request goes to
+        a replica that already ran its adapter (lora_routing.py) unless that one is much busier."""
+        cache_salt = first_block_extra(cache_salt, lora_name) or ""
         now = time.monotonic()
         live = [i for i, r in enumerate(self.replicas) if not r.retired]
         up = [i for i in live if self.replicas[i].up(now)] or live
@@ -176,28 +180,32 @@ class EngineRouter:
             worth_it = matched >= self.min_match_tokens and matched >= self.min_match * len(prompt_ids)
             if worth_it and not (load - low > self.imbalance and load > 1.5 * low):
                 choice = replica
+        choice = self.lora_homes.prefer(lora_name, choice, up, lambda i: self.replicas[i].in_flight, self.imbalance)
         self.affinity.record(hashes, choice)
         rest = [i for i in by_hash if i != choice]
         down = [i for i in live if i not in up]
         return [choice, *rest, *down]
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "", pooling=None) -> AsyncIterator[EngineChunk]:
+                       priority: int = 0, cache_salt: str = "", pooling=None,
+                       lora_name: str = "") -> AsyncIterator[EngineChunk]:
         self._poll_health()
         if not self.live:
             raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none); retry shortly")
         if not self.affinity.block_size and time.monotonic() >= self._learn_after:
             await self._learn_block_size()
-        order = self.order(prompt_ids, cache_salt)
+        order = self.order(prompt_ids, cache_salt, lora_name)
         for attempt, index in enumerate(order):
             replica = self.replicas[index]
             if attempt:   # failed over: this replica is where the prefix's blocks will be now
-                self.affinity.record(self.affinity.block_hashes(prompt_ids, cache_salt), index)
+                self.affinity.record(self.affinity.block_hashes(prompt_ids,
+                                                                first_block_extra(cache_salt, lora_name) or ""), index)
             replica.in_flight += 1
             replica.routed += 1
             started = False
             stream = replica.client.generate(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
-                                             pooling=pooling)
+                                             pooling=pooling, lora_name=lora_name)
+            self.lora_homes.record(lora_name, index)
             try:
                 async for chunk in stream:
                     started = True
@@ -241,6 +249,14 @@ class EngineRouter:
             await self.model_info()
         except errors.APIError as err:
             logger.debug("no replica's block size yet (%s); routing by load", err.message)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Every replica registers it (each checks it; the first refusal is the answer)."""
+        await asyncio.gather(*(r.client.load_lora_adapter(name, path) for r in self.live))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await asyncio.gather(*(r.client.unload_lora_adapter(name) for r in self.live))
+        self.lora_homes.forget(name)
 
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""

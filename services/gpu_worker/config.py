@@ -11,7 +11,9 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from services.common import lora_config
 from services.common.envs import add_flag
+from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -38,6 +40,7 @@ class WorkerConfig:
     runner: str = "generate"                 # generate (text) | pooling (embeddings) | auto (pooling for a
                                              # sentence-transformers folder, i.e. one with modules.json)
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
+    lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora: the slot table and host LRU sizes
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -49,7 +52,8 @@ class WorkerConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
-                   worker_id=args.worker_id, seed=args.seed, runner=args.runner, tls=TlsConfig.from_args(args))
+                   worker_id=args.worker_id, seed=args.seed, runner=args.runner, tls=TlsConfig.from_args(args),
+                   lora=LoraConfig.from_args(args))
 
     @property
     def resolved_worker_id(self) -> str:
@@ -131,4 +135,5 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   "folder's sentence-transformers config says (default: last token, normalized); auto: pooling "
                   "when the folder has a sentence-transformers modules.json")
     TlsConfig.add_cli_args(parser)
+    lora_config.add_cli_args(parser)
     return parser

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 
 from services.common.envs import add_flag
+from services.common import lora_config
+from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 
 
@@ -17,6 +19,7 @@ class ServerConfig:
     hang_timeout: float = 30.0       # health turns NOT_SERVING when work is pending and no step ends this long
     shutdown_timeout: float = 30.0   # on SIGTERM, in-flight requests get this long to finish
     tls: TlsConfig = field(default_factory=TlsConfig)   # server cert; with a CA, mutual TLS
+    lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora, --max-loras, --lora-modules, ...
     max_waiting: int = 1024          # new requests are refused (RESOURCE_EXHAUSTED, HTTP 503) while this many wait
     metrics_port: int = 0            # Prometheus /metrics over HTTP (0 = off; Engine.GetMetrics always answers)
     log_stats_interval: float = 10.0  # seconds between engine stats log lines (0 = off)
@@ -56,6 +59,7 @@ class ServerConfig:
                  help="port for the scheduler's Prometheus /metrics (0 = off; the gateway's /metrics has them too)")
         add_flag(parser, "--log-stats-interval", type=float, default=10.0,
                  help="seconds between engine stats log lines, when there was activity (0 = off)")
+        lora_config.add_cli_args(parser)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -63,4 +67,4 @@ class ServerConfig:
                    hang_timeout=args.hang_timeout, shutdown_timeout=args.shutdown_timeout,
                    tls=TlsConfig.from_args(args),
                    max_waiting=args.max_waiting, metrics_port=args.metrics_port,
-                   log_stats_interval=args.log_stats_interval).validate()
+                   log_stats_interval=args.log_stats_interval, lora=LoraConfig.from_args(args)).validate()
