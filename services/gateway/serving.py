@@ -32,7 +32,7 @@ class Serving:
         engine, which knows: it answers 404 in the same shape for a name it does not serve."""
         if name is None or name == self.model.served_model_name:
             return ""
-        if self.lora.enable_lora:
+        if self.lora.enable_lora or name in self.model.lora_adapters:
             return name
         raise APIError(404, f"The model '{name}' does not exist; this server serves "
                             f"'{self.model.served_model_name}'", param="model", code="model_not_found")

@@ -24,8 +24,7 @@ class LoraRegistry:
         self.adapters: dict[str, str] = {}            # name -> folder, in registration order
         self.unloaded: set[str] = set()               # unregistered; the worker still may hold them
         self.shapes: LoraModelShapes | None = None    # from the worker's hello
-        for module in config.lora_modules:            # at start-up: a bad adapter is a flag to fix
-            read_adapter(module.path, None, config.max_lora_rank)
+        for module in config.lora_modules:            # checked by ServerConfig.validate at start-up
             self.adapters[module.name] = module.path
 
     @property

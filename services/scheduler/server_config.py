@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from services.common.envs import add_flag
 from services.common import lora_config
+from services.common.envs import add_flag
+from services.common.lora_adapter import LoraAdapterError, read_adapter
 from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 
@@ -35,6 +36,11 @@ class ServerConfig:
                              f"{self.metrics_port} and {self.log_stats_interval}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
+        for module in self.lora.lora_modules:     # the scheduler reads the folders: a bad one is a flag to fix
+            try:
+                read_adapter(module.path, None, self.lora.max_lora_rank)
+            except LoraAdapterError as exc:
+                raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from None
         return self
 
     @property

@@ -24,8 +24,8 @@ class AdapterRecipe:
     use_rslora: bool = False
 
 
-RECIPES = (AdapterRecipe("attn8", 8, 16, ATTENTION_ONLY, seed=1),
-           AdapterRecipe("mlp16", 16, 32, WITH_MLP, seed=2, use_rslora=True))
+RECIPES = (AdapterRecipe("attn8", 8, 16, ATTENTION_ONLY, seed=1, b_std=0.3),
+           AdapterRecipe("mlp16", 16, 32, WITH_MLP, seed=2, b_std=0.1, use_rslora=True))
 
 
 def make_adapter(model_dir: pathlib.Path, out_dir: pathlib.Path, recipe: AdapterRecipe) -> pathlib.Path:

@@ -64,7 +64,7 @@ def run_mixed(lora_runner, peft_ref, adapter_dirs, assignment: list[str | None],
 @pytest.mark.parametrize("adapter", ["attn8", "mlp16"])
 def test_each_adapter_alone_matches_peft(lora_runner, peft_ref, adapter_dirs, adapter):
     prompts = run_mixed(lora_runner, peft_ref, adapter_dirs, [adapter, adapter], chunk=64)
-    assert peft_ref.greedy_ids(adapter, tuple(prompts[0]), 12) != peft_ref.greedy_ids(None, tuple(prompts[0]), 12), \
+    assert any(peft_ref.greedy_ids(adapter, tuple(p), 12) != peft_ref.greedy_ids(None, tuple(p), 12) for p in prompts), \
         "the adapter does not change the output: the comparison would prove nothing"
 
 
