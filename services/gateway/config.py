@@ -7,8 +7,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from services.common import envs
-from services.common import lora_config
+from services.common import envs, lora_config
 from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 from services.gateway.reasoning import REASONING_PARSERS, get_reasoning_parser
