@@ -18,7 +18,7 @@ def lora_scheduler(max_loras: int, unloaded: set[str] | None = None, **config):
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, async_scheduling=False,
                              admission_watermark=0.0, **config)
     kv = KVCacheManager(1000, 4, config.enable_prefix_caching)
-    return make_scheduler(config, kv, 1024, (2,), LoraSteps(max_loras, unloaded))
+    return make_scheduler(config, kv, 1024, (2,), lora=LoraSteps(max_loras, unloaded))
 
 
 def with_adapters(requests, names):
