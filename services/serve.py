@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from services.common import envs, model_path, observability
+from services.common import envs, lora_config, model_path, observability
 from services.common.log import setup_logging
 from services.serve_ports import check_ports_free, serve_ports
 from services.supervisor import ServiceSpec, Supervisor
@@ -79,7 +79,9 @@ def child_environment(parser: argparse.ArgumentParser, args: argparse.Namespace)
         if not action.option_strings or action.dest in ("help",):
             continue
         value = getattr(args, action.dest, None)
-        if value is not None:
+        if isinstance(value, list):         # --lora-modules: a JSON list (lora_config.py reads it back)
+            env[envs.env_name(action.option_strings[0])] = lora_config.env_value(value)
+        elif value is not None:
             env[envs.env_name(action.option_strings[0])] = str(value)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

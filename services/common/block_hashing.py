@@ -57,6 +57,16 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = N
     return hashlib.sha256(head + struct.pack(f"<{len(tokens)}I", *tokens)).digest()
 
 
+def first_block_extra(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """The extra key a request's first block mixes in (the `salt` every hasher takes): its cache salt and, for a
+    LoRA request, its adapter's name, so prefix-cache hits never cross adapters (nor the base model). A base
+    request's key is its salt alone, unchanged. NUL separates the parts; a cache salt may not hold one
+    (services/scheduler/engine_loop.py refuses it), so no salt can pose as an adapter."""
+    if not lora_name:
+        return cache_salt
+    return f"\x00lora\x00{lora_name}\x00{cache_salt or ''}"
+
+
 def _cbor2():
     try:
         import cbor2

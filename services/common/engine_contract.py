@@ -44,11 +44,12 @@ class EngineRequest:
     pooling: PoolingParams | None = None  # set: an embedding request (prompt only; the chunk carries a vector)
     # Migration: outputs another engine already delivered; this one continues after them (engine.proto).
     resume_output_token_ids: list[int] = field(default_factory=list)
+    lora_name: str = ""                  # the LoRA adapter to run with; "" = the base model
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
         pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                                         sampling=self.sampling.to_pb(), priority=self.priority,
-                                        cache_salt=self.cache_salt,
+                                        cache_salt=self.cache_salt, lora_name=self.lora_name,
                                         resume_output_token_ids=self.resume_output_token_ids)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
@@ -58,7 +59,7 @@ class EngineRequest:
     def from_pb(cls, pb: engine_pb2.GenerateRequest) -> "EngineRequest":
         return cls(pb.request_id, list(pb.prompt_token_ids), SamplingParams.from_pb(pb.sampling), pb.priority,
                    pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
-                   list(pb.resume_output_token_ids))
+                   list(pb.resume_output_token_ids), pb.lora_name)
 
 
 @dataclass(slots=True)
@@ -142,13 +143,15 @@ class ModelInfo:
     runner: str = ""                     # "generate" or "pooling"; "" while no worker is attached
     pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
     generation_defaults: GenerationDefaults = NO_DEFAULTS   # the model's sampling defaults
+    lora_adapters: tuple[tuple[str, str], ...] = ()   # (name, folder) of each LoRA adapter served
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.ModelInfo) -> "ModelInfo":
         return cls(pb.model_name, pb.max_model_len, pb.vocab_size, pb.block_size, pb.num_kv_blocks,
                    tuple(pb.eos_token_ids), pb.num_workers, pb.runner,
                    PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
-                   GenerationDefaults.from_pb(pb.generation_defaults))
+                   GenerationDefaults.from_pb(pb.generation_defaults),
+                   tuple((a.name, a.path) for a in pb.lora_adapters))
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +164,10 @@ class LoadReport:
     num_total_blocks: int = 0
     kv_cache_usage: float = 0.0          # 0..1, as vllm:kv_cache_usage_perc
     num_steps: int = 0                   # steps run since start
+    running_lora_adapters: tuple[str, ...] = ()   # adapters of running requests (the router prefers these)
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.LoadReport) -> "LoadReport":
         return cls(pb.num_running, pb.num_waiting, pb.num_free_blocks, pb.num_total_blocks, pb.kv_cache_usage,
-                   pb.num_steps)
+                   pb.num_steps, tuple(pb.running_lora_adapters), tuple(pb.waiting_lora_adapters))

@@ -32,6 +32,13 @@ class InvalidRequestError(EngineError):
     default_code = "invalid_request"
 
 
+class NotFoundError(EngineError):
+    """The model or LoRA adapter named is not served (HTTP 404 model_not_found, as OpenAI says it)."""
+    grpc_status = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+    default_code = "model_not_found"
+
+
 class UnavailableError(EngineError):
     """No worker to run it, or the engine is shutting down; retrying later may succeed."""
     grpc_status = grpc.StatusCode.UNAVAILABLE

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from services.common.lora_adapter import LoraModelShapes
+from services.common.lora_config import LoraModule
 from services.common.pb.steploop.v1 import engine_pb2, worker_pb2
 from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
@@ -29,12 +31,13 @@ class NewRequestData:
     num_computed_tokens: int             # tokens whose KV is already in block_ids (prefix-cache hits)
     traceparent: str = ""                # W3C trace context of the scheduler's request span; "" = not traced
     pooling: PoolingParams | None = None  # set: pool the prompt once computed, sample nothing (pooling runner)
+    lora_name: str = ""                  # its LoRA adapter ("" = the base model)
 
     def to_pb(self) -> worker_pb2.NewRequest:
         pb = worker_pb2.NewRequest(
             handle=self.handle, prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
             sampling=self.sampling.to_pb(), block_ids=self.block_ids,
-            num_computed_tokens=self.num_computed_tokens, traceparent=self.traceparent)
+            num_computed_tokens=self.num_computed_tokens, traceparent=self.traceparent, lora_name=self.lora_name)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -45,7 +48,8 @@ class NewRequestData:
                    output_token_ids=list(pb.output_token_ids), sampling=SamplingParams.from_pb(pb.sampling),
                    block_ids=list(pb.block_ids), num_computed_tokens=pb.num_computed_tokens,
                    traceparent=pb.traceparent,
-                   pooling=PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None)
+                   pooling=PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
+                   lora_name=pb.lora_name)
 
 
 @dataclass
@@ -87,6 +91,8 @@ class StepPlan:
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)  # handle -> drafts to verify
     finished_handles: list[int] = field(default_factory=list)       # drop: finished or aborted
     preempted_handles: list[int] = field(default_factory=list)      # drop: preempted (come back as new)
+    lora_loads: list[LoraModule] = field(default_factory=list)      # adapters to register (name, folder)
+    lora_drops: list[str] = field(default_factory=list)             # adapters to forget
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -96,7 +102,9 @@ class StepPlan:
         pb = worker_pb2.StepPlan(
             step_id=self.step_id, new_requests=[r.to_pb() for r in self.new_requests], cached=self.cached.to_pb(),
             scheduled_handles=self.scheduled_handles, num_scheduled_tokens=self.num_scheduled_tokens,
-            finished_handles=self.finished_handles, preempted_handles=self.preempted_handles)
+            finished_handles=self.finished_handles, preempted_handles=self.preempted_handles,
+            lora_loads=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.lora_loads],
+            lora_drops=self.lora_drops)
         if self.draft_token_ids:
             drafts = [self.draft_token_ids.get(h, []) for h in self.scheduled_handles]
             pb.num_draft_tokens.extend(len(d) for d in drafts)
@@ -114,7 +122,8 @@ class StepPlan:
         return cls(step_id=pb.step_id, new_requests=[NewRequestData.from_pb(r) for r in pb.new_requests],
                    cached=CachedRequestData.from_pb(pb.cached), scheduled_handles=list(pb.scheduled_handles),
                    num_scheduled_tokens=list(pb.num_scheduled_tokens), draft_token_ids=drafts,
-                   finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles))
+                   finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles),
+                   lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops))
 
 
 @dataclass
@@ -208,6 +217,7 @@ class WorkerInfo:
     generation_defaults: GenerationDefaults = NO_DEFAULTS   # the model's sampling defaults (--generation-config)
     dtype: str = ""                      # e.g. "float32"; the ranks of a group must agree
     tp_rendezvous: str = ""              # rank 0 of a group: host:port of its process-group store
+    lora_shapes: LoraModelShapes | None = None   # with --enable-lora: what an adapter must fit
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
@@ -217,14 +227,25 @@ class WorkerInfo:
             generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
+        if self.lora_shapes is not None:
+            shapes = self.lora_shapes
+            pb.lora_shapes.CopyFrom(worker_pb2.LoraModelShapes(
+                num_layers=shapes.num_layers, targets=list(shapes.targets),
+                in_features=[i for i, _ in shapes.targets.values()],
+                out_features=[o for _, o in shapes.targets.values()]))
         return pb
 
     @classmethod
     def from_pb(cls, pb: worker_pb2.WorkerHello) -> "WorkerInfo":
+        shapes = None
+        if pb.HasField("lora_shapes"):
+            s = pb.lora_shapes
+            shapes = LoraModelShapes(s.num_layers, {t: (i, o) for t, i, o in zip(s.targets, s.in_features,
+                                                                                 s.out_features)})
         return cls(worker_id=pb.worker_id, model_name=pb.model_name, block_size=pb.block_size,
                    num_kv_blocks=pb.num_kv_blocks, max_model_len=pb.max_model_len, vocab_size=pb.vocab_size,
                    eos_token_ids=tuple(pb.eos_token_ids), rank=pb.rank, world_size=pb.world_size,
                    runner=pb.runner or "generate",
                    pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    generation_defaults=GenerationDefaults.from_pb(pb.generation_defaults),
-                   dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous)
+                   dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous, lora_shapes=shapes)

@@ -112,7 +112,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     path = model_path.model_dir_for(config.model)
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
-    app[SERVING] = Serving(engine_client, tokenizer, model)
+    app[SERVING] = Serving(engine_client, tokenizer, model, config.lora)
     app[TOOL_PARSER] = tool_parser = get_tool_parser(config.tool_call_parser)
     app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
     app[HEALTH] = HealthProbe(engine_client, drain)

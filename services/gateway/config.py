@@ -7,7 +7,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from services.common import envs
+from services.common import envs, lora_config
+from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 from services.gateway.migration import DEFAULT_MAX_MIGRATIONS
 from services.gateway.reasoning import REASONING_PARSERS, get_reasoning_parser
@@ -33,6 +34,7 @@ class GatewayConfig:
     reasoning_parser: str | None = None       # --reasoning-parser: how the model writes its thinking (reasoning.py)
     kv_events_routing: bool = True            # route by replicas' KV events where they publish them (kv_index.py)
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # times one request may move to another replica (migration.py)
+    lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora, --allow-runtime-lora-updating (routes)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -73,12 +75,13 @@ class GatewayConfig:
                    tool_call_parser=args.tool_call_parser,
                    scheduler_discovery_interval=args.scheduler_discovery_interval,
                    reasoning_parser=args.reasoning_parser or None, kv_events_routing=args.kv_events_routing,
-                   max_migrations=args.max_migrations)
+                   max_migrations=args.max_migrations, lora=LoraConfig.from_args(args))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the gateway's flags; each defaults to STEPLOOP_<FLAG> when that is set."""
     d = GatewayConfig()
+    lora_config.add_cli_args(parser)
     envs.add_flag(parser, "--host", default=d.host, help="interface to bind")
     envs.add_flag(parser, "--port", type=int, default=d.port, help="HTTP port")
     envs.add_flag(parser, "--scheduler-address", default=d.scheduler_address,

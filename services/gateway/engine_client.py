@@ -51,14 +51,15 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str = "",
-                       pooling: PoolingParams | None = None,
-                       resume_output_token_ids: Sequence[int] = ()) -> AsyncIterator[EngineChunk]:
+                       pooling: PoolingParams | None = None, resume_output_token_ids: Sequence[int] = (),
+                       lora_name: str = "") -> AsyncIterator[EngineChunk]:
         """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it.
         request_id must be unique among this engine's live requests. pooling set: an embedding request (its
         one chunk carries the vector). resume_output_token_ids: outputs another replica already delivered
-        (migration.py); the chunks carry only the tokens after them."""
+        (migration.py); the chunks carry only the tokens after them. lora_name: the LoRA adapter to run with
+        ("" = the base model)."""
         request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt, pooling,
-                                list(resume_output_token_ids)).to_pb()
+                                list(resume_output_token_ids), lora_name).to_pb()
         span = gateway_tracing.start_generate(request_id, prompt_ids, params) if tracing.ENABLED else None
         chunks = self._on_session(request, span) if self.multiplex else self._on_call(request, span)
         with_logprobs = params.logprobs >= 0 or params.prompt_logprobs >= 0
@@ -153,6 +154,18 @@ class EngineClient:
         kv_index.py; gRPC errors are left to it (it tells "events off" from "stream broke")."""
         return self._stub.WatchKVEvents(engine_pb2.KvEventWatchRequest(from_sequence=from_sequence,
                                                                         instance_id=instance_id))
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        try:
+            await self._stub.LoadLoraAdapter(engine_pb2.LoraAdapterRef(name=name, path=path), timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        try:
+            await self._stub.UnloadLoraAdapter(engine_pb2.UnloadLoraAdapterRequest(name=name),
+                                               timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
 
     async def health(self) -> bool:
         """True when the engine's grpc.health.v1 service reports SERVING for the server as a whole ("")."""

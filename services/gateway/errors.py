@@ -86,6 +86,8 @@ def from_status(status: grpc.StatusCode, details: str, meta: dict[str, str]) -> 
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         # The engine validated the request: its message is meant for the caller.
         return APIError(400, details or "invalid request", param=param, code=code or "invalid_value")
+    if status == grpc.StatusCode.NOT_FOUND:            # a model / LoRA adapter that is not served
+        return APIError(404, details or "not found", param=param, code=code or "model_not_found")
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:   # the waiting queue is full (--max-waiting)
         return APIError(503, f"the engine is at capacity, retry later: {details}".rstrip(": "),
                         type="server_error", code=code or "overloaded",

@@ -38,6 +38,7 @@ class Choice:
     priority: int = 0
     cache_salt: str = ""             # tenants with different salts share no prefix-cache blocks
     prompt_param: str = "prompt"     # the request field an engine error about the prompt names ("messages": chat)
+    lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
 
 
 @dataclass
@@ -71,7 +72,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     pending: list[TokenInfo] = []
     num_tokens, first = 0, True
     stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params, priority=choice.priority,
-                             cache_salt=choice.cache_salt)
+                             cache_salt=choice.cache_salt, lora_name=choice.lora_name)
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:

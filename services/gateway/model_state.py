@@ -22,11 +22,13 @@ class ModelState:
         self.runner = ""                # "generate" or "pooling" (embeddings); "" = not known yet
         self.pooling: PoolingConfig | None = None
         self.generation_defaults = NO_DEFAULTS   # the model's sampling defaults, once a worker has said them
+        self.lora_adapters: dict[str, str] = {}   # LoRA adapters the engine serves: name -> folder
 
     async def refresh(self) -> None:
         info = await self.engine.model_info()
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.runner, self.pooling = info.runner, info.pooling
+        self.lora_adapters = dict(info.lora_adapters)
         if info.max_model_len and info.generation_defaults != self.generation_defaults:
             self.generation_defaults = info.generation_defaults
             logger.info("Using default sampling params from the model's generation config: %s",
@@ -38,6 +40,10 @@ class ModelState:
         if self.max_model_len == 0:
             await self.try_refresh()
         return self.generation_defaults
+
+    async def refresh_adapters(self) -> None:
+        """Before listing models: the engine's adapters now (another gateway may have loaded or unloaded one)."""
+        await self.try_refresh()
 
     async def check_serves(self, runner: str, api: str) -> None:
         """A 400 in vLLM's words when the model's runner does not serve `api` ("Embeddings", "Chat Completions",

@@ -32,6 +32,7 @@ remove_replica; a removed replica's slot is reused, so the affinity map's indice
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import struct
@@ -40,13 +41,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from services.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
+from services.common.block_hashing import BlockHasher, block_hashes, first_block_extra, get_block_hasher
 from services.common.engine_contract import EngineChunk, ModelInfo
 from services.common.sampling_params import SamplingParams
 from services.gateway import errors, route_header
 from services.gateway.engine_client import EngineClient
 from services.gateway.kv_index import KvEventWatcher, ReplicaCacheIndex
 from services.gateway.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement, draining_error
+from services.gateway.lora_routing import LoraHomes
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,7 @@ class EngineRouter:
             raise ValueError("at least one scheduler address is needed")
         self.replicas = [Replica(c) for c in clients]
         self.affinity = AffinityMap(block_size)     # 0: taken from the first ModelInfo a replica answers
+        self.lora_homes = LoraHomes()                 # replicas that ran each LoRA adapter
         self.min_match, self.min_match_tokens = min_match, min_match_tokens
         self.imbalance, self.cooldown_s = imbalance, cooldown_s
         self.health_interval_s = health_interval_s
@@ -189,13 +192,16 @@ class EngineRouter:
         return ",".join(r.address for r in self.live)
 
     # ---- routing ----------------------------------------------------------------------------------------------
-    def order(self, prompt_ids: Sequence[int], cache_salt: str = "") -> list[int]:
+    def order(self, prompt_ids: Sequence[int], cache_salt: str = "", lora_name: str = "") -> list[int]:
         """Replica indices to try, best first, and records the choice in the affinity map."""
-        return self.route(prompt_ids, cache_salt)[0]
+        return self.route(prompt_ids, cache_salt, lora_name)[0]
 
-    def route(self, prompt_ids: Sequence[int], cache_salt: str = "") -> tuple[list[int], int, str]:
-        """(replica indices to try, best first; prompt tokens matched at the first; "events", "guess" or
-        "load": what chose it). Records the choice in the affinity map."""
+    def route(self, prompt_ids: Sequence[int], cache_salt: str = "",
+              lora_name: str = "") -> tuple[list[int], int, str]:
+        """(replica indices to try, best first; prompt tokens matched at the first; "events", "guess", "load" or
+        "lora": what chose it). Records the choice in the affinity map. A LoRA request goes to a replica that
+        already ran its adapter (lora_routing.py) unless that one is much busier."""
+        cache_salt = first_block_extra(cache_salt, lora_name) or ""
         now = time.monotonic()
         live = [i for i, r in enumerate(self.replicas) if not r.retired]
         up = [i for i in live if self.replicas[i].up(now)] or live
@@ -213,6 +219,9 @@ class EngineRouter:
             worth_it = matched >= self.min_match_tokens and matched >= self.min_match * len(prompt_ids)
             if worth_it and not (load - low > self.imbalance and load > 1.5 * low):
                 choice, chosen_match, source = replica, matched, how
+        preferred = self.lora_homes.prefer(lora_name, choice, up, lambda i: self.replicas[i].in_flight, self.imbalance)
+        if preferred != choice:
+            choice, chosen_match, source = preferred, 0, "lora"
         self.affinity.record(hashes, choice)
         rest = [i for i in by_hash if i != choice]
         down = [i for i in live if i not in up]
@@ -239,14 +248,16 @@ class EngineRouter:
         return None
 
     def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str = "", pooling=None) -> AsyncIterator[EngineChunk]:
+                 priority: int = 0, cache_salt: str = "", pooling=None,
+                 lora_name: str = "") -> AsyncIterator[EngineChunk]:
         """The request's chunks from the replica chosen for it, then from others it migrates to."""
-        return self.migration.generate(self._route, request_id, prompt_ids, params, priority=priority,
+        route = functools.partial(self._route, lora_name=lora_name)
+        return self.migration.generate(route, request_id, prompt_ids, params, priority=priority,
                                        cache_salt=cache_salt, pooling=pooling)
 
     async def _route(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int,
                      cache_salt: str, pooling, resume: Sequence[int], avoid: frozenset[str],
-                     placement: Placement) -> AsyncIterator[EngineChunk]:
+                     placement: Placement, lora_name: str = "") -> AsyncIterator[EngineChunk]:
         """One try of the request (resumed after `resume` delivered tokens), failing over before its first chunk;
         `avoid`: the replica it just failed on."""
         self._poll_health()
@@ -254,21 +265,23 @@ class EngineRouter:
             raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none); retry shortly")
         if not self.affinity.block_size and time.monotonic() >= self._learn_after:
             await self._learn_block_size()
-        order, matched, source = self.route(prompt_ids, cache_salt)
+        order, matched, source = self.route(prompt_ids, cache_salt, lora_name)
         order = [i for i in order if self.replicas[i].address not in avoid]
         if not order:
             raise errors.engine_unavailable(f"no scheduler replica other than {', '.join(sorted(avoid))} to move to")
         for attempt, index in enumerate(order):
             replica = self.replicas[index]
             if attempt or avoid:   # failed over or migrated: this replica is where the prefix's blocks will be now
-                self.affinity.record(self.affinity.block_hashes(prompt_ids, cache_salt), index)
+                self.affinity.record(self.affinity.block_hashes(
+                    prompt_ids, first_block_extra(cache_salt, lora_name) or ""), index)
                 matched, source = 0, "failover"
             self._log_route(request_id, replica.address, matched, source)
             replica.in_flight += 1
             replica.routed += 1
             placement.address, placement.started = replica.address, False
             stream = replica.client.generate(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
-                                             pooling=pooling, resume_output_token_ids=resume)
+                                             pooling=pooling, resume_output_token_ids=resume, lora_name=lora_name)
+            self.lora_homes.record(lora_name, index)
             try:
                 async for chunk in stream:
                     placement.started = True
@@ -320,6 +333,14 @@ class EngineRouter:
             await self.model_info()
         except errors.APIError as err:
             logger.debug("no replica's block size yet (%s); routing by load", err.message)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Every replica registers it (each checks it; the first refusal is the answer)."""
+        await asyncio.gather(*(r.client.load_lora_adapter(name, path) for r in self.live))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await asyncio.gather(*(r.client.unload_lora_adapter(name) for r in self.live))
+        self.lora_homes.forget(name)
 
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway import outputs, utility_routes
+from services.gateway import lora_routes, outputs, utility_routes
 from services.gateway.app_keys import CHAT_TEMPLATE, HEALTH, REASONING_PARSER, SERVING, TOOL_PARSER
 from services.gateway.embeddings_api import routes as embeddings_routes
 from services.gateway.messages_api import routes as messages_routes
@@ -19,7 +19,7 @@ from services.gateway.reasoning import split_reasoning
 from services.gateway.request_body import read_json
 from services.gateway.responses import Meta, new_id
 from services.gateway.responses_api import routes as responses_routes
-from services.gateway.serving import Serving
+from services.gateway.serving import Serving, model_not_found
 from services.gateway.sse import stream_sse
 from services.gateway.structured_length import log_length_finishes, structured_kind
 
@@ -37,11 +37,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING]
     req = parse_completion(await read_json(request), serving.model.vocab_size or None,
                            await serving.model.sampling_defaults())
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     prompts = [p if isinstance(p, tuple) else await serving.tokenizer.encode(p) for p in req.prompts]
     texts = [p if isinstance(p, str) else None for p in req.prompts]
-    meta = Meta(new_id("cmpl"), serving.model.served_model_name)
-    choices = await serving.make_choices(meta.id, prompts, req.sampling, "prompt", texts)
+    meta = Meta(new_id("cmpl"), lora_name or serving.model.served_model_name)
+    choices = await serving.make_choices(meta.id, prompts, req.sampling, "prompt", texts, lora_name=lora_name)
     events = log_length_finishes(serving.run(choices), meta.id, structured_kind(req.sampling))
     logprobs = req.sampling.logprobs >= 0
     if req.sampling.stream:
@@ -54,12 +54,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING]
     req = parse_chat(await read_json(request), serving.model.vocab_size or None, request.app[TOOL_PARSER],
                      await serving.model.sampling_defaults())
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                                      continue_final_message=req.continue_final_message,
                                                      tools=req.tools)
-    meta = Meta(new_id("chatcmpl"), serving.model.served_model_name)
-    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages")
+    meta = Meta(new_id("chatcmpl"), lora_name or serving.model.served_model_name)
+    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", lora_name=lora_name)
     events = log_length_finishes(serving.run(choices), meta.id, structured_kind(req.sampling, req.tools))
     events = split_reasoning(events, request.app[REASONING_PARSER])
     logprobs = req.sampling.logprobs >= 0
@@ -70,22 +70,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return web.json_response(await outputs.chat_body(meta, events, req.sampling.n, logprobs, req.tools))
 
 
-async def _model_card(serving: Serving) -> dict[str, Any]:
+async def _model_cards(serving: Serving) -> list[dict[str, Any]]:
+    """The base model's card, then one per LoRA adapter (vLLM's: root = the adapter's folder, parent = the base)."""
     model = serving.model
-    return {"id": model.served_model_name, "object": "model", "created": STARTED_AT, "owned_by": "steploop",
-            "root": model.model_path, "parent": None, "max_model_len": await model.known_max_model_len(),
+    await model.refresh_adapters()
+    max_len = await model.known_max_model_len()
+    card = {"id": model.served_model_name, "object": "model", "created": STARTED_AT, "owned_by": "steploop",
+            "root": model.model_path, "parent": None, "max_model_len": max_len,
             "tasks": model.tasks()}   # ["generate"] or ["embed"] (vLLM's task names); [] while no worker is up
+    return [card] + [{**card, "id": name, "root": path, "parent": model.served_model_name}
+                     for name, path in model.lora_adapters.items()]
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [await _model_card(request.app[SERVING])]})
+    return web.json_response({"object": "list", "data": await _model_cards(request.app[SERVING])})
 
 
 async def model(request: web.Request) -> web.Response:
     """GET /v1/models/{id} (the SDK's models.retrieve): the card, or 404 model_not_found."""
-    serving = request.app[SERVING]
-    serving.check_model(request.match_info["model_id"])
-    return web.json_response(await _model_card(serving))
+    model_id = request.match_info["model_id"]
+    for card in await _model_cards(request.app[SERVING]):
+        if card["id"] == model_id:
+            return web.json_response(card)
+    raise model_not_found(model_id)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -111,6 +118,7 @@ def add_routes(app: web.Application) -> None:
     messages_routes.add_routes(app)   # Anthropic's Messages API
     responses_routes.add_routes(app)  # OpenAI's Responses API
     embeddings_routes.add_routes(app)  # OpenAI's Embeddings API (a --runner pooling worker)
+    lora_routes.add_routes(app)       # /v1/load_lora_adapter, /v1/unload_lora_adapter (when allowed)
 
 
 def route_list(app: web.Application) -> list[str]:

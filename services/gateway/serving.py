@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
+from services.common.lora_config import LoraConfig
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Choice, TextEvent, generate_choice, merge
@@ -18,15 +19,23 @@ API_BY_PARAM = {"prompt": "Completions", "messages": "Chat Completions", "input"
 
 
 class Serving:
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelState) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelState,
+                 lora: LoraConfig | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
+        self.lora = lora or LoraConfig()     # --enable-lora, --allow-runtime-lora-updating
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model.served_model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves "
-                                f"'{self.model.served_model_name}'", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str:
+        """The LoRA adapter a request's `model` names ("" = the base model), or 404 model_not_found. With
+        --enable-lora an adapter this gateway has not heard of yet (loaded through another gateway) goes to the
+        engine, which knows: it answers 404 in the same shape for a name it does not serve."""
+        if name is None or name == self.model.served_model_name:
+            return ""
+        if self.lora.enable_lora or name in self.model.lora_adapters:
+            return name
+        raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                            f"'{self.model.served_model_name}'", param="model", code="model_not_found")
 
     def engine_max_tokens(self, prompt_len: int, sampling: SamplingFields, param: str) -> int | None:
         """OpenAI's max_tokens as the engine takes it: None (unset) is what fits; completions' default of 16 came
@@ -45,7 +54,7 @@ class Serving:
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,
                            param: str, prompt_texts: Sequence[str | None] | None = None, *,
-                           api: str | None = None) -> list[Choice]:
+                           api: str | None = None, lora_name: str = "") -> list[Choice]:
         """n choices per prompt, indexed prompt-major: prompt i's choices are i*n .. i*n+n-1. Seeded choices get
         seeds seed, seed+1, ... so the n samples differ (and repeat across runs). A pooling model (embeddings
         only) refuses them: a 400 naming `api` (by default the API whose prompt field is `param`)."""
@@ -61,8 +70,12 @@ class Serving:
                                       skip_special_tokens=sampling.skip_special_tokens, echo=sampling.echo,
                                       prompt_text=prompt_texts[p] if prompt_texts else None,
                                       drop_output=sampling.max_tokens == 0, priority=sampling.priority,
-                                      cache_salt=sampling.cache_salt, prompt_param=param))
+                                      cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:
         return merge([generate_choice(self.engine, self.tokenizer, c) for c in choices])
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")

@@ -11,8 +11,10 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from services.common import lora_config
 from services.common.envs import add_flag
 from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
+from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -43,6 +45,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1            # ranks in this worker's group (1: no tensor parallelism)
     rank: int = 0                            # this worker's rank in the group
     tp_host: str = "127.0.0.1"               # address the other ranks reach this one at (process-group traffic)
+    lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora: the slot table and host LRU sizes
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -56,7 +59,8 @@ class WorkerConfig:
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
                    generation_config=args.generation_config, tls=TlsConfig.from_args(args),
-                   tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host)
+                   tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host,
+                   lora=LoraConfig.from_args(args))
 
     @property
     def resolved_worker_id(self) -> str:
@@ -112,11 +116,17 @@ def _validate(c: WorkerConfig) -> None:
     check_size(c.tensor_parallel_size)
     check(0 <= c.rank < c.tensor_parallel_size,
           f"--rank {c.rank} must be in 0..{c.tensor_parallel_size - 1} for -tp {c.tensor_parallel_size}")
+    # Neither path has been built for sharded weights: a rank's projections are split, an adapter's A/B and the
+    # pooled hidden state are not; refused rather than served unchecked.
+    check(c.tensor_parallel_size == 1 or not c.lora.enable_lora,
+          f"--enable-lora with -tp {c.tensor_parallel_size}: LoRA adapters run on unsharded workers only (-tp 1)")
+    check(c.tensor_parallel_size == 1 or c.runner == "generate",
+          f"--runner {c.runner} with -tp {c.tensor_parallel_size}: the pooling runner serves with -tp 1 only")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_flag(parser, "--model", default=None, help="HuggingFace Llama-family folder (default: SmolLM2-135M)")
+    add_flag(parser, "--model", default=None, help="a HuggingFace model folder of a supported family, or a .gguf file (default: SmolLM2-135M)")
     add_flag(parser, "--scheduler-address", default="127.0.0.1:50051", help="scheduler's plan-stream host:port")
     add_flag(parser, "--block-size", type=int, default=16, help="tokens per KV block")
     add_flag(parser, "--num-kv-blocks", type=int, default=None, help="KV blocks to allocate (skip measuring)")
@@ -148,4 +158,5 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its tensor-parallel group")
     add_flag(parser, "--tp-host", default="127.0.0.1",
              help="address the group's other ranks reach this worker at (rank 0 also serves the group's store)")
+    lora_config.add_cli_args(parser)
     return parser

@@ -28,6 +28,7 @@ from services.gpu_worker.distributed.rank_setup import RankSetup
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.logits_processors import LogitsEdits
+from services.gpu_worker.lora.manager import LoraManager
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.loader import load_model
 from services.gpu_worker.model.model_config import LlamaModelConfig
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, info: WorkerInfo, seed: int = 0, structured: StructuredOutput | None = None,
-                 graphs: DecodeGraphRunner | None = None, pooler: Pooler | None = None):
+                 graphs: DecodeGraphRunner | None = None, pooler: Pooler | None = None,
+                 lora: LoraManager | None = None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.max_model_len, self.info = max_model_len, info
         self.device = kv_caches[0].device
@@ -59,6 +61,7 @@ class ModelRunner:
         self.pooler = pooler             # --runner pooling: steps pool hidden states instead of sampling
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
+        self.lora = lora                 # --enable-lora: adapters per request (lora/manager.py)
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -92,12 +95,17 @@ class ModelRunner:
         rank.comm.local_only = False
         caches = kv_cache.allocate_kv_caches(local, num_blocks, config.block_size, dtype, device, plan.hugepages)
         log.info("decode steps: %s", model.bind_kv_caches(caches))
+        if config.lora.enable_lora and pooling is not None:
+            raise ValueError("--enable-lora serves generate models; this worker runs --runner pooling (embeddings)")
+        lora = LoraManager.build(model, config.lora, dtype, device) if config.lora.enable_lora else None
+        model.lora = lora.layers if lora is not None else None
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=eos_ids, generation_defaults=defaults,
                           rank=config.rank, world_size=config.tensor_parallel_size,
                           dtype=str(dtype).removeprefix("torch."),
-                          runner="generate" if pooling is None else "pooling", pooling=pooling)
+                          runner="generate" if pooling is None else "pooling", pooling=pooling,
+                          lora_shapes=lora.store.shapes if lora is not None else None)
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
@@ -106,21 +114,30 @@ class ModelRunner:
             graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
             graphs.capture_all()
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
-                     StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None)
+                     StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
         return runner
 
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
         self.batch.reset()
+        if self.lora is not None:
+            self.lora.reset()
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         try:
             self.batch.apply_plan(plan)
+            if self.lora is not None:
+                self.lora.apply_plan(plan)
             if not plan.scheduled_handles:
                 return StepResult(step_id=plan.step_id)
-            result = self._run(plan)
+            with_lora = self.lora is not None and self.lora.begin_step(plan)
+            try:
+                result = self._run(plan, with_lora)
+            finally:
+                if with_lora:
+                    self.lora.end_step()
         except CollectiveError:      # the group broke: not this step's failure; the worker leaves the group
             raise
         except Exception as exc:     # a failed step is reported, the worker lives on
@@ -131,13 +148,13 @@ class ModelRunner:
             result.collective_seconds = self.tp_comm.take_seconds()[0]
         return result
 
-    def _run(self, plan: StepPlan) -> StepResult:
+    def _run(self, plan: StepPlan, with_lora: bool = False) -> StepResult:
         inputs = prepare_step_inputs(self.batch, plan, self.block_size, self.max_model_len, self.device)
         if self.pooler is not None:
             return self._run_pooling(plan, inputs)
         prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
         hidden = None
-        if self.graphs is not None and not prompt_rows:
+        if self.graphs is not None and not prompt_rows and not with_lora:   # graphs hold the base path only
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, len(inputs.logits_indices))
         if hidden is None:
             attn_metadata = self.model.backend.build_metadata(inputs.attn)

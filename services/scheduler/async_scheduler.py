@@ -21,6 +21,7 @@ rejected drafts, since the worker verifies every draft against what it samples.
 from __future__ import annotations
 
 from services.common.step_contract import StepPlan
+from services.scheduler.lora_steps import LoraSteps
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 
@@ -72,7 +73,8 @@ class AsyncScheduler(Scheduler):
         super()._finish(request, status)
 
 
-def make_scheduler(config, kv, max_model_len: int, eos_token_ids=(), pooling=None) -> Scheduler:
+def make_scheduler(config, kv, max_model_len: int, eos_token_ids=(), pooling=None,
+                   lora: LoraSteps | None = None) -> Scheduler:
     """The scheduler class the config asks for (AsyncScheduler when async_scheduling is on)."""
     cls = AsyncScheduler if config.async_scheduling else Scheduler
-    return cls(config, kv, max_model_len, eos_token_ids, pooling)
+    return cls(config, kv, max_model_len, eos_token_ids, pooling, lora)

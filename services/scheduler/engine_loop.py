@@ -26,6 +26,8 @@ from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_events.hub import KvEventHub
+from services.scheduler.lora_registry import LoraRegistry
+from services.scheduler.lora_steps import LoraSteps
 from services.scheduler.metrics import make_observer
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from services.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
@@ -54,6 +56,7 @@ class EngineLoop:
         self.last_progress = time.monotonic()       # last finished step, or when work arrived while idle
         self.lost_since: float | None = time.monotonic()
         self._retired_counters = SchedulerCounters()    # of schedulers replaced since start
+        self.lora = LoraRegistry(server_config.lora)    # the LoRA adapters served (lora_registry.py)
         # Metrics, request logs and spans (metrics.py): fed by data pushed from here, and load_report.
         self.observer = make_observer(self.load_report, sched_config.enable_prefix_caching)
         algo = sched_config.prefix_caching_hash_algo
@@ -80,9 +83,13 @@ class EngineLoop:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
         if not self.has_work() and self.link is not None:
             self.last_progress = time.monotonic()
+        if "\x00" in req.cache_salt:        # NUL separates salt and adapter in block 0's key (block_hashing.py)
+            raise InvalidRequestError("cache_salt may not contain a NUL character", param="cache_salt")
+        lora_path = self.lora.resolve(req.lora_name) if req.lora_name else ""
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
                           priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling,
-                          output_token_ids=list(req.resume_output_token_ids))   # migrated: outputs, not prompt
+                          output_token_ids=list(req.resume_output_token_ids),   # migrated: outputs, not prompt
+                          lora_name=req.lora_name or None, lora_path=lora_path)
         if self.scheduler is None:
             self._pending.append(request)
         else:
@@ -149,6 +156,7 @@ class EngineLoop:
         if self.worker_info is not None and info.model_name != self.worker_info.model_name:
             raise InvalidRequestError(f"worker serves {info.model_name!r}, this scheduler serves "
                                       f"{self.worker_info.model_name!r}", param="model")
+        self.lora.attach(info.lora_shapes)
         if (self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks
                 or info.pooling != self.worker_info.pooling):     # a pooling worker serves other requests
             self._build_scheduler(info)
@@ -170,8 +178,9 @@ class EngineLoop:
             self.kv_events.watch_cache(lambda: (list(kv.pool.block_hash.values()), kv.block_size))
         if old is not None:
             self._retired_counters += old.counters()
+        lora = LoraSteps(self.server_config.lora.max_loras, self.lora.unloaded)
         self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids),
-                                        info.pooling)
+                                        info.pooling, lora)
         self.worker_info = info
         carried = self._pending + ([] if old is None else old.drain_requests())
         self._pending = []
@@ -315,4 +324,6 @@ class EngineLoop:
             num_running=sched.num_running, num_waiting=sched.num_waiting + len(self._pending),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks, kv_cache_usage=kv.usage,
             num_steps=self.num_steps, counters=self._retired_counters + sched.counters(),
-            step_cost=sched.step_cost(), workers_attached=attached)
+            step_cost=sched.step_cost(), workers_attached=attached,
+            running_lora_adapters=tuple(sched.lora.running), waiting_lora_adapters=tuple({r.lora_name: None for r in sched.waiting if r.lora_name}),
+            max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0)

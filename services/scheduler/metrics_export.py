@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from services.scheduler.lora_metrics import lora_requests_info
 from services.scheduler.stats import LoadReport, SchedulerCounters
 
 MODEL = ["model_name"]
@@ -34,6 +35,8 @@ def families(obs: Any, labels: list[str]) -> Iterator:
     """obs: the EngineObserver (Any: it imports this module)."""
     load = obs.load_report()
     counts = load.counters
+    if load.max_loras:
+        yield lora_requests_info(load)
     yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
                  load.num_running)
     yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.block_hashing import BlockHasher, hash_block
+from services.common.block_hashing import BlockHasher, first_block_extra, hash_block
 from services.scheduler.request import Request
 
 
@@ -26,7 +26,8 @@ def ensure_block_hashes(request: Request, num_full_blocks: int, block_size: int,
     hashes = request.block_hashes
     while len(hashes) < num_full_blocks:
         parent = hashes[-1] if hashes else None
-        hashes.append(hasher(parent, block_tokens(request, len(hashes), block_size), request.cache_salt))
+        extra = first_block_extra(request.cache_salt, request.lora_name) if parent is None else None
+        hashes.append(hasher(parent, block_tokens(request, len(hashes), block_size), extra))
     return hashes
 
 

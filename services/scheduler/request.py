@@ -35,6 +35,8 @@ class Request:
     priority: int = 0                    # lower runs first (vLLM's convention); used by later policies
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None        # isolates this request's prefix-cache entries (mixed into block 0's key)
+    lora_name: str | None = None         # its LoRA adapter (None: the base model); also in block 0's key
+    lora_path: str = ""                  # the adapter's folder, resolved when the request arrived
     handle: int = -1                     # small int the worker knows it by; assigned by the scheduler
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0         # tokens whose KV is in this request's blocks

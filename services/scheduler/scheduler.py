@@ -18,6 +18,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.handles import HandleTable
 from services.scheduler.integrity import check_scheduler
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.lora_steps import LoraSteps
 from services.scheduler.ngram_proposer import NgramProposer, propose_drafts
 from services.scheduler.prefill_pacing import PrefillPacer
 from services.scheduler.request import Request, RequestOutput, RequestStatus
@@ -40,9 +41,11 @@ class Scheduler:
     runs_ahead = False                           # schedules tokens sampled by a step in flight (async scheduling)
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: Iterable[int] = (), pooling: PoolingConfig | None = None) -> None:
+                 eos_token_ids: Iterable[int] = (), pooling: PoolingConfig | None = None,
+                 lora: LoraSteps | None = None) -> None:
         """pooling: the worker's PoolingConfig when it runs `--runner pooling` (then it serves embedding requests
-        only: prompt-only, finished with the worker's pooled vector, no sampling), else None."""
+        only: prompt-only, finished with the worker's pooled vector, no sampling), else None. lora: the LoRA
+        step resource (lora_steps.py); None: no adapters."""
         self.config = config
         self.kv = kv
         if kv.enable_prefix_caching != config.enable_prefix_caching:
@@ -55,6 +58,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}      # every unfinished request
         self.waiting, self.running = policy.make_queues(config.scheduling_policy)
         self.handles = HandleTable()
+        self.lora = lora or LoraSteps(1)             # adapters are a step resource (lora_steps.py)
         self.stats = SchedulerStats()
         # Admissions leave this many blocks free (running requests may use them): see SchedulerConfig.
         self.watermark_blocks = int(config.admission_watermark * kv.num_usable_blocks)
@@ -98,6 +102,7 @@ class Scheduler:
     def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.handles.assign(request)
+        self.lora.add(request)
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -168,6 +173,7 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
         plan.finished_handles = self.handles.take_finished()
+        self.lora.fill_plan(plan)
         if self.proposer is not None:
             self._propose_drafts()
         if self.config.scheduling_policy == "priority" and self.waiting and self.running:
@@ -194,6 +200,8 @@ class Scheduler:
             max_new = min(max_new, config.long_prefill_token_threshold)
         for victim in policy.victims_for_waiting(self.waiting.peek(), self.running, self.kv, config.max_num_seqs,
                                                  self.watermark_blocks, max_new):
+            self._preempt(victim, plan)
+        for victim in self.lora.victims_for(self.waiting.peek(), self.running):   # its adapter needs a seat
             self._preempt(victim, plan)
 
     def _schedule_running(self, plan: StepPlan, budget: int, scheduled: list[Request], ends: list[int]) -> int:
@@ -262,8 +270,12 @@ class Scheduler:
             self.pacer.tally_decodes(num_decodes, context)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, scheduled: list[Request], ends: list[int]) -> None:
+        skipped: list[Request] = []              # their adapter has no seat (--max-loras): they wait, others go
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self.lora.can_run(request):
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_hit = self.kv.get_computed_blocks(request)
             request.num_computed_tokens = num_hit
             num_new = self._num_new_tokens(request, budget)
@@ -277,6 +289,8 @@ class Scheduler:
             scheduled.append(request)
             ends.append(self._advance(plan, request, num_new))
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.push_front(request)
 
     def _admit(self, plan: StepPlan, request: Request, num_hit: int) -> None:
         if request.status == RequestStatus.WAITING:  # first admission: what usage.cached_tokens reports
@@ -285,11 +299,13 @@ class Scheduler:
             self.kv.prefix_cache_stats.record(request.num_tokens, num_hit)
         request.status = RUNNING
         self.running.add(request)
+        self.lora.start(request, plan)
         self.handles.on_worker.add(request.handle)
         plan.new_requests.append(NewRequestData(
             handle=request.handle, prompt_token_ids=list(request.prompt_token_ids),
             output_token_ids=list(request.output_token_ids), sampling=request.sampling,
-            block_ids=list(self.kv.get_block_ids(request)), num_computed_tokens=num_hit, pooling=request.pooling))
+            block_ids=list(self.kv.get_block_ids(request)), num_computed_tokens=num_hit, pooling=request.pooling,
+            lora_name=request.lora_name or ""))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         # Hot path (once per running request per step): lengths read directly instead of via properties.
@@ -335,6 +351,7 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
+        self.lora.stop(request)
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         if self.running and self.running[-1] is request:
@@ -492,8 +509,10 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RUNNING:
             self.running.remove(request)
+            self.lora.stop(request)
         else:
             self.waiting.remove(request)
+        self.lora.finish(request)
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
@@ -509,6 +528,7 @@ class Scheduler:
         for request in reversed(list(self.running)):        # worst first: the best ends up at the front
             self._preempt(request, StepPlan(step_id=-1))    # a throwaway plan: no worker to tell
         self.handles.worker_lost()
+        self.lora.worker_lost()
         self.kv.reset_prefix_cache()
         self._in_flight.clear()
         if self.pacer is not None:
@@ -532,3 +552,4 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every invariant of queues, counters and blocks; tests call it after every step."""
         check_scheduler(self)
+        self.lora.check(list(self.running))

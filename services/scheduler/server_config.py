@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from services.common import lora_config
 from services.common.envs import add_flag
 from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
+from services.common.lora_adapter import LoraAdapterError, read_adapter
+from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
 
 
@@ -18,6 +21,7 @@ class ServerConfig:
     hang_timeout: float = 30.0       # health turns NOT_SERVING when work is pending and no step ends this long
     shutdown_timeout: float = 30.0   # on SIGTERM, in-flight requests get this long to finish
     tls: TlsConfig = field(default_factory=TlsConfig)   # server cert; with a CA, mutual TLS
+    lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora, --max-loras, --lora-modules, ...
     max_waiting: int = 1024          # new requests are refused (RESOURCE_EXHAUSTED, HTTP 503) while this many wait
     metrics_port: int = 0            # Prometheus /metrics over HTTP (0 = off; Engine.GetMetrics always answers)
     log_stats_interval: float = 10.0  # seconds between engine stats log lines (0 = off)
@@ -38,6 +42,11 @@ class ServerConfig:
             raise ValueError(f"--tp-collective-timeout must be > 0 seconds, got {self.tp_collective_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
+        for module in self.lora.lora_modules:     # the scheduler reads the folders: a bad one is a flag to fix
+            try:
+                read_adapter(module.path, None, self.lora.max_lora_rank)
+            except LoraAdapterError as exc:
+                raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from None
         return self
 
     @property
@@ -65,6 +74,7 @@ class ServerConfig:
         add_tensor_parallel_flag(parser)
         add_flag(parser, "--tp-collective-timeout", type=float, default=30.0,
                  help="seconds a tensor-parallel collective may take before the group counts as broken")
+        lora_config.add_cli_args(parser)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
@@ -73,4 +83,4 @@ class ServerConfig:
                    tls=TlsConfig.from_args(args),
                    max_waiting=args.max_waiting, metrics_port=args.metrics_port,
                    log_stats_interval=args.log_stats_interval, tensor_parallel_size=args.tensor_parallel_size,
-                   tp_collective_timeout=args.tp_collective_timeout).validate()
+                   tp_collective_timeout=args.tp_collective_timeout, lora=LoraConfig.from_args(args)).validate()

@@ -55,19 +55,36 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request, context):
         info, link = self.loop.worker_info, self.loop.link
         if info is None:
-            return engine_pb2.ModelInfo(num_workers=0)
+            return engine_pb2.ModelInfo(num_workers=0, lora_adapters=[
+                engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules])
         return engine_pb2.ModelInfo(
             model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=info.eos_token_ids,
             num_workers=0 if link is None else len(getattr(link, "links", [link])),   # a group: its ranks
             runner=info.runner, pooling=info.pooling.to_pb() if info.pooling is not None else None,
-            generation_defaults=info.generation_defaults.to_pb())
+            generation_defaults=info.generation_defaults.to_pb(),
+            lora_adapters=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules])
 
     async def GetLoadReport(self, request, context):
         load = self.loop.load_report()
         return engine_pb2.LoadReport(
             num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks, kv_cache_usage=load.kv_cache_usage, num_steps=load.num_steps)
+            num_total_blocks=load.num_total_blocks, kv_cache_usage=load.kv_cache_usage, num_steps=load.num_steps,
+            running_lora_adapters=load.running_lora_adapters, waiting_lora_adapters=load.waiting_lora_adapters)
+
+    async def LoadLoraAdapter(self, request, context):
+        try:
+            self.loop.lora.load(request.name, request.path)
+        except EngineError as err:
+            await abort_with(context, err)
+        return engine_pb2.LoraAdapterReply()
+
+    async def UnloadLoraAdapter(self, request, context):
+        try:
+            self.loop.lora.unload(request.name)
+        except EngineError as err:
+            await abort_with(context, err)
+        return engine_pb2.LoraAdapterReply()
 
 
     async def GetMetrics(self, request, context):

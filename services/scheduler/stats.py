@@ -55,6 +55,9 @@ class LoadReport:
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)   # since start
     step_cost: tuple[float, float] | None = None   # prefill pacing's learned step time: (base s, s per token)
     workers_attached: int = 0
+    running_lora_adapters: tuple[str, ...] = ()    # distinct adapters of running requests (vllm:lora_requests_info)
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0                             # --max-loras with --enable-lora; 0 = LoRA off
 
 
 @dataclass

@@ -54,7 +54,9 @@ async def create(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
     model = serving.model
     req = parse_embeddings(await read_json(request), model.vocab_size or None)
-    serving.check_model(req.model)
+    if serving.check_model(req.model):       # a LoRA adapter's name: adapters serve generation only
+        raise bad_request(f"The model '{req.model}' is a LoRA adapter; embeddings use the base model",
+                          param="model", code="model_not_supported")
     await model.check_serves("pooling", "Embeddings")
     if req.dimensions is not None and model.pooling is not None:
         try:

@@ -22,12 +22,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
     serving = request.app[SERVING]
     req = parse_messages(await read_json(request), request.app[TOOL_PARSER],
                         await serving.model.sampling_defaults())
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=not req.continue_final_message,
                                                      continue_final_message=req.continue_final_message,
                                                      tools=req.tools)
     meta = Meta(f"msg_{uuid.uuid4().hex}", serving.model.served_model_name)
-    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", api="Messages")
+    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", api="Messages",
+                                         lora_name=lora_name)
     events = split_reasoning(serving.run(choices), request.app[REASONING_PARSER])
     if req.sampling.stream:
         return await stream_typed_sse(request, outputs.message_events(meta, events, req.tools, len(prompt)),

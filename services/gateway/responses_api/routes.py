@@ -33,7 +33,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     serving, store = request.app[SERVING], request.app[RESPONSE_STORE]
     req = parse_responses(await read_json(request), request.app[TOOL_PARSER],
                          await serving.model.sampling_defaults())
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     history = store.get(req.previous_response_id, "previous_response_id").messages if req.previous_response_id else ()
     conversation = history + req.items
     system = ({"role": "system", "content": req.instructions},) if req.instructions is not None else ()
@@ -41,7 +41,7 @@ async def create(request: web.Request) -> web.StreamResponse:
                                                      continue_final_message=False, tools=req.tools)
     meta = outputs.ResponseMeta(outputs.item_id("resp"), serving.model.served_model_name, req.echo,
                                 req.previous_response_id, req.store)
-    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "input")
+    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "input", lora_name=lora_name)
     events = split_reasoning(serving.run(choices), request.app[REASONING_PARSER])
 
     def on_done(response: dict[str, Any]) -> None:

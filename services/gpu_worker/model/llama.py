@@ -152,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
             self.local_rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, None,
                                                 plan.ops, rotary_dim=rotary_dim)
         self.cpu_decoder = None   # cpu_kernels/decoder.py's CpuDecoder, from bind_kv_caches when the plan has one
+        self.lora = None          # lora/layers.py's LoraLayers with --enable-lora: a step with adapters runs in Python
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> str:
         """Once the KV caches exist: the plan's C decoder (every layer in one call) points into them and the loaded
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embedding_scale != 1.0:    # in the model dtype, as transformers' Gemma normalizer
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False) \
-                and self.cpu_decoder.serves(kv_caches):
+                and self.cpu_decoder.serves(kv_caches) and not (self.lora is not None and self.lora.active):
             x, residual = self.cpu_decoder.forward(x, positions, attn_metadata.common)   # all layers in one C call
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
