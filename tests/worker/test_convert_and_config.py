@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from services.common.lora_config import LoraConfig
 from services.gpu_worker import kv_cache
 from services.gpu_worker.config import WorkerConfig, add_cli_args
 from services.gpu_worker.model.model_config import LlamaModelConfig
@@ -39,7 +40,10 @@ def test_flags_and_env(monkeypatch):
 
 @pytest.mark.parametrize("kwargs, text", [({"block_size": 12}, "--block-size"), ({"num_kv_blocks": 1}, "null"),
                                           ({"attention_backend": "x"}, "--attention-backend"),
-                                          ({"kv_cache_memory_fraction": 2.0}, "fraction")])
+                                          ({"kv_cache_memory_fraction": 2.0}, "fraction"),
+                                          ({"tensor_parallel_size": 3, "lora": LoraConfig(enable_lora=True)},
+                                           "--enable-lora with -tp 3"),
+                                          ({"tensor_parallel_size": 3, "runner": "pooling"}, "pooling runner")])
 def test_config_errors(kwargs, text):
     with pytest.raises(ValueError, match=text):
         WorkerConfig(**kwargs)
