@@ -11,6 +11,7 @@ block is free again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -146,6 +147,23 @@ class Cluster:
                 return resp.status, json.loads(resp.read())
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"{}")
+
+
+@contextlib.contextmanager
+def two_replicas(tmp_path_factory, name: str, **cluster_kwargs):
+    """Cluster A (scheduler, worker, gateway) plus replica B's scheduler and worker; A's gateway knows both."""
+    a = Cluster(tmp_path_factory.mktemp(f"{name}-a"), **cluster_kwargs)
+    b = Cluster(tmp_path_factory.mktemp(f"{name}-b"), **cluster_kwargs)
+    b.http_port = free_port()
+    a.argv["gateway"][a.argv["gateway"].index("--scheduler-address") + 1] = f"{a.scheduler_address},{b.scheduler_address}"
+    try:
+        for service in ("scheduler", "worker"):
+            b.start_service(service)
+        a.start()
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
 
 
 def is_idle_and_whole(load) -> bool:

@@ -9,26 +9,15 @@ import urllib.request
 
 import pytest
 
-from tests.integration.cluster import MODEL, Cluster, free_port
+from tests.integration.cluster import MODEL, two_replicas
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, model_dir):
-    """Cluster A (scheduler, worker, gateway) plus replica B's scheduler and worker; the gateway knows both."""
-    a = Cluster(tmp_path_factory.mktemp("replica-a"), num_kv_blocks=640)
-    b = Cluster(tmp_path_factory.mktemp("replica-b"), num_kv_blocks=640)
-    b.http_port = free_port()
-    a.argv["gateway"][a.argv["gateway"].index("--scheduler-address") + 1] = f"{a.scheduler_address},{b.scheduler_address}"
-    try:
-        for name in ("scheduler", "worker"):
-            b.start_service(name)
-        a.start()
-        yield a, b
-    finally:
-        a.stop()
-        b.stop()
+    with two_replicas(tmp_path_factory, "replica", num_kv_blocks=640) as pair:
+        yield pair
 
 
 def complete(cluster, prompt, **extra):

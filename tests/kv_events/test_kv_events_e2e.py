@@ -14,7 +14,7 @@ import pytest
 
 from services.client import EngineClient, SamplingParams
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from tests.integration.cluster import MODEL, Cluster, free_port
+from tests.integration.cluster import MODEL, Cluster, free_port, two_replicas
 from tests.kv_events.helpers import expected_chain, low64
 from tests.kv_events.test_zmq_vllm_wire import BlockRemoved, BlockStored, Subscriber
 
@@ -154,21 +154,10 @@ def test_watch_kv_events_snapshot_stream_and_reconnect(zmq_cluster):
 
 # ---- the router, two replicas ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def two_replicas(tmp_path_factory, model_dir):
-    a = Cluster(tmp_path_factory.mktemp("events-a"), scheduler_args=events_args(), worker_args=WORKER_ARGS,
-                num_kv_blocks=NUM_KV_BLOCKS)
-    b = Cluster(tmp_path_factory.mktemp("events-b"), scheduler_args=events_args(), worker_args=WORKER_ARGS,
-                num_kv_blocks=NUM_KV_BLOCKS)
-    b.http_port = free_port()
-    a.argv["gateway"][a.argv["gateway"].index("--scheduler-address") + 1] = f"{a.scheduler_address},{b.scheduler_address}"
-    try:
-        for name in ("scheduler", "worker"):
-            b.start_service(name)
-        a.start()
-        yield a, b
-    finally:
-        a.stop()
-        b.stop()
+def replica_pair(tmp_path_factory, model_dir):
+    with two_replicas(tmp_path_factory, "events", scheduler_args=events_args(), worker_args=WORKER_ARGS,
+                      num_kv_blocks=NUM_KV_BLOCKS) as pair:
+        yield pair
 
 
 async def next_sequence(address: str) -> int:
@@ -212,8 +201,8 @@ def routed(gateway: Cluster, ids: list[int], want: Cluster, bs: int, shared: int
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared // bs * bs
 
 
-def test_the_router_follows_the_real_cache_through_eviction_and_restart(two_replicas):
-    a, b = two_replicas
+def test_the_router_follows_the_real_cache_through_eviction_and_restart(replica_pair):
+    a, b = replica_pair
     bs = asyncio.run(block_size_of(a.scheduler_address))
     shared = prompt(20, 12 * bs)
     asyncio.run(generate(b.scheduler_address, shared + [5], "direct-b"))   # the gateway never sent it anywhere
