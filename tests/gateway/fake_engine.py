@@ -172,6 +172,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.aborted.extend(request.request_ids)
         return engine_pb2.AbortResponse(num_aborted=0)
 
+    async def WatchKVEvents(self, request, context):
+        """As a scheduler started without --kv-events-config answers: the router then guesses."""
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV cache events are off (--kv-events-config)")
+
     async def GetModelInfo(self, request, context):
         return engine_pb2.ModelInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                     block_size=self.block_size, num_kv_blocks=100 if self.num_workers else 0,
