@@ -1,19 +1,25 @@
 """Adapters in the worker: an LRU of loaded adapters in host memory and the stacked slot table on the device.
 
-    store = AdapterStore(shapes, max_loras, max_cpu_loras, max_rank, dtype, device)
+    store = AdapterStore(shapes, max_loras, max_cpu_loras, max_rank, dtype, device, stack_groups, max_stack_rank)
     store.register(name, path)        # from the plan (names and paths, never weights); loads lazily
     slots = store.activate(names)     # this step's adapters (<= max_loras) -> their slots, loading as needed
-    store.tables[target]              # SlotTable: a [L, R, in], b [L, out, R], scale [L], has [L]
+    store.tables[target]              # SlotTable: a [layers, L, R, in], b [layers, L, out, R], has [L]
+    store.stacks                      # StackedA: the A of targets sharing one input, [layers, L, k * R, in]
+    store.scale                       # [L] fp32: each slot's adapter scaling, 0 for an empty slot
 
+The targets of one fused projection (q/k/v, gate/up: `stack_groups`) share their input, so their A live stacked
+on the rank axis (a target's table.a is a view into its stack) and one shrink serves them all; on CUDA a stack
+holds at most `max_stack_rank` ranks (what the Triton kernels cover), so a group may split into several stacks.
 An adapter of rank r < R fills the first r rows of A and columns of B; the rest stay zero, so every slot is a
-rank-R product. A slot whose adapter does not target a projection has zeros there and `has` False, which the
-torch path uses to skip it. Loading validates the folder again (services/common/lora_adapter.py) before reading.
+rank-R product. A slot whose adapter does not target a projection has zeros there (its products are exact zeros)
+and `has` False. Loading validates the folder again (services/common/lora_adapter.py) before reading.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +41,19 @@ class LoadedAdapter:
 
 @dataclass
 class SlotTable:
-    """One projection's stacked adapters, per layer: what the LoRA ops read."""
+    """One target's adapters, per layer and slot: what the LoRA ops read."""
 
-    a: torch.Tensor                      # [layers, L, R, in]
+    a: torch.Tensor                      # [layers, L, R, in] a view into its StackedA
     b: torch.Tensor                      # [layers, L, out, R]
-    scale: torch.Tensor                  # [L] float32, 0 for an empty slot
     has: list[bool]                      # [L] the slot's adapter targets this projection
+
+
+@dataclass
+class StackedA:
+    """The A of targets that read the same input, stacked on the rank axis: one shrink computes all of them."""
+
+    targets: tuple[str, ...]
+    a: torch.Tensor                      # [layers, L, len(targets) * R, in], target i at rows [i * R, (i + 1) * R)
 
 
 def load_adapter(name: str, path: str, shapes: LoraModelShapes, max_rank: int) -> LoadedAdapter:
@@ -62,15 +75,25 @@ def load_adapter(name: str, path: str, shapes: LoraModelShapes, max_rank: int) -
 
 class AdapterStore:
     def __init__(self, shapes: LoraModelShapes, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, stack_groups: Iterable[tuple[str, ...]] = (),
+                 max_stack_rank: int | None = None) -> None:
         self.shapes, self.max_loras, self.max_cpu_loras, self.max_rank = shapes, max_loras, max_cpu_loras, max_rank
+        self.device = device
         self.paths: dict[str, str] = {}                         # registered: name -> folder
         self.loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()   # host LRU, most recent last
         self.slot_of: OrderedDict[str, int] = OrderedDict()    # name -> slot, most recently used last
-        self.tables = {t: SlotTable(torch.zeros(shapes.num_layers, max_loras, max_rank, i, dtype=dtype, device=device),
-                                    torch.zeros(shapes.num_layers, max_loras, o, max_rank, dtype=dtype, device=device),
-                                    torch.zeros(max_loras, dtype=torch.float32, device=device), [False] * max_loras)
-                       for t, (i, o) in shapes.targets.items()}
+        self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.stacks: list[StackedA] = []
+        self.tables: dict[str, SlotTable] = {}
+        for targets in _stacks(shapes, stack_groups, max_rank, max_stack_rank):
+            in_features = shapes.targets[targets[0]][0]
+            a = torch.zeros(shapes.num_layers, max_loras, len(targets) * max_rank, in_features, dtype=dtype,
+                            device=device)
+            self.stacks.append(StackedA(targets, a))
+            for i, target in enumerate(targets):
+                out_features = shapes.targets[target][1]
+                b = torch.zeros(shapes.num_layers, max_loras, out_features, max_rank, dtype=dtype, device=device)
+                self.tables[target] = SlotTable(a[:, :, i * max_rank:(i + 1) * max_rank], b, [False] * max_loras)
 
     def register(self, name: str, path: str) -> None:
         if self.paths.get(name) not in (None, path):
@@ -125,13 +148,27 @@ class AdapterStore:
                 a, b = adapter.weights[target]
                 table.a[:, slot, :r].copy_(a)
                 table.b[:, slot, :, :r].copy_(b)
-                table.scale[slot] = adapter.scaling
                 table.has[slot] = True
+        self.scale[slot] = adapter.scaling
 
     def _clear_slot(self, slot: int) -> None:
         for table in self.tables.values():
             table.a[:, slot].zero_()
             table.b[:, slot].zero_()
-            table.scale[slot] = 0.0
             table.has[slot] = False
+        self.scale[slot] = 0.0
+
+
+def _stacks(shapes: LoraModelShapes, groups: Iterable[tuple[str, ...]], max_rank: int,
+            max_stack_rank: int | None) -> list[tuple[str, ...]]:
+    """The targets of each group (sharing one input) in stacks of at most max_stack_rank ranks; every target not
+    in a group stacks alone."""
+    per_stack = max(1, max_stack_rank // max_rank) if max_stack_rank else len(shapes.targets)
+    stacks, grouped = [], set()
+    for group in groups:
+        if len({shapes.targets[t][0] for t in group}) != 1:
+            raise ValueError(f"targets {group} do not share one input size; they cannot be stacked")
+        stacks += [tuple(group[i:i + per_stack]) for i in range(0, len(group), per_stack)]
+        grouped.update(group)
+    return stacks + [(t,) for t in shapes.targets if t not in grouped]
 

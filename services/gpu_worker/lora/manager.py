@@ -12,17 +12,15 @@ num_scheduled_tokens each); the segments (lora/segments.py) are built once per s
 
 from __future__ import annotations
 
-from types import ModuleType, SimpleNamespace
-
 import numpy as np
 import torch
 
 from services.common.lora_adapter import LoraModelShapes
 from services.common.lora_config import LoraConfig
 from services.common.step_contract import StepPlan
-from services.gpu_worker.lora import torch_ops
+from services.gpu_worker.kernels.lora_meta import MAX_KERNEL_RANK
 from services.gpu_worker.lora.adapter_store import AdapterStore
-from services.gpu_worker.lora.layers import LoraLayers
+from services.gpu_worker.lora.layers import PROJECTION_TARGETS, LoraLayers
 from services.gpu_worker.lora.segments import build_lora_segments
 
 
@@ -32,13 +30,6 @@ def model_shapes(cfg) -> LoraModelShapes:
                                      cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
 
 
-def _ops_for(device: torch.device) -> ModuleType | SimpleNamespace:
-    if device.type == "cuda":             # the Triton shrink / expand
-        from services.gpu_worker.kernels import lora_ops
-        return SimpleNamespace(shrink=lora_ops.lora_shrink, expand=lora_ops.lora_expand)
-    return torch_ops
-
-
 class LoraManager:
     def __init__(self, store: AdapterStore, layers: LoraLayers, device: torch.device) -> None:
         self.store, self.layers, self.device = store, layers, device
@@ -46,9 +37,11 @@ class LoraManager:
 
     @classmethod
     def build(cls, model, config: LoraConfig, dtype: torch.dtype, device: torch.device) -> LoraManager:
+        # the Triton kernels cover a stack of at most MAX_KERNEL_RANK ranks; the CPU path any
+        max_stack_rank = MAX_KERNEL_RANK if device.type == "cuda" else None
         store = AdapterStore(model_shapes(model.config), config.max_loras, config.cpu_loras, config.max_lora_rank,
-                             dtype, device)
-        return cls(store, LoraLayers(model, store, _ops_for(device)), device)
+                             dtype, device, PROJECTION_TARGETS.values(), max_stack_rank)
+        return cls(store, LoraLayers(model, store), device)
 
     def apply_plan(self, plan: StepPlan) -> None:
         for name in plan.lora_drops:
