@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-
-import pytest
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+import pytest
 
 from services.common.step_contract import WorkerInfo
 from services.gateway.app import create_app
