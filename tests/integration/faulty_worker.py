@@ -37,7 +37,7 @@ def install(faults: list[dict]) -> None:
 
     original = ModelRunner._run
 
-    def _run(self: ModelRunner, plan):
+    def _run(self: ModelRunner, plan, *args, **kwargs):
         for handle in plan.scheduled_handles:
             state = self.batch.requests.get(handle)
             if state is None or getattr(state, "fault_injected", False):
@@ -50,7 +50,7 @@ def install(faults: list[dict]) -> None:
                                 plan.step_id, handle, state.num_output_tokens)
                     raise RuntimeError(f"{FAULT_MESSAGE} at step {plan.step_id} (handle {handle}, "
                                        f"{state.num_output_tokens} output tokens)")
-        return original(self, plan)
+        return original(self, plan, *args, **kwargs)
 
     ModelRunner._run = _run
 

@@ -10,6 +10,7 @@ tests/worker/test_families_config.py walks each family's config class and fails 
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 from collections.abc import Callable
@@ -237,9 +238,18 @@ def read_fields(values: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
 def parse_config(path: pathlib.Path) -> dict[str, Any]:
     """ModelConfig kwargs (without eos ids) for the folder's config.json."""
     from transformers import AutoConfig
+    # The family is checked on the raw file first: transformers' own config class for an unsupported family can
+    # reject fields a supported one has (FalconConfig.head_dim is a read-only property), which would hide the
+    # real reason behind a traceback.
+    try:
+        raw_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: config.json cannot be read: {exc}") from exc
+    if raw_type not in FAMILIES:
+        raise ValueError(f"model_type {raw_type!r} is not supported; steploop runs {', '.join(FAMILIES)}")
     try:
         config = AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, OSError) as exc:
+    except (ValueError, KeyError, OSError, AttributeError, TypeError) as exc:
         raise ValueError(f"{path}: config.json cannot be read by transformers: {exc}") from exc
     quant = getattr(config, "quantization_config", None)
     if quant:
