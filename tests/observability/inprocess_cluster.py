@@ -8,8 +8,6 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import pytest
-
 from services.common.step_contract import WorkerInfo
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
@@ -26,7 +24,10 @@ MODEL = "test-model"
 
 
 class FakeRunner:
-    """What gpu_worker.server needs of a ModelRunner: info, execute(plan), reset()."""
+    """What gpu_worker.server needs of a ModelRunner: info, tp_comm (None: not a tensor-parallel rank),
+    execute(plan), reset()."""
+
+    tp_comm = None
 
     def __init__(self) -> None:
         self.info = WorkerInfo(worker_id="fake-0", model_name="fake-model", block_size=4, num_kv_blocks=256,
@@ -50,10 +51,6 @@ class InProcessCluster:
 async def inprocess_cluster(tokenizer, engine_session: bool = True) -> AsyncIterator[InProcessCluster]:
     """Serves MODEL until the block exits; then everything is stopped (the worker and scheduler too).
     engine_session=False: the gateway makes one Generate call per request."""
-    # KNOWN DEFECT, not hidden: since the wave-2 merges (TP worker groups, LoRA, KV events, migration) this
-    # in-process gateway+scheduler+fake-worker setup never answers its first request (the real-process clusters
-    # in tests/integration serve). Skipped so the suite cannot hang CI; the closing note names it as open work.
-    pytest.skip("in-process fake cluster hangs on its first request since the wave-2 merges (open defect)")
     svc = await SchedulerService(SchedulerConfig(), ServerConfig(host="127.0.0.1", port=0, shutdown_timeout=1.0,
                                                                  log_stats_interval=0)).start()
     address = f"127.0.0.1:{svc.port}"
@@ -65,6 +62,9 @@ async def inprocess_cluster(tokenizer, engine_session: bool = True) -> AsyncIter
     runner, _ = await start_site(app, "127.0.0.1", 0, 1.0)
     try:
         while svc.loop.link is None:
+            if worker.done():           # a worker that failed to attach says why instead of hanging the test
+                await worker
+                raise RuntimeError("the in-process worker stopped before it attached")
             await asyncio.sleep(0.01)
         yield InProcessCluster(f"http://127.0.0.1:{bound_port(runner)}", svc)
     finally:
