@@ -3,8 +3,9 @@
 For 64 .. 4096 running requests, decode-only and mixed (new requests arriving, their prompts chunked into the
 same steps), it times schedule() + update_from_output() per step (wall clock: median, p90; and this thread's CPU
 time: median, min, which a busy shared machine inflates less) and measures the serialized size of
-StepPlan.to_pb() per decode request. Writes benchmarks/results/scheduler_step.json (with the load average the
-run saw) and prints a table.
+StepPlan.to_pb() per decode request. Each case runs with the scheduler's C loops for plain decodes (the default,
+services/scheduler/fastpath) and then with its Python loops (`loops` column; the ratio is the gain). Writes
+benchmarks/results/scheduler_step.json (with the load average the run saw) and prints a table.
 Targets: <= 1 ms per step at 1024 running decode requests, linear growth; <= 6 bytes per decode request.
 """
 
@@ -61,7 +62,7 @@ def _request(i: int, rng: random.Random, max_tokens: int) -> Request:
                    arrival_time=float(i))
 
 
-def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int) -> dict:
+def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int, c_loops: bool = True) -> dict:
     rng = random.Random(num_running)
     # Decode: a budget that admits every prompt in one step, so all num_running requests decode when measured
     # (with a small one, admission takes longer than the requests live). Mixed: prompts keep arriving.
@@ -70,6 +71,10 @@ def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int) -> 
                              async_scheduling=async_scheduling)
     num_blocks = num_running * (PROMPT_LEN + 3 * steps) // BLOCK_SIZE + 64
     sched = make_scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, config.enable_prefix_caching), 4096, [2])
+    if not c_loops:
+        sched.c_loops = None
+    elif sched.c_loops is None:
+        raise SystemExit("the scheduler's C loops are not built (gcc and Python.h needed); see the warning above")
     worker, next_id = BenchWorker(), 0
     for _ in range(num_running):
         # Mixed: short outputs so requests keep finishing and new prompts keep arriving.
@@ -98,6 +103,7 @@ def bench(num_running: int, mixed: bool, async_scheduling: bool, steps: int) -> 
             plan_bytes.append(len(plan.to_pb().SerializeToString()) / max(len(plan.scheduled_handles), 1))
     times.sort()
     return {"num_running": num_running, "mixed": mixed, "async": async_scheduling, "steps": steps,
+            "loops": "c" if c_loops else "python",
             "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))],
             "us_per_request": 1e6 * statistics.median(times) / num_running,
             "cpu_median_ms": 1e3 * statistics.median(cpu_times), "cpu_min_ms": 1e3 * min(cpu_times),
@@ -109,17 +115,19 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    rows = [bench(n, mixed, asy, args.steps) for n in args.sizes for mixed in (False, True) for asy in (False, True)]
+    rows = [bench(n, mixed, asy, args.steps, c) for n in args.sizes for mixed in (False, True) for asy in (False, True)
+            for c in (True, False)]
     load = os.getloadavg()[0]
     for r in rows:
         r["load_average_1m"], r["cpus"] = round(load, 2), os.cpu_count()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=2))
-    print(f"{'running':>8} {'workload':>8} {'sched':>5} {'median ms':>10} {'p90 ms':>8} {'us/req':>7} {'cpu ms':>7} "
-          f"{'cpu min':>7} {'B/decode':>9}")
+    print(f"{'running':>8} {'workload':>8} {'sched':>5} {'loops':>6} {'median ms':>10} {'p90 ms':>8} {'us/req':>7} "
+          f"{'cpu ms':>7} {'cpu min':>7} {'B/decode':>9}")
     for r in rows:
         b = f"{r['bytes_per_decode_request']:.2f}" if r["bytes_per_decode_request"] is not None else "-"
         print(f"{r['num_running']:>8} {'mixed' if r['mixed'] else 'decode':>8} {'async' if r['async'] else 'sync':>5} "
+              f"{r['loops']:>6} "
               f"{r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['us_per_request']:>7.2f} {r['cpu_median_ms']:>7.3f} "
               f"{r['cpu_min_ms']:>7.3f} {b:>9}")
     print(f"load average {load:.1f} on {os.cpu_count()} CPUs: on a busy machine read the CPU columns")

@@ -27,7 +27,7 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)   # slots: the step loops read its fields ~10 times per request per step
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from services.common.pooling_params import PoolingConfig
 from services.common.step_contract import NewRequestData, StepPlan, StepResult, TokenLogprob
-from services.scheduler import policy
+from services.scheduler import fastpath, policy
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.handles import HandleTable
 from services.scheduler.integrity import check_scheduler
@@ -73,6 +73,8 @@ class Scheduler:
         self._awaiting_drafts: set[Request] = set()   # async scheduling: a step in flight verifies their drafts
         # Request.stop_ids without stop_token_ids, by ignore_eos: shared, so the per-token check hits a hot set.
         self._no_stop_ids = {False: self.eos_token_ids, True: frozenset()}
+        # The plain-decode runs of the two hot loops in C (fastpath/decode_loop.c), or None: Python throughout.
+        self.c_loops = fastpath.load()
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -217,7 +219,16 @@ class Scheduler:
                                                          ends.append)
         last_position, block_size, runs_ahead = self.max_model_len - 1, kv.block_size, self.runs_ahead
         num_decodes = decode_context = 0
+        c_decodes = self.c_loops.schedule_decodes if self.c_loops is not None else None
         while i < len(running) and budget > 0:
+            if c_decodes is not None:            # the run of plain decodes from i, in C; it stops before the
+                i, budget, n, context = c_decodes(running, i, budget, last_position, block_size, runs_ahead,
+                                                  awaiting, plan.scheduled_handles, plan.num_scheduled_tokens,
+                                                  scheduled, ends)       # first request it does not handle
+                num_decodes += n
+                decode_context += context
+                if i >= len(running) or budget <= 0:
+                    break
             request = running[i]
             computed, placeholders = request.num_computed_tokens, request.num_output_placeholders
             num_output = len(request.output_token_ids)
@@ -425,7 +436,17 @@ class Scheduler:
         one token that cannot stop the request is appended inline; anything else goes through _append_tokens."""
         outputs, block_size, kv, running = [], self.kv.block_size, self.kv, RUNNING
         add_output, get_tokens = outputs.append, sampled.get
-        for request, end, handle, num_new in zip(*in_flight, plan.scheduled_handles, plan.num_scheduled_tokens):
+        requests, ends = in_flight
+        handles, counts = plan.scheduled_handles, plan.num_scheduled_tokens
+        c_decodes = self.c_loops.apply_decodes if self.c_loops is not None and type(sampled) is dict else None
+        k, n = 0, min(len(requests), len(handles))
+        while k < n:
+            if c_decodes is not None:            # the run of plain decodes from k, in C (it appends their
+                k = c_decodes(requests, ends, handles, counts, k, sampled, outputs, block_size)   # outputs)
+                if k >= n:
+                    break
+            request, end, handle, num_new = requests[k], ends[k], handles[k], counts[k]
+            k += 1
             if request.status is not running:
                 continue
             tokens = get_tokens(handle)

@@ -1,7 +1,7 @@
-"""The scheduler's inline fast paths (plain decodes in _schedule_running and _apply_tokens) against the general
-path: over random workloads (sync/async, drafts, prefix cache, priority, pacing, small pools), a scheduler whose
-every request goes through _num_new_tokens / allocate_slots / _add_to_batch / _advance and _append_tokens must
-build byte-identical plans and equal outputs, step for step."""
+"""The scheduler's inline fast paths (plain decodes in _schedule_running and _apply_tokens, in Python and in C:
+services/scheduler/fastpath) against the general path: over random workloads (sync/async, drafts, prefix cache,
+priority, pacing, small pools), a scheduler whose every request goes through _num_new_tokens / allocate_slots /
+_add_to_batch / _advance and _append_tokens must build byte-identical plans and equal outputs, step for step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepResult
+from services.scheduler import fastpath
 from services.scheduler.request import Request, RequestRejectedError
 from tests.scheduler.sched_factories import FakeWorker, create_scheduler
 
@@ -64,11 +65,17 @@ def random_request(rng: random.Random, i: int, base: list[int], max_model_len: i
                    arrival_time=float(i))
 
 
-def run_workload(seed: int, general: bool) -> list:
-    """Every serialized plan and every output of one random workload, in order."""
+def run_workload(seed: int, general: bool, c_loops: bool = False, scale: int = 1) -> list:
+    """Every serialized plan and every output of one random workload, in order. c_loops: the fast paths' plain
+    decodes run in C; scale: that many times the requests and max_num_seqs (long runs of plain decodes)."""
     rng = random.Random(seed)
     config = random_config(rng)
+    config["max_num_seqs"] *= scale
+    config["num_blocks"] *= scale
+    config["max_num_batched_tokens"] = max(config["max_num_batched_tokens"], config["max_num_seqs"])
     sched = create_scheduler(**config)
+    sched.c_loops = fastpath.load() if c_loops else None
+    assert not c_loops or sched.c_loops is not None
     if general:
         sched._schedule_running = types.MethodType(general_schedule_running, sched)
         sched._apply_tokens = types.MethodType(general_apply_tokens, sched)
@@ -76,9 +83,9 @@ def run_workload(seed: int, general: bool) -> list:
     base = [rng.randrange(10, 990) for _ in range(16)]
     window = 2 if config["async_scheduling"] else 1
     for i in range(rng.randint(20, 80)):
-        for j in range(rng.choice([0, 0, 1, 3])):
+        for j in range(rng.choice([0, 0, 1, 3]) * scale):
             try:
-                sched.add_request(random_request(rng, 10 * i + j, base, config["max_model_len"]))
+                sched.add_request(random_request(rng, 1000 * i + j, base, config["max_model_len"]))
             except RequestRejectedError as e:       # too long for a small pool: refused the same on both paths
                 trace.append(str(e))
         if rng.random() < 0.05 and sched.requests:
@@ -94,7 +101,27 @@ def run_workload(seed: int, general: bool) -> list:
     return trace
 
 
-@pytest.mark.parametrize("seeds", [range(0, 40), range(40, 80)])
-def test_fast_paths_build_the_plans_and_outputs_of_the_general_path(seeds):
+@pytest.mark.parametrize("c_loops", [False, True], ids=["python", "c"])
+@pytest.mark.parametrize("seeds", [range(40), range(40, 80)])
+def test_fast_paths_build_the_plans_and_outputs_of_the_general_path(seeds, c_loops):
     for seed in seeds:
-        assert run_workload(seed, general=False) == run_workload(seed, general=True), f"workload {seed}"
+        assert run_workload(seed, general=False, c_loops=c_loops) == run_workload(seed, general=True), \
+            f"workload {seed}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_c_loops_on_many_requests(seed):
+    """Long runs of plain decodes (8-64 running) with every feature the random configs draw."""
+    assert run_workload(seed, general=False, c_loops=True, scale=8) == run_workload(seed, general=True, scale=8)
+
+
+def test_c_loops_build_where_gcc_is():
+    """Where gcc and Python's headers are (CI, the worker image), the scheduler gets its C loops; a disabled or
+    unbuildable extension leaves it on the Python loops."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    if shutil.which("gcc") and (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        assert fastpath.load() is not None
+        assert create_scheduler().c_loops is not None
