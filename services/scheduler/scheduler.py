@@ -261,13 +261,20 @@ class Scheduler:
                     return budget
             if new_blocks:                       # a decode with room in its last block sends nothing here
                 plan.cached.append(request.handle, computed, new_blocks)
-            if decode:
+            if decode:                           # into its new block: then as the inline branch above
                 add_handle(request.handle)
                 add_count(1)
+                add_scheduled(request)
+                request.num_computed_tokens = computed = computed + 1
+                if runs_ahead and request.max_output_tokens:
+                    request.num_output_placeholders = placeholders + 1
+                add_end(computed)
                 num_decodes += 1
-                decode_context += computed + 1
-            else:
-                self._add_to_batch(plan, request, num_new)
+                decode_context += computed
+                budget -= 1
+                i += 1
+                continue
+            self._add_to_batch(plan, request, num_new)
             add_scheduled(request)
             add_end(self._advance(plan, request, num_new))
             budget -= num_new

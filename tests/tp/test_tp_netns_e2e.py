@@ -12,7 +12,7 @@ import pytest
 from tests.integration.cluster import assert_healthy_and_no_leak
 from tests.integration.hf_reference import HFReference
 from tests.integration.netns import HOST_ADDR, PEER_ADDR, LinkedNamespace, netns_available
-from tests.tp.test_tp_faults_e2e import MAX_TOKENS, PROMPTS, _fault_scenario, _wait_for_log
+from tests.tp.test_tp_faults_e2e import MAX_TOKENS, PROMPTS, _fault_scenario, _wait_for_log, _wait_for_reformed
 from tests.tp.tp_cluster import TpCluster
 
 pytestmark = [pytest.mark.slow,
@@ -45,7 +45,7 @@ def test_ranks_on_two_hosts_survive_a_cut_link(tmp_path, tp2_model_dir):
             texts = _fault_scenario(cluster, tp2_model_dir.name, cut_then_restore)
             for prompt, text in zip(PROMPTS, texts):
                 assert text == hf.greedy_text(hf.text_ids(prompt), MAX_TOKENS), prompt
-            _wait_for_log(tmp_path / "worker-1.log", "generation 2", timeout=120)
+            _wait_for_reformed(tmp_path / "worker-1.log", timeout=120)
             assert_healthy_and_no_leak(cluster, PROMPTS[0], 8, model=tp2_model_dir.name,
                                        expect_text=hf.greedy_text(hf.text_ids(PROMPTS[0]), 8))
         finally:
