@@ -27,26 +27,37 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
-@dataclass(eq=False, slots=True)   # slots: the step loops read its fields ~10 times per request per step
+@dataclass(eq=False, slots=True)
 class Request:
+    # slots, and the fields the per-step loops read (scheduler.py, fastpath/decode_loop.c) first: at 1024+ running
+    # requests those loops wait on memory, and these then share two cache lines instead of four. Construct with
+    # keywords after the first two (the order below is layout, not an API).
     request_id: str
     prompt_token_ids: list[int]
+    status: RequestStatus = RequestStatus.WAITING
+    handle: int = -1                     # small int the worker knows it by; assigned by the scheduler
+    num_computed_tokens: int = 0         # tokens whose KV is in this request's blocks
+    # Async scheduling: tokens sampled by steps in flight that this scheduler has not seen yet (0 or 1).
+    num_output_placeholders: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    # Set by add_request, so the per-step loops touch neither the prompt list nor the sampling params:
+    # len(prompt_token_ids) (a prompt never changes) and whether sampling asks for prompt logprobs.
+    num_prompt: int = 0
+    # Also set by add_request, for the per-token stop check: the output length at which it stops (max_tokens or
+    # the context, whichever first) and the ids that may stop it (its stop_token_ids, and EOS unless ignore_eos).
+    max_output_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
+    stop_ids: frozenset[int] = frozenset()
+    sends_prompt_logprobs: bool = False
+    num_cached_tokens: int = 0           # of the prompt, found in the prefix cache (reported in usage)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens resolved by add_request
     priority: int = 0                    # lower runs first (vLLM's convention); used by later policies
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None        # isolates this request's prefix-cache entries (mixed into block 0's key)
     lora_name: str | None = None         # its LoRA adapter (None: the base model); also in block 0's key
     lora_path: str = ""                  # the adapter's folder, resolved when the request arrived
-    handle: int = -1                     # small int the worker knows it by; assigned by the scheduler
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0         # tokens whose KV is in this request's blocks
-    num_cached_tokens: int = 0           # of the prompt, found in the prefix cache (reported in usage)
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
-    status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None     # the EOS / stop id that finished it, if any
     num_preemptions: int = 0
-    # Async scheduling: tokens sampled by steps in flight that this scheduler has not seen yet (0 or 1).
-    num_output_placeholders: int = 0
     # Prefix-cache keys of this request's full blocks, in order; content-derived, so kept across preemptions.
     block_hashes: list[bytes] = field(default_factory=list)
     error: str = ""                      # set with FINISHED_ERROR
@@ -54,14 +65,6 @@ class Request:
     # with the first output. Kept across preemption (the recomputed ones are dropped).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
-    # Set by Scheduler.add_request for the per-token stop check: ids that may stop it (its stop_token_ids, and
-    # EOS unless ignore_eos) and the output length at which it stops (max_tokens or the context, whichever first).
-    stop_ids: frozenset[int] = frozenset()
-    max_output_tokens: int = 0
-    # Also set by add_request, so the per-step loops touch neither the prompt list nor the sampling params:
-    # len(prompt_token_ids) (a prompt never changes) and whether sampling asks for prompt logprobs.
-    num_prompt: int = 0
-    sends_prompt_logprobs: bool = False
     # An embedding request: prompt only, finished (FINISHED_STOPPED, nothing sampled) with the worker's pooled
     # vector once the whole prompt is computed. no_prefix_hits: its pooling needs every prompt position (MEAN, CLS).
     pooling: PoolingParams | None = None
