@@ -20,11 +20,12 @@ from services.common.step_contract import StepPlan, StepResult, TokenLogprob, Wo
 from services.gpu_worker import kv_cache
 from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
 from services.gpu_worker.cpu_kernels.threads import granted_cpus
 from services.gpu_worker.cuda_graphs import DecodeGraphRunner
-from services.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
 from services.gpu_worker.distributed.comm import CollectiveError
 from services.gpu_worker.distributed.rank_setup import RankSetup
+from services.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
 from services.gpu_worker.input_batch import InputBatch
 from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.logits_processors import LogitsEdits
@@ -62,6 +63,7 @@ class ModelRunner:
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
         self.lora = lora                 # --enable-lora: adapters per request (lora/manager.py)
+        self.threads: ThreadGovernor | None = None   # CPU: each step's thread count from measured step times
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -116,6 +118,7 @@ class ModelRunner:
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
+        runner.threads = make_thread_governor(config, device, plan)
         return runner
 
     def reset(self) -> None:
@@ -133,11 +136,15 @@ class ModelRunner:
             if not plan.scheduled_handles:
                 return StepResult(step_id=plan.step_id)
             with_lora = self.lora is not None and self.lora.begin_step(plan)
+            if self.threads is not None:
+                self.threads.before_step()
             try:
                 result = self._run(plan, with_lora)
             finally:
                 if with_lora:
                     self.lora.end_step()
+            if self.threads is not None:
+                self.threads.after_step(time.perf_counter() - start, plan.total_num_scheduled_tokens)
         except CollectiveError:      # the group broke: not this step's failure; the worker leaves the group
             raise
         except Exception as exc:     # a failed step is reported, the worker lives on

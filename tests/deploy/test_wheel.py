@@ -64,6 +64,7 @@ def test_sdist_and_wheel_carry_the_generated_stubs(dist):
         assert stub in sdist_names, f"{stub} missing from the sdist"
     assert any(n.endswith("licenses/LICENSE") for n in wheel_names)
     assert "services/gpu_worker/cpu_kernels/paged_attention.c" in wheel_names   # compiled at run time
+    assert "services/scheduler/fastpath/decode_loop.c" in wheel_names            # so is the scheduler's
     assert not any(n.startswith("tests/") for n in wheel_names)
 
 
@@ -95,6 +96,22 @@ def test_installed_package_imports_from_the_venv(venv):
     assert out.returncode == 0, out.stderr
     for line in out.stdout.split():
         assert line.startswith(str(venv)), f"imported from outside the fresh venv: {line}"
+
+
+def test_scheduler_c_loops_build_from_the_installed_wheel(venv, tmp_path):
+    """The installed package compiles its scheduler loops (gcc is on CI's PATH); without gcc it would say so and
+    run the Python loops."""
+    import shutil
+
+    code = "from services.scheduler import fastpath; m = fastpath.load(); print(m is not None, fastpath.SOURCE)"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], check=False, cwd=venv, capture_output=True,
+                         text=True, timeout=120, env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+                                                      "HOME": str(pathlib.Path.home()),
+                                                      "STEPLOOP_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    built, source = out.stdout.split()
+    assert source.startswith(str(venv))
+    assert built == str(shutil.which("gcc", path="/usr/bin:/bin") is not None), out.stderr[-2000:]
 
 
 def test_steploop_help_from_the_installed_wheel(venv):
