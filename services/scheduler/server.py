@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common import event_loop, grpc_options, observability, tls
 from services.common.metrics import MetricsServer
 from services.common.pb.steploop.v1 import engine_pb2_grpc
+from services.scheduler import fastpath
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.server_config import ServerConfig
@@ -51,7 +52,10 @@ class SchedulerService:
         self.tasks: list[asyncio.Task] = []
         self.metrics_server = MetricsServer(self.loop.observer.registry, "scheduler")
 
-    async def start(self) -> "SchedulerService":
+    async def start(self) -> SchedulerService:
+        # The plain-decode C loops compile (gcc, ~1 s) on first use: here, before serving, not on the event loop
+        # when the first worker attaches and its Scheduler is built.
+        await asyncio.get_running_loop().run_in_executor(None, fastpath.load)
         await self.server.start()
         if self.config.metrics_port:
             await self.metrics_server.start(self.config.host, self.config.metrics_port)
