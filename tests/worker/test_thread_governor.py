@@ -33,11 +33,25 @@ def test_a_busy_neighbour_moves_it_to_fewer_threads_and_it_comes_back(set_thread
     gov = ThreadGovernor(2, explore_every=8, pairs=3)
     busy = {1: 0.010, 2: 0.020}              # one core taken: the 2-thread steps wait at every barrier
     used = serve(gov, busy.get, 8 + 6)
-    assert used[:7] == [2] * 7 and used[7:13] == [2, 1, 2, 1, 2, 1]
+    assert used[:7] == [2] * 7 and used[7:13] == [2, 1, 1, 2, 2, 1]      # ABBA pairs
     assert gov.threads == 1 and set_threads[-1] == 1
     idle = {1: 0.020, 2: 0.011}              # the neighbour is gone: the probe of 2 wins it back
     used = serve(gov, idle.get, 8 + 6)
     assert 2 in used and gov.threads == 2 and set_threads[-1] == 2
+
+
+def test_only_pairs_of_equal_steps_count(set_threads):
+    """A pair whose steps scheduled different token counts (a prompt chunk joined one of them) says nothing."""
+    gov = ThreadGovernor(2, explore_every=1, pairs=2)
+    tokens = iter([64, 80] * 8)              # every pair mismatched: no decision, the count stays
+    for _ in range(16):
+        threads = gov.before_step()
+        gov.after_step((0.005 if threads == 1 else 0.02) * 64, next(tokens))
+    assert gov.threads == 2
+    for _ in range(8):                       # now equal pairs: 1 thread is 4x faster per token
+        threads = gov.before_step()
+        gov.after_step((0.005 if threads == 1 else 0.02) * 64, 64)
+    assert gov.threads == 1
 
 
 def test_a_probe_that_changes_nothing_backs_off(set_threads):
@@ -52,8 +66,8 @@ def test_a_probe_that_changes_nothing_backs_off(set_threads):
 
 
 def test_a_gain_below_the_threshold_keeps_the_count(set_threads):
-    gov = ThreadGovernor(2, explore_every=4, pairs=3, min_gain=0.1)
-    serve(gov, {1: 0.0095, 2: 0.010}.get, 4 + 6)        # 5% faster with 1: noise, not a reason to switch
+    gov = ThreadGovernor(2, explore_every=4, pairs=3, min_gain=0.15)
+    serve(gov, {1: 0.009, 2: 0.010}.get, 4 + 6)        # 10% faster with 1: noise, not a reason to switch
     assert gov.threads == 2
 
 
@@ -74,14 +88,6 @@ def test_only_for_cpu_packed_linears_and_a_default_thread_count(monkeypatch):
     monkeypatch.delenv("STEPLOOP_CPU_ADAPTIVE_THREADS")
     monkeypatch.setattr(thread_governor.torch, "get_num_threads", lambda: 1)
     assert make_thread_governor(Config, cpu, packed) is None                             # nothing to adapt
-
-
-def test_a_neighbour_arriving_mid_run_triggers_a_probe_long_before_the_interval(set_threads):
-    gov = ThreadGovernor(2, explore_every=1000, max_interval=1000, pairs=3)
-    serve(gov, {1: 0.020, 2: 0.010}.get, 100)                  # idle: no probe yet, a reference after 16 steps
-    assert gov.threads == 2 and 1 not in set_threads
-    used = serve(gov, {1: 0.015, 2: 0.040}.get, 30)            # a busy loop lands on one of the two cores
-    assert gov.threads == 1 and used.index(1) < 12 and used[-1] == 1
 
 
 def test_probes_at_least_every_max_seconds(set_threads):

@@ -7,15 +7,14 @@ concurrent decodes fell to 0.36x of their idle throughput with 2 threads (benchm
 thread alone would lose about half. Which is faster depends on what else runs, and that changes while serving, so
 it is measured, not guessed:
 
-- Every `explore_every` steps the governor runs `pairs` pairs of steps, one step at the current count and the next
-  at a candidate (one fewer; or one more, when below the maximum, to come back once the neighbour is gone).
-  Consecutive steps of a serving loop have nearly the same batch, so each pair compares like with like; the
-  figure is seconds per scheduled token, and the median ratio over the pairs decides.
+- Every `explore_every` steps, and at least every `max_seconds`, the governor runs pairs of consecutive steps, one
+  at the current count and one at a candidate (one fewer; or one more, when below the maximum, to come back once
+  the neighbour is gone), in ABBA order. Only a pair whose two steps scheduled the same number of tokens counts
+  (a closed loop's decode steps mostly do); the figure is seconds per token, and the median ratio over `pairs`
+  such pairs decides (no decision if a probe of 8 x `pairs` steps found too few).
 - The candidate wins when it is at least `min_gain` faster; then it is the new count. A probe that changes nothing
-  doubles the interval (up to `max_interval` steps, and at least one probe every `max_seconds`), so an idle
-  steady state pays for a few probe steps every 30 s; a switch resets it.
-- A neighbour that arrives mid-run should not wait for that: when the time per token (a moving average) rises to
-  `slowdown` times what it was just after the last probe, the next step starts a probe.
+  doubles the step interval (up to `max_interval`); a switch resets it. So an idle machine pays a few probe steps
+  every 15 s, and a neighbour that arrives is noticed within ~15 s.
 
 Results do not depend on the count: it is only used where the step's linears are the packed C kernels, whose every
 output element is computed by one thread (packed_linear.c), as are the attention and elementwise kernels' rows.
@@ -50,29 +49,23 @@ def make_thread_governor(config, device: torch.device, plan) -> ThreadGovernor |
 
 
 class ThreadGovernor:
-    def __init__(self, max_threads: int, explore_every: int = 64, pairs: int = 4, min_gain: float = 0.1,
-                 max_interval: int = 2048, max_seconds: float = 30.0, slowdown: float = 1.5,
-                 clock=time.monotonic) -> None:
+    def __init__(self, max_threads: int, explore_every: int = 64, pairs: int = 4, min_gain: float = 0.15,
+                 max_interval: int = 2048, max_seconds: float = 15.0, clock=time.monotonic) -> None:
         self.max_threads = max_threads
         self.threads = max_threads
         self.base_interval = self.interval = explore_every
         self.max_interval = max_interval
         self.max_seconds = max_seconds     # a probe at least this often, however long the step interval grew
-        self.slowdown = slowdown           # ...and at once when steps get this much slower than after the last
         self.pairs = pairs
         self.min_gain = min_gain
         self.clock = clock
         self._until_probe = explore_every
         self._last_probe = clock()
-        self._probe: list[float] | None = None      # per-token seconds, alternating current / candidate
+        self._probe: list[tuple[int, int, float]] | None = None   # (threads, tokens, seconds per token) per step
+        self._ratios: list[float] = []
         self._candidate = 0
         self._step_threads = max_threads
         self._probe_up = False       # between 1 and the maximum: which way the next probe goes
-        self._ewma: float | None = None              # per-token seconds of recent steps at the current count
-        self._reference: float | None = None         # what _ewma was REFERENCE_STEPS steps after the last probe
-        self._steps_since = 0
-
-    REFERENCE_STEPS = 16
 
     def _pick_candidate(self) -> int:
         if self.threads >= self.max_threads:
@@ -81,44 +74,40 @@ class ThreadGovernor:
             return self.threads + 1
         return self.threads + (1 if self._probe_up else -1)
 
-    def _probe_due(self) -> bool:
-        self._until_probe -= 1
-        if self._until_probe <= 0 or self.clock() - self._last_probe >= self.max_seconds:
-            return True
-        # A neighbour that starts mid-run shows as a jump in the time per token; so does a batch that shrinks to
-        # a few requests, and then the probe is only a few cheap steps.
-        return (self._reference is not None and self._ewma is not None
-                and self._ewma > self.slowdown * self._reference)
+    def _probe_threads(self) -> int:
+        # ABBA: pair k runs (current, candidate) for even k and (candidate, current) for odd k, so neither count
+        # always runs first (the first step after a change, or a batch that drifts, cannot favour one of them).
+        k, second = divmod(len(self._probe), 2)
+        return self._candidate if (k % 2 == 0) == (second == 1) else self.threads
 
     def before_step(self) -> int:
         """Sets torch's thread count (which every C kernel reads) for the next step and returns it."""
-        if self._probe is None and self.max_threads > 1 and self._probe_due():
-            self._candidate = self._pick_candidate()
-            self._probe = []
-        threads = self.threads
-        if self._probe is not None and len(self._probe) % 2 == 1:
-            threads = self._candidate
+        if self._probe is None and self.max_threads > 1:
+            self._until_probe -= 1
+            if self._until_probe <= 0 or self.clock() - self._last_probe >= self.max_seconds:
+                self._candidate = self._pick_candidate()
+                self._probe, self._ratios = [], []
+        threads = self.threads if self._probe is None else self._probe_threads()
         if threads != self._step_threads:
             torch.set_num_threads(threads)
             self._step_threads = threads
         return threads
 
     def after_step(self, seconds: float, num_tokens: int) -> None:
-        if num_tokens <= 0:
+        if self._probe is None or num_tokens <= 0:
             return
-        per_token = seconds / num_tokens
-        if self._probe is None:
-            self._ewma = per_token if self._ewma is None else 0.8 * self._ewma + 0.2 * per_token
-            self._steps_since += 1
-            if self._steps_since == self.REFERENCE_STEPS:
-                self._reference = self._ewma
+        self._probe.append((self._step_threads, num_tokens, seconds / num_tokens))
+        if len(self._probe) % 2:
             return
-        self._probe.append(per_token)
-        if len(self._probe) < 2 * self.pairs:
-            return
-        ratios = [cand / cur for cur, cand in zip(self._probe[0::2], self._probe[1::2]) if cur > 0]
+        (_, n0, s0), (t1, n1, s1) = self._probe[-2:]
+        if n0 == n1 and s0 > 0 and s1 > 0:      # like with like only: the same tokens in both steps of the pair
+            self._ratios.append(s1 / s0 if t1 == self._candidate else s0 / s1)
+        if len(self._ratios) >= self.pairs or len(self._probe) >= 8 * self.pairs:
+            self._decide()
+
+    def _decide(self) -> None:
+        ratio = statistics.median(self._ratios) if len(self._ratios) >= self.pairs else 1.0
         self._probe = None
-        ratio = statistics.median(ratios) if ratios else 1.0
         if ratio <= 1.0 - self.min_gain:
             log.info("CPU threads %d -> %d: its steps took %.2fx the time per token (a neighbour on a core, or it "
                      "went away)", self.threads, self._candidate, ratio)
@@ -130,8 +119,6 @@ class ThreadGovernor:
             self._probe_up = not self._probe_up                  # next time, the other way
         self._until_probe = self.interval
         self._last_probe = self.clock()
-        self._ewma = self._reference = None
-        self._steps_since = 0
         if self._step_threads != self.threads:
             torch.set_num_threads(self.threads)
             self._step_threads = self.threads
