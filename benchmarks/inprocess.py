@@ -57,8 +57,8 @@ class InProcessEngine:
                 i, (ids, n) = pending.popleft()
                 rid = f"r{i}"
                 sent[rid] = results[rid].start_time = time.perf_counter()
-                sched.add_request(Request(rid, list(ids), SamplingParams(max_tokens=n, ignore_eos=True,
-                                                                          temperature=0.0)))
+                sched.add_request(Request(rid, list(ids),
+                                          sampling=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)))
                 live += 1
 
         window = 2 if self.sched_config.async_scheduling else 1

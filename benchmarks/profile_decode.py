@@ -62,7 +62,8 @@ def main(argv=None) -> None:
     runner, sched = engine.runner, engine._new_scheduler()
     tok = datasets.load_tokenizer(None)
     for i, r in enumerate(datasets.random_dataset(args.batch, 128, 10_000, 0.0, tok, seed=5, as_ids=True)):
-        sched.add_request(Request(f"r{i}", r.prompt, SamplingParams(max_tokens=4 * args.steps + 16, ignore_eos=True)))
+        sched.add_request(Request(f"r{i}", r.prompt,
+                                  sampling=SamplingParams(max_tokens=4 * args.steps + 16, ignore_eos=True)))
     while sched.num_waiting or _prefilling(sched):
         plan = sched.schedule()
         sched.update_from_output(plan, runner.execute(plan))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from services.common.pooling_params import PoolingParams
 from services.common.sampling_params import SamplingParams
@@ -23,17 +23,18 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = enum.auto()     # the worker failed the step
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
 
 @dataclass(eq=False, slots=True)
 class Request:
     # slots, and the fields the per-step loops read (scheduler.py, fastpath/decode_loop.c) first: at 1024+ running
-    # requests those loops wait on memory, and these then share two cache lines instead of four. Construct with
-    # keywords after the first two (the order below is layout, not an API).
+    # requests those loops wait on memory, and these then share two cache lines instead of four. Everything after
+    # the first two is keyword-only: the order below is layout, not an API.
     request_id: str
     prompt_token_ids: list[int]
+    _: KW_ONLY
     status: RequestStatus = RequestStatus.WAITING
     handle: int = -1                     # small int the worker knows it by; assigned by the scheduler
     num_computed_tokens: int = 0         # tokens whose KV is in this request's blocks
