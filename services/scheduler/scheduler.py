@@ -236,37 +236,25 @@ class Scheduler:
                       and not request.spec_token_ids
                       and (not placeholders or (num_output + placeholders < request.max_output_tokens
                                                 and (not awaiting or request not in awaiting))))
-            if decode and computed % block_size:    # room in its last block: allocate_slots would return []
+            num_new = 1 if decode else self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            if not decode or computed % block_size == 0:   # a decode with room in its last block needs no block
+                while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                    victim = running[-1]         # the worst ranked; everything before i is better
+                    self._preempt(victim, plan)
+                    if victim is request:
+                        self._tally_decodes(num_decodes, decode_context)
+                        return budget
+                if new_blocks:                   # [] when its last block still has room
+                    plan.cached.append(request.handle, computed, new_blocks)
+            if decode:
                 add_handle(request.handle)
                 add_count(1)
                 add_scheduled(request)
                 request.num_computed_tokens = computed = computed + 1
                 if runs_ahead and request.max_output_tokens:   # it samples (not pooling): one more placeholder
-                    request.num_output_placeholders = placeholders + 1
-                add_end(computed)
-                num_decodes += 1
-                decode_context += computed
-                budget -= 1
-                i += 1
-                continue
-            num_new = 1 if decode else self._num_new_tokens(request, budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
-                victim = running[-1]             # the worst ranked; everything before i is better
-                self._preempt(victim, plan)
-                if victim is request:
-                    self._tally_decodes(num_decodes, decode_context)
-                    return budget
-            if new_blocks:                       # a decode with room in its last block sends nothing here
-                plan.cached.append(request.handle, computed, new_blocks)
-            if decode:                           # into its new block: then as the inline branch above
-                add_handle(request.handle)
-                add_count(1)
-                add_scheduled(request)
-                request.num_computed_tokens = computed = computed + 1
-                if runs_ahead and request.max_output_tokens:
                     request.num_output_placeholders = placeholders + 1
                 add_end(computed)
                 num_decodes += 1

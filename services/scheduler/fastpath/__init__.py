@@ -5,7 +5,7 @@
 Why C: at 1024 running decodes the two Python loops cost ~1.7 us per request per step, most of it bytecode
 dispatch over a dozen field reads; issue 23 asks for <= 1 us (a GPU step every ~10 ms must not wait on the
 scheduler). The C functions do only what the Python inline branches do, and hand every other request back to
-the Python general path, so behaviour is the same either way (tests/scheduler/test_c_loops.py runs both on the
+the Python general path, so behaviour is the same either way (tests/scheduler/test_fast_paths.py runs both on the
 same workloads and compares every plan and output).
 
 The library is keyed by the source and the Python build; a temp file is renamed into place so several processes
@@ -94,4 +94,3 @@ def load() -> ModuleType | None:
         return None
     log.info("scheduler plain-decode loops in C: %s", path)
     return module
-

@@ -160,9 +160,9 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
                           &block_size))
         return NULL;
     if (request_type == NULL) { PyErr_SetString(PyExc_RuntimeError, "init() was not called"); return NULL; }
-    Py_ssize_t n = PyList_GET_SIZE(requests);
-    if (PyList_GET_SIZE(ends) < n || PyList_GET_SIZE(handles) < n || PyList_GET_SIZE(counts) < n)
-        n = Py_MIN(Py_MIN(PyList_GET_SIZE(ends), PyList_GET_SIZE(handles)), PyList_GET_SIZE(counts));
+    if (block_size <= 0) return PyLong_FromSsize_t(k);
+    Py_ssize_t n = Py_MIN(Py_MIN(PyList_GET_SIZE(requests), PyList_GET_SIZE(ends)),
+                          Py_MIN(PyList_GET_SIZE(handles), PyList_GET_SIZE(counts)));
     for (; k < n; k++) {
         PyObject *r = PyList_GET_ITEM(requests, k);
         if (Py_TYPE(r) != request_type) break;
@@ -182,11 +182,12 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
         Py_ssize_t num_new = int_field(PyList_GET_ITEM(counts, k), &bad);
         Py_ssize_t max_output = int_field(FIELD(r, r_off[R_MAX_OUTPUT]), &bad);
         Py_ssize_t placeholders = int_field(FIELD(r, r_off[R_PLACEHOLDERS]), &bad);
-        Py_ssize_t num_prompt = int_field(FIELD(r, r_off[R_NUM_PROMPT]), &bad);
+        PyObject *num_prompt = FIELD(r, r_off[R_NUM_PROMPT]);
+        int_field(num_prompt, &bad);                      /* checked only: the output carries the object */
         PyObject *output_ids = FIELD(r, r_off[R_OUTPUT_IDS]), *spec = FIELD(r, r_off[R_SPEC]);
         PyObject *stop_ids = FIELD(r, r_off[R_STOP_IDS]), *sends = FIELD(r, r_off[R_SENDS_PROMPT_LP]);
         PyObject *request_id = FIELD(r, r_off[R_REQUEST_ID]), *cached = FIELD(r, r_off[R_NUM_CACHED]);
-        if (bad || block_size <= 0 || output_ids == NULL || !PyList_CheckExact(output_ids) || spec == NULL
+        if (bad || output_ids == NULL || !PyList_CheckExact(output_ids) || spec == NULL
             || !PyList_CheckExact(spec) || PyList_GET_SIZE(spec) || stop_ids == NULL || !PyAnySet_Check(stop_ids)
             || sends != Py_False || request_id == NULL || cached == NULL)
             break;
@@ -197,20 +198,19 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
         if (stops) break;
         PyObject *out = output_type->tp_alloc(output_type, 0);
         if (out == NULL) return NULL;
-        PyObject *num_prompt_obj = FIELD(r, r_off[R_NUM_PROMPT]), *num_output_obj = PyLong_FromSsize_t(num_output);
+        PyObject *num_output_obj = PyLong_FromSsize_t(num_output);
         if (num_output_obj == NULL) { Py_DECREF(out); return NULL; }
         FIELD(out, o_off[O_REQUEST_ID]) = Py_NewRef(request_id);
         FIELD(out, o_off[O_NEW_TOKENS]) = Py_NewRef(tokens);
         FIELD(out, o_off[O_LOGPROBS]) = Py_NewRef(Py_None);
         FIELD(out, o_off[O_FINISH]) = Py_NewRef(Py_None);
         FIELD(out, o_off[O_STOP_ID]) = Py_NewRef(Py_None);
-        FIELD(out, o_off[O_NUM_PROMPT]) = Py_NewRef(num_prompt_obj);
+        FIELD(out, o_off[O_NUM_PROMPT]) = Py_NewRef(num_prompt);
         FIELD(out, o_off[O_NUM_OUTPUT]) = num_output_obj;
         FIELD(out, o_off[O_NUM_CACHED]) = Py_NewRef(cached);
         FIELD(out, o_off[O_ERROR]) = Py_NewRef(empty_str);
         FIELD(out, o_off[O_PROMPT_LP]) = Py_NewRef(Py_None);
         FIELD(out, o_off[O_EMBEDDING]) = Py_NewRef(Py_None);
-        (void)num_prompt;
         if ((placeholders && set_int(r, r_off[R_PLACEHOLDERS], placeholders - 1) < 0)
             || PyList_Append(output_ids, token) < 0 || PyList_Append(outputs, out) < 0) {
             Py_DECREF(out);
