@@ -33,6 +33,10 @@ class FinishReason(enum.IntEnum):
 
 _FINISH_BY_VALUE = tuple(FinishReason)   # wire value -> FinishReason, without an enum call per chunk
 
+# WatchKVEvents' initial metadata: "1" when the scheduler resumes the watcher's (instance_id, from_sequence), so
+# only missed batches follow and the watcher's index is whole again at once; "0" when a snapshot comes first.
+KV_EVENTS_RESUMED_METADATA = "steploop-kv-events-resumed"
+
 
 @dataclass(slots=True)
 class EngineRequest:

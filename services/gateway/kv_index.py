@@ -6,7 +6,8 @@ One watcher task per replica keeps one stream open. The first message is a snaps
 caches, its block size, and the hash function and root its keys are made with: the router hashes prompts with
 the replica's own function and root, so a seed that differs between processes cannot silently match nothing);
 then ordered batches of BlockStored / BlockRemoved / AllBlocksCleared. A broken stream reconnects with
-(instance_id, next sequence): the replica replays what was missed, or sends a fresh snapshot after a restart.
+(instance_id, next sequence): the replica replays what was missed (its initial metadata says so, and the index
+is in sync again at once), or sends a fresh snapshot after a restart.
 Until a replica's index is in sync (events off there, stream down) the router guesses for it as before.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
+from services.common.engine_contract import KV_EVENTS_RESUMED_METADATA
 from services.common.pb.steploop.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class ReplicaCacheIndex:
     hasher_id: tuple = ()                # (algo, root): replicas with equal ids share a prompt's hashes
     instance_id: str = ""
     next_sequence: int = 0
-    synced: bool = False                 # a snapshot was applied and the stream is up
+    synced: bool = False                 # a snapshot was applied (or the replica resumed us) and the stream is up
 
     def apply(self, message: engine_pb2.KvEventMessage) -> None:
         if message.HasField("snapshot"):
@@ -106,9 +108,15 @@ class KvEventWatcher:
         delay = RECONNECT_S[0]
         while True:
             try:
-                async for message in self.client.watch_kv_events(self.index.next_sequence, self.index.instance_id):
-                    self.index.apply(message)
-                    self.events_off, delay = False, RECONNECT_S[0]
+                call = self.client.watch_kv_events(self.index.next_sequence, self.index.instance_id)
+                try:
+                    if (KV_EVENTS_RESUMED_METADATA, "1") in tuple(await call.initial_metadata() or ()):
+                        self.index.synced = True     # only the batches missed while the stream was down follow
+                    async for message in call:
+                        self.index.apply(message)
+                        self.events_off, delay = False, RECONNECT_S[0]
+                finally:
+                    call.cancel()
             except grpc.aio.AioRpcError as err:
                 self.index.synced = False
                 if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):

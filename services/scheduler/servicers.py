@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from services.common import metrics, tracing
-from services.common.engine_contract import EngineRequest
+from services.common.engine_contract import KV_EVENTS_RESUMED_METADATA, EngineRequest
 from services.common.errors import EngineError, abort_with
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from services.common.step_contract import WorkerInfo
@@ -95,6 +95,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if hub is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off on this scheduler; start "
                                 "it with --kv-events-config '{\"enable_kv_cache_events\": true}'")
+        resumed = hub.resumes(request.instance_id, request.from_sequence)
+        await context.send_initial_metadata(((KV_EVENTS_RESUMED_METADATA, "1" if resumed else "0"),))
         try:
             async for item in hub.watch(request.from_sequence, request.instance_id):
                 yield message_pb(item)

@@ -102,6 +102,22 @@ class Cluster:
             time.sleep(0.25)
         raise TimeoutError(f"cluster not ready after {timeout} s:\n{self.logs()}")
 
+    def wait_replicas_up(self, addresses: list[str], timeout: float = 600.0) -> None:
+        """Until this gateway routes to every replica in `addresses` (its /metrics says steploop:replica_up 1): the
+        gateway is ready as soon as one replica is, and on a loaded machine another's worker may attach a minute
+        later."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as resp:
+                text = resp.read().decode()
+            if all(f'steploop:replica_up{{replica="{address}"}} 1.0' in text for address in addresses):
+                return
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
+            time.sleep(0.25)    # a poll interval
+        raise TimeoutError(f"the gateway does not route to all of {addresses} after {timeout} s:\n{self.logs()}")
+
     def stop_service(self, name: str, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
         proc = self.procs[name]
         if proc.poll() is None:
@@ -160,6 +176,7 @@ def two_replicas(tmp_path_factory, name: str, **cluster_kwargs):
         for service in ("scheduler", "worker"):
             b.start_service(service)
         a.start()
+        a.wait_replicas_up([a.scheduler_address, b.scheduler_address])
         yield a, b
     finally:
         a.stop()

@@ -64,7 +64,9 @@ def wait_serving(address: str, tries: int = 600) -> None:
 async def block_size_of(address: str) -> int:
     client = EngineClient(address)
     try:
-        return (await client.model_info()).block_size
+        block_size = (await client.model_info()).block_size
+        assert block_size, f"{address} has no worker attached (block size 0)"
+        return block_size
     finally:
         await client.close()
 

@@ -95,7 +95,8 @@ class KvEventHub:
         return CacheSnapshot(self.instance_id, self.next_sequence, list(keys), block_size, self.hash_algo,
                              self.hash_root)
 
-    def _replayable(self, instance_id: str, from_sequence: int) -> bool:
+    def resumes(self, instance_id: str, from_sequence: int) -> bool:
+        """Whether a watch from (instance_id, from_sequence) gets the missed batches (else a snapshot first)."""
         if instance_id != self.instance_id or from_sequence > self.next_sequence:
             return False
         oldest = self._buffer[0].sequence if self._buffer else self.next_sequence
@@ -106,7 +107,7 @@ class KvEventHub:
         watcher: asyncio.Queue = asyncio.Queue()
         self._watchers.add(watcher)
         try:
-            if self._replayable(instance_id, from_sequence):
+            if self.resumes(instance_id, from_sequence):
                 self.flush()
                 first: list = [b for b in self._buffer if b.sequence >= from_sequence]
                 expected = from_sequence
