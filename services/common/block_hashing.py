@@ -46,15 +46,21 @@ DEFAULT_HASHER = "sha256"
 VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"   # vllm/v1/core/kv_cache_utils.py DEFAULT_NONE_HASH_SEED
 
 
+@functools.cache
+def _packer(num_tokens: int) -> Callable[..., bytes]:
+    return struct.Struct(f"<{num_tokens}I").pack     # one compiled format per block size, not one per block
+
+
 def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, *,
-               root: bytes = ROOT_HASH) -> bytes:
-    """steploop's key of one full block ("sha256"); parent is None for a request's first block."""
+               root: bytes = ROOT_HASH, _sha256=hashlib.sha256) -> bytes:
+    """steploop's key of one full block ("sha256"); parent is None for a request's first block. Runs once per
+    block a decode fills (1 in block_size request-steps), so the packing format is cached."""
     if parent is None:
         salt_bytes = (salt or "").encode()
         head = root + b"\x01" + struct.pack("<I", len(salt_bytes)) + salt_bytes
     else:
         head = parent + b"\x00"
-    return hashlib.sha256(head + struct.pack(f"<{len(tokens)}I", *tokens)).digest()
+    return _sha256(head + _packer(len(tokens))(*tokens)).digest()
 
 
 def first_block_extra(cache_salt: str | None, lora_name: str | None) -> str | None:

@@ -220,11 +220,13 @@ class Scheduler:
         last_position, block_size, runs_ahead = self.max_model_len - 1, kv.block_size, self.runs_ahead
         num_decodes = decode_context = 0
         c_decodes = self.c_loops.schedule_decodes if self.c_loops is not None else None
+        cached = plan.cached
         while i < len(running) and budget > 0:
-            if c_decodes is not None:            # the run of plain decodes from i, in C; it stops before the
-                i, budget, n, context = c_decodes(running, i, budget, last_position, block_size, runs_ahead,
-                                                  awaiting, plan.scheduled_handles, plan.num_scheduled_tokens,
-                                                  scheduled, ends)       # first request it does not handle
+            if c_decodes is not None:            # the run of plain decodes from i, in C (next blocks through
+                i, budget, n, context = c_decodes(   # kv.allocate_slots); it stops before the first it does not do
+                    running, i, budget, last_position, block_size, runs_ahead, awaiting, plan.scheduled_handles,
+                    plan.num_scheduled_tokens, scheduled, ends, kv.allocate_slots, cached.handles,
+                    cached.num_computed_tokens, cached.new_block_ids)
                 num_decodes += n
                 decode_context += context
                 if i >= len(running) or budget <= 0:
@@ -248,7 +250,7 @@ class Scheduler:
                         self._tally_decodes(num_decodes, decode_context)
                         return budget
                 if new_blocks:                   # [] when its last block still has room
-                    plan.cached.append(request.handle, computed, new_blocks)
+                    cached.append(request.handle, computed, new_blocks)
             if decode:
                 add_handle(request.handle)
                 add_count(1)
@@ -437,7 +439,8 @@ class Scheduler:
         k, n = 0, min(len(requests), len(handles))
         while k < n:
             if c_decodes is not None:            # the run of plain decodes from k, in C (it appends their
-                k = c_decodes(requests, ends, handles, counts, k, sampled, outputs, block_size)   # outputs)
+                k = c_decodes(requests, ends, handles, counts, k, sampled, outputs, block_size,   # outputs)
+                              kv.cache_blocks)
                 if k >= n:
                     break
             request, end, handle, num_new = requests[k], ends[k], handles[k], counts[k]

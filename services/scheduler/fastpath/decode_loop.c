@@ -1,12 +1,13 @@
 /* The scheduler's two per-request hot loops for plain decodes, in C (services/scheduler/fastpath/__init__.py).
 
-A plain decode is one token for a request that has room in its last KV block, no drafts, and (under async
-scheduling) room to run ahead; on the way back, one sampled token that cannot stop it and fills no block.
-That is ~94% of the request-steps of a decode-heavy batch (1 in block_size crosses a block). Each function runs
+A plain decode is one token for a request with no drafts and (under async scheduling) room to run ahead; on the
+way back, one sampled token that cannot stop it. 1 in block_size of them crosses a block: the C loop calls the
+KV manager's own Python methods for that block (allocate_slots on the way out, cache_blocks on the way back)
+and goes on, rather than returning to the Python loop for it. Each function runs
 over consecutive plain decodes and returns the index of the first request it does NOT handle, which the Python
 loop in scheduler.py then takes through its general path before calling back in. So the C code never
-allocates blocks, preempts, stops or finishes a request: it does exactly what the Python inline branches do
-(same fields, same order), and anything it does not recognise goes back to Python.
+preempts, stops or finishes a request, nor touches the block pool itself: it does exactly what the Python
+inline branches do (same fields, same calls, same order), and anything it does not recognise goes back to Python.
 
 Request and RequestOutput are slots dataclasses; `init` reads their member offsets once, so a field read here
 is one load. Ints are checked to be exact ints, lists exact lists; anything else returns to Python. The GIL is
@@ -91,18 +92,25 @@ static inline int append_int(PyObject *list, Py_ssize_t value) {
 }
 
 /* schedule_decodes(running, i, budget, last_position, block_size, runs_ahead, awaiting,
-                    handles, counts, scheduled, ends) -> (i, budget, num_decodes, context)
+                    handles, counts, scheduled, ends, allocate, cached_handles, cached_computed, cached_blocks)
+       -> (i, budget, num_decodes, context)
 
    Scheduler._schedule_running's inline branch, from running[i] on, while budget lasts: stops at the first
-   request that is not a plain decode with room in its last block (or at the end of the list). */
+   request that is not a plain decode (or at the end of the list). A decode whose last block is full gets its
+   next block from `allocate` (KVCacheManager.allocate_slots, called with (request, 1)), recorded in the plan's
+   CachedRequestData lists as plan.cached.append does; when allocate is None, or returns None (no free block:
+   nothing was allocated, and Python preempts), it stops there too. */
 static PyObject *schedule_decodes(PyObject *self, PyObject *args) {
-    PyObject *running, *awaiting, *handles, *counts, *scheduled, *ends;
+    PyObject *running, *awaiting, *handles, *counts, *scheduled, *ends, *allocate;
+    PyObject *cached_handles, *cached_computed, *cached_blocks;
     Py_ssize_t i, budget, last_position, block_size;
     int runs_ahead;
-    if (!PyArg_ParseTuple(args, "O!nnnnpOO!O!O!O!", &PyList_Type, &running, &i, &budget, &last_position,
+    if (!PyArg_ParseTuple(args, "O!nnnnpOO!O!O!O!OO!O!O!", &PyList_Type, &running, &i, &budget, &last_position,
                           &block_size, &runs_ahead, &awaiting, &PyList_Type, &handles, &PyList_Type, &counts,
-                          &PyList_Type, &scheduled, &PyList_Type, &ends))
+                          &PyList_Type, &scheduled, &PyList_Type, &ends, &allocate, &PyList_Type,
+                          &cached_handles, &PyList_Type, &cached_computed, &PyList_Type, &cached_blocks))
         return NULL;
+    if (block_size <= 0) return Py_BuildValue("nnnn", i, budget, (Py_ssize_t)0, (Py_ssize_t)0);
     if (request_type == NULL) { PyErr_SetString(PyExc_RuntimeError, "init() was not called"); return NULL; }
     int check_awaiting = PyAnySet_Check(awaiting) && PySet_GET_SIZE(awaiting) > 0;
     Py_ssize_t num_decodes = 0, context = 0;
@@ -129,13 +137,31 @@ static PyObject *schedule_decodes(PyObject *self, PyObject *args) {
             if (in < 0) goto error;
             decode = !in;
         }
-        if (!decode || computed % block_size == 0) break;
+        if (!decode) break;
+        if (computed % block_size == 0) {                 /* its last block is full: the next one first */
+            if (allocate == Py_None) break;
+            PyObject *blocks = PyObject_CallFunctionObjArgs(allocate, r, one, NULL);
+            if (blocks == NULL) goto error;
+            if (blocks == Py_None) { Py_DECREF(blocks); break; }
+            int rc = 0;
+            if (!PyList_CheckExact(blocks)) {
+                PyErr_SetString(PyExc_TypeError, "allocate_slots must return a list or None");
+                rc = -1;
+            } else if (PyList_GET_SIZE(blocks)) {
+                rc = PyList_Append(cached_handles, handle) < 0 || append_int(cached_computed, computed) < 0
+                     || PyList_Append(cached_blocks, blocks) < 0 ? -1 : 0;
+            }
+            Py_DECREF(blocks);
+            if (rc < 0) goto error;
+        }
         computed += 1;
+        PyObject *end = PyLong_FromSsize_t(computed);     /* one object, as in Python: the field and ends[] */
+        if (end == NULL) goto error;
+        Py_XSETREF(FIELD(r, r_off[R_NUM_COMPUTED]), end);
         if (PyList_Append(handles, handle) < 0 || PyList_Append(counts, one) < 0
-            || PyList_Append(scheduled, r) < 0 || set_int(r, r_off[R_NUM_COMPUTED], computed) < 0)
+            || PyList_Append(scheduled, r) < 0 || PyList_Append(ends, end) < 0)
             goto error;
         if (runs_ahead && max_output && set_int(r, r_off[R_PLACEHOLDERS], placeholders + 1) < 0) goto error;
-        if (append_int(ends, computed) < 0) goto error;
         num_decodes += 1;
         context += computed;
         budget -= 1;
@@ -147,17 +173,19 @@ error:
     return NULL;
 }
 
-/* apply_decodes(requests, ends, handles, counts, k, sampled, outputs, block_size) -> k
+/* apply_decodes(requests, ends, handles, counts, k, sampled, outputs, block_size, cache_blocks) -> k
 
    Scheduler._apply_tokens' inline branch, from index k of the step's parallel lists: skips requests that are
-   no longer running, appends one sampled token that cannot stop the request and fills no block, and appends
-   its RequestOutput. Stops at the first request that needs anything else. */
+   no longer running, appends one sampled token that cannot stop the request, and appends its RequestOutput.
+   A token that fills a block has it keyed by `cache_blocks` (KVCacheManager.cache_blocks, called with
+   (request, min(end, prompt + output tokens))) between the two, as the Python branch does; with cache_blocks
+   None it stops there. Stops at the first request that needs anything else. */
 static PyObject *apply_decodes(PyObject *self, PyObject *args) {
-    PyObject *requests, *ends, *handles, *counts, *sampled, *outputs;
+    PyObject *requests, *ends, *handles, *counts, *sampled, *outputs, *cache_blocks;
     Py_ssize_t k, block_size;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!nO!O!n", &PyList_Type, &requests, &PyList_Type, &ends, &PyList_Type,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!nO!O!nO", &PyList_Type, &requests, &PyList_Type, &ends, &PyList_Type,
                           &handles, &PyList_Type, &counts, &k, &PyDict_Type, &sampled, &PyList_Type, &outputs,
-                          &block_size))
+                          &block_size, &cache_blocks))
         return NULL;
     if (request_type == NULL) { PyErr_SetString(PyExc_RuntimeError, "init() was not called"); return NULL; }
     if (block_size <= 0) return PyLong_FromSsize_t(k);
@@ -183,7 +211,7 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
         Py_ssize_t max_output = int_field(FIELD(r, r_off[R_MAX_OUTPUT]), &bad);
         Py_ssize_t placeholders = int_field(FIELD(r, r_off[R_PLACEHOLDERS]), &bad);
         PyObject *num_prompt = FIELD(r, r_off[R_NUM_PROMPT]);
-        int_field(num_prompt, &bad);                      /* checked only: the output carries the object */
+        Py_ssize_t prompt_len = int_field(num_prompt, &bad);   /* the output carries the object itself */
         PyObject *output_ids = FIELD(r, r_off[R_OUTPUT_IDS]), *spec = FIELD(r, r_off[R_SPEC]);
         PyObject *stop_ids = FIELD(r, r_off[R_STOP_IDS]), *sends = FIELD(r, r_off[R_SENDS_PROMPT_LP]);
         PyObject *request_id = FIELD(r, r_off[R_REQUEST_ID]), *cached = FIELD(r, r_off[R_NUM_CACHED]);
@@ -192,7 +220,8 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
             || sends != Py_False || request_id == NULL || cached == NULL)
             break;
         Py_ssize_t num_output = PyList_GET_SIZE(output_ids) + 1;
-        if (num_output >= max_output || end % block_size < num_new) break;   /* may stop / fills a block */
+        int fills = end % block_size < num_new;
+        if (num_output >= max_output || (fills && cache_blocks == Py_None)) break;   /* may stop / a block */
         int stops = PySet_Contains(stop_ids, token);
         if (stops < 0) return NULL;
         if (stops) break;
@@ -212,11 +241,20 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
         FIELD(out, o_off[O_PROMPT_LP]) = Py_NewRef(Py_None);
         FIELD(out, o_off[O_EMBEDDING]) = Py_NewRef(Py_None);
         if ((placeholders && set_int(r, r_off[R_PLACEHOLDERS], placeholders - 1) < 0)
-            || PyList_Append(output_ids, token) < 0 || PyList_Append(outputs, out) < 0) {
+            || PyList_Append(output_ids, token) < 0) {
             Py_DECREF(out);
             return NULL;
         }
+        if (fills) {                                      /* key the block it filled, before the output */
+            PyObject *upto = PyLong_FromSsize_t(Py_MIN(end, prompt_len + num_output));
+            PyObject *done = upto == NULL ? NULL : PyObject_CallFunctionObjArgs(cache_blocks, r, upto, NULL);
+            Py_XDECREF(upto);
+            if (done == NULL) { Py_DECREF(out); return NULL; }
+            Py_DECREF(done);
+        }
+        int rc = PyList_Append(outputs, out);
         Py_DECREF(out);
+        if (rc < 0) return NULL;
     }
     return PyLong_FromSsize_t(k);
 }
