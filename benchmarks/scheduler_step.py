@@ -4,8 +4,10 @@ For 64 .. 4096 running requests, decode-only and mixed (new requests arriving, t
 same steps), it times schedule() + update_from_output() per step (wall clock: median, p90; and this thread's CPU
 time: median, min, which a busy shared machine inflates less) and measures the serialized size of
 StepPlan.to_pb() per decode request. Each case runs with the scheduler's C loops for plain decodes (the default,
-services/scheduler/fastpath) and then with its Python loops (`loops` column; the ratio is the gain). Writes
-benchmarks/results/scheduler_step.json (with the load average the run saw) and prints a table.
+services/scheduler/fastpath) and then with its Python loops (`loops` column; the ratio is the gain). The process
+runs with the scheduler service's GC settings (services/scheduler/gc_tuning.py; `--gc default` keeps CPython's,
+for a comparison). Writes benchmarks/results/scheduler_step.json (with the load average the run saw) and prints
+a table.
 Targets: <= 1 ms per step at 1024 running decode requests, linear growth; <= 6 bytes per decode request.
 """
 
@@ -19,8 +21,10 @@ import statistics
 import time
 from pathlib import Path
 
+from services.common import envs
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepPlan, StepResult
+from services.scheduler import gc_tuning
 from services.scheduler.async_scheduler import make_scheduler
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -114,12 +118,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--gc", choices=["tuned", "default"], default="tuned",
+                        help="tuned: the scheduler service's GC settings (the default); default: CPython's")
     args = parser.parse_args()
+    if args.gc == "tuned" and not gc_tuning.tune():
+        raise SystemExit(f"{envs.SCHEDULER_GC_TUNING}=0 is set: pass --gc default to run with CPython's settings")
     rows = [bench(n, mixed, asy, args.steps, c) for n in args.sizes for mixed in (False, True) for asy in (False, True)
             for c in (True, False)]
     load = os.getloadavg()[0]
     for r in rows:
-        r["load_average_1m"], r["cpus"] = round(load, 2), os.cpu_count()
+        r["load_average_1m"], r["cpus"], r["gc"] = round(load, 2), os.cpu_count(), args.gc
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=2))
     print(f"{'running':>8} {'workload':>8} {'sched':>5} {'loops':>6} {'median ms':>10} {'p90 ms':>8} {'us/req':>7} "
@@ -130,7 +138,7 @@ def main() -> None:
               f"{r['loops']:>6} "
               f"{r['median_ms']:>10.3f} {r['p90_ms']:>8.3f} {r['us_per_request']:>7.2f} {r['cpu_median_ms']:>7.3f} "
               f"{r['cpu_min_ms']:>7.3f} {b:>9}")
-    print(f"load average {load:.1f} on {os.cpu_count()} CPUs: on a busy machine read the CPU columns")
+    print(f"load average {load:.1f} on {os.cpu_count()} CPUs: on a busy machine read the CPU columns; gc {args.gc}")
     print(f"wrote {RESULTS}")
 
 

@@ -26,6 +26,7 @@ KV_EVENTS_INT_BLOCK_HASHES = PREFIX + "KV_EVENTS_INT_BLOCK_HASHES"  # 0: ZMQ KV 
 CPU_ISA = PREFIX + "CPU_ISA"                             # avx512 / avx2 / generic: the C kernels' instruction set (default: the best the CPU has)
 CPU_ADAPTIVE_THREADS = PREFIX + "CPU_ADAPTIVE_THREADS"   # 0: the worker keeps its thread count (no probing of fewer)
 SCHEDULER_C_LOOPS = PREFIX + "SCHEDULER_C_LOOPS"           # 0: the scheduler's plain-decode loops stay Python (no gcc build)
+SCHEDULER_GC_TUNING = PREFIX + "SCHEDULER_GC_TUNING"       # 0: the scheduler keeps CPython's GC thresholds (no freeze)
 
 
 def switched_off(*names: str) -> str | None:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from services.common import event_loop, grpc_options, observability, tls
 from services.common.metrics import MetricsServer
 from services.common.pb.steploop.v1 import engine_pb2_grpc
-from services.scheduler import fastpath
+from services.scheduler import fastpath, gc_tuning
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.server_config import ServerConfig
@@ -123,6 +123,7 @@ class SchedulerService:
 
 async def serve(sched_config: SchedulerConfig, server_config: ServerConfig) -> bool:
     service = await SchedulerService(sched_config, server_config).start()
+    gc_tuning.tune()                        # the process's start-up is done: freeze it, widen the young generation
     log.info("scheduler listening on %s (budget %d tokens/step, max %d seqs)", server_config.address,
              sched_config.max_num_batched_tokens, sched_config.max_num_seqs)
     stop = asyncio.Event()
