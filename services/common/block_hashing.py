@@ -52,7 +52,7 @@ def _packer(num_tokens: int) -> Callable[..., bytes]:
 
 
 def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, *,
-               root: bytes = ROOT_HASH, _sha256=hashlib.sha256) -> bytes:
+               root: bytes = ROOT_HASH) -> bytes:
     """steploop's key of one full block ("sha256"); parent is None for a request's first block. Runs once per
     block a decode fills (1 in block_size request-steps), so the packing format is cached."""
     if parent is None:
@@ -60,7 +60,7 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = N
         head = root + b"\x01" + struct.pack("<I", len(salt_bytes)) + salt_bytes
     else:
         head = parent + b"\x00"
-    return _sha256(head + _packer(len(tokens))(*tokens)).digest()
+    return hashlib.sha256(head + _packer(len(tokens))(*tokens)).digest()
 
 
 def first_block_extra(cache_salt: str | None, lora_name: str | None) -> str | None:

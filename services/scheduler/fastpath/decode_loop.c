@@ -98,8 +98,8 @@ static inline int append_int(PyObject *list, Py_ssize_t value) {
    Scheduler._schedule_running's inline branch, from running[i] on, while budget lasts: stops at the first
    request that is not a plain decode (or at the end of the list). A decode whose last block is full gets its
    next block from `allocate` (KVCacheManager.allocate_slots, called with (request, 1)), recorded in the plan's
-   CachedRequestData lists as plan.cached.append does; when allocate is None, or returns None (no free block:
-   nothing was allocated, and Python preempts), it stops there too. */
+   CachedRequestData lists as plan.cached.append does; when allocate returns None (no free block: nothing was
+   allocated, and Python preempts), it stops there too. */
 static PyObject *schedule_decodes(PyObject *self, PyObject *args) {
     PyObject *running, *awaiting, *handles, *counts, *scheduled, *ends, *allocate;
     PyObject *cached_handles, *cached_computed, *cached_blocks;
@@ -139,7 +139,6 @@ static PyObject *schedule_decodes(PyObject *self, PyObject *args) {
         }
         if (!decode) break;
         if (computed % block_size == 0) {                 /* its last block is full: the next one first */
-            if (allocate == Py_None) break;
             PyObject *blocks = PyObject_CallFunctionObjArgs(allocate, r, one, NULL);
             if (blocks == NULL) goto error;
             if (blocks == Py_None) { Py_DECREF(blocks); break; }
@@ -178,8 +177,8 @@ error:
    Scheduler._apply_tokens' inline branch, from index k of the step's parallel lists: skips requests that are
    no longer running, appends one sampled token that cannot stop the request, and appends its RequestOutput.
    A token that fills a block has it keyed by `cache_blocks` (KVCacheManager.cache_blocks, called with
-   (request, min(end, prompt + output tokens))) between the two, as the Python branch does; with cache_blocks
-   None it stops there. Stops at the first request that needs anything else. */
+   (request, min(end, prompt + output tokens))) between the two, as the Python branch does. Stops at the first
+   request that needs anything else. */
 static PyObject *apply_decodes(PyObject *self, PyObject *args) {
     PyObject *requests, *ends, *handles, *counts, *sampled, *outputs, *cache_blocks;
     Py_ssize_t k, block_size;
@@ -221,7 +220,7 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
             break;
         Py_ssize_t num_output = PyList_GET_SIZE(output_ids) + 1;
         int fills = end % block_size < num_new;
-        if (num_output >= max_output || (fills && cache_blocks == Py_None)) break;   /* may stop / a block */
+        if (num_output >= max_output) break;              /* it may stop: Python checks */
         int stops = PySet_Contains(stop_ids, token);
         if (stops < 0) return NULL;
         if (stops) break;
