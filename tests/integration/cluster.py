@@ -92,31 +92,29 @@ class Cluster:
             return 0
 
     def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.health() == 200:
-                return
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
-            time.sleep(0.25)
-        raise TimeoutError(f"cluster not ready after {timeout} s:\n{self.logs()}")
+        self._wait(lambda: self.health() == 200, timeout, "cluster not ready")
 
     def wait_replicas_up(self, addresses: list[str], timeout: float = 600.0) -> None:
         """Until this gateway routes to every replica in `addresses` (its /metrics says steploop:replica_up 1): the
         gateway is ready as soon as one replica is, and on a loaded machine another's worker may attach a minute
         later."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def all_up() -> bool:
             with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as resp:
                 text = resp.read().decode()
-            if all(f'steploop:replica_up{{replica="{address}"}} 1.0' in text for address in addresses):
+            return all(f'steploop:replica_up{{replica="{address}"}} 1.0' in text for address in addresses)
+        self._wait(all_up, timeout, f"the gateway does not route to all of {addresses}")
+
+    def _wait(self, condition, timeout: float, what: str) -> None:
+        """Polls `condition` until it holds; a service of this cluster that exits, or the timeout, raises."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
                 return
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.logs()}")
             time.sleep(0.25)    # a poll interval
-        raise TimeoutError(f"the gateway does not route to all of {addresses} after {timeout} s:\n{self.logs()}")
+        raise TimeoutError(f"{what} after {timeout} s:\n{self.logs()}")
 
     def stop_service(self, name: str, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
         proc = self.procs[name]

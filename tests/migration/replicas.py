@@ -48,8 +48,7 @@ class Replicas:
         self.gateway.start()
         for c in self.clusters[1:]:       # every replica has its worker (the gateway answers with any one)
             wait_for(lambda c=c: c.load_report().num_total_blocks > 0, 600, f"{c.scheduler_address} has no worker")
-        wait_for(lambda: all(self.replica_up().get(c.scheduler_address) == 1.0 for c in self.clusters), 60,
-                 "replicas up")
+        self.gateway.wait_replicas_up([c.scheduler_address for c in self.clusters], timeout=60)
         return self
 
     def stop(self) -> None:
