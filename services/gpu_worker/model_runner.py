@@ -57,7 +57,8 @@ class ModelRunner:
         self.device = kv_caches[0].device
         self.vocab_size = model.config.vocab_size
         self.batch = InputBatch()
-        self.sampler = Sampler(seed, self.device)
+        plan = getattr(model, "plan", None)
+        self.sampler = Sampler(seed, self.device, plan.ops.argmax_rows if plan is not None else None)
         self.graphs = graphs             # decode-only steps replay CUDA graphs when set
         self.pooler = pooler             # --runner pooling: steps pool hidden states instead of sampling
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder

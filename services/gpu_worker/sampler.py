@@ -67,9 +67,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu", argmax_rows=None):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # greedy rows' argmax: the plan's ops (CpuOps: a C kernel, ~0.5 vs ~2.4 ms on [64, 49152]); same answer
+        self.argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [S, vocab] fp32 -> sampled token ids (and logprobs from the raw logits)."""
@@ -78,7 +80,7 @@ class Sampler:
             logits = apply_logits_edits(logits, meta.edits)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = self.argmax_rows(logits)
         if meta.all_greedy:
             token_ids = greedy_ids
         else:

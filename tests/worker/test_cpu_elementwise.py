@@ -61,6 +61,23 @@ def test_silu_and_mul_matches_torch(t, inter):
     assert torch.equal(CpuOps.silu_and_mul(x[-1:]), got[-1:])          # a row alone: same bits
 
 
+def test_argmax_rows_is_torch_argmax():
+    """Greedy sampling's argmax: the first maximum, a NaN counting as the largest, -inf rows, ties, tails that are not
+    a whole vector; other dtypes and strided rows go to torch."""
+    x = rand(9, 1000)
+    x[1, 7] = x[1, 993] = 50.0                 # a tie: the first
+    x[2, 999] = 60.0                           # in the tail past the last whole vector
+    x[3, 500] = x[3, 20] = float("nan")        # the first NaN
+    x[4] = float("-inf")
+    x[5, 0] = float("inf")
+    x[6, 3] = float("nan")
+    x[6, 4] = float("inf")
+    assert torch.equal(CpuOps.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(CpuOps.argmax_rows(x[:, :13]), x[:, :13].argmax(dim=-1))     # strided: torch's
+    assert torch.equal(CpuOps.argmax_rows(x.double()), x.double().argmax(dim=-1))
+    assert torch.equal(CpuOps.argmax_rows(x[2:3]), x[2:3].argmax(dim=-1))
+
+
 def test_other_dtypes_fall_back_to_torch():
     x, w = rand(4, 64).double(), rand(64).double()
     torch.testing.assert_close(CpuOps.rms_norm(x, w, 1e-5), TorchOps.rms_norm(x, w, 1e-5))

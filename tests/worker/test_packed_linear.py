@@ -59,7 +59,8 @@ def test_weights_that_are_not_quantized_stay_fp32():
 
 
 @pytest.mark.parametrize("isa", build.runnable_isas())    # every build this CPU runs (vector widths 16, 8, 4)
-@pytest.mark.parametrize("n, k", [(48, 64), (64, 96), (16, 32)])      # 48: a tail tile of 16 rows
+# 48: a tail tile of 16 rows; 320: k chunks of the scratch tile (128 + 128 + 64 at 16 lanes, 256 + 64 at 8)
+@pytest.mark.parametrize("n, k", [(48, 64), (64, 96), (16, 32), (32, 320)])
 @pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0])
 def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k, isa):
     w = make(n, k, seed=n + k)
@@ -67,7 +68,7 @@ def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k, isa):
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(7))
     full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)           # > 48 rows: the scratch-tile path
     ref = (x.double() @ w.double().T).float()
-    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * (k / 96) ** 0.5)     # fp32 rounding grows with k
     # the fused path (<= 48 rows: passes of 16, then the rest) and the scratch path's register blocks of 8, full
     # and partial; every row bitwise as in the 70-row batch
     for m in (1, 7, 8, 9, 13, 16, 17, 32, 33, 40, 48, 49, 57, 64, 65):

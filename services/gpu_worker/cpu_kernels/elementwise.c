@@ -4,6 +4,7 @@
      rms_norm         y = w * (h * 1 / sqrt(mean(h^2) + eps)), h = x (+ residual, then written back as the residual)
      rotary_neox      q, k rotated in place: x * cos + rotate_half(x) * sin, cos/sin rows picked by position
      silu_and_mul     out = silu(gate) * up, gate and up the two halves of each row
+     argmax_rows      each row's index of its largest value (greedy sampling over the vocabulary)
 
    Built with -ffp-contract=off so products and sums round as torch's separate ops do: rotary and the residual add
    match torch bit for bit; rms_norm differs from torch only in the order of its sum of squares, silu in its exp.
@@ -137,5 +138,59 @@ int steploop_silu_and_mul(float *out, const float *x, int64_t T, int64_t I, int 
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T * I >= PAR_MIN_ELEMS)
     for (int64_t t = 0; t < T; t++)
         silu_and_mul_row(out + t * I, x + t * 2 * I, x + t * 2 * I + I, I);
+    return 0;
+}
+
+/* The first index of x's largest value, or of its first NaN when it has one (torch.argmax's answer: NaN counts
+   as the largest). A vector pass finds the maximum (comparisons are false for NaN, which a second mask records),
+   then a second pass finds where it first occurs; the row (192 KiB for a 49k vocabulary) is in cache for it. */
+static int64_t argmax_row(const float *x, int64_t C)
+{
+    vf best, v;
+    vi nan_seen = {0};
+    for (int j = 0; j < VL; j++)
+        best[j] = -INFINITY;
+    int64_t i = 0;
+    for (; i + VL <= C; i += VL) {
+        __builtin_memcpy(&v, x + i, sizeof v);
+        vi greater = v > best;
+        nan_seen |= v != v;
+        best = (vf)(((vi)v & greater) | ((vi)best & ~greater));
+    }
+    float top = -INFINITY;
+    int any_nan = 0;
+    for (int j = 0; j < VL; j++) {
+        top = best[j] > top ? best[j] : top;
+        any_nan |= nan_seen[j] != 0;
+    }
+    for (int64_t k = i; k < C; k++) {
+        top = x[k] > top ? x[k] : top;
+        any_nan |= x[k] != x[k];
+    }
+    int64_t k = 0;
+    if (!any_nan)                                  /* skip whole vectors without the maximum */
+        for (; k + VL <= C; k += VL) {
+            __builtin_memcpy(&v, x + k, sizeof v);
+            vi hit = v == top;
+            int any = 0;
+            for (int j = 0; j < VL; j++)
+                any |= hit[j];
+            if (any)
+                break;
+        }
+    for (; k < C; k++)
+        if (any_nan ? x[k] != x[k] : x[k] == top)
+            return k;
+    return 0;
+}
+
+/* x [R, C] fp32 -> out [R] int64 */
+int steploop_argmax_rows(int64_t *out, const float *x, int64_t R, int64_t C, int num_threads)
+{
+    if (R < 0 || C <= 0)
+        return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (R * C >= PAR_MIN_ELEMS)
+    for (int64_t r = 0; r < R; r++)
+        out[r] = argmax_row(x + r * C, C);
     return 0;
 }

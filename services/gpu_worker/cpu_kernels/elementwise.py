@@ -1,4 +1,5 @@
-"""ctypes front end of elementwise.c: RMSNorm (+ residual), rotary (NeoX halves) and SiLU-and-mul, fp32 on the CPU.
+"""ctypes front end of elementwise.c: RMSNorm (+ residual), rotary (NeoX halves), SiLU-and-mul and a row argmax, fp32
+on the CPU.
 
 model/cpu_ops.py's CpuOps calls these with the same interface as TorchOps; `available()` builds the library once.
 """
@@ -20,7 +21,8 @@ _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 def _kernels() -> SimpleNamespace | None:
     fns = {"rms_norm": function("steploop_rms_norm", [_PTR] * 4 + [_I64, _I64, _F32, _INT]),
            "rotary": function("steploop_rotary_neox", [_PTR] * 5 + [_I64] * 7 + [_INT]),
-           "silu_and_mul": function("steploop_silu_and_mul", [_PTR, _PTR, _I64, _I64, _INT])}
+           "silu_and_mul": function("steploop_silu_and_mul", [_PTR, _PTR, _I64, _I64, _INT]),
+           "argmax_rows": function("steploop_argmax_rows", [_PTR, _PTR, _I64, _I64, _INT])}
     return None if None in fns.values() else SimpleNamespace(**fns)
 
 
@@ -99,4 +101,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((x.shape[0], x.shape[1] // 2))
     _call(_kernels().silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1] // 2,
                                   torch.get_num_threads()), "silu_and_mul")
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, C] -> [R] int64, as x.argmax(dim=-1) (first maximum; a NaN counts as the largest), for fp32 CPU rows;
+    anything else goes to torch. torch's took ~4 ms on [64, 49152] (2 threads), this ~0.3 ms."""
+    if not fits_rows(x, 2) or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _call(_kernels().argmax_rows(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads()),
+          "argmax_rows")
     return out

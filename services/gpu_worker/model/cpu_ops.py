@@ -36,3 +36,7 @@ class CpuOps:
             return kernel.silu_and_mul(x)
         return TorchOps.silu_and_mul(x)
 
+    @staticmethod
+    def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+        return kernel.argmax_rows(x)          # torch's for anything but fp32 CPU rows
+

@@ -6,6 +6,7 @@ serving path) and the fused Triton kernels (used with the triton attention backe
     rms_norm(x, w, eps, residual)      -> (y, x + residual)      (triton: both written in place)
     rotary(positions, q, k, cos, sin)  -> (q', k')               (triton: in place)
     silu_and_mul(x [T, 2I])            -> silu(gate) * up [T, I]
+    argmax_rows(x [R, C])              -> x.argmax(-1) [R]       (greedy sampling; CpuOps has a C kernel)
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(dim=-1)
+
 
 class TritonOps:
     name = "triton"
@@ -55,6 +60,8 @@ class TritonOps:
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from services.gpu_worker.kernels.fused import silu_and_mul
         return silu_and_mul(x)
+
+    argmax_rows = TorchOps.argmax_rows
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
