@@ -116,6 +116,29 @@ static void dequant_q8_0(const int8_t *qs, const float *d, int64_t s, int64_t K,
     }
 }
 
+/* Ask for bytes [p, p + n) in cache (each 64-byte line once). */
+static inline void prefetch_range(const void *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 64)
+        __builtin_prefetch((const char *)p + i);
+}
+
+/* Prefetch slice s's packed values and scales for k in [k0, k0 + kc): the tile path dequantizes a chunk and then
+   computes with it for every row of the batch, so the next chunk's bytes arrive from memory during that compute
+   instead of stalling the dequantizing (which had cost ~14% of the matmul time at 64 rows, weights from DRAM). */
+static void prefetch_chunk(int kind, const void *qs, const float *d, const float *m, int64_t s, int64_t K,
+                           int64_t k0, int64_t kc)
+{
+    int64_t b0 = k0 / QK, nb = kc / QK;
+    prefetch_range(d + scale_at(s, K, b0), ((nb - 1) * G + VL) * 4);
+    if (kind == KIND_Q4_1) {
+        prefetch_range(m + scale_at(s, K, b0), ((nb - 1) * G + VL) * 4);
+        prefetch_range((const uint8_t *)qs + q4_at(s, K, k0), (kc / 2 - 1) * G + VL);
+    } else {
+        prefetch_range((const int8_t *)qs + q8_at(s, K, k0), (kc - 1) * G + VL);
+    }
+}
+
 /* y[r, 0:VL*nv] (+)= sum_k x[r, k] * tile[k, 0:VL*nv] for r < mr, k < kc (x's rows K apart); `first` starts
    from zero, else from y's partial sums of the chunks before, so each output stays one fma chain over k in order.
    mr and nv are constants after inlining. */
@@ -299,6 +322,15 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
                         dequant_q4_1(qs, d, m, t * 2 + v, K, k0, kc, tile, v * VL);
                     else
                         dequant_q8_0(qs, d, t * 2 + v, K, k0, kc, tile, v * VL);
+                }
+                /* the next chunk: this tile's further along k, else the next tile's first (static schedule:
+                   usually this thread's next) */
+                int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
+                if (next_t < num_tiles) {
+                    int64_t next_kc = K - next_k0 < KC ? K - next_k0 : KC;
+                    int next_nv = num_slices - next_t * 2 >= 2 ? 2 : 1;
+                    for (int v = 0; v < next_nv; v++)
+                        prefetch_chunk(kind, qs, d, m, next_t * 2 + v, K, next_k0, next_kc);
                 }
                 for (int64_t r = 0; r < M; r += MR) {
                     int mr = M - r < MR ? (int)(M - r) : MR;

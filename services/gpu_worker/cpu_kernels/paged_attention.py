@@ -2,6 +2,7 @@
 
     if available() and supports(num_heads, num_kv_heads, head_dim):   # available() builds/loads it on first call
         paged_attention(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, num_threads)
+        paged_attention(..., isa="avx2")      # another build's kernel (build.py ISAS; tests)
 
 Tensors go in as data pointers, so the wrapper checks what the C code assumes: CPU, contiguous, the dtypes below.
 """
@@ -19,8 +20,9 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
-def _kernel():
-    return function("steploop_paged_attention", [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int])
+def _kernel(isa: str | None = None):
+    return function("steploop_paged_attention", [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int],
+                    isa=isa)
 
 
 def available() -> bool:
@@ -40,7 +42,8 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
 
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_threads: int) -> None:
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_threads: int,
+                    isa: str | None = None) -> None:
     """out, q [T, H, D] fp32; kv_cache [2, num_blocks, block_size, Hk, D] fp32; block_tables [R, max_blocks],
     query_start_loc [R + 1], seq_lens [R] int32. Writes out in place."""
     f32, i32 = torch.float32, torch.int32
@@ -55,7 +58,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, block_tables {tuple(block_tables.shape)}, query_start_loc "
                          f"{tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}")
-    kernel = _kernel()
+    kernel = _kernel(isa)
     if kernel is None:
         raise RuntimeError("the CPU paged attention library is not available (see build.py's warning)")
     rc = kernel(
