@@ -80,27 +80,13 @@ int steploop_rotary_neox(float *q, float *k, const int64_t *positions, const flo
 }
 
 /* exp(x), ~2 ulp, VL lanes at a time (glibc's expf is a scalar call; each lane's value is the same whatever VL):
-   2^n * exp(r), |r| <= ln(2) / 2 (Cephes); n rounded with the 1.5 * 2^23 trick, 2^n built from its exponent bits */
-static inline vf select_lanes(vi mask, vf a, vf b)      /* mask lanes are -1 (take a) or 0 (take b) */
-{
-    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
-}
-
+   n rounded with the 1.5 * 2^23 trick (this file is built without -fassociative-math, which would fold it) */
 static inline vf exp_lanes(vf x)
 {
     vf hi = (vf){0} + 88.0f, lo = (vf){0} - 87.0f;
     x = select_lanes(x < hi, x, hi);
     x = select_lanes(x > lo, x, lo);
-    vf n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)bits;
+    return exp_reduced(x, (x * 1.44269504f + 12582912.0f) - 12582912.0f);
 }
 
 static inline vf silu_mul_lanes(vf g, vf u)

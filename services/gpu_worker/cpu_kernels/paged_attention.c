@@ -31,22 +31,42 @@
 #define MAX_GD 8192   /* G * head_dim: the stack holds the group's scaled queries and accumulators */
 #define TILE 32       /* keys scored per softmax rescale */
 
-/* exp(x) for x <= 0 (and -inf), ~2 ulp, vectorizable (glibc's expf is a scalar call without -ffast-math):
-   exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, exp(r) by a degree-6 polynomial (Cephes). */
-static inline float exp_nonpos(float x)
+static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){0} + x; }
+/* exp(x) for x <= 0 (and -inf) on VL lanes, ~2 ulp (glibc's expf is a scalar call without -ffast-math); exp(-87)
+   ~ 1.6e-38 stands for anything below, 0 for our sums. n = ceil(y - 1/2) = round(y) for y = x / ln 2 <= 0, by
+   truncation toward zero (the 1.5 * 2^23 rounding trick would be folded away under -fassociative-math). */
+static inline vf exp_nonpos_lanes(vf x)
 {
-    x = x > -87.0f ? x : -87.0f;                            /* exp(-87) ~ 1.6e-38: 0 for our sums */
-    float n = floorf(x * 1.44269504f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;    /* ln 2 split in two for an exact product */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { int32_t i; float f; } two_n = { .i = ((int32_t)n + 127) << 23 };
-    return p * two_n.f;
+    x = select_lanes(x > splat(-87.0f), x, splat(-87.0f));
+    return exp_reduced(x, __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, vi), vf));
+}
+
+/* A query group's state: its G queries scaled, V accumulators at zero, running max -inf and sum 0; at the end
+   each head's accumulated V divided by its sum. */
+static inline __attribute__((always_inline)) void group_start(const float *restrict q, float scale, int64_t G,
+                                                              int64_t D, float *restrict qs, float *restrict acc,
+                                                              float *restrict m, float *restrict l)
+{
+    for (int64_t g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            qs[g * D + d] = q[g * D + d] * scale;
+            acc[g * D + d] = 0.0f;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void group_finish(float *restrict out, const float *restrict acc,
+                                                               const float *restrict l, int64_t G, int64_t D)
+{
+    for (int64_t g = 0; g < G; g++) {
+        float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++)
+            out[g * D + d] = acc[g * D + d] * inv;
+    }
 }
 
 static inline __attribute__((always_inline)) void attend(
@@ -57,14 +77,7 @@ static inline __attribute__((always_inline)) void attend(
     float qs[MAX_GD] __attribute__((aligned(64)));
     float acc[MAX_GD] __attribute__((aligned(64)));
     float s[MAX_G * TILE], m[MAX_G], l[MAX_G];
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int64_t d = 0; d < D; d++) {
-            qs[g * D + d] = q[g * D + d] * scale;
-            acc[g * D + d] = 0.0f;
-        }
-    }
+    group_start(q, scale, G, D, qs, acc, m, l);
     for (int64_t first = 0, n; first < num_keys; first += n) {   /* a tile never crosses a block boundary */
         int64_t off = first % block_size;
         n = block_size - off;
@@ -85,11 +98,11 @@ static inline __attribute__((always_inline)) void attend(
             #pragma omp simd reduction(max:mx)
             for (int64_t j = 0; j < n; j++)
                 mx = sg[j] > mx ? sg[j] : mx;
-            for (int64_t j = 0; j < n; j++) {
-                sg[j] = exp_nonpos(sg[j] - mx);
+            for (int64_t j = 0; j < n; j += VL)     /* whole vectors: sg has TILE floats, TILE % VL == 0 */
+                storev(sg + j, exp_nonpos_lanes(loadv(sg + j) - mx));
+            for (int64_t j = 0; j < n; j++)
                 sum += sg[j];
-            }
-            float alpha = exp_nonpos(m[g] - mx);
+            float alpha = exp_nonpos_lanes(splat(m[g] - mx))[0];
             l[g] = l[g] * alpha + sum;
             m[g] = mx;
             float *ag = acc + g * D;
@@ -104,32 +117,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float inv = 1.0f / l[g];
-        for (int64_t d = 0; d < D; d++)
-            out[g * D + d] = acc[g * D + d] * inv;
-    }
-}
-
-static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
-static inline vf splat(float x) { return (vf){0} + x; }
-static inline vf select_lanes(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* exp_nonpos on VL lanes (n = ceil(y - 1/2) = round(y) for y = x / ln 2 <= 0, by truncation toward zero) */
-static inline vf exp_nonpos_lanes(vf x)
-{
-    x = select_lanes(x > splat(-87.0f), x, splat(-87.0f));
-    vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, vi), vf);
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)bits;
+    group_finish(out, acc, l, G, D);
 }
 
 /* One level of the shuffle tree: lanes in chunks of 2h, a's and b's pairs of h-lane halves added (see lane_sums). */
@@ -196,14 +184,7 @@ static inline __attribute__((always_inline)) void attend_lanes(
     float acc[MAX_GD] __attribute__((aligned(64)));
     float m[MAX_G], l[MAX_G];
     const int64_t C = D / VL;
-    for (int64_t g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-        for (int64_t d = 0; d < D; d++) {
-            qs[g * D + d] = q[g * D + d] * scale;
-            acc[g * D + d] = 0.0f;
-        }
-    }
+    group_start(q, scale, G, D, qs, acc, m, l);
     vi lane;
     for (int j = 0; j < VL; j++)
         lane[j] = j;
@@ -241,11 +222,7 @@ static inline __attribute__((always_inline)) void attend_lanes(
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float inv = 1.0f / l[g];
-        for (int64_t d = 0; d < D; d++)
-            out[g * D + d] = acc[g * D + d] * inv;
-    }
+    group_finish(out, acc, l, G, D);
 }
 
 int steploop_paged_attention(float *out, const float *q, const float *kv_cache, const int32_t *block_tables,
