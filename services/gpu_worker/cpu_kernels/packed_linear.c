@@ -120,7 +120,7 @@ static void dequant_q8_0(const int8_t *qs, const float *d, int64_t s, int64_t K,
 static inline void prefetch_range(const void *p, int64_t n)
 {
     for (int64_t i = 0; i < n; i += 64)
-        __builtin_prefetch((const char *)p + i);
+        __builtin_prefetch((const char *)p + i, 0, 1);
 }
 
 /* Prefetch slice s's packed values and scales for k in [k0, k0 + kc): the tile path dequantizes a chunk and then
@@ -296,10 +296,15 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
                         xt[r0 * K + k * mr + r] = x[(r0 + r) * K + k];
                 }
 #pragma omp for schedule(static)
-            for (int64_t sl = 0; sl < N / VL; sl++)
+            for (int64_t sl = 0; sl < N / VL; sl++) {
+                /* the next slice's bytes (this thread's, in a static schedule) arrive while this one computes:
+                   few rows make this path stream the weights, and without it a pass read them at ~6 GB/s */
+                if (sl + 1 < N / VL)
+                    prefetch_chunk(kind, qs, d, m, sl + 1, K, 0, K);
                 for (int64_t r0 = 0; r0 < M; r0 += FUSED_M)
                     fused_dispatch(M - r0 < FUSED_M ? (int)(M - r0) : FUSED_M, kind, xt + r0 * K, K, qs, d, m, sl,
                                    y + r0 * N, N);
+            }
         }
         return 0;
     }
