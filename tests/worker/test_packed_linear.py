@@ -69,9 +69,10 @@ def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k, isa):
     full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)           # > 48 rows: the scratch-tile path
     ref = (x.double() @ w.double().T).float()
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * (k / 96) ** 0.5)     # fp32 rounding grows with k
-    # the fused path (<= 48 rows: passes of 16, then the rest) and the scratch path's register blocks of 8, full
-    # and partial; every row bitwise as in the 70-row batch
-    for m in (1, 7, 8, 9, 13, 16, 17, 32, 33, 40, 48, 49, 57, 64, 65):
+    # up to 4 rows: slices side by side (1-4 of them: n / lanes); the fused path (<= 48 rows: passes of 16, then
+    # the rest) and the scratch path's register blocks of 8, full and partial; every row bitwise as in the 70-row
+    # batch
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 32, 33, 40, 48, 49, 57, 64, 65):
         part = kernel.packed_linear(x[:m], packed, num_threads=1, isa=isa)
         assert same_bits(part, full[:m]), m
         if m > 1:
@@ -93,7 +94,7 @@ def test_avx2_build_gives_the_avx512_builds_bits(make):
     w = make(96, 160, seed=11)
     packed = pack(w)
     x = torch.randn(300, 160, generator=torch.Generator().manual_seed(12))
-    for m in (1, 5, 8, 16, 33, 48, 49, 64, 300):
+    for m in (1, 2, 3, 4, 5, 8, 16, 33, 48, 49, 64, 300):
         wide, narrow = (kernel.packed_linear(x[:m], packed, 2, isa=isa) for isa in FMA_ISAS)
         assert same_bits(wide, narrow), m
 

@@ -256,6 +256,67 @@ static void fused_dispatch(int mr, int kind, const float *xt, int64_t K, const v
     }
 }
 
+/* Up to SIDE_MAX_M rows (a lone decode, a few streams): each output's fma chain is ~2 * K dependent fmas, so one slice at a time waits
+   on fma latency and on its loads (weights read at ~6 GB/s at one row). Here NS slices advance side by side: NS *
+   rows independent chains, each still one chain over k in order, so the bits are the one-slice path's. ns and mr
+   are constants after inlining. */
+#define NS 4
+#if VL == 16
+#define SIDE_MAX_M 4      /* 16 accumulators + 8 scales in 32 zmm */
+#else
+#define SIDE_MAX_M 2
+#endif
+static inline __attribute__((always_inline)) void fused_q4_1_side(int mr, int ns, const float *restrict xt,
+                                                                  int64_t K, const uint8_t *restrict qs,
+                                                                  const float *restrict d,
+                                                                  const float *restrict m, int64_t s0,
+                                                                  float *restrict y, int64_t N)
+{
+    vf acc[NS][SIDE_MAX_M];
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            acc[i][r] = (vf){0};
+    for (int64_t b = 0; b < K / QK; b++) {
+        vf db[NS], mb[NS];
+        for (int i = 0; i < ns; i++) {
+            db[i] = loadv(d + scale_at(s0 + i, K, b));
+            mb[i] = loadv(m + scale_at(s0 + i, K, b));
+        }
+        for (int64_t p = 0; p < QK / 2; p++) {
+            int64_t k = b * QK + 2 * p;
+            for (int i = 0; i < ns; i++) {
+                vi iv = widen_u8(qs + q4_at(s0 + i, K, k));
+                vf w0 = __builtin_convertvector(iv & 15, vf) * db[i] + mb[i];
+                vf w1 = __builtin_convertvector(iv >> 4, vf) * db[i] + mb[i];
+                for (int r = 0; r < mr; r++)
+                    acc[i][r] += xt[k * mr + r] * w0;
+                for (int r = 0; r < mr; r++)
+                    acc[i][r] += xt[(k + 1) * mr + r] * w1;
+            }
+        }
+    }
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            storev(y + r * N + (s0 + i) * VL, acc[i][r]);
+}
+
+static void fused_q4_1_side_dispatch(int mr, int ns, const float *xt, int64_t K, const uint8_t *qs,
+                                     const float *d, const float *m, int64_t s0, float *y, int64_t N)
+{
+#define SIDE_CASE(R, S)                                                   \
+    if (mr == R && ns == S) {                                             \
+        fused_q4_1_side(R, S, xt, K, qs, d, m, s0, y, N);                 \
+        return;                                                           \
+    }
+    SIDE_CASE(1, 1) SIDE_CASE(1, 2) SIDE_CASE(1, 3) SIDE_CASE(1, 4)
+    SIDE_CASE(2, 1) SIDE_CASE(2, 2) SIDE_CASE(2, 3) SIDE_CASE(2, 4)
+#if SIDE_MAX_M > 2
+    SIDE_CASE(3, 1) SIDE_CASE(3, 2) SIDE_CASE(3, 3) SIDE_CASE(3, 4)
+    SIDE_CASE(4, 1) SIDE_CASE(4, 2) SIDE_CASE(4, 3) SIDE_CASE(4, 4)
+#endif
+#undef SIDE_CASE
+}
+
 /* The calling thread's buffer `slot` (0: x transposed, 1: the scratch tile), grown as needed and kept for the next
 call: this runs ~120 times a step, and a fresh ~200 KB tile per call came from mmap with its page faults. NULL
 when out of memory. */
@@ -295,6 +356,15 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
                     for (int64_t r = 0; r < mr; r++)
                         xt[r0 * K + k * mr + r] = x[(r0 + r) * K + k];
                 }
+            if (M <= SIDE_MAX_M && kind == KIND_Q4_1) {     /* the Q8_0 path streams at memory speed already */
+#pragma omp for schedule(static)
+                for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
+                    int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
+                    if (s0 + ns < N / VL)
+                        prefetch_chunk(kind, qs, d, m, s0 + ns, K, 0, K);
+                    fused_q4_1_side_dispatch((int)M, (int)ns, xt, K, qs, d, m, s0, y, N);
+                }
+            } else
 #pragma omp for schedule(static)
             for (int64_t sl = 0; sl < N / VL; sl++) {
                 /* the next slice's bytes (this thread's, in a static schedule) arrive while this one computes:
