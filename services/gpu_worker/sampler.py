@@ -18,6 +18,7 @@ import torch
 
 from services.common.sampling_params import SamplingParams
 from services.gpu_worker.logits_processors import LogitsEdits, apply_logits_edits
+from services.gpu_worker.model.ops import TorchOps
 from services.gpu_worker.penalties import PenaltyInputs, apply_penalties
 
 _MASK64 = (1 << 63) - 1
@@ -71,7 +72,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         # greedy rows' argmax: the plan's ops (CpuOps: a C kernel, ~0.5 vs ~2.4 ms on [64, 49152]); same answer
-        self.argmax_rows = argmax_rows or (lambda x: x.argmax(dim=-1))
+        self.argmax_rows = argmax_rows or TorchOps.argmax_rows
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [S, vocab] fp32 -> sampled token ids (and logprobs from the raw logits)."""

@@ -141,7 +141,7 @@ static int64_t argmax_row(const float *x, int64_t C)
         __builtin_memcpy(&v, x + i, sizeof v);
         vi greater = v > best;
         nan_seen |= v != v;
-        best = (vf)(((vi)v & greater) | ((vi)best & ~greater));
+        best = select_lanes(greater, v, best);
     }
     float top = -INFINITY;
     int any_nan = 0;
