@@ -46,6 +46,16 @@ def test_zeros_asks_for_huge_pages():
     assert _vma_field(t.data_ptr(), "THPeligible") == "1"
 
 
+@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+                    reason="this host has no transparent huge pages")
+def test_zeros_faults_every_page_in_at_once():
+    """Resident before anything touches it: left to the first write, the kernel zeroed each 2 MiB page inside a
+    decode step, and a pool past the memory left would fail while serving instead of at start."""
+    t = host_memory.zeros((8, 1024, 1024), torch.float32)       # 32 MiB, read from smaps before any access
+    rss_kib = int(_vma_field(t.data_ptr(), "Rss").split()[0])
+    assert rss_kib * 1024 >= t.numel() * t.element_size()
+
+
 def test_switched_off_gives_plain_torch(monkeypatch):
     from services.gpu_worker.config import WorkerConfig
     from services.gpu_worker.kernel_plan import resolve_kernel_plan

@@ -154,3 +154,4 @@ def test_worker_packs_the_default_model(runner):
     assert model.lm_head.packed.kind == Q8_0 and model.model.layers[0].mlp.down_proj.packed.kind == Q4_1
     from services.gpu_worker.model.cpu_ops import CpuOps
     assert model.model.layers[3].mlp.ops is CpuOps and model.rotary.ops is CpuOps    # and the C elementwise ops
+    assert runner.sampler.argmax_rows is CpuOps.argmax_rows     # greedy rows: the C argmax
