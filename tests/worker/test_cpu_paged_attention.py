@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.common import envs
-from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.attention.metadata import build_common_metadata
+from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.attention.torch_backend import (
     KERNEL_MAX_CHUNK_WORK,
     KERNEL_MAX_QUERY_LEN,
@@ -19,9 +19,9 @@ from services.gpu_worker.attention.torch_backend import (
     _KernelGroup,
     kernel_eligible,
 )
+from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.cpu_kernels import build
 from services.gpu_worker.cpu_kernels import paged_attention as cpu_pa
-from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig
@@ -79,7 +79,8 @@ def test_every_build_matches_reference(head_dim, block_size, isa):
 
 
 def test_token_result_independent_of_batch():
-    """Same request alone, in a batch, and with another thread count: bitwise the same output."""
+    """Same request alone, in a batch, and with another thread count: bitwise the same output. The batch's 31
+    tokens make one work item per token, the request alone one per (token, KV head): the same bits either way."""
     case = make_case(QUERY_LENS, CACHED, heads=(9, 3), seed=3)
     full = run_kernel(case)
     assert torch.equal(full, run_kernel(case, threads=1))

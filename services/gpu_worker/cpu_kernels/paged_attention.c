@@ -1,8 +1,11 @@
 /* Paged decode attention on the CPU, fused: reads K/V straight from the paged cache (no gather copy), fp32.
 
-   One OpenMP work item per (query token, KV head): the G = H / Hk query heads sharing that KV head walk the
-   request's block table in order, scores by dot products over head_dim, online softmax (running max and sum,
-   one rescale per tile of <= 32 keys inside one block), V accumulated in L1; out[t, h, :] written at the end.
+   One OpenMP work item per query token (or per (token, KV head) when there are too few tokens to share out): its
+   query heads walk the request's block table in order, scores by dot products over head_dim, online softmax
+   (running max and sum, one rescale per tile of <= 32 keys inside one block), V accumulated in L1; out[t, h, :]
+   written at the end. A whole token's item reads each key's K/V row whole, so the hardware prefetcher follows it
+   through a block; (token, KV head) items read a third of each row at a stride (from DRAM, benchmarks/
+   paged_attention.py: ~25% slower, ~7% with the software prefetch below).
    Query i of a request with seq_len L and query_len n attends keys j <= L - n + i (causal inside a short chunk).
    Each work item reduces its keys in a fixed order, so a token's result does not depend on the rest of the batch.
 
@@ -26,9 +29,9 @@
 
 #include "vector_width.h"
 
-#define MAX_G 64      /* query heads per KV head */
+#define MAX_H 256     /* query heads per work item (the kernel takes at most this many per KV head) */
 #define MAX_D 256     /* head_dim */
-#define MAX_GD 8192   /* G * head_dim: the stack holds the group's scaled queries and accumulators */
+#define MAX_HD 8192   /* query heads x head_dim per work item: the stack holds its scaled queries and accumulators */
 #define TILE 32       /* keys scored per softmax rescale */
 
 static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
@@ -41,6 +44,26 @@ static inline vf exp_nonpos_lanes(vf x)
 {
     x = select_lanes(x > splat(-87.0f), x, splat(-87.0f));
     return exp_reduced(x, __builtin_convertvector(__builtin_convertvector(x * 1.44269504f - 0.5f, vi), vf));
+}
+
+/* Blocks ahead of the one being scored whose K and V rows (the work item's heads) are prefetched. A work item
+   walks scattered blocks and computes little per key, so without it each block's first loads waited on DRAM
+   (benchmarks/paged_attention.py, 64 requests x 128 keys from DRAM: 0.87 vs 0.68 ms a layer on 2 AVX-512 cores;
+   2 blocks ahead measured the same as 1). */
+#define PREFETCH_BLOCKS 1
+
+static inline void prefetch_block(const float *k_cache, const float *v_cache, const int32_t *table, int64_t b,
+                                  int64_t num_keys, int64_t span, int64_t block_size, int64_t row)
+{
+    if (b * block_size >= num_keys)
+        return;
+    int64_t keys = num_keys - b * block_size < block_size ? num_keys - b * block_size : block_size;
+    int64_t base = (int64_t)table[b] * block_size * row;
+    for (int64_t j = 0; j < keys; j++)
+        for (int64_t d = 0; d < span; d += 16) {     /* one 64-byte line per 16 floats */
+            __builtin_prefetch(k_cache + base + j * row + d, 0, 1);
+            __builtin_prefetch(v_cache + base + j * row + d, 0, 1);
+        }
 }
 
 /* A query group's state: its G queries scaled, V accumulators at zero, running max -inf and sum 0; at the end
@@ -71,23 +94,28 @@ static inline __attribute__((always_inline)) void group_finish(float *restrict o
 
 static inline __attribute__((always_inline)) void attend(
     float *restrict out, const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
-    const int32_t *restrict table, int64_t num_keys, int64_t G, int64_t D, int64_t block_size, int64_t row,
-    float scale)
+    const int32_t *restrict table, int64_t num_keys, int64_t NH, int64_t G, int64_t D, int64_t block_size,
+    int64_t row, float scale)
 {
-    float qs[MAX_GD] __attribute__((aligned(64)));
-    float acc[MAX_GD] __attribute__((aligned(64)));
-    float s[MAX_G * TILE], m[MAX_G], l[MAX_G];
-    group_start(q, scale, G, D, qs, acc, m, l);
+    float qs[MAX_HD] __attribute__((aligned(64)));
+    float acc[MAX_HD] __attribute__((aligned(64)));
+    float s[TILE], m[MAX_H], l[MAX_H];
+    group_start(q, scale, NH, D, qs, acc, m, l);
+    for (int64_t b = 0; b < PREFETCH_BLOCKS; b++)
+        prefetch_block(k_cache, v_cache, table, b, num_keys, NH / G * D, block_size, row);
     for (int64_t first = 0, n; first < num_keys; first += n) {   /* a tile never crosses a block boundary */
         int64_t off = first % block_size;
+        if (off == 0)
+            prefetch_block(k_cache, v_cache, table, first / block_size + PREFETCH_BLOCKS, num_keys, NH / G * D,
+                           block_size, row);
         n = block_size - off;
         n = n < TILE ? n : TILE;
         n = n < num_keys - first ? n : num_keys - first;
         int64_t base = ((int64_t)table[first / block_size] * block_size + off) * row;
-        const float *kt = k_cache + base, *vt = v_cache + base;
-        for (int64_t g = 0; g < G; g++) {
+        for (int64_t g = 0; g < NH; g++) {
+            const float *kt = k_cache + base + g / G * D, *vt = v_cache + base + g / G * D;
             const float *qg = qs + g * D;
-            float *sg = s + g * TILE;
+            float *sg = s;
             for (int64_t j = 0; j < n; j++) {
                 float dot = 0.0f;
                 for (int64_t d = 0; d < D; d++)
@@ -117,7 +145,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    group_finish(out, acc, l, G, D);
+    group_finish(out, acc, l, NH, D);
 }
 
 /* One level of the shuffle tree: lanes in chunks of 2h, a's and b's pairs of h-lane halves added (see lane_sums). */
@@ -158,71 +186,128 @@ static inline __attribute__((always_inline)) vf lane_sums(vf *p)
     return p[0];
 }
 
-static inline float lanes_max(vf v)
+/* the lanes' max and sum: halves folded pairwise (v[j] op= v[j + w] for w = VL/2 .. 1), the same fixed order
+   whatever the lanes hold, as vector shuffles rather than a chain of scalar extracts */
+#if VL == 16
+#define FOLD(v, w)                                                                                             \
+    ((w) == 8 ? __builtin_shuffle(v, (vi){8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15})         \
+     : (w) == 4 ? __builtin_shuffle(v, (vi){4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7})                  \
+     : (w) == 2 ? __builtin_shuffle(v, (vi){2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3})                  \
+                : __builtin_shuffle(v, (vi){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}))
+#elif VL == 8
+#define FOLD(v, w)                                                                                             \
+    ((w) == 4 ? __builtin_shuffle(v, (vi){4, 5, 6, 7, 4, 5, 6, 7})                                            \
+     : (w) == 2 ? __builtin_shuffle(v, (vi){2, 3, 2, 3, 2, 3, 2, 3})                                          \
+                : __builtin_shuffle(v, (vi){1, 1, 1, 1, 1, 1, 1, 1}))
+#else
+#define FOLD(v, w) ((w) == 2 ? __builtin_shuffle(v, (vi){2, 3, 2, 3}) : __builtin_shuffle(v, (vi){1, 1, 1, 1}))
+#endif
+
+static inline __attribute__((always_inline)) float lanes_max(vf v)
 {
-    float mx = v[0];
-    for (int j = 1; j < VL; j++)
-        mx = v[j] > mx ? v[j] : mx;
-    return mx;
+#pragma GCC unroll 4
+    for (int w = VL / 2; w >= 1; w /= 2) {
+        vf o = FOLD(v, w);
+        v = select_lanes(o > v, o, v);
+    }
+    return v[0];
 }
 
-static inline float lanes_sum(vf v)
+static inline __attribute__((always_inline)) float lanes_sum(vf v)
 {
-    for (int w = VL / 2; w >= 1; w /= 2)          /* pairwise, fixed order */
-        for (int j = 0; j < w; j++)
-            v[j] += v[j + w];
+#pragma GCC unroll 4
+    for (int w = VL / 2; w >= 1; w /= 2)
+        v += FOLD(v, w);
     return v[0];
+}
+
+/* One head's scores over n <= VL keys of one block (kt: their K rows for this head's KV head) and its online
+   softmax update of m and l: returns the keys' weights p (0 past n) and writes the rescale of the head's V
+   accumulator to *alpha. n is a constant VL for every group but a request's last, so the loops over keys unroll
+   without bounds checks. */
+static inline __attribute__((always_inline)) vf score_group(int64_t n, const float *restrict qg,
+                                                            const float *restrict kt, float *restrict m,
+                                                            float *restrict l, float *restrict alpha, int64_t C,
+                                                            int64_t row, vi valid)
+{
+    vf part[VL];
+    for (int64_t j = 0; j < VL; j++) {
+        vf dot = (vf){0};
+        if (j < n)
+            for (int64_t c = 0; c < C; c++)
+                dot += loadv(qg + c * VL) * loadv(kt + j * row + c * VL);
+        part[j] = dot;
+    }
+    vf sc = lane_sums(part);
+    if (n < VL)
+        sc = select_lanes(valid, sc, splat(-INFINITY));
+    float mx = lanes_max(sc);
+    mx = mx > *m ? mx : *m;
+    vf p = exp_nonpos_lanes(sc - mx);
+    if (n < VL)
+        p = select_lanes(valid, p, (vf){0});
+    *alpha = exp_nonpos_lanes(splat(*m - mx))[0];
+    *l = *l * *alpha + lanes_sum(p);
+    *m = mx;
+    return p;
+}
+
+/* ag = ag * alpha + sum_j p[j] * v[j] over the n keys, each element in key order */
+static inline __attribute__((always_inline)) void accumulate_group(int64_t n, const float *restrict p, float alpha,
+                                                                   const float *restrict vt, float *restrict ag,
+                                                                   int64_t C, int64_t row)
+{
+    vf a[MAX_D / VL];
+    for (int64_t c = 0; c < C; c++)
+        a[c] = loadv(ag + c * VL) * alpha;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < C; c++)
+            a[c] += p[j] * loadv(vt + j * row + c * VL);
+    for (int64_t c = 0; c < C; c++)
+        storev(ag + c * VL, a[c]);
 }
 
 /* attend for head_dim D a multiple of VL: keys scored VL at a time (see the top). */
 static inline __attribute__((always_inline)) void attend_lanes(
     float *restrict out, const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
-    const int32_t *restrict table, int64_t num_keys, int64_t G, int64_t D, int64_t block_size, int64_t row,
-    float scale)
+    const int32_t *restrict table, int64_t num_keys, int64_t NH, int64_t G, int64_t D, int64_t block_size,
+    int64_t row, float scale)
 {
-    float qs[MAX_GD] __attribute__((aligned(64)));
-    float acc[MAX_GD] __attribute__((aligned(64)));
-    float m[MAX_G], l[MAX_G];
+    float qs[MAX_HD] __attribute__((aligned(64)));
+    float acc[MAX_HD] __attribute__((aligned(64)));
+    float m[MAX_H], l[MAX_H], alpha[MAX_H], p[MAX_H * VL] __attribute__((aligned(64)));
     const int64_t C = D / VL;
-    group_start(q, scale, G, D, qs, acc, m, l);
+    group_start(q, scale, NH, D, qs, acc, m, l);
     vi lane;
     for (int j = 0; j < VL; j++)
         lane[j] = j;
+    for (int64_t b = 0; b < PREFETCH_BLOCKS; b++)
+        prefetch_block(k_cache, v_cache, table, b, num_keys, NH / G * D, block_size, row);
     for (int64_t first = 0, n; first < num_keys; first += n) {   /* a group never crosses a block boundary */
         int64_t off = first % block_size;
+        if (off == 0)
+            prefetch_block(k_cache, v_cache, table, first / block_size + PREFETCH_BLOCKS, num_keys, NH / G * D,
+                           block_size, row);
         n = block_size - off;
         n = n < VL ? n : VL;
         n = n < num_keys - first ? n : num_keys - first;
         int64_t base = ((int64_t)table[first / block_size] * block_size + off) * row;
-        const float *kt = k_cache + base, *vt = v_cache + base;
         vi valid = lane < (vi){0} + (int32_t)n;
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = qs + g * D;
-            vf part[VL];
-            for (int64_t j = 0; j < VL; j++) {
-                vf dot = (vf){0};
-                if (j < n)
-                    for (int64_t c = 0; c < C; c++)
-                        dot += loadv(qg + c * VL) * loadv(kt + j * row + c * VL);
-                part[j] = dot;
-            }
-            vf sc = select_lanes(valid, lane_sums(part), splat(-INFINITY));
-            float mx = lanes_max(sc);
-            mx = mx > m[g] ? mx : m[g];
-            vf p = select_lanes(valid, exp_nonpos_lanes(sc - mx), (vf){0});
-            float alpha = exp_nonpos_lanes(splat(m[g] - mx))[0];
-            l[g] = l[g] * alpha + lanes_sum(p);
-            m[g] = mx;
-            float *ag = acc + g * D;
-            for (int64_t c = 0; c < C; c++) {
-                vf a = loadv(ag + c * VL) * alpha;
-                for (int64_t j = 0; j < n; j++)
-                    a += p[j] * loadv(vt + j * row + c * VL);
-                storev(ag + c * VL, a);
-            }
+        /* every head's softmax first, then every head's V: each phase's heads are independent, so the CPU
+           overlaps them instead of waiting on one head's chain of max, exp and the fmas into its accumulator */
+        for (int64_t g = 0; g < NH; g++)
+            storev(p + g * VL, n == VL ? score_group(VL, qs + g * D, k_cache + base + g / G * D, m + g, l + g,
+                                                     alpha + g, C, row, valid)
+                                       : score_group(n, qs + g * D, k_cache + base + g / G * D, m + g, l + g,
+                                                     alpha + g, C, row, valid));
+        for (int64_t g = 0; g < NH; g++) {
+            if (n == VL)
+                accumulate_group(VL, p + g * VL, alpha[g], v_cache + base + g / G * D, acc + g * D, C, row);
+            else
+                accumulate_group(n, p + g * VL, alpha[g], v_cache + base + g / G * D, acc + g * D, C, row);
         }
     }
-    group_finish(out, acc, l, G, D);
+    group_finish(out, acc, l, NH, D);
 }
 
 int steploop_paged_attention(float *out, const float *q, const float *kv_cache, const int32_t *block_tables,
@@ -231,8 +316,8 @@ int steploop_paged_attention(float *out, const float *q, const float *kv_cache, 
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
                              int num_threads)
 {
-    if (num_reqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_G
-        || head_dim <= 0 || head_dim > MAX_D || num_heads / num_kv_heads * head_dim > MAX_GD
+    if (num_reqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_H
+        || head_dim <= 0 || head_dim > MAX_D || num_heads / num_kv_heads * head_dim > MAX_HD
         || block_size <= 0 || num_threads <= 0 || query_start_loc[0] < 0 || query_start_loc[num_reqs] > num_q_tokens)
         return -1;
     /* Validate the plan first, so the parallel loop cannot read outside the cache. */
@@ -247,10 +332,16 @@ int steploop_paged_attention(float *out, const float *q, const float *kv_cache, 
     const int64_t G = num_heads / num_kv_heads, D = head_dim, row = num_kv_heads * head_dim;
     const int64_t num_tokens = query_start_loc[num_reqs] - query_start_loc[0];
     const float *v_all = kv_cache + num_blocks * block_size * row;
+    /* KV heads per work item: a token's all (its K/V rows then stream whole from each block, and the hardware
+       prefetcher follows them) once there are tokens enough to keep the threads busy, else one, for parallelism.
+       Each head's arithmetic is the same either way, so the choice does not change any result. */
+    const int64_t per_item = num_tokens >= 4 * num_threads && num_heads <= MAX_H && num_heads * D <= MAX_HD
+                             ? num_kv_heads : 1;
+    const int64_t NH = per_item * G, items_per_token = num_kv_heads / per_item;
 
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < num_tokens * num_kv_heads; item++) {
-        int64_t t = query_start_loc[0] + item / num_kv_heads, hk = item % num_kv_heads;
+    for (int64_t item = 0; item < num_tokens * items_per_token; item++) {
+        int64_t t = query_start_loc[0] + item / items_per_token, hk = item % items_per_token * per_item;
         int64_t lo = 0, hi = num_reqs - 1;          /* the request owning token t: last r with start <= t */
         while (lo < hi) {
             int64_t mid = (lo + hi + 1) / 2;
@@ -264,13 +355,13 @@ int steploop_paged_attention(float *out, const float *q, const float *kv_cache, 
         const float *k = kv_cache + hk * D, *v = v_all + hk * D;
         /* Constant head sizes let the compiler keep the accumulators in vector registers. */
         if (D == 64)
-            attend_lanes(oh, qh, k, v, table, num_keys, G, 64, block_size, row, scale);
+            attend_lanes(oh, qh, k, v, table, num_keys, NH, G, 64, block_size, row, scale);
         else if (D == 128)
-            attend_lanes(oh, qh, k, v, table, num_keys, G, 128, block_size, row, scale);
+            attend_lanes(oh, qh, k, v, table, num_keys, NH, G, 128, block_size, row, scale);
         else if (D % VL == 0)
-            attend_lanes(oh, qh, k, v, table, num_keys, G, D, block_size, row, scale);
+            attend_lanes(oh, qh, k, v, table, num_keys, NH, G, D, block_size, row, scale);
         else
-            attend(oh, qh, k, v, table, num_keys, G, D, block_size, row, scale);
+            attend(oh, qh, k, v, table, num_keys, NH, G, D, block_size, row, scale);
     }
     return 0;
 }

@@ -30,9 +30,9 @@ def available() -> bool:
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """The C file's limits: head_dim <= MAX_D, G = H / Hk <= MAX_G, G * head_dim <= MAX_GD (its stack buffers)."""
+    """The C file's limits: head_dim <= MAX_D, G = H / Hk <= MAX_H, G * head_dim <= MAX_HD (its stack buffers)."""
     group = num_heads // num_kv_heads
-    return head_dim <= 256 and group <= 64 and group * head_dim <= 8192
+    return head_dim <= 256 and group <= 256 and group * head_dim <= 8192
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
@@ -66,6 +66,6 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         seq_lens.data_ptr(), q.shape[0], num_reqs, q.shape[1], num_kv_heads, head_dim, num_blocks, block_size,
         block_tables.shape[1], scale, num_threads)
     if rc:
-        raise ValueError("paged_attention: bad arguments (head counts, head_dim > 256, more than 64 query heads per "
+        raise ValueError("paged_attention: bad arguments (head counts, head_dim > 256, more than 256 query heads per "
                          "KV head, query_start_loc past q's rows, a seq_len shorter than its query_len, or a block "
                          "id out of range)")
