@@ -69,9 +69,8 @@ def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k, isa):
     full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)           # > 48 rows: the scratch-tile path
     ref = (x.double() @ w.double().T).float()
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * (k / 96) ** 0.5)     # fp32 rounding grows with k
-    # up to 4 rows: slices side by side (1-4 of them: n / lanes); the fused path (<= 48 rows: passes of 16, then
-    # the rest) and the scratch path's register blocks of 8, full and partial; every row bitwise as in the 70-row
-    # batch
+    # 1 and 2 rows: registers only (Q4_1 slices side by side, 1-4 of them: n / lanes); from 3 rows the scratch
+    # path's register blocks (8 or 6 rows), full and partial; every row bitwise as in the 70-row batch
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 32, 33, 40, 48, 49, 57, 64, 65):
         part = kernel.packed_linear(x[:m], packed, num_threads=1, isa=isa)
         assert same_bits(part, full[:m]), m
@@ -81,6 +80,21 @@ def test_kernel_matches_matmul_and_is_batch_invariant(make, n, k, isa):
     assert same_bits(alone[0], full[12])
     assert kernel.packed_linear(x[:0], packed, 2, isa=isa).shape == (0, n)
     assert kernel.packed_linear(x[:21].view(3, 7, k), packed, 2, isa=isa).shape == (3, 7, n)
+
+
+@pytest.mark.parametrize("isa", build.runnable_isas())
+@pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0])
+def test_passes_over_the_weights_keep_each_rows_bits(make, isa):
+    """x larger than a pass (512 KB: here 64 rows of k = 2048) goes over the weights in several passes of rows;
+    each row still comes out bitwise as alone, and within fp32 rounding of the fp64 matmul."""
+    w = make(32, 2048, seed=5)
+    packed = pack(w)
+    x = torch.randn(200, 2048, generator=torch.Generator().manual_seed(6))
+    full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)
+    ref = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=3e-6 * ref.abs().max().item())      # 2048-term fp32 sums
+    for lo, hi in ((0, 1), (0, 7), (63, 130), (199, 200)):
+        assert same_bits(kernel.packed_linear(x[lo:hi], packed, num_threads=1, isa=isa), full[lo:hi]), (lo, hi)
 
 
 FMA_ISAS = [isa for isa in build.runnable_isas() if isa in ("avx512", "avx2")]

@@ -9,9 +9,9 @@
      Q4_1: qs uint8 [N/16][K/2][16]: byte = q(k even) | q(k odd) << 4;  d, m float [N/16][K/32][16]
      Q8_0: qs int8  [N/16][K][16];                                       d      float [N/16][K/32][16]
    Dequantizing is exact: d * q is exact in fp32 since d is an fp16 value and |q| < 256, so the fused multiply-add
-   rounds once, as numpy's d * q + m does. For small batches each VL-row slice of a group is dequantized in
-   registers and used at once; larger batches dequantize a tile of NR output rows into a [K][NR] fp32 scratch once,
-   then MR x NR register blocks accumulate broadcast(x[r, k]) * scratch[k, :] over k.
+   rounds once, as numpy's d * q + m does. One or two rows (a lone decode) dequantize each VL-row slice of a group
+   in registers and use it at once; larger batches dequantize a tile of NR output rows into an fp32 scratch, k
+   chunk by k chunk, then MR x NR register blocks accumulate broadcast(x[r, k]) * scratch[k, :] over k.
 
    The vectors are as wide as the instruction set build.py compiles for (VL floats, vector_width.h: 16 with
    AVX-512, 8 with AVX2, 4 otherwise) and the blocking is sized to its registers (32 zmm, 16 ymm): 16-float generic
@@ -37,16 +37,19 @@
 #define KC (4096 / NR)
 #if VL == 16
 #define MR 8          /* x rows per register block: 16 accumulators of 32 zmm */
-#define FUSED_M 16    /* x rows per pass of the fused path: 16 accumulators */
 #else
 #define MR 6          /* 12 accumulators + 2 weights + a broadcast in 16 ymm / xmm */
-#define FUSED_M 8     /* 8 accumulators + 2 weights, d, m, the bytes and a broadcast */
 #endif
-/* batches up to this many rows take the fused path (benchmarks/packed_linear.py, a whole forward's weights: with x
-   transposed it beats the scratch tile up to ~48 rows, 187 vs 162 GFLOP/s at 20 with AVX-512; the tile wins from
-   ~64) */
-#define FUSED_MAX_M_Q4_1 48
-#define FUSED_MAX_M_Q8_0 48
+/* Batches up to this many rows dequantize in registers (no scratch); the scratch tile wins from 3 rows on
+   (benchmarks/packed_linear.py, a whole forward's weights, 2 cores: AVX2 at 3 rows 13.9 vs 20.0 ms, at 16
+   27.1 vs 33.4, at 48 66.1 vs 88.5; AVX-512 at 3 rows 10.3 vs 12.4, at 8 13.9 vs 17.4; at 1 row the register
+   path wins, 8.3 vs 9.6 AVX-512, 10.6 vs 15.4 AVX2). It once went to 48 rows, before the tile was used in
+   L1-sized k chunks. */
+#define REGISTER_MAX_M 2
+/* x bytes per pass of the tile path over the weights: a pass's rows (X_BYTES / (4 K) of them, at most) stay in L2
+   while every tile uses them. In one pass, 1024 rows re-read x (2.4-6.3 MB) from L3 for every tile: AVX2 at 1024
+   rows 160 GFLOP/s in one pass, 214 in passes of <= 512 KB (1 MB: 202, 2 MB: 166); torch 184. */
+#define X_BYTES (1 << 19)
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
@@ -189,43 +192,15 @@ static void block_dispatch(int mr, int nv, const float *x, int64_t K, int64_t kc
     }
 }
 
-/* Small batches (M <= FUSED_MAX_M_*): no scratch; each slice of VL output rows is dequantized in registers, one
-   pair of k at a time, and used at once by up to FUSED_M rows (dequantizing is then ~6 vector ops per 2 * FUSED_M
-   fmas). x comes transposed (xt[k][r], see steploop_packed_linear) so all rows broadcast from one pointer: with
-   x[r * K + k], gcc kept a pointer per row and, past ~12 rows, spilled them into vector registers inside the loop.
-   One slice per work item: walking 2 or 4 groups side by side (independent fma chains for few rows) measured
-   slower at every M from 1 to 16 on a whole forward's weights (M = 4: 9.9 vs 8.1 ms, AVX-512), and coarser items
-   split a 576-row matrix unevenly over the threads. */
-static inline __attribute__((always_inline)) void fused_q4_1(int mr, const float *restrict xt, int64_t K,
-                                                             const uint8_t *restrict qs, const float *restrict d,
-                                                             const float *restrict m, int64_t s,
-                                                             float *restrict y, int64_t N)
-{
-    vf acc[FUSED_M];
-    for (int r = 0; r < mr; r++)
-        acc[r] = (vf){0};
-    for (int64_t b = 0; b < K / QK; b++) {
-        vf db = loadv(d + scale_at(s, K, b)), mb = loadv(m + scale_at(s, K, b));
-        for (int64_t p = 0; p < QK / 2; p++) {
-            int64_t k = b * QK + 2 * p;
-            vi iv = widen_u8(qs + q4_at(s, K, k));
-            vf w0 = __builtin_convertvector(iv & 15, vf) * db + mb;
-            vf w1 = __builtin_convertvector(iv >> 4, vf) * db + mb;
-            for (int r = 0; r < mr; r++)
-                acc[r] += xt[k * mr + r] * w0;
-            for (int r = 0; r < mr; r++)
-                acc[r] += xt[(k + 1) * mr + r] * w1;
-        }
-    }
-    for (int r = 0; r < mr; r++)
-        storev(y + r * N + s * VL, acc[r]);
-}
-
+/* One or two rows of a Q8_0 matrix (the lm_head of a lone decode): no scratch; each slice of VL output rows is
+   dequantized in registers, one k at a time, and used at once. x comes transposed (xt[k][r], see
+   steploop_packed_linear) so all rows broadcast from one pointer. This path streams the weights at memory speed
+   already; Q4_1 takes the side-by-side path below. */
 static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float *restrict xt, int64_t K,
                                                              const int8_t *restrict qs, const float *restrict d,
                                                              int64_t s, float *restrict y, int64_t N)
 {
-    vf acc[FUSED_M];
+    vf acc[REGISTER_MAX_M];
     for (int r = 0; r < mr; r++)
         acc[r] = (vf){0};
     for (int64_t b = 0; b < K / QK; b++) {
@@ -241,44 +216,18 @@ static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float
         storev(y + r * N + s * VL, acc[r]);
 }
 
-#define FUSED_CASE(R)                                                  \
-    case R:                                                            \
-        if (kind == KIND_Q4_1)                                         \
-            fused_q4_1(R, xt, K, qs, d, m, s, y, N);                   \
-        else                                                           \
-            fused_q8_0(R, xt, K, qs, d, s, y, N);                      \
-        break;
-
-static void fused_dispatch(int mr, int kind, const float *xt, int64_t K, const void *qs, const float *d,
-                           const float *m, int64_t s, float *y, int64_t N)
-{
-    switch (mr) {
-        FUSED_CASE(1) FUSED_CASE(2) FUSED_CASE(3) FUSED_CASE(4) FUSED_CASE(5) FUSED_CASE(6) FUSED_CASE(7)
-        FUSED_CASE(8)
-#if FUSED_M > 8
-        FUSED_CASE(9) FUSED_CASE(10) FUSED_CASE(11) FUSED_CASE(12) FUSED_CASE(13) FUSED_CASE(14)
-        FUSED_CASE(15) FUSED_CASE(16)
-#endif
-    }
-}
-
-/* Up to SIDE_MAX_M rows (a lone decode, a few streams): each output's fma chain is ~2 * K dependent fmas, so one
-   slice at a time waits on fma latency and on its loads (weights read at ~6 GB/s at one row). Here NS slices
-   advance side by side: NS * rows independent chains, each still one chain over k in order, so the bits are the
-   one-slice path's. ns and mr are constants after inlining. */
+/* One or two rows of a Q4_1 matrix (a lone decode): each output's fma chain is ~2 * K dependent fmas, so one slice
+   at a time waited on fma latency and on its loads (weights read at ~6 GB/s at one row). Here NS slices advance
+   side by side: NS * rows independent chains, each still one chain over k in order. ns and mr are constants after
+   inlining. */
 #define NS 4
-#if VL == 16
-#define SIDE_MAX_M 4      /* 16 accumulators + 8 scales in 32 zmm */
-#else
-#define SIDE_MAX_M 2
-#endif
 static inline __attribute__((always_inline)) void fused_q4_1_side(int mr, int ns, const float *restrict xt,
                                                                   int64_t K, const uint8_t *restrict qs,
                                                                   const float *restrict d,
                                                                   const float *restrict m, int64_t s0,
                                                                   float *restrict y, int64_t N)
 {
-    vf acc[NS][SIDE_MAX_M];
+    vf acc[NS][REGISTER_MAX_M];
     for (int i = 0; i < ns; i++)
         for (int r = 0; r < mr; r++)
             acc[i][r] = (vf){0};
@@ -316,10 +265,6 @@ static void fused_q4_1_side_dispatch(int mr, int ns, const float *xt, int64_t K,
     }
     SIDE_CASE(1, 1) SIDE_CASE(1, 2) SIDE_CASE(1, 3) SIDE_CASE(1, 4)
     SIDE_CASE(2, 1) SIDE_CASE(2, 2) SIDE_CASE(2, 3) SIDE_CASE(2, 4)
-#if SIDE_MAX_M > 2
-    SIDE_CASE(3, 1) SIDE_CASE(3, 2) SIDE_CASE(3, 3) SIDE_CASE(3, 4)
-    SIDE_CASE(4, 1) SIDE_CASE(4, 2) SIDE_CASE(4, 3) SIDE_CASE(4, 4)
-#endif
 #undef SIDE_CASE
 }
 
@@ -348,51 +293,50 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         return -1;
     if (M == 0)
         return 0;
-    if (M <= (kind == KIND_Q4_1 ? FUSED_MAX_M_Q4_1 : FUSED_MAX_M_Q8_0)) {
-        /* passes of up to FUSED_M rows; pass p's rows transposed to xt + p * FUSED_M * K as [K][rows] */
-        float *xt = thread_buffer(0, M * K);
+    if (M <= REGISTER_MAX_M) {
+        float *xt = thread_buffer(0, M * K);          /* x transposed: [K][M] */
         if (!xt)
             return -1;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t r = 0; r < M; r++)
+                xt[k * M + r] = x[r * K + k];
 #pragma omp parallel num_threads(num_threads)
-        {
+        if (kind == KIND_Q4_1) {
 #pragma omp for schedule(static)
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t r0 = 0; r0 < M; r0 += FUSED_M) {
-                    int64_t mr = M - r0 < FUSED_M ? M - r0 : FUSED_M;
-                    for (int64_t r = 0; r < mr; r++)
-                        xt[r0 * K + k * mr + r] = x[(r0 + r) * K + k];
-                }
-            if (M <= SIDE_MAX_M && kind == KIND_Q4_1) {     /* the Q8_0 path streams at memory speed already */
-#pragma omp for schedule(static)
-                for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
-                    int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
-                    if (s0 + ns < N / VL)
-                        prefetch_chunk(kind, qs, d, m, s0 + ns, K, 0, K);
-                    fused_q4_1_side_dispatch((int)M, (int)ns, xt, K, qs, d, m, s0, y, N);
-                }
-            } else
+            for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
+                int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
+                if (s0 + ns < N / VL)
+                    prefetch_chunk(kind, qs, d, m, s0 + ns, K, 0, K);
+                fused_q4_1_side_dispatch((int)M, (int)ns, xt, K, qs, d, m, s0, y, N);
+            }
+        } else {
 #pragma omp for schedule(static)
             for (int64_t sl = 0; sl < N / VL; sl++) {
-                /* the next slice's bytes (this thread's, in a static schedule) arrive while this one computes:
-                   with few rows this path streams the weights (at 1 row, before the side-by-side path, a whole
-                   forward took 17.0 -> 15.6 ms) */
+                /* the next slice's bytes (this thread's, in a static schedule) arrive while this one computes */
                 if (sl + 1 < N / VL)
                     prefetch_chunk(kind, qs, d, m, sl + 1, K, 0, K);
-                for (int64_t r0 = 0; r0 < M; r0 += FUSED_M)
-                    fused_dispatch(M - r0 < FUSED_M ? (int)(M - r0) : FUSED_M, kind, xt + r0 * K, K, qs, d, m, sl,
-                                   y + r0 * N, N);
+                if (M == 1)
+                    fused_q8_0(1, xt, K, qs, d, sl, y, N);
+                else
+                    fused_q8_0(2, xt, K, qs, d, sl, y, N);
             }
         }
         return 0;
     }
     int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
+    /* rows per pass over the tiles: their x (MC x K floats) stays in L2 while every tile uses it */
+    int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
+    mc = mc < MR ? MR : mc;
+    int64_t passes = (M + mc - 1) / mc;
+    mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;      /* even passes, whole register blocks */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        int64_t m1 = M - m0 < mc ? M : m0 + mc;
         float *tile = thread_buffer(1, KC * NR);
         if (!tile)
             failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < num_tiles; t++) {
             if (!tile)
                 continue;
@@ -411,8 +355,8 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
                 if (next_t < num_tiles)
                     for (int v = 0; v < tile_slices(num_slices, next_t); v++)
                         prefetch_chunk(kind, qs, d, m, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
-                for (int64_t r = 0; r < M; r += MR) {
-                    int mr = M - r < MR ? (int)(M - r) : MR;
+                for (int64_t r = m0; r < m1; r += MR) {
+                    int mr = m1 - r < MR ? (int)(m1 - r) : MR;
                     block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
                 }
             }
