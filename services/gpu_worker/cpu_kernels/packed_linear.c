@@ -294,12 +294,16 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
     if (M == 0)
         return 0;
     if (M <= REGISTER_MAX_M) {
-        float *xt = thread_buffer(0, M * K);          /* x transposed: [K][M] */
-        if (!xt)
-            return -1;
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t r = 0; r < M; r++)
-                xt[k * M + r] = x[r * K + k];
+        const float *xt = x;                          /* x transposed: [K][M] (one row is its own) */
+        if (M > 1) {
+            float *buf = thread_buffer(0, M * K);
+            if (!buf)
+                return -1;
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t r = 0; r < M; r++)
+                    buf[k * M + r] = x[r * K + k];
+            xt = buf;
+        }
 #pragma omp parallel num_threads(num_threads)
         if (kind == KIND_Q4_1) {
 #pragma omp for schedule(static)
@@ -324,40 +328,42 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         return 0;
     }
     int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
-    /* rows per pass over the tiles: their x (MC x K floats) stays in L2 while every tile uses it */
+    /* rows per pass over the tiles: their x (mc x K floats) stays in L2 while every tile uses it */
     int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
     mc = mc < MR ? MR : mc;
     int64_t passes = (M + mc - 1) / mc;
     mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;      /* even passes, whole register blocks */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-        int64_t m1 = M - m0 < mc ? M : m0 + mc;
+    {
         float *tile = thread_buffer(1, KC * NR);
         if (!tile)
             failed = 1;
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            int64_t m1 = M - m0 < mc ? M : m0 + mc;
 #pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < num_tiles; t++) {
-            if (!tile)
-                continue;
-            int nv = tile_slices(num_slices, t);
-            for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                int64_t kc = chunk_len(K, k0);
-                for (int v = 0; v < nv; v++) {
-                    if (kind == KIND_Q4_1)
-                        dequant_q4_1(qs, d, m, t * 2 + v, K, k0, kc, tile, v * VL);
-                    else
-                        dequant_q8_0(qs, d, t * 2 + v, K, k0, kc, tile, v * VL);
-                }
-                /* the next chunk: this tile's further along k, else the next tile's first (static schedule:
-                   usually this thread's next) */
-                int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
-                if (next_t < num_tiles)
-                    for (int v = 0; v < tile_slices(num_slices, next_t); v++)
-                        prefetch_chunk(kind, qs, d, m, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
-                for (int64_t r = m0; r < m1; r += MR) {
-                    int mr = m1 - r < MR ? (int)(m1 - r) : MR;
-                    block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
+            for (int64_t t = 0; t < num_tiles; t++) {
+                if (!tile)
+                    continue;
+                int nv = tile_slices(num_slices, t);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    int64_t kc = chunk_len(K, k0);
+                    for (int v = 0; v < nv; v++) {
+                        if (kind == KIND_Q4_1)
+                            dequant_q4_1(qs, d, m, t * 2 + v, K, k0, kc, tile, v * VL);
+                        else
+                            dequant_q8_0(qs, d, t * 2 + v, K, k0, kc, tile, v * VL);
+                    }
+                    /* the next chunk: this tile's further along k, else the next tile's first (static schedule:
+                       usually this thread's next) */
+                    int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
+                    if (next_t < num_tiles)
+                        for (int v = 0; v < tile_slices(num_slices, next_t); v++)
+                            prefetch_chunk(kind, qs, d, m, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
+                    for (int64_t r = m0; r < m1; r += MR) {
+                        int mr = m1 - r < MR ? (int)(m1 - r) : MR;
+                        block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
+                    }
                 }
             }
         }
