@@ -139,7 +139,11 @@ def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | 
         if envs.switched_off(envs.CPU_KERNEL_PROBE):
             log.info("packed-linear probe skipped (%s=0)", envs.CPU_KERNEL_PROBE)
             return None
-        result = probe_packed_linear(layer_shapes(cfg))
+        shapes = layer_shapes(cfg)
+        if not shapes:
+            return ("no linear of this model fits the packed layout (out_features % 16 and in_features % 32): "
+                    "nothing to pack")
+        result = probe_packed_linear(shapes)
         log.info("%s: %s", "packed linears" if result.use_packed else "torch matmuls", result.describe())
         return None if result.use_packed else f"torch is faster here: {result.describe()}"
 

@@ -3,6 +3,8 @@ keeps the faster (ties to the kernel), and the kernel plan follows it, naming bo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,6 +36,19 @@ def test_choice_is_the_geometric_mean_with_ties_to_the_kernel():
 def test_layer_shapes_are_the_fused_linears(model_dir):
     cfg = LlamaModelConfig.from_dir(model_dir)          # SmolLM2-135M: 9 heads, 3 KV heads of 64, hidden 576
     assert probe.layer_shapes(cfg) == [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def test_shapes_the_packed_layout_cannot_hold_are_not_probed(monkeypatch):
+    odd = dataclasses.replace(TINY, intermediate_size=136)          # down_proj: in_features 136, not a multiple of 32
+    assert probe.layer_shapes(odd) == [(640, 384), (384, 384), (272, 384)]
+    none_fit = dataclasses.replace(TINY, hidden_size=392, intermediate_size=136)    # none on the grid
+    assert probe.layer_shapes(none_fit) == []
+    for name in (envs.CPU_KERNELS, envs.CPU_PACKED_WEIGHTS, envs.CPU_KERNEL_PROBE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(probe, "probe_packed_linear", lambda shapes: pytest.fail("probed nothing packable"))
+    plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, none_fit)
+    if load() is not None:
+        assert not plan.packed_linears and "nothing to pack" in dict(plan.why_off)["packed linears"]
 
 
 @needs_kernels

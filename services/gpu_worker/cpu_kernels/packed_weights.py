@@ -89,12 +89,17 @@ def _grouped(scales: torch.Tensor) -> torch.Tensor:
     return scales.view(n // GROUP, GROUP, nb).permute(0, 2, 1).contiguous()
 
 
+def packable_shape(n: int, k: int) -> bool:
+    """Whether an [n, k] weight fits the layout: whole groups of output rows, whole blocks along K."""
+    return n > 0 and n % GROUP == 0 and k % QK == 0
+
+
 def pack(weight: torch.Tensor) -> PackedWeight | None:
     """weight [N, K] fp32 -> its packed form (Q4_1 tried first), or None when it is not exactly either."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return None
     n, k = weight.shape
-    if n % GROUP or k % QK or n == 0:
+    if not packable_shape(n, k):
         return None
     blocks = weight.detach().cpu().reshape(n, k // QK, QK)
     q4 = _recover_q4_1(blocks)

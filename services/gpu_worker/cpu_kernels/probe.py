@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
-from services.gpu_worker.cpu_kernels.packed_weights import GROUP, Q4_1, QK, PackedWeight
+from services.gpu_worker.cpu_kernels.packed_weights import GROUP, Q4_1, QK, PackedWeight, packable_shape
 
 ROWS = (1, 64)             # batch sizes timed: one decode stream, a full batch of 64
 ROUNDS = 3                 # alternating rounds per batch size (best of each)
@@ -56,10 +56,13 @@ class ProbeResult:
 
 
 def layer_shapes(cfg) -> list[tuple[int, int]]:
-    """[(out_features, in_features)] of one decoder layer's linears, fused as the worker's model has them."""
+    """[(out_features, in_features)] of one decoder layer's linears, fused as the worker's model has them, that
+    the packed layout can hold (the others never pack, so they stay torch's whatever the probe finds); may be
+    empty."""
     h, d = cfg.hidden_size, cfg.head_dim
-    return [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h), (h, cfg.num_attention_heads * d),
-            (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d, h), (h, cfg.num_attention_heads * d),
+              (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    return [(n, k) for n, k in shapes if packable_shape(n, k)]
 
 
 def _packed_q4_1(n: int, k: int) -> PackedWeight:
@@ -86,7 +89,8 @@ def _best_pass(fns: list, best: float) -> float:
 
 def probe_packed_linear(shapes: list[tuple[int, int]], rows: tuple[int, ...] = ROWS,
                         rounds: int = ROUNDS) -> ProbeResult:
-    """Time both paths on these (out, in) shapes, one thread each; the kernel's library must be available."""
+    """Time both paths on these (out, in) shapes (each one packable_shape), one thread each; the kernel's library
+    must be available."""
     start = time.perf_counter()
     weights, packed = _weights(shapes)
     threads = torch.get_num_threads()
