@@ -51,6 +51,12 @@ def test_shapes_the_packed_layout_cannot_hold_are_not_probed(monkeypatch):
         assert not plan.packed_linears and "nothing to pack" in dict(plan.why_off)["packed linears"]
 
 
+def test_a_big_models_layers_are_probed_at_a_bounded_size():
+    weights, packed = probe._weights([(14336 * 2, 4096), (4096, 14336)])      # an 8B model's MLP: ~0.7 GB of fp32
+    assert {tuple(w.shape) for w in weights} == {(4096, 4096)} and len(weights) == 2
+    assert {(p.out_features, p.in_features) for p in packed} == {(4096, 4096)}
+
+
 @needs_kernels
 def test_probe_times_both_paths_and_restores_threads():
     threads = torch.get_num_threads()

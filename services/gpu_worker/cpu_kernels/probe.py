@@ -29,6 +29,10 @@ ROWS = (1, 64)             # batch sizes timed: one decode stream, a full batch 
 ROUNDS = 3                 # alternating rounds per batch size (best of each)
 STREAM_BYTES = 48 << 20    # at least this much fp32 weight per pass (more than one core's share of L3), ...
 MAX_LAYERS = 8             # ... from at most this many layers' worth of distinct weights
+# Each probed shape is capped at this many rows and columns (both on the packed grid): a big model's layer (8B:
+# ~0.9 GB of fp32, 70B: ~3.4 GB) would otherwise be allocated and multiplied at every start, while the speed per
+# weight of either path is already what it is at this size (past L2 and a core's share of L3 either way).
+MAX_DIM = 4096
 PREFER_TORCH = 1.1         # torch must be this much faster (geometric mean) to take the place of the kernel
 
 
@@ -73,7 +77,9 @@ def _packed_q4_1(n: int, k: int) -> PackedWeight:
 
 
 def _weights(shapes: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list[PackedWeight]]:
-    """fp32 weights and packed ones of these shapes, enough layers' worth that a pass streams from memory."""
+    """fp32 weights and packed ones of these shapes (capped at MAX_DIM), enough layers' worth that a pass streams
+    from memory."""
+    shapes = [(min(n, MAX_DIM), min(k, MAX_DIM)) for n, k in shapes]
     layer_bytes = sum(n * k * 4 for n, k in shapes)
     layers = max(1, min(MAX_LAYERS, math.ceil(STREAM_BYTES / layer_bytes)))
     weights = [torch.full((n, k), 0.01) for _ in range(layers) for n, k in shapes]
