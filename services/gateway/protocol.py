@@ -3,8 +3,8 @@
 Fields outside OpenAI's API that vLLM also accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, add_generation_prompt, continue_final_message)
 are accepted; unknown fields are ignored, as OpenAI's SDK passes extra_body through. Features not built (best_of
-> 1, suffix, the deprecated functions) fail with a 400 naming the field, rather than being silently ignored. Tools:
-tools.py.
+> 1, suffix, the deprecated functions, vLLM's extras in vllm_extras.py) fail with a 400 naming the field, rather
+than being silently ignored. Tools: tools.py.
 """
 
 from __future__ import annotations
@@ -19,17 +19,13 @@ from services.gateway import validation as v
 from services.gateway.errors import bad_request
 from services.gateway.tool_parsers import ToolParser
 from services.gateway.tools import ToolRequest, parse_tools
+from services.gateway.vllm_extras import not_supported, refuse_not_built, structured_output
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20        # top logprobs per token (OpenAI: 20 for chat, 5 for completions; vLLM allows 20)
 MAX_LOGIT_BIAS = 100.0   # |bias| per token, as OpenAI
-MAX_UINT32, MAX_INT32 = 2**32 - 1, 2**31 - 1   # the Engine API sends token counts as uint32, top_k as int32
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-def not_supported(name: str) -> Exception:
-    return bad_request(f"'{name}' is not supported yet by steploop", param=name, code="unsupported_parameter")
 
 
 @dataclass(frozen=True)
@@ -100,9 +96,16 @@ def _parse_logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tup
 
 
 def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool]:
-    """response_format -> (json_schema text, json_object)."""
+    """response_format, or vLLM's structured_outputs / guided_json (vllm_extras.py) -> (json_schema text,
+    json_object)."""
     fmt = v.get_object(body, "response_format")
     kind = fmt.get("type", "text") if fmt else "text"
+    vllm = structured_output(body)
+    if vllm is not None:
+        name, schema, json_object = vllm
+        if kind != "text":
+            raise bad_request(f"'response_format' and '{name}' name the same constraint: give one", param=name)
+        return ("" if schema is None else json.dumps(schema)), json_object
     if kind == "text":
         return "", False
     if kind == "json_object":
@@ -127,15 +130,16 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
     if stream_options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     for name in ("best_of",):
-        if v.get_int(body, name, 1, lo=1) != 1:
+        if v.get_int(body, name, 1, lo=1, hi=None) != 1:
             raise not_supported(name)
+    refuse_not_built(body)
     stop_token_ids = body.get("stop_token_ids")
     json_schema, json_object = _parse_response_format(body)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
         top_p=v.get_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_exclusive=True),
-        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=-1, hi=MAX_INT32),
+        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=-1, hi=v.MAX_INT32),
         min_p=v.get_number(body, "min_p", defaults.get("min_p", 0.0), lo=0.0, hi=1.0),
         seed=v.get_int(body, "seed", None, lo=0, hi=2**64 - 1),
         presence_penalty=v.get_number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -146,7 +150,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         stop=v.get_stop(body),
         stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
         ignore_eos=v.get_bool(body, "ignore_eos", False),
-        min_tokens=v.get_int(body, "min_tokens", 0, lo=0, hi=MAX_UINT32),   # <= max_tokens: the engine checks
+        min_tokens=v.get_int(body, "min_tokens", 0, lo=0, hi=v.MAX_UINT32),   # <= max_tokens: the engine checks
         include_stop_str_in_output=v.get_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=v.get_bool(body, "skip_special_tokens", True),
         stream=stream,
@@ -192,7 +196,7 @@ def parse_completion(body: Any, vocab_size: int | None = None,
     echo = v.get_bool(body, "echo", False)
     logprobs = v.get_int(body, "logprobs", -1, lo=0, hi=MAX_LOGPROBS)
     # OpenAI's legacy completions API and vLLM default to 16 tokens (chat's default is what fits the context).
-    max_tokens = v.get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, lo=0, hi=MAX_UINT32)
+    max_tokens = v.get_int(body, "max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS, lo=0, hi=v.MAX_UINT32)
     if max_tokens == 0 and not echo:
         raise bad_request("'max_tokens' must be >= 1 (0 is allowed only with 'echo')", param="max_tokens")
     sampling = parse_sampling(body, max_tokens, vocab_size, defaults)
@@ -301,9 +305,9 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
         raise bad_request("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
     messages, add_generation_prompt, continue_final = parse_chat_messages(body)
     # max_completion_tokens is OpenAI's newer name; it wins when both are given.
-    max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1, hi=MAX_UINT32)
+    max_tokens = v.get_int(body, "max_completion_tokens", None, lo=1, hi=v.MAX_UINT32)
     if max_tokens is None:
-        max_tokens = v.get_int(body, "max_tokens", None, lo=1, hi=MAX_UINT32)
+        max_tokens = v.get_int(body, "max_tokens", None, lo=1, hi=v.MAX_UINT32)
     sampling = parse_sampling(body, max_tokens, vocab_size, defaults)
     tools = parse_tools(body, sampling.json_schema, sampling.json_object, tool_parser)
     forced = tools.guided_schema() if tools is not None else ""

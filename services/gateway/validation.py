@@ -10,6 +10,9 @@ from urllib.parse import unquote
 from services.gateway.errors import bad_request
 
 _MISSING = object()
+# The Engine API's integer fields (engine.proto): token counts are uint32, top_k and logprobs int32. A larger
+# JSON integer would fail in the protobuf encoder, after validation, as a 500.
+MAX_UINT32, MAX_INT32 = 2**32 - 1, 2**31 - 1
 
 
 def require_object(body: Any) -> dict[str, Any]:
@@ -48,7 +51,9 @@ def get_number(body: dict[str, Any], name: str, default: float | None, *, lo: fl
 
 
 def get_int(body: dict[str, Any], name: str, default: int | None, *, lo: int | None = None,
-            hi: int | None = None) -> int | None:
+            hi: int | None) -> int | None:
+    """hi has no default: every integer that reaches the wire needs its field's bound (MAX_UINT32, MAX_INT32);
+    None only for one that never leaves the gateway."""
     value = body.get(name)
     if value is None:
         return default

@@ -21,17 +21,23 @@ async def test_defaults_as_the_engine_gets_them(gateway):
     assert completion.max_tokens == 16 and echo.max_tokens == 1   # OpenAI's completions default; echo's one token
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2**32}, "max_tokens"),
-    ({**CHAT, "max_completion_tokens": 10**30}, "max_completion_tokens"),
-    ({**CHAT, "min_tokens": 2**40}, "min_tokens"),
-    ({**CHAT, "top_k": 2**31}, "top_k"),
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2**32}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**30}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": 2**40}, "min_tokens"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 2**31}, "top_k"),
+    ("/v1/responses", {"model": SERVED_NAME, "input": "hi", "top_k": 2**31}, "top_k"),
+    ("/v1/responses", {"model": SERVED_NAME, "input": "hi", "max_output_tokens": 2**63}, "max_output_tokens"),
+    ("/v1/messages", {**CHAT, "max_tokens": 2**32}, "max_tokens"),
+    ("/v1/messages", {**CHAT, "max_tokens": 4, "top_k": 2**31}, "top_k"),
 ])
-async def test_values_the_wire_cannot_carry_are_400(gateway, body, param):
-    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+async def test_values_the_wire_cannot_carry_are_400(gateway, path, body, param):
     status, resp, _ = await post(gateway, path, body)
-    assert status == 400
-    assert_error(resp, param=param)
+    assert status == 400, resp
+    if path == "/v1/messages":       # Anthropic's error shape: the field is named in the message
+        assert resp["type"] == "error" and param in resp["error"]["message"]
+    else:
+        assert_error(resp, param=param)
     assert gateway.engine.requests == []
 
 

@@ -191,7 +191,7 @@ def parse_messages(body: Any, parser: ToolParser, defaults: GenerationDefaults =
     body = v.require_object(body)
     if body.get("max_tokens") is None:
         raise bad_request("'max_tokens' is required", param="max_tokens", code="missing_required_parameter")
-    max_tokens = v.get_int(body, "max_tokens", None, lo=1)
+    max_tokens = v.get_int(body, "max_tokens", None, lo=1, hi=v.MAX_UINT32)
     messages, prefill = parse_conversation(body)
     tools = parse_tool_request(body, parser)
     v.get_object(body, "metadata")
@@ -199,7 +199,7 @@ def parse_messages(body: Any, parser: ToolParser, defaults: GenerationDefaults =
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=1.0),
         top_p=v.get_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_exclusive=True),
-        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=0),
+        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=0, hi=v.MAX_INT32),
         min_p=defaults.get("min_p", 0.0), seed=None, presence_penalty=0.0, frequency_penalty=0.0,
         repetition_penalty=defaults.get("repetition_penalty", 1.0), n=1,
         stop=_stop_sequences(body), stop_token_ids=(), ignore_eos=False, min_tokens=0,

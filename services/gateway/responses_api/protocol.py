@@ -144,10 +144,10 @@ def parse_responses(body: Any, parser: ToolParser, defaults: GenerationDefaults 
     json_schema, json_object, fmt = _text_format(body)
     tools = parse_tools(_openai_tools(body), json_schema, json_object, parser)
     sampling = SamplingFields(
-        max_tokens=v.get_int(body, "max_output_tokens", None, lo=1),
+        max_tokens=v.get_int(body, "max_output_tokens", None, lo=1, hi=v.MAX_UINT32),
         temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
         top_p=v.get_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_exclusive=True),
-        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=-1),
+        top_k=v.get_int(body, "top_k", defaults.get("top_k", 0), lo=-1, hi=v.MAX_INT32),
         min_p=defaults.get("min_p", 0.0), seed=v.get_int(body, "seed", None, lo=0, hi=2**64 - 1),
         presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=defaults.get("repetition_penalty", 1.0), n=1,
         stop=(), stop_token_ids=(), ignore_eos=False,

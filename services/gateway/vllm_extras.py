@@ -1,0 +1,83 @@
+"""vLLM's extra request fields beyond OpenAI's that steploop does not build, and vLLM's own names for structured
+output, for /v1/completions and /v1/chat/completions.
+
+Unknown fields are ignored (the OpenAI SDK passes extra_body through), but a field vLLM documents, that changes
+what is generated or how the answer is shaped, must not be dropped silently: a client that sends
+`allowed_token_ids` and gets tokens outside them was served wrong output. So each of those is a 400 naming it,
+unless it holds its default (null, or the value vLLM treats as "off"), which clients often send.
+
+Structured output has three spellings: OpenAI's `response_format` (protocol.py), vLLM's `structured_outputs`
+({"json": schema} or {"json_object": true}; regex, choice, grammar and structural_tag are not built) and its
+older `guided_json`. They name one constraint; two of them in one request is a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.gateway import validation as v
+from services.gateway.errors import bad_request
+
+# field -> the values that mean "not used" (sent by clients that fill every field)
+NOT_BUILT: dict[str, tuple[Any, ...]] = {
+    "allowed_token_ids": (None, []),
+    "bad_words": (None, []),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+    "use_beam_search": (None, False),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),              # completions' prompt logprobs come with echo + logprobs
+    "return_tokens_as_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "mm_processor_kwargs": (None, {}),
+}
+STRUCTURED_NOT_BUILT = ("regex", "choice", "grammar", "structural_tag")
+
+
+def not_supported(name: str) -> Exception:
+    return bad_request(f"'{name}' is not supported yet by steploop", param=name, code="unsupported_parameter")
+
+
+def refuse_not_built(body: dict[str, Any]) -> None:
+    for name, unused in NOT_BUILT.items():
+        if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in unused):
+            raise not_supported(name)
+
+
+def _schema_object(value: Any, where: str) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad_request(f"'{where}' must be a JSON schema (an object, or its JSON text)",
+                              param=where.split(".")[0]) from None
+    if not isinstance(value, dict):
+        raise v.type_error(where, "a JSON schema object", value, param=where.split(".")[0])
+    v.check_json_schema(value, where, where.split(".")[0])
+    return value
+
+
+def structured_output(body: dict[str, Any]) -> tuple[str, dict[str, Any] | None, bool] | None:
+    """The constraint named by `structured_outputs` or `guided_json`, as (field name, schema or None, json_object);
+    None when neither is given."""
+    found = []
+    if body.get("guided_json") is not None:
+        found.append(("guided_json", _schema_object(body["guided_json"], "guided_json"), False))
+    spec = v.get_object(body, "structured_outputs")
+    if spec:
+        for key in STRUCTURED_NOT_BUILT:
+            if spec.get(key) is not None:
+                raise not_supported(f"structured_outputs.{key}")
+        if spec.get("json") is not None:
+            found.append(("structured_outputs", _schema_object(spec["json"], "structured_outputs.json"), False))
+        elif v.get_bool(spec, "json_object", False):
+            found.append(("structured_outputs", None, True))
+    if len(found) > 1:
+        raise bad_request("'guided_json' and 'structured_outputs' name the same constraint: give one",
+                          param="structured_outputs")
+    return found[0] if found else None

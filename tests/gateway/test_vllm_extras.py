@@ -1,0 +1,72 @@
+"""vLLM's extra fields (services/gateway/vllm_extras.py): the ones steploop does not build are a 400 naming them
+(never dropped silently) unless they hold their "off" value; vLLM's spellings of structured output reach the engine
+as the same constraint response_format gives; two spellings at once are a 400."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.vllm_extras import NOT_BUILT
+from tests.gateway.conftest import SERVED_NAME
+from tests.gateway.test_gateway_errors import CHAT, assert_error, post
+
+COMPLETION = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"], "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
+       "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "use_beam_search": True,
+       "logits_processors": ["x"], "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
+       "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1}}
+
+
+def test_every_field_not_built_has_a_case():
+    assert set(SET) == set(NOT_BUILT)
+
+
+@pytest.mark.parametrize("path, base", [("/v1/chat/completions", {**CHAT, "max_tokens": 2}),
+                                        ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize("name", sorted(SET))
+async def test_a_field_not_built_is_refused_by_name(gateway, path, base, name):
+    status, resp, _ = await post(gateway, path, {**base, name: SET[name]})
+    assert status == 400, resp
+    assert_error(resp, param=name, code="unsupported_parameter")
+    assert gateway.engine.requests == []
+
+
+async def test_their_off_values_are_accepted(gateway):
+    off = {"allowed_token_ids": None, "bad_words": [], "use_beam_search": False, "logits_processors": [],
+           "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True, "prompt_logprobs": None,
+           "mm_processor_kwargs": {}}
+    assert (await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, **off}))[0] == 200
+    assert (await post(gateway, "/v1/completions", {**COMPLETION, **off}))[0] == 200
+
+
+@pytest.mark.parametrize("extra, schema, json_object", [
+    ({"guided_json": SCHEMA}, SCHEMA, False),
+    ({"guided_json": json.dumps(SCHEMA)}, SCHEMA, False),                      # vLLM also takes the JSON text
+    ({"structured_outputs": {"json": SCHEMA}}, SCHEMA, False),
+    ({"structured_outputs": {"json_object": True}}, None, True),
+])
+async def test_vllm_structured_output_reaches_the_engine(gateway, extra, schema, json_object):
+    for path, base in (("/v1/chat/completions", {**CHAT, "max_tokens": 2}), ("/v1/completions", COMPLETION)):
+        assert (await post(gateway, path, {**base, **extra}))[0] == 200
+    for sent in gateway.engine.requests:
+        assert (json.loads(sent.sampling.json_schema) if sent.sampling.json_schema else None) == schema
+        assert sent.sampling.json_object == json_object
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
+    ({"structured_outputs": {"json": SCHEMA}, "guided_json": SCHEMA}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "no-such-type"}}, "guided_json"),
+    ({"structured_outputs": {"json": 5}}, "structured_outputs"),
+])
+async def test_conflicting_or_bad_constraints_are_400(gateway, extra, param):
+    status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, **extra})
+    assert status == 400, resp
+    assert_error(resp, param=param)
+    assert gateway.engine.requests == []
