@@ -9,7 +9,7 @@ results as user turns. The tokenizer only ever sees the rendered messages.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -33,13 +33,15 @@ class ChatTemplate:
         return isinstance(template, str) and "tools" in template
 
     async def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
-                     continue_final_message: bool, tools: ToolRequest | None) -> list[int]:
-        """The prompt's token ids; a template that cannot render the conversation is a 400 naming `messages`."""
+                     continue_final_message: bool, tools: ToolRequest | None,
+                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The prompt's token ids; a template that cannot render the conversation is a 400 naming `messages`.
+        template_kwargs: extra template variables (chat_template_kwargs, checked by protocol.py)."""
         rendered, tool_specs = for_template(list(messages), tools, self.parser, self.knows_tools)
         try:
             return await self.tokenizer.apply_chat_template(
                 rendered, tools=tool_specs, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+                continue_final_message=continue_final_message, template_kwargs=template_kwargs)
         except (ValueError, jinja2.TemplateError) as err:   # no template, or the template refused (raise_exception)
             raise bad_request(f"cannot apply the chat template: {err}", param="messages") from None
 

@@ -10,7 +10,7 @@ than being silently ignored. Tools: tools.py.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
@@ -217,6 +217,7 @@ class ChatRequest:
     continue_final_message: bool           # extend the last (assistant) message instead of starting a new one
     user: str | None
     tools: ToolRequest | None = None       # None: no tool may be called (no tools, or tool_choice "none")
+    template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -281,6 +282,23 @@ def _parse_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+# apply_chat_template's own arguments: chat_template_kwargs must not override them (each has its request field)
+TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's enable_thinking)."""
+    kwargs = v.get_object(body, "chat_template_kwargs")
+    clash = sorted(TEMPLATE_RESERVED & set(kwargs))
+    if clash:
+        raise bad_request(f"'chat_template_kwargs' must not set {', '.join(clash)} (the request has its own field, "
+                          f"or the template cannot take it)", param="chat_template_kwargs")
+    return dict(kwargs)
+
+
 def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], bool, bool]:
     """messages, add_generation_prompt, continue_final_message (chat and /tokenize share them)."""
     messages = _parse_messages(body.get("messages"))
@@ -323,4 +341,5 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
         continue_final_message=continue_final,
         user=v.get_str(body, "user"),
         tools=tools,
+        template_kwargs=parse_template_kwargs(body),
     )

@@ -57,7 +57,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     lora_name = serving.check_model(req.model)
     prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                                      continue_final_message=req.continue_final_message,
-                                                     tools=req.tools)
+                                                     tools=req.tools, template_kwargs=req.template_kwargs)
     meta = Meta(new_id("chatcmpl"), lora_name or serving.model.served_model_name)
     choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", lora_name=lora_name)
     events = log_length_finishes(serving.run(choices), meta.id, structured_kind(req.sampling, req.tools))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -71,13 +71,15 @@ class Tokenizer:
         return self.hf.chat_template
 
     def chat_sync(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
-        """Renders messages as chat_template.py prepared them (`tools`: OpenAI tool specs for the template)."""
+                  add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Renders messages as chat_template.py prepared them (`tools`: OpenAI tool specs for the template;
+        `template_kwargs`: extra variables the template may read)."""
         if self.hf.chat_template is None:
             raise ValueError("the model folder has no chat template; use /v1/completions")
         ids = self.hf.apply_chat_template(list(messages), tools=tools, tokenize=True,
                                           add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message)
+                                          continue_final_message=continue_final_message, **(template_kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):   # a BatchEncoding on some versions
             ids = ids["input_ids"]
         return list(ids)
@@ -87,11 +89,13 @@ class Tokenizer:
         return await loop.run_in_executor(self._executor, self.encode_sync, text, add_special_tokens)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                                  add_generation_prompt: bool = True, continue_final_message: bool = False,
+                                  template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._executor, lambda: self.chat_sync(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                   continue_final_message=continue_final_message))
+                                                   continue_final_message=continue_final_message,
+                                                   template_kwargs=template_kwargs))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -15,7 +15,7 @@ from services.gateway import validation as v
 from services.gateway.app_keys import CHAT_TEMPLATE, SERVING, TOOL_PARSER
 from services.gateway.errors import bad_request
 from services.gateway.openapi import openapi_spec
-from services.gateway.protocol import parse_chat_messages
+from services.gateway.protocol import parse_chat_messages, parse_template_kwargs
 from services.gateway.request_body import read_json
 from services.gateway.tools import parse_tools
 
@@ -28,7 +28,8 @@ async def tokenize(request: web.Request) -> web.Response:
         messages, add_generation_prompt, continue_final = parse_chat_messages(body)
         tools = parse_tools(body, "", False, request.app[TOOL_PARSER])   # counted as the chat request renders them
         tokens = await request.app[CHAT_TEMPLATE].render(messages, add_generation_prompt=add_generation_prompt,
-                                                         continue_final_message=continue_final, tools=tools)
+                                                         continue_final_message=continue_final, tools=tools,
+                                                         template_kwargs=parse_template_kwargs(body))
     else:
         prompt = v.get_str(body, "prompt")
         if prompt is None:

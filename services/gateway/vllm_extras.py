@@ -34,6 +34,8 @@ NOT_BUILT: dict[str, tuple[Any, ...]] = {
     "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
     "mm_processor_kwargs": (None, {}),
+    "chat_template": (None,),                # a per-request template (vLLM refuses it too unless trusted)
+    "documents": (None, []),                 # RAG documents for the template
 }
 STRUCTURED_NOT_BUILT = ("regex", "choice", "grammar", "structural_tag")
 

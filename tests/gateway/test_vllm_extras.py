@@ -17,7 +17,8 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"], "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
        "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "use_beam_search": True,
        "logits_processors": ["x"], "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
-       "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1}}
+       "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1},
+       "chat_template": "{{ messages }}", "documents": [{"text": "d"}]}
 
 
 def test_every_field_not_built_has_a_case():
@@ -69,4 +70,28 @@ async def test_conflicting_or_bad_constraints_are_400(gateway, extra, param):
     status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, **extra})
     assert status == 400, resp
     assert_error(resp, param=param)
+    assert gateway.engine.requests == []
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                     "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
+
+
+async def test_chat_template_kwargs_reach_the_template(gateway, tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer.hf, "chat_template", THINKING_TEMPLATE)   # a template with a switch (Qwen3's)
+    messages = [{"role": "user", "content": "hi"}]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    want = tokenizer.encode_sync("hi /no_think", add_special_tokens=False)
+    assert (await post(gateway, "/tokenize", {"messages": messages, **off}))[1]["tokens"] == want
+    assert (await post(gateway, "/tokenize", {"messages": messages}))[1]["tokens"] == \
+        tokenizer.encode_sync("hi", add_special_tokens=False)
+    assert (await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, **off}))[0] == 200
+    assert list(gateway.engine.requests[-1].prompt_token_ids) == want
+
+
+@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"add_generation_prompt": False}, {"chat_template": "x"}, 5])
+async def test_chat_template_kwargs_cannot_override_the_request(gateway, kwargs):
+    status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": kwargs})
+    assert status == 400, resp
+    assert_error(resp, param="chat_template_kwargs")
     assert gateway.engine.requests == []
