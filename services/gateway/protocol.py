@@ -56,6 +56,7 @@ class SamplingFields:
     json_object: bool = False  # response_format json_object
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
+    truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """max_tokens as the engine gets it (None: what fits; see Serving.engine_max_tokens). Echo with max_tokens
@@ -160,7 +161,16 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         json_object=json_object,
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
+        truncate_prompt_tokens=_parse_truncation(body),
     )
+
+
+def _parse_truncation(body: dict[str, Any]) -> int | None:
+    value = v.get_int(body, "truncate_prompt_tokens", None, lo=-1, hi=v.MAX_UINT32)
+    if value == 0:
+        raise bad_request("'truncate_prompt_tokens' must be -1 (the context length) or at least 1, got 0",
+                          param="truncate_prompt_tokens")
+    return value
 
 
 @dataclass(frozen=True)

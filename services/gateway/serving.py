@@ -59,8 +59,14 @@ class Serving:
         seeds seed, seed+1, ... so the n samples differ (and repeat across runs). A pooling model (embeddings
         only) refuses them: a 400 naming `api` (by default the API whose prompt field is `param`)."""
         await self.model.check_serves("generate", api or API_BY_PARAM.get(param, "Completions"))
+        keep = sampling.truncate_prompt_tokens
+        if keep == -1:                       # vLLM's "the model's context length" (unknown yet: nothing to cut)
+            keep = await self.model.known_max_model_len()
         choices = []
         for p, prompt_ids in enumerate(prompts):
+            prompt_text = prompt_texts[p] if prompt_texts else None
+            if keep is not None and len(prompt_ids) > keep:      # left truncation: the last `keep` tokens stay
+                prompt_ids, prompt_text = list(prompt_ids)[-keep:], None   # echo shows what the model saw
             params = sampling.to_sampling_params(self.engine_max_tokens(len(prompt_ids), sampling, param))
             for k in range(sampling.n):
                 index = p * sampling.n + k
@@ -68,7 +74,7 @@ class Serving:
                                       params=choice_params(params, k), stop=sampling.stop,
                                       include_stop_str_in_output=sampling.include_stop_str_in_output,
                                       skip_special_tokens=sampling.skip_special_tokens, echo=sampling.echo,
-                                      prompt_text=prompt_texts[p] if prompt_texts else None,
+                                      prompt_text=prompt_text,
                                       drop_output=sampling.max_tokens == 0, priority=sampling.priority,
                                       cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name))
         return choices

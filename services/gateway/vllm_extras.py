@@ -29,7 +29,6 @@ NOT_BUILT: dict[str, tuple[Any, ...]] = {
     "structural_tag": (None,),
     "use_beam_search": (None, False),
     "logits_processors": (None, []),
-    "truncate_prompt_tokens": (None,),
     "prompt_logprobs": (None,),              # completions' prompt logprobs come with echo + logprobs
     "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),

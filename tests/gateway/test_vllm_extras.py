@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from services.gateway.app_keys import SERVING
 from services.gateway.vllm_extras import NOT_BUILT
 from tests.gateway.conftest import SERVED_NAME
 from tests.gateway.test_gateway_errors import CHAT, assert_error, post
@@ -16,7 +17,7 @@ COMPLETION = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"], "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
        "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "use_beam_search": True,
-       "logits_processors": ["x"], "truncate_prompt_tokens": 8, "prompt_logprobs": 1,
+       "logits_processors": ["x"], "prompt_logprobs": 1,
        "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1},
        "chat_template": "{{ messages }}", "documents": [{"text": "d"}]}
 
@@ -95,3 +96,28 @@ async def test_chat_template_kwargs_cannot_override_the_request(gateway, kwargs)
     assert status == 400, resp
     assert_error(resp, param="chat_template_kwargs")
     assert gateway.engine.requests == []
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_tokens(gateway, tokenizer):
+    ids = tokenizer.encode_sync("one two three four five six", add_special_tokens=False)
+    status, body, _ = await post(gateway, "/v1/completions", {**COMPLETION, "prompt": ids, "echo": True,
+                                                              "truncate_prompt_tokens": 3})
+    assert status == 200 and list(gateway.engine.requests[-1].prompt_token_ids) == ids[-3:]
+    assert body["usage"]["prompt_tokens"] == 3
+    assert body["choices"][0]["text"].startswith(tokenizer.decode(ids[-3:]))    # echo: what the model saw
+    short = {**COMPLETION, "prompt": ids[:2], "truncate_prompt_tokens": 3}       # already short: unchanged
+    assert (await post(gateway, "/v1/completions", short))[0] == 200
+    assert list(gateway.engine.requests[-1].prompt_token_ids) == ids[:2]
+    assert (await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "truncate_prompt_tokens": 4}))[0] == 200
+    assert len(gateway.engine.requests[-1].prompt_token_ids) == 4
+    for bad in (0, -2, "3"):
+        status, resp, _ = await post(gateway, "/v1/completions", {**COMPLETION, "truncate_prompt_tokens": bad})
+        assert status == 400 and resp["error"]["param"] == "truncate_prompt_tokens"
+
+
+async def test_truncate_prompt_tokens_minus_one_is_the_context_length(gateway, tokenizer):
+    gateway.engine.max_model_len = 5
+    gateway.app[SERVING].model.max_model_len = 5         # the gateway learnt the context length at start
+    ids = tokenizer.encode_sync("one two three four five six", add_special_tokens=False)
+    await post(gateway, "/v1/completions", {**COMPLETION, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert list(gateway.engine.requests[-1].prompt_token_ids) == ids[-5:]
