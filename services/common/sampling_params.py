@@ -31,10 +31,11 @@ class SamplingParams:
     prompt_logprobs: int = -1           # -1 none; 0 each prompt token's own logprob; k = plus top k
     json_schema: str = ""               # structured output: a JSON schema (JSON text) the output must match
     json_object: bool = False           # structured output: any one JSON object
+    regex: str = ""                     # structured output: a regular expression the output must match
 
     @property
     def structured(self) -> bool:
-        return bool(self.json_schema) or self.json_object
+        return bool(self.json_schema) or self.json_object or bool(self.regex)
 
     @property
     def greedy(self) -> bool:
@@ -46,7 +47,7 @@ class SamplingParams:
             min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=dict(self.logit_bias),
-            json_schema=self.json_schema, json_object=self.json_object)
+            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex)
         if self.seed is not None:
             pb.seed = self.seed
         if self.prompt_logprobs >= 0:
@@ -73,4 +74,5 @@ class SamplingParams:
             prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else -1,
             json_schema=pb.json_schema,
             json_object=pb.json_object,
+            regex=pb.regex,
         )

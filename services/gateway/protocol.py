@@ -54,6 +54,7 @@ class SamplingFields:
     echo: bool = False       # completions: the prompt leads the text (with prompt logprobs when logprobs >= 0)
     json_schema: str = ""    # response_format json_schema: the schema as JSON text
     json_object: bool = False  # response_format json_object
+    regex: str = ""          # vLLM's guided_choice, as a regex of the escaped alternatives
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
     truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
@@ -68,7 +69,7 @@ class SamplingFields:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs >= 0 else -1,
-            json_schema=self.json_schema, json_object=self.json_object)
+            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex)
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:
@@ -96,21 +97,21 @@ def _parse_logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tup
     return tuple(sorted(out))
 
 
-def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool]:
-    """response_format, or vLLM's structured_outputs / guided_json (vllm_extras.py) -> (json_schema text,
-    json_object)."""
+def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool, str]:
+    """response_format, or vLLM's structured_outputs / guided_json / guided_choice (vllm_extras.py) ->
+    (json_schema text, json_object, regex)."""
     fmt = v.get_object(body, "response_format")
     kind = fmt.get("type", "text") if fmt else "text"
     vllm = structured_output(body)
     if vllm is not None:
-        name, schema, json_object = vllm
         if kind != "text":
-            raise bad_request(f"'response_format' and '{name}' name the same constraint: give one", param=name)
-        return ("" if schema is None else json.dumps(schema)), json_object
+            raise bad_request(f"'response_format' and '{vllm.field}' name the same constraint: give one",
+                              param=vllm.field)
+        return ("" if vllm.schema is None else json.dumps(vllm.schema)), vllm.json_object, vllm.regex
     if kind == "text":
-        return "", False
+        return "", False, ""
     if kind == "json_object":
-        return "", True
+        return "", True, ""
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -118,7 +119,7 @@ def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool]:
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               param="response_format")
         v.check_json_schema(schema, "response_format.json_schema.schema", "response_format")
-        return json.dumps(schema), False
+        return json.dumps(schema), False, ""
     raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                       param="response_format")
 
@@ -135,7 +136,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
             raise not_supported(name)
     refuse_not_built(body)
     stop_token_ids = body.get("stop_token_ids")
-    json_schema, json_object = _parse_response_format(body)
+    json_schema, json_object, regex = _parse_response_format(body)
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
@@ -159,6 +160,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         logit_bias=_parse_logit_bias(body, vocab_size),
         json_schema=json_schema,
         json_object=json_object,
+        regex=regex,
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
         truncate_prompt_tokens=_parse_truncation(body),
@@ -338,6 +340,9 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
         max_tokens = v.get_int(body, "max_tokens", None, lo=1, hi=v.MAX_UINT32)
     sampling = parse_sampling(body, max_tokens, vocab_size, defaults)
     tools = parse_tools(body, sampling.json_schema, sampling.json_object, tool_parser)
+    if sampling.regex and tools is not None and tools.choice != "auto":
+        raise bad_request("'guided_choice' cannot be combined with a 'tool_choice' that forces a call (both "
+                          "constrain the reply)", param="guided_choice")
     forced = tools.guided_schema() if tools is not None else ""
     if forced:   # a forced call: the worker's grammar writes valid calls
         sampling = replace(sampling, json_schema=forced)

@@ -6,14 +6,17 @@ what is generated or how the answer is shaped, must not be dropped silently: a c
 `allowed_token_ids` and gets tokens outside them was served wrong output. So each of those is a 400 naming it,
 unless it holds its default (null, or the value vLLM treats as "off"), which clients often send.
 
-Structured output has three spellings: OpenAI's `response_format` (protocol.py), vLLM's `structured_outputs`
-({"json": schema} or {"json_object": true}; regex, choice, grammar and structural_tag are not built) and its
-older `guided_json`. They name one constraint; two of them in one request is a 400.
+Structured output has several spellings: OpenAI's `response_format` (protocol.py), vLLM's `structured_outputs`
+({"json": schema}, {"json_object": true} or {"choice": [...]}; regex, grammar and structural_tag are not built)
+and its older `guided_json` and `guided_choice`. They name one constraint; two of them in one request is a 400.
+A choice becomes a regex of its escaped alternatives, which the worker's xgrammar compiles (a user's own regex
+could fail to compile there, where no per-request error exists: refused for now).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from services.gateway import validation as v
@@ -24,7 +27,6 @@ NOT_BUILT: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None, []),
     "bad_words": (None, []),
     "guided_regex": (None,),
-    "guided_choice": (None,),
     "guided_grammar": (None,),
     "structural_tag": (None,),
     "use_beam_search": (None, False),
@@ -36,7 +38,18 @@ NOT_BUILT: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),                # a per-request template (vLLM refuses it too unless trusted)
     "documents": (None, []),                 # RAG documents for the template
 }
-STRUCTURED_NOT_BUILT = ("regex", "choice", "grammar", "structural_tag")
+STRUCTURED_NOT_BUILT = ("regex", "grammar", "structural_tag")
+REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")     # escaped in a choice: everything else is literal
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint named by vLLM's fields: a JSON schema, any JSON object, or a regex."""
+    field: str                       # the request field that named it
+    schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str = ""
 
 
 def not_supported(name: str) -> Exception:
@@ -63,22 +76,36 @@ def _schema_object(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def structured_output(body: dict[str, Any]) -> tuple[str, dict[str, Any] | None, bool] | None:
-    """The constraint named by `structured_outputs` or `guided_json`, as (field name, schema or None, json_object);
-    None when neither is given."""
+def choice_regex(choices: Any, where: str) -> str:
+    """guided_choice -> a regex matching exactly one of the strings."""
+    param = where.split(".")[0]
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise bad_request(f"'{where}' must be a non-empty array of non-empty strings", param=param)
+    if len(choices) > MAX_CHOICES:
+        raise bad_request(f"'{where}' has {len(choices)} choices; at most {MAX_CHOICES}", param=param)
+    return "(" + "|".join("".join("\\" + ch if ch in REGEX_SPECIAL else ch for ch in c) for c in choices) + ")"
+
+
+def structured_output(body: dict[str, Any]) -> Constraint | None:
+    """The constraint named by `structured_outputs`, `guided_json` or `guided_choice`; None when none is."""
     found = []
     if body.get("guided_json") is not None:
-        found.append(("guided_json", _schema_object(body["guided_json"], "guided_json"), False))
+        found.append(Constraint("guided_json", schema=_schema_object(body["guided_json"], "guided_json")))
+    if body.get("guided_choice") is not None:
+        found.append(Constraint("guided_choice", regex=choice_regex(body["guided_choice"], "guided_choice")))
     spec = v.get_object(body, "structured_outputs")
     if spec:
         for key in STRUCTURED_NOT_BUILT:
             if spec.get(key) is not None:
                 raise not_supported(f"structured_outputs.{key}")
         if spec.get("json") is not None:
-            found.append(("structured_outputs", _schema_object(spec["json"], "structured_outputs.json"), False))
+            found.append(Constraint("structured_outputs", schema=_schema_object(spec["json"], "structured_outputs.json")))
+        elif spec.get("choice") is not None:
+            found.append(Constraint("structured_outputs",
+                                    regex=choice_regex(spec["choice"], "structured_outputs.choice")))
         elif v.get_bool(spec, "json_object", False):
-            found.append(("structured_outputs", None, True))
+            found.append(Constraint("structured_outputs", json_object=True))
     if len(found) > 1:
-        raise bad_request("'guided_json' and 'structured_outputs' name the same constraint: give one",
-                          param="structured_outputs")
+        raise bad_request(f"'{found[0].field}' and '{found[1].field}' name the same constraint: give one",
+                          param=found[1].field)
     return found[0] if found else None

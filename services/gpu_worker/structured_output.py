@@ -1,4 +1,4 @@
-"""Structured output: a grammar (JSON schema, or any JSON object) masks the tokens a request may sample.
+"""Structured output: a grammar (JSON schema, any JSON object, or a regex) masks the tokens a request may sample.
 
 One xgrammar GrammarCompiler per worker, built on first use from the model folder's tokenizer (so a worker that
 never sees a structured request never loads it); compiled grammars are cached by xgrammar. Each structured
@@ -55,6 +55,12 @@ class StructuredOutput:
         json_object is an object, as OpenAI's JSON mode promises (xgrammar's builtin JSON grammar also takes
         arrays and scalars)."""
         compiler = self._get_compiler()
+        if params.regex:      # built by the gateway (guided_choice), so it compiles: a failure is a bug, loud
+            try:
+                return compiler.compile_regex(params.regex)
+            except Exception:  # noqa: BLE001
+                log.error("cannot compile the regex %r; this request's output is NOT constrained", params.regex)
+                return compiler.compile_regex(".*")
         if params.json_schema:
             try:
                 return compiler.compile_json_schema(params.json_schema, any_whitespace=False)

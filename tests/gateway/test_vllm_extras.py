@@ -15,7 +15,7 @@ from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 
 COMPLETION = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"], "guided_regex": "[a-z]+", "guided_choice": ["yes", "no"],
+SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"], "guided_regex": "[a-z]+",
        "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "use_beam_search": True,
        "logits_processors": ["x"], "prompt_logprobs": 1,
        "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1},
@@ -62,7 +62,13 @@ async def test_vllm_structured_output_reaches_the_engine(gateway, extra, schema,
     ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
     ({"structured_outputs": {"json": SCHEMA}, "guided_json": SCHEMA}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice"),
+    ({"guided_choice": "yes"}, "guided_choice"),
+    ({"guided_choice": ["a"], "guided_json": SCHEMA}, "guided_choice"),
+    ({"guided_choice": ["a"], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": {"type": "no-such-type"}}, "guided_json"),
     ({"structured_outputs": {"json": 5}}, "structured_outputs"),
@@ -121,3 +127,11 @@ async def test_truncate_prompt_tokens_minus_one_is_the_context_length(gateway, t
     ids = tokenizer.encode_sync("one two three four five six", add_special_tokens=False)
     await post(gateway, "/v1/completions", {**COMPLETION, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
     assert list(gateway.engine.requests[-1].prompt_token_ids) == ids[-5:]
+
+
+@pytest.mark.parametrize("extra", [{"guided_choice": ["yes", "a.b (c)|d*", "x\\y"]},
+                                   {"structured_outputs": {"choice": ["yes", "a.b (c)|d*", "x\\y"]}}])
+async def test_a_choice_reaches_the_engine_as_a_regex_of_its_literals(gateway, extra):
+    assert (await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, **extra}))[0] == 200
+    sent = gateway.engine.requests[-1].sampling
+    assert sent.regex == r"(yes|a\.b \(c\)\|d\*|x\\y)" and not sent.json_schema and not sent.json_object
