@@ -42,7 +42,8 @@ class ChatTemplate:
             return await self.tokenizer.apply_chat_template(
                 rendered, tools=tool_specs, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, template_kwargs=template_kwargs)
-        except (ValueError, jinja2.TemplateError) as err:   # no template, or the template refused (raise_exception)
+        except (ValueError, TypeError, jinja2.TemplateError) as err:   # no template, the template refused
+            # (raise_exception), or it could not use a chat_template_kwargs value
             raise bad_request(f"cannot apply the chat template: {err}", param="messages") from None
 
 

@@ -10,8 +10,11 @@ from services.gateway.embeddings_api import openapi as embeddings_openapi
 from services.gateway.messages_api import openapi as messages_openapi
 from services.gateway.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
 from services.gateway.responses_api import openapi as responses_openapi
+from services.gateway.validation import MAX_INT32, MAX_UINT32
+from services.gateway.vllm_extras import MAX_CHOICES
 
 _NUM = {"type": "number"}
+_CHOICES = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _STOP = {"oneOf": [{"type": "string", "minLength": 1},
                    {"type": "array", "items": {"type": "string", "minLength": 1}}]}
@@ -36,14 +39,21 @@ _SAMPLING: dict[str, Any] = {
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": "string"},
     "response_format": _RESPONSE_FORMAT,
-    "top_k": {"type": "integer", "minimum": -1},
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_INT32},
     "min_p": {**_NUM, "minimum": 0, "maximum": 1},
     "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 2},
-    "min_tokens": {"type": "integer", "minimum": 0},
+    "min_tokens": {"type": "integer", "minimum": 0, "maximum": MAX_UINT32},
     "ignore_eos": {"type": "boolean"},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "include_stop_str_in_output": {"type": "boolean"},
     "skip_special_tokens": {"type": "boolean"},
+    # vLLM's (vllm_extras.py); at most one of response_format, guided_json, guided_choice, structured_outputs
+    "truncate_prompt_tokens": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": MAX_UINT32},
+                                         {"type": "integer", "enum": [-1]}]},
+    "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}]},
+    "guided_choice": _CHOICES,
+    "structured_outputs": {"type": "object", "properties": {"json": {"type": "object"}, "json_object": {
+        "type": "boolean"}, "choice": _CHOICES}},
 }
 # Unset: what fits in the context. Prompt + max_tokens over the context is a 400 (context_length_exceeded).
 _MAX_TOKENS = {"type": "integer", "minimum": 1}
@@ -94,6 +104,7 @@ _CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
     "add_generation_prompt": {"type": "boolean"},
     "continue_final_message": {"type": "boolean"},
+    "chat_template_kwargs": {"type": "object"},
     "tools": {"type": "array", "items": _TOOL},
     "tool_choice": _TOOL_CHOICE,
     "parallel_tool_calls": {"type": "boolean"},

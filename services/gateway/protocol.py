@@ -296,7 +296,7 @@ def _parse_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 # apply_chat_template's own arguments: chat_template_kwargs must not override them (each has its request field)
 TEMPLATE_RESERVED = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "self", "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 

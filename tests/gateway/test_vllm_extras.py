@@ -96,7 +96,8 @@ async def test_chat_template_kwargs_reach_the_template(gateway, tokenizer, monke
     assert list(gateway.engine.requests[-1].prompt_token_ids) == want
 
 
-@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"add_generation_prompt": False}, {"chat_template": "x"}, 5])
+@pytest.mark.parametrize("kwargs", [{"tokenize": False}, {"add_generation_prompt": False}, {"chat_template": "x"},
+                                    {"self": 1}, 5])
 async def test_chat_template_kwargs_cannot_override_the_request(gateway, kwargs):
     status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": kwargs})
     assert status == 400, resp
@@ -135,3 +136,10 @@ async def test_a_choice_reaches_the_engine_as_a_regex_of_its_literals(gateway, e
     assert (await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, **extra}))[0] == 200
     sent = gateway.engine.requests[-1].sampling
     assert sent.regex == r"(yes|a\.b \(c\)\|d\*|x\\y)" and not sent.json_schema and not sent.json_object
+
+
+async def test_a_value_the_template_cannot_use_is_a_400(gateway, tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer.hf, "chat_template", "{{ messages[0]['content'] }}{{ depth + 1 }}")
+    status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"depth": "x"}})
+    assert status == 400, resp
+    assert_error(resp, param="messages")
