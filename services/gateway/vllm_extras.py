@@ -81,6 +81,8 @@ def choice_regex(choices: Any, where: str) -> str:
     param = where.split(".")[0]
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise bad_request(f"'{where}' must be a non-empty array of non-empty strings", param=param)
+    if any("\0" in c for c in choices):           # xgrammar's regexes cannot hold NUL
+        raise bad_request(f"'{where}' strings must not contain NUL (\\u0000)", param=param)
     if len(choices) > MAX_CHOICES:
         raise bad_request(f"'{where}' has {len(choices)} choices; at most {MAX_CHOICES}", param=param)
     return "(" + "|".join("".join("\\" + ch if ch in REGEX_SPECIAL else ch for ch in c) for c in choices) + ")"

@@ -55,12 +55,12 @@ class StructuredOutput:
         json_object is an object, as OpenAI's JSON mode promises (xgrammar's builtin JSON grammar also takes
         arrays and scalars)."""
         compiler = self._get_compiler()
-        if params.regex:      # built by the gateway (guided_choice), so it compiles: a failure is a bug, loud
+        if params.regex:      # built by the gateway (guided_choice), which refuses what xgrammar cannot compile
             try:
                 return compiler.compile_regex(params.regex)
-            except Exception:  # noqa: BLE001
-                log.error("cannot compile the regex %r; this request's output is NOT constrained", params.regex)
-                return compiler.compile_regex(".*")
+            except Exception:  # noqa: BLE001 - a bug: end the output at once rather than let it run unconstrained
+                log.error("cannot compile the regex %r; this request's output is empty", params.regex)
+                return compiler.compile_regex("")
         if params.json_schema:
             try:
                 return compiler.compile_json_schema(params.json_schema, any_whitespace=False)

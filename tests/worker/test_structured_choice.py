@@ -47,3 +47,11 @@ def test_each_choice_and_only_the_choices_fit(structured):
         tokens = tokenizer.encode(other, add_special_tokens=False)
         fits = all(matcher.accept_token(t) for t in tokens)
         assert not (fits and matcher.accept_token(eos)), other        # never a finished output
+
+
+def test_a_regex_that_cannot_compile_ends_the_output_at_once(structured, caplog):
+    so, tokenizer = structured
+    grammar = so.compile(SamplingParams(regex="(a\0b|c)"))     # NUL: the gateway refuses it; a bug if it got here
+    mask = allowed(xgr.GrammarMatcher(grammar), so.vocab_size)
+    assert mask[tokenizer.eos_token_id] and not mask[tokenizer.encode("c", add_special_tokens=False)[0]]
+    assert "output is empty" in caplog.text
