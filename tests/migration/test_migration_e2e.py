@@ -42,8 +42,14 @@ def want(replicas):
 def restart_scheduler(replicas: Replicas, victim: int) -> None:
     """The victim's scheduler back (its worker reattaches), so the next test has every replica again."""
     c = replicas.clusters[victim]
-    c.start_service("scheduler")
-    wait_for(lambda: c.load_report().num_total_blocks > 0, 300, "the victim's worker reattached")
+    proc = c.start_service("scheduler")
+    try:     # the logs of the victim's services come with a failure (one restart under a loaded full suite timed out)
+        wait_for(lambda: proc.poll() is not None or c.load_report().num_total_blocks > 0, 300,
+                 "the victim's worker reattached")
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}:\n{c.logs()}") from None
+    if proc.poll() is not None:
+        raise RuntimeError(f"the restarted scheduler exited with {proc.returncode}:\n{c.logs()}")
     wait_for(lambda: replicas.replica_up().get(c.scheduler_address) == 1.0, 60, "the victim up")
 
 
