@@ -19,7 +19,7 @@ from services.gateway import validation as v
 from services.gateway.errors import bad_request
 from services.gateway.tool_parsers import ToolParser
 from services.gateway.tools import ToolRequest, parse_tools
-from services.gateway.vllm_extras import not_supported, refuse_not_built, structured_output
+from services.gateway.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -55,6 +55,7 @@ class SamplingFields:
     json_schema: str = ""    # response_format json_schema: the schema as JSON text
     json_object: bool = False  # response_format json_object
     regex: str = ""          # vLLM's guided_choice, as a regex of the escaped alternatives
+    constrained_by: str = ""   # the request field that set json_schema / json_object / regex ("" when none did)
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
     truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
@@ -97,9 +98,9 @@ def _parse_logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tup
     return tuple(sorted(out))
 
 
-def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool, str]:
-    """response_format, or vLLM's structured_outputs / guided_json / guided_choice (vllm_extras.py) ->
-    (json_schema text, json_object, regex)."""
+def _parse_response_format(body: dict[str, Any]) -> Constraint | None:
+    """response_format, or vLLM's structured_outputs / guided_json / guided_choice (vllm_extras.py): what
+    constrains the reply, or None."""
     fmt = v.get_object(body, "response_format")
     kind = fmt.get("type", "text") if fmt else "text"
     vllm = structured_output(body)
@@ -107,11 +108,11 @@ def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool, str]:
         if kind != "text":
             raise bad_request(f"'response_format' and '{vllm.field}' name the same constraint: give one",
                               param=vllm.field)
-        return ("" if vllm.schema is None else json.dumps(vllm.schema)), vllm.json_object, vllm.regex
+        return vllm
     if kind == "text":
-        return "", False, ""
+        return None
     if kind == "json_object":
-        return "", True, ""
+        return Constraint("response_format", json_object=True)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -119,7 +120,7 @@ def _parse_response_format(body: dict[str, Any]) -> tuple[str, bool, str]:
             raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
                               param="response_format")
         v.check_json_schema(schema, "response_format.json_schema.schema", "response_format")
-        return json.dumps(schema), False, ""
+        return Constraint("response_format", schema=schema)
     raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                       param="response_format")
 
@@ -136,7 +137,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
             raise not_supported(name)
     refuse_not_built(body)
     stop_token_ids = body.get("stop_token_ids")
-    json_schema, json_object, regex = _parse_response_format(body)
+    constraint = _parse_response_format(body) or Constraint("")
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
@@ -158,9 +159,10 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         stream=stream,
         include_usage=stream and v.get_bool(stream_options, "include_usage", False),
         logit_bias=_parse_logit_bias(body, vocab_size),
-        json_schema=json_schema,
-        json_object=json_object,
-        regex=regex,
+        json_schema="" if constraint.schema is None else json.dumps(constraint.schema),
+        json_object=constraint.json_object,
+        regex=constraint.regex,
+        constrained_by=constraint.field,
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
         truncate_prompt_tokens=_parse_truncation(body),
@@ -339,10 +341,7 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
     if max_tokens is None:
         max_tokens = v.get_int(body, "max_tokens", None, lo=1, hi=v.MAX_UINT32)
     sampling = parse_sampling(body, max_tokens, vocab_size, defaults)
-    tools = parse_tools(body, sampling.json_schema, sampling.json_object, tool_parser)
-    if sampling.regex and tools is not None and tools.choice != "auto":
-        raise bad_request("'guided_choice' cannot be combined with a 'tool_choice' that forces a call (both "
-                          "constrain the reply)", param="guided_choice")
+    tools = parse_tools(body, sampling.constrained_by, tool_parser)
     forced = tools.guided_schema() if tools is not None else ""
     if forced:   # a forced call: the worker's grammar writes valid calls
         sampling = replace(sampling, json_schema=forced)

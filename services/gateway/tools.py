@@ -92,8 +92,9 @@ def _rebase_refs(node: Any, base: str) -> Any:
     return node
 
 
-def parse_tools(body: dict[str, Any], json_schema: str, json_object: bool, parser: ToolParser) -> ToolRequest | None:
-    """`tools`, `tool_choice`, `parallel_tool_calls` -> a ToolRequest, or None when no tool may be called."""
+def parse_tools(body: dict[str, Any], constrained_by: str, parser: ToolParser) -> ToolRequest | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` -> a ToolRequest, or None when no tool may be called.
+    constrained_by: the request field that already constrains the reply ("" when none does)."""
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise bad_request("'functions' / 'function_call' are deprecated by OpenAI and not supported; use 'tools' "
                           "and 'tool_choice'", param="functions", code="unsupported_parameter")
@@ -130,9 +131,9 @@ def parse_tools(body: dict[str, Any], json_schema: str, json_object: bool, parse
     else:
         raise bad_request(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}",
                           param="tool_choice")
-    if request.choice != "auto" and (json_schema or json_object):
-        raise bad_request("'response_format' cannot be combined with a 'tool_choice' that forces a call (both "
-                          "constrain the reply)", param="response_format")
+    if request.choice != "auto" and constrained_by:
+        raise bad_request(f"'{constrained_by}' cannot be combined with a 'tool_choice' that forces a call (both "
+                          "constrain the reply)", param=constrained_by)
     return request
 
 

@@ -26,7 +26,7 @@ async def tokenize(request: web.Request) -> web.Response:
     serving.check_model(v.get_str(body, "model"))
     if body.get("messages") is not None:
         messages, add_generation_prompt, continue_final = parse_chat_messages(body)
-        tools = parse_tools(body, "", False, request.app[TOOL_PARSER])   # counted as the chat request renders them
+        tools = parse_tools(body, "", request.app[TOOL_PARSER])   # counted as the chat request renders them
         tokens = await request.app[CHAT_TEMPLATE].render(messages, add_generation_prompt=add_generation_prompt,
                                                          continue_final_message=continue_final, tools=tools,
                                                          template_kwargs=parse_template_kwargs(body))

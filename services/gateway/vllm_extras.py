@@ -45,7 +45,7 @@ MAX_CHOICES = 1024
 
 @dataclass(frozen=True)
 class Constraint:
-    """A structured-output constraint named by vLLM's fields: a JSON schema, any JSON object, or a regex."""
+    """A structured-output constraint: a JSON schema, any JSON object, or a regex (field "" = none)."""
     field: str                       # the request field that named it
     schema: dict[str, Any] | None = None
     json_object: bool = False
@@ -64,15 +64,15 @@ def refuse_not_built(body: dict[str, Any]) -> None:
 
 def _schema_object(value: Any, where: str) -> dict[str, Any]:
     """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
+    param = where.split(".")[0]
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
-            raise bad_request(f"'{where}' must be a JSON schema (an object, or its JSON text)",
-                              param=where.split(".")[0]) from None
+            raise bad_request(f"'{where}' must be a JSON schema (an object, or its JSON text)", param=param) from None
     if not isinstance(value, dict):
-        raise v.type_error(where, "a JSON schema object", value, param=where.split(".")[0])
-    v.check_json_schema(value, where, where.split(".")[0])
+        raise v.type_error(where, "a JSON schema object", value, param=param)
+    v.check_json_schema(value, where, param)
     return value
 
 

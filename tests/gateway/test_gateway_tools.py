@@ -219,7 +219,7 @@ def test_content_splitter_holds_a_possible_tag_start():
 
 def test_templates_that_know_tools_get_them_as_hf_expects():
     """A template that renders tools itself gets the tool list and the calls' arguments as objects."""
-    request = parse_tools({"tools": [WEATHER]}, "", False, HERMES)
+    request = parse_tools({"tools": [WEATHER]}, "", HERMES)
     messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "21"}]
@@ -252,7 +252,7 @@ PERSON = {"type": "function", "function": {"name": "Person", "parameters": {   #
 def test_required_schema_keeps_each_tools_refs_resolvable():
     import jsonschema
 
-    schema = json.loads(parse_tools({"tools": [WEATHER, PERSON], "tool_choice": "required"}, "", False,
+    schema = json.loads(parse_tools({"tools": [WEATHER, PERSON], "tool_choice": "required"}, "",
                                     HERMES).guided_schema())
     good = [{"name": "Person", "arguments": {"name": "Al", "home": {"street": "Main"}}},
             {"name": "get_weather", "arguments": {"city": "Oslo"}}]
@@ -270,4 +270,4 @@ async def test_streamed_reply_with_tools_starts_with_null_content(gateway, reply
 
 
 def parse_tools_for_test():
-    return parse_tools({"tools": [WEATHER, TIME]}, "", False, HERMES).tools
+    return parse_tools({"tools": [WEATHER, TIME]}, "", HERMES).tools

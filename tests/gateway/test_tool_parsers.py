@@ -140,7 +140,7 @@ TURNS = [{"role": "user", "content": "Weather in Paris?"},
 ])
 def test_templates_without_tools_get_the_format_in_words(name, call, result, teaches):
     parser = get_tool_parser(name)
-    request = parse_tools({"tools": [WEATHER]}, "", False, parser)
+    request = parse_tools({"tools": [WEATHER]}, "", parser)
     out, tools = for_template(TURNS, request, parser, native=False)
     assert tools is None and out[0]["role"] == "system"
     assert teaches in out[0]["content"] and '"name": "get_weather"' in out[0]["content"]
@@ -150,7 +150,7 @@ def test_templates_without_tools_get_the_format_in_words(name, call, result, tea
 
 def test_native_mistral_templates_get_matching_nine_character_ids():
     parser = get_tool_parser("mistral")
-    out, tools = for_template(TURNS, parse_tools({"tools": [WEATHER]}, "", False, parser), parser, native=True)
+    out, tools = for_template(TURNS, parse_tools({"tools": [WEATHER]}, "", parser), parser, native=True)
     assert [t["function"]["name"] for t in tools] == ["get_weather"]
     assert out[1]["tool_calls"][0]["id"] == out[2]["tool_call_id"] == "789abcdef"
     assert out[1]["tool_calls"][0]["function"]["arguments"] == PARIS

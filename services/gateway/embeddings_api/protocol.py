@@ -64,5 +64,6 @@ def parse_embeddings(body: Any, vocab_size: int | None) -> EmbeddingsRequest:
         raise bad_request(f"'encoding_format' must be one of {', '.join(ENCODING_FORMATS)}, got {encoding!r}",
                           param="encoding_format")
     return EmbeddingsRequest(model=v.get_str(body, "model"), inputs=_parse_inputs(body.get("input"), vocab_size),
-                             encoding_format=encoding, dimensions=v.get_int(body, "dimensions", None, lo=1, hi=v.MAX_UINT32),
+                             encoding_format=encoding,
+                             dimensions=v.get_int(body, "dimensions", None, lo=1, hi=v.MAX_UINT32),
                              user=v.get_str(body, "user"))

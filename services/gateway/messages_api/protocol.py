@@ -177,7 +177,7 @@ def _choice(choice: Any) -> Any:
 
 
 def parse_tool_request(body: dict[str, Any], parser: ToolParser) -> ToolRequest | None:
-    return parse_tools(_openai_tools(body), "", False, parser)
+    return parse_tools(_openai_tools(body), "", parser)
 
 
 def _stop_sequences(body: dict[str, Any]) -> tuple[str, ...]:

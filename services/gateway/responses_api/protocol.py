@@ -142,7 +142,8 @@ def parse_responses(body: Any, parser: ToolParser, defaults: GenerationDefaults 
     items = parse_input(body.get("input"))
     instructions = v.get_str(body, "instructions")
     json_schema, json_object, fmt = _text_format(body)
-    tools = parse_tools(_openai_tools(body), json_schema, json_object, parser)
+    # (the error names chat's field, as it always has, not text.format)
+    tools = parse_tools(_openai_tools(body), "response_format" if json_schema or json_object else "", parser)
     sampling = SamplingFields(
         max_tokens=v.get_int(body, "max_output_tokens", None, lo=1, hi=v.MAX_UINT32),
         temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
