@@ -14,20 +14,26 @@ max_tokens or max_model_len, which are known in advance.
 Speculative decoding: a request whose in-flight step carries drafts is not scheduled again until its result
 says how many were accepted (its num_computed_tokens is unknown until then), so a drafting request runs every
 other step: the price of keeping the scheduler's counts exact without a round trip. Drafts for a request with a
-placeholder in flight guess the placeholder's token too (Scheduler._propose_drafts); a wrong guess only means
+placeholder in flight guess the placeholder's token too (running_pass.propose); a wrong guess only means
 rejected drafts, since the worker verifies every draft against what it samples.
+
+The placeholders come in through the scheduler's hooks: `_advance` on the Python path and `_schedule_decodes` for
+the runs of plain decodes in C, which count one each the same way.
 """
 
 from __future__ import annotations
 
 from services.common.step_contract import StepPlan
+from services.scheduler import running_pass
 from services.scheduler.lora_steps import LoraSteps
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):
-    runs_ahead = True
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._awaiting_drafts: set[Request] = set()   # a step in flight verifies their drafts
 
     def _num_output_placeholders(self, request: Request) -> int:
         return request.num_output_placeholders
@@ -37,9 +43,8 @@ class AsyncScheduler(Scheduler):
         if placeholders:
             if request in self._awaiting_drafts:
                 return 0                         # wait for how many drafts were accepted
-            if (request.num_output_tokens + placeholders >= request.sampling.max_tokens
-                    or request.num_tokens + placeholders >= self.max_model_len):
-                return 0                         # its last token is already being sampled
+            if request.num_output_tokens + placeholders >= request.max_output_tokens:
+                return 0                         # its last token (stop_rule.py) is already being sampled
         return super()._num_new_tokens(request, budget)
 
     def _wants_drafts(self, request: Request, placeholders: int) -> bool:
@@ -47,7 +52,7 @@ class AsyncScheduler(Scheduler):
 
     def _advance(self, plan: StepPlan, request: Request, num_new: int) -> int:
         # It samples iff its tokens (drafts aside) reach the end of what the worker knows: the tokens seen here
-        # plus the placeholders in flight. (Scheduler._schedule_running does this inline for a plain decode.)
+        # plus the placeholders in flight.
         drafts = plan.draft_token_ids
         num_drafts = len(drafts.get(request.handle, ())) if drafts else 0
         end = request.num_computed_tokens + num_new
@@ -57,6 +62,11 @@ class AsyncScheduler(Scheduler):
             self._awaiting_drafts.add(request)
         request.num_computed_tokens = end
         return end
+
+    def _schedule_decodes(self, plan: StepPlan, i: int, budget: int, scheduled: list[Request],
+                          ends: list[int]) -> tuple[int, int]:
+        # What _advance does, in C: a placeholder for each decode that samples; none while its drafts are awaited.
+        return running_pass.c_schedule_decodes(self, plan, i, budget, scheduled, ends, self._awaiting_drafts, True)
 
     def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
         if request.num_output_placeholders:

@@ -29,7 +29,7 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(eq=False, slots=True)
 class Request:
-    # slots, and the fields the per-step loops read (scheduler.py, fastpath/decode_loop.c) first: at 1024+ running
+    # slots, and the fields the per-step loops read (running_pass.py, step_update.py, fastpath/decode_loop.c) first: at 1024+ running
     # requests those loops wait on memory, and these then share two cache lines instead of four. Everything after
     # the first two is keyword-only: the order below is layout, not an API.
     request_id: str
@@ -44,11 +44,13 @@ class Request:
     # Set by add_request, so the per-step loops touch neither the prompt list nor the sampling params:
     # len(prompt_token_ids) (a prompt never changes) and whether sampling asks for prompt logprobs.
     num_prompt: int = 0
-    # Also set by add_request, for the per-token stop check: the output length at which it stops (max_tokens or
-    # the context, whichever first) and the ids that may stop it (its stop_token_ids, and EOS unless ignore_eos).
+    # The stop rule, also written by add_request (stop_rule.py: the one encoding Python and C read): the output
+    # length at which it stops (max_tokens or the context, whichever first), the ids that may stop it (its
+    # stop_token_ids, and EOS unless ignore_eos) and the output length before which they do not (min_tokens).
     max_output_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify next step
     stop_ids: frozenset[int] = frozenset()
+    min_output_tokens: int = 0
     sends_prompt_logprobs: bool = False
     num_cached_tokens: int = 0           # of the prompt, found in the prefix cache (reported in usage)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens resolved by add_request

@@ -1,6 +1,6 @@
-"""Per-request rules: stop conditions on token ids, the RequestOutput a step produces, admission validation
-(max_tokens resolved and checked against the context here, and only here; embedding requests checked against
-the worker's runner and pooling config)."""
+"""Per-request rules: the RequestOutput a step produces, admission validation (max_tokens resolved and checked
+against the context here, and only here; embedding requests checked against the worker's runner and pooling
+config). The stop rule on token ids is in stop_rule.py."""
 
 from __future__ import annotations
 
@@ -10,20 +10,6 @@ from services.common.pooling_params import PoolingConfig, unsupported_api_messag
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import TokenLogprob
 from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
-
-
-def stop_status(request: Request, token: int, eos_token_ids: frozenset[int],
-                max_model_len: int) -> RequestStatus | None:
-    """The FINISHED_* status that `token` (just appended) puts the request in, or None to go on."""
-    params = request.sampling
-    num_output = len(request.output_token_ids)
-    if num_output >= params.min_tokens:
-        if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            request.stop_token_id = token
-            return RequestStatus.FINISHED_STOPPED
-    if num_output >= params.max_tokens or len(request.prompt_token_ids) + num_output >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    return None
 
 
 def make_output(request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:

@@ -68,7 +68,7 @@ def run(sched, requests: list[Request], worker: PoolingWorker, max_steps: int = 
         plan = sched.schedule()
         assert plan.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         pending.append((plan, worker.execute(plan)))
-        if not sched.runs_ahead or len(pending) > 1 or not sched.has_unfinished_requests():
+        if not sched.config.async_scheduling or len(pending) > 1 or not sched.has_unfinished_requests():
             done_plan, result = pending.pop(0)
             for out in sched.update_from_output(done_plan, result):
                 assert out.request_id not in outputs, "a pooling request finished twice"

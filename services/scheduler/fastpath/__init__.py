@@ -1,12 +1,12 @@
 """The scheduler's plain-decode loops in C (decode_loop.c), compiled with gcc on first use and cached.
 
-    loops = fastpath.load()      # the extension module, or None: then scheduler.py keeps its Python loops
+    loops = fastpath.load()      # the extension module, or None: then every request takes the Python path
 
-Why C: at 1024 running decodes the two Python loops cost ~1.7 us per request per step, most of it bytecode
-dispatch over a dozen field reads; issue 23 asks for <= 1 us (a GPU step every ~10 ms must not wait on the
-scheduler). The C functions do only what the Python inline branches do, and hand every other request back to
-the Python general path, so behaviour is the same either way (tests/scheduler/test_fast_paths.py runs both on the
-same workloads and compares every plan and output).
+Why C: at 1024 running decodes the Python path costs several us per request per step, most of it bytecode
+dispatch over a dozen field reads and calls; issue 23 asks for <= 1 us (a GPU step every ~10 ms must not wait on
+the scheduler). The C functions do for a plain decode only what the Python path does (running_pass.py,
+step_update.py), and hand every other request back to it, so behaviour is the same either way
+(tests/scheduler/test_fast_paths.py runs both on the same workloads and compares every plan and output).
 
 The library is keyed by the source and the Python build; a temp file is renamed into place so several processes
 may build at once. No gcc, no Python headers, a failed compile, or STEPLOOP_SCHEDULER_C_LOOPS=0:
@@ -69,7 +69,7 @@ def build() -> pathlib.Path | None:
             os.replace(out, path)
         return path
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("scheduler C loops not built (%s); the scheduler runs its Python loops", exc)
+        log.warning("scheduler C loops not built (%s); the scheduler runs its Python path", exc)
         return None
 
 
@@ -90,7 +90,7 @@ def load() -> ModuleType | None:
         loader.exec_module(module)
         module.init(Request, RequestOutput, RequestStatus.RUNNING)
     except (ImportError, OSError, TypeError, AttributeError) as exc:
-        log.warning("scheduler C loops not loaded (%s); the scheduler runs its Python loops", exc)
+        log.warning("scheduler C loops not loaded (%s); the scheduler runs its Python path", exc)
         return None
     log.info("scheduler plain-decode loops in C: %s", path)
     return module

@@ -1,13 +1,15 @@
 /* The scheduler's two per-request hot loops for plain decodes, in C (services/scheduler/fastpath/__init__.py).
 
 A plain decode is one token for a request with no drafts and (under async scheduling) room to run ahead; on the
-way back, one sampled token that cannot stop it. 1 in block_size of them crosses a block: the C loop calls the
+way back, one sampled token that does not stop it. 1 in block_size of them crosses a block: the C loop calls the
 KV manager's own Python methods for that block (allocate_slots on the way out, cache_blocks on the way back)
 and goes on, rather than returning to the Python loop for it. Each function runs
 over consecutive plain decodes and returns the index of the first request it does NOT handle, which the Python
-loop in scheduler.py then takes through its general path before calling back in. So the C code never
-preempts, stops or finishes a request, nor touches the block pool itself: it does exactly what the Python
-inline branches do (same fields, same calls, same order), and anything it does not recognise goes back to Python.
+loop (running_pass.py, step_update.py) then takes through the one Python path before calling back in. So the C
+code never preempts, stops or finishes a request, nor touches the block pool itself: for a plain decode it does
+exactly what the Python path does (same fields, same calls, same order), and anything else goes back to Python.
+The stop rule is the one encoding of services/scheduler/stop_rule.py (stop_ids, min_output_tokens,
+max_output_tokens), applied here as stop_status applies it.
 
 Request and RequestOutput are slots dataclasses; `init` reads their member offsets once, so a field read here
 is one load. Ints are checked to be exact ints, lists exact lists; anything else returns to Python. The GIL is
@@ -19,11 +21,11 @@ held throughout: this is ordinary single-threaded object manipulation, only with
 #include <structmember.h>
 
 enum { R_NUM_COMPUTED, R_PLACEHOLDERS, R_OUTPUT_IDS, R_NUM_PROMPT, R_SPEC, R_MAX_OUTPUT, R_HANDLE, R_STATUS,
-       R_STOP_IDS, R_SENDS_PROMPT_LP, R_REQUEST_ID, R_NUM_CACHED, R_COUNT };
+       R_STOP_IDS, R_MIN_OUTPUT, R_SENDS_PROMPT_LP, R_REQUEST_ID, R_NUM_CACHED, R_COUNT };
 static const char *REQUEST_FIELDS[R_COUNT] = {
     "num_computed_tokens", "num_output_placeholders", "output_token_ids", "num_prompt", "spec_token_ids",
-    "max_output_tokens", "handle", "status", "stop_ids", "sends_prompt_logprobs", "request_id",
-    "num_cached_tokens"};
+    "max_output_tokens", "handle", "status", "stop_ids", "min_output_tokens", "sends_prompt_logprobs",
+    "request_id", "num_cached_tokens"};
 
 /* RequestOutput's fields, in its dataclass order; the last three take their defaults here. */
 enum { O_REQUEST_ID, O_NEW_TOKENS, O_LOGPROBS, O_FINISH, O_STOP_ID, O_NUM_PROMPT, O_NUM_OUTPUT, O_NUM_CACHED,
@@ -95,11 +97,14 @@ static inline int append_int(PyObject *list, Py_ssize_t value) {
                     handles, counts, scheduled, ends, allocate, cached_handles, cached_computed, cached_blocks)
        -> (i, budget, num_decodes, context)
 
-   Scheduler._schedule_running's inline branch, from running[i] on, while budget lasts: stops at the first
-   request that is not a plain decode (or at the end of the list). A decode whose last block is full gets its
-   next block from `allocate` (KVCacheManager.allocate_slots, called with (request, 1)), recorded in the plan's
+   running_pass.schedule_running's Python path for plain decodes (_num_new_tokens gives 1, allocate_slots,
+   _add_to_batch, _advance), from running[i] on, while budget lasts: stops at the first request that is not a
+   plain decode (or at the end of the list). A decode whose last block is full gets its next block from
+   `allocate` (KVCacheManager.allocate_slots, called with (request, 1)), recorded in the plan's
    CachedRequestData lists as plan.cached.append does; when allocate returns None (no free block: nothing was
-   allocated, and Python preempts), it stops there too. */
+   allocated, and Python preempts), it stops there too. `runs_ahead` (AsyncScheduler._schedule_decodes): each
+   decode of a request that samples adds an output placeholder, as AsyncScheduler._advance does; `awaiting`:
+   the requests whose drafts are in flight, which wait (AsyncScheduler._num_new_tokens). */
 static PyObject *schedule_decodes(PyObject *self, PyObject *args) {
     PyObject *running, *awaiting, *handles, *counts, *scheduled, *ends, *allocate;
     PyObject *cached_handles, *cached_computed, *cached_blocks;
@@ -174,8 +179,9 @@ error:
 
 /* apply_decodes(requests, ends, handles, counts, k, sampled, outputs, block_size, cache_blocks) -> k
 
-   Scheduler._apply_tokens' inline branch, from index k of the step's parallel lists: skips requests that are
-   no longer running, appends one sampled token that cannot stop the request, and appends its RequestOutput.
+   step_update.apply_result's Python path for a plain decode (append_tokens with one token and no drafts), from
+   index k of the step's parallel lists: skips requests that are no longer running, appends one sampled token
+   that does not stop the request (the stop rule: stop_rule.stop_status), and appends its RequestOutput.
    A token that fills a block has it keyed by `cache_blocks` (KVCacheManager.cache_blocks, called with
    (request, min(end, prompt + output tokens))) between the two, as the Python branch does. Stops at the first
    request that needs anything else. */
@@ -208,6 +214,7 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
         Py_ssize_t end = int_field(PyList_GET_ITEM(ends, k), &bad);
         Py_ssize_t num_new = int_field(PyList_GET_ITEM(counts, k), &bad);
         Py_ssize_t max_output = int_field(FIELD(r, r_off[R_MAX_OUTPUT]), &bad);
+        Py_ssize_t min_output = int_field(FIELD(r, r_off[R_MIN_OUTPUT]), &bad);
         Py_ssize_t placeholders = int_field(FIELD(r, r_off[R_PLACEHOLDERS]), &bad);
         PyObject *num_prompt = FIELD(r, r_off[R_NUM_PROMPT]);
         Py_ssize_t prompt_len = int_field(num_prompt, &bad);   /* the output carries the object itself */
@@ -220,10 +227,12 @@ static PyObject *apply_decodes(PyObject *self, PyObject *args) {
             break;
         Py_ssize_t num_output = PyList_GET_SIZE(output_ids) + 1;
         int fills = end % block_size < num_new;
-        if (num_output >= max_output) break;              /* it may stop: Python checks */
-        int stops = PySet_Contains(stop_ids, token);
-        if (stops < 0) return NULL;
-        if (stops) break;
+        if (num_output >= max_output) break;              /* the stop rule: it stops, Python finishes it */
+        if (num_output >= min_output) {
+            int stops = PySet_Contains(stop_ids, token);
+            if (stops < 0) return NULL;
+            if (stops) break;
+        }
         PyObject *out = output_type->tp_alloc(output_type, 0);
         if (out == NULL) return NULL;
         PyObject *num_output_obj = PyLong_FromSsize_t(num_output);

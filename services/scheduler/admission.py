@@ -1,0 +1,75 @@
+"""Waiting-queue admission (step 4 of Scheduler.schedule's docstring), and the priority policy's preemptions
+that make room for the waiting head before the running pass.
+
+A waiting request is admitted at its longest cached prefix while the budget, max_num_seqs, free blocks (less the
+admission watermark) and its LoRA adapter's seat allow; the first that does not fit stops admission for the step
+(nobody overtakes the head), except a request whose adapter has no seat: it is set aside for the step and the
+queue goes on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from services.common.step_contract import NewRequestData, StepPlan
+from services.scheduler import policy
+from services.scheduler.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from services.scheduler.scheduler import Scheduler
+
+
+def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: list[Request],
+                     ends: list[int]) -> None:
+    waiting, kv = sched.waiting, sched.kv
+    skipped: list[Request] = []                  # their adapter has no seat (--max-loras): they wait, others go
+    while waiting and budget > 0 and len(sched.running) < sched.config.max_num_seqs:
+        request = waiting.peek()
+        if not sched.lora.can_run(request):
+            skipped.append(waiting.pop())
+            continue
+        hits, num_hit = kv.get_computed_blocks(request)
+        request.num_computed_tokens = num_hit
+        num_new = sched._num_new_tokens(request, budget)
+        reserve = sched.watermark_blocks if sched.running else 0   # alone, a request may use every block
+        if num_new <= 0 or kv.allocate_slots(request, num_new, hits, reserve) is None:
+            request.num_computed_tokens = 0
+            break                                # nobody overtakes the head of the queue
+        waiting.pop()
+        admit(sched, plan, request, num_hit)
+        sched._add_to_batch(plan, request, num_new, scheduled, ends)
+        budget -= num_new
+    for request in reversed(skipped):
+        waiting.push_front(request)
+
+
+def admit(sched: Scheduler, plan: StepPlan, request: Request, num_hit: int) -> None:
+    """The request runs from this step: the plan carries it in full (its blocks, the tokens already computed)."""
+    kv = sched.kv
+    if request.status == RequestStatus.WAITING:  # first admission: what usage.cached_tokens reports
+        request.num_cached_tokens = min(num_hit, request.num_prompt_tokens)
+    if kv.enable_prefix_caching:
+        kv.prefix_cache_stats.record(request.num_tokens, num_hit)
+    request.status = RequestStatus.RUNNING
+    sched.running.add(request)
+    sched.lora.start(request, plan)
+    sched.handles.on_worker.add(request.handle)
+    plan.new_requests.append(NewRequestData(
+        handle=request.handle, prompt_token_ids=list(request.prompt_token_ids),
+        output_token_ids=list(request.output_token_ids), sampling=request.sampling,
+        block_ids=list(kv.get_block_ids(request)), num_computed_tokens=num_hit, pooling=request.pooling,
+        lora_name=request.lora_name or ""))
+
+
+def preempt_for_waiting(sched: Scheduler, plan: StepPlan) -> None:
+    """Priority policy: preempt the running requests the policy names so the waiting head fits next step, and
+    those whose adapter holds the seat the head's adapter needs (LoraSteps.victims_for)."""
+    config = sched.config
+    max_new = config.max_num_batched_tokens
+    if config.long_prefill_token_threshold > 0:
+        max_new = min(max_new, config.long_prefill_token_threshold)
+    for victim in policy.victims_for_waiting(sched.waiting.peek(), sched.running, sched.kv, config.max_num_seqs,
+                                             sched.watermark_blocks, max_new):
+        sched._preempt(victim, plan)
+    for victim in sched.lora.victims_for(sched.waiting.peek(), sched.running):
+        sched._preempt(victim, plan)
