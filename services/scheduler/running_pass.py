@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def schedule_running(sched: Scheduler, plan: StepPlan, budget: int, scheduled: list[Request],
                      ends: list[int]) -> int:
     """Schedule the running requests into `plan` (and `scheduled` / `ends`); returns the budget left."""
-    running, kv, i = sched.running, sched.kv, 0
+    running, kv, block_size, i = sched.running, sched.kv, sched.kv.block_size, 0
     c_decodes = sched._schedule_decodes if sched.c_loops is not None else None
     while i < len(running) and budget > 0:
         if c_decodes is not None:
@@ -36,13 +36,14 @@ def schedule_running(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
             i += 1
             continue
         computed = request.num_computed_tokens
-        while (new_blocks := kv.allocate_slots(request, num_new)) is None:
-            victim = running[-1]                 # the worst ranked; everything before i is better
-            sched._preempt(victim, plan)
-            if victim is request:
-                return budget
-        if new_blocks:                           # [] when its last block still has room
-            plan.cached.append(request.handle, computed, new_blocks)
+        if num_new > -computed % block_size:     # else they fit its last block: no call (most decodes)
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                victim = running[-1]             # the worst ranked; everything before i is better
+                sched._preempt(victim, plan)
+                if victim is request:
+                    return budget
+            if new_blocks:                       # [] when its table already had room
+                plan.cached.append(request.handle, computed, new_blocks)
         sched._add_to_batch(plan, request, num_new, scheduled, ends)
         budget -= num_new
         i += 1

@@ -237,7 +237,7 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """min(gap, budget), clipped by the prefill threshold, the context and prefill pacing (schedule() 2-3)."""
         computed = request.num_computed_tokens
-        gap = (len(request.prompt_token_ids) + len(request.output_token_ids) + len(request.spec_token_ids)
+        gap = (request.num_prompt + len(request.output_token_ids) + len(request.spec_token_ids)
                + self._num_output_placeholders(request) - computed)
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < gap:
