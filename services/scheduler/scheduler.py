@@ -71,27 +71,19 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
+        """Validate the request (RequestRejectedError when it could never run), write its stop rule and queue it.
+        An embedding request (request.pooling) is prompt only: its last chunk's result carries the pooled vector."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         check_runner(request, self.pooling)
         if request.pooling is not None:
-            self._add_pooling_request(request)
-            return
-        validate_request(request, self.kv, self.max_model_len)
+            validate_pooling_request(request, self.kv, self.max_model_len, self.pooling)
+            request.no_prefix_hits = self.pooling.pools_every_position
+        else:
+            validate_request(request, self.kv, self.max_model_len)
+            request.sends_prompt_logprobs = request.sampling.prompt_logprobs >= 0
         self.stop_rules.encode(request)
         request.num_prompt = len(request.prompt_token_ids)
-        request.sends_prompt_logprobs = request.sampling.prompt_logprobs >= 0
-        self._enqueue(request)
-
-    def _add_pooling_request(self, request: Request) -> None:
-        """Prompt only: no output token, so no stop ids; its last chunk's result carries the pooled vector."""
-        validate_pooling_request(request, self.kv, self.max_model_len, self.pooling)
-        request.max_output_tokens = 0
-        request.num_prompt = len(request.prompt_token_ids)
-        request.no_prefix_hits = self.pooling.pools_every_position
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.handles.assign(request)
         self.lora.add(request)
@@ -210,7 +202,9 @@ class Scheduler:
         scheduled.append(request)
         ends.append(self._advance(plan, request, num_new))
 
+    # ----------------------------------------------------------------- preempt and finish (the passes call these)
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Recompute it later: blocks freed, back to the front of the waiting queue, its outputs kept."""
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
@@ -228,6 +222,19 @@ class Scheduler:
             plan.preempted_handles.append(request.handle)
         log.info("preempted %s (priority %d, %d tokens, preemption #%d); it will be recomputed",
                  request.request_id, request.priority, request.num_tokens, request.num_preemptions)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """It is done (`status` says how), running or waiting: blocks, handle and adapter count go."""
+        if request.status == RUNNING:
+            self.running.remove(request)
+            self.lora.stop(request)
+        else:
+            self.waiting.remove(request)
+        self.lora.finish(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.handles.release(request)
 
     # ----------------------------------------------------------------- hooks (AsyncScheduler overrides them)
     def _num_output_placeholders(self, request: Request) -> int:
@@ -286,18 +293,6 @@ class Scheduler:
         if result.error:
             return step_update.fail_requests(self, requests, result.error)
         return step_update.apply_result(self, requests, ends, plan, result)
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RUNNING:
-            self.running.remove(request)
-            self.lora.stop(request)
-        else:
-            self.waiting.remove(request)
-        self.lora.finish(request)
-        request.status = status
-        self.kv.free(request)
-        del self.requests[request.request_id]
-        self.handles.release(request)
 
     # ----------------------------------------------------------------- worker loss, integrity
     def preempt_all(self) -> None:

@@ -28,7 +28,10 @@ class StopRules:
         self._no_stop_ids = {False: frozenset(eos_token_ids), True: frozenset()}
 
     def encode(self, request: Request) -> None:
-        """Write the rule of a generation request whose max_tokens is resolved (validate_request)."""
+        """Write the request's rule; a generation request's max_tokens is resolved first (validate_request)."""
+        if request.pooling is not None:          # an embedding request samples nothing
+            request.stop_ids, request.min_output_tokens, request.max_output_tokens = frozenset(), 0, 0
+            return
         params = request.sampling
         request.stop_ids = (frozenset(params.stop_token_ids) | self._no_stop_ids[params.ignore_eos]
                             if params.stop_token_ids else self._no_stop_ids[params.ignore_eos])
