@@ -18,7 +18,8 @@ placeholder in flight guess the placeholder's token too (running_pass.propose); 
 rejected drafts, since the worker verifies every draft against what it samples.
 
 The placeholders come in through the scheduler's hooks: `_advance` on the Python path and `_schedule_decodes` for
-the runs of plain decodes in C, which count one each the same way.
+the runs of plain decodes in C, which count one each the same way; both paths drop one when its token arrives
+(step_update.py, decode_loop.c), and `_on_drafts_verified` ends the wait for drafts.
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ class AsyncScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._awaiting_drafts: set[Request] = set()   # a step in flight verifies their drafts
-
-    def _num_output_placeholders(self, request: Request) -> int:
-        return request.num_output_placeholders
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         placeholders = request.num_output_placeholders
@@ -68,11 +66,8 @@ class AsyncScheduler(Scheduler):
         # What _advance does, in C: a placeholder for each decode that samples; none while its drafts are awaited.
         return running_pass.c_schedule_decodes(self, plan, i, budget, scheduled, ends, self._awaiting_drafts, True)
 
-    def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
-        if request.num_output_placeholders:
-            request.num_output_placeholders -= 1
-        if drafts:
-            self._awaiting_drafts.discard(request)
+    def _on_drafts_verified(self, request: Request) -> None:
+        self._awaiting_drafts.discard(request)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self._awaiting_drafts.discard(request)

@@ -38,7 +38,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     handle: int = -1                     # small int the worker knows it by; assigned by the scheduler
     num_computed_tokens: int = 0         # tokens whose KV is in this request's blocks
-    # Async scheduling: tokens sampled by steps in flight that this scheduler has not seen yet (0 or 1).
+    # Async scheduling: tokens sampled by steps in flight that this scheduler has not seen yet (0 or 1; always 0
+    # under synchronous scheduling, so the gap reads it either way).
     num_output_placeholders: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     # Set by add_request, so the per-step loops touch neither the prompt list nor the sampling params:

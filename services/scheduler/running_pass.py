@@ -74,6 +74,6 @@ def c_schedule_decodes(sched: Scheduler, plan: StepPlan, i: int, budget: int, sc
 def propose(sched: Scheduler) -> None:
     """Step 1: n-gram drafts for the decoding requests that want them (they widen the gap)."""
     for request in sched.running:
-        placeholders = sched._num_output_placeholders(request)
+        placeholders = request.num_output_placeholders
         if sched._wants_drafts(request, placeholders):
             request.spec_token_ids = propose_drafts(sched.proposer, request, placeholders, sched.max_model_len)

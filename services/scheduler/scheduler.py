@@ -196,7 +196,7 @@ class Scheduler:
                              is_decode=num_new <= 1 + len(request.spec_token_ids))
         if request.spec_token_ids:
             # Drafts are the last tokens of the gap; send those that fall inside this step's tokens.
-            known = request.num_tokens + self._num_output_placeholders(request) - request.num_computed_tokens
+            known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             if num_new > known:
                 plan.draft_token_ids[request.handle] = request.spec_token_ids[:num_new - known]
         scheduled.append(request)
@@ -237,15 +237,11 @@ class Scheduler:
         self.handles.release(request)
 
     # ----------------------------------------------------------------- hooks (AsyncScheduler overrides them)
-    def _num_output_placeholders(self, request: Request) -> int:
-        """Tokens sampled by a step in flight but not yet seen here. Synchronous scheduling: always 0."""
-        return 0
-
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """min(gap, budget), clipped by the prefill threshold, the context and prefill pacing (schedule() 2-3)."""
         computed = request.num_computed_tokens
         gap = (request.num_prompt + len(request.output_token_ids) + len(request.spec_token_ids)
-               + self._num_output_placeholders(request) - computed)
+               + request.num_output_placeholders - computed)
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < gap:
             gap = threshold
@@ -273,8 +269,8 @@ class Scheduler:
         at the first request it leaves to the Python path (running_pass.c_schedule_decodes)."""
         return running_pass.c_schedule_decodes(self, plan, i, budget, scheduled, ends, frozenset(), False)
 
-    def _on_sampled(self, request: Request, drafts: list[int] | None) -> None:
-        """A step's sampled tokens for the request arrived (async scheduling drops a placeholder here)."""
+    def _on_drafts_verified(self, request: Request) -> None:
+        """A step's result says how many of the request's drafts were accepted (async scheduling waits for it)."""
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:

@@ -63,8 +63,10 @@ def apply_result(sched: Scheduler, requests: list[Request], ends: list[int], pla
 
 def append_tokens(sched: Scheduler, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None,
                   drafts: list[int] | None, end: int, num_new: int) -> RequestOutput:
-    sched._on_sampled(request, drafts)
+    if request.num_output_placeholders:          # async scheduling: the token it stood for has arrived
+        request.num_output_placeholders -= 1
     if drafts:
+        sched._on_drafts_verified(request)
         # Tokens = accepted drafts + 1 of the worker's own; the KV of rejected drafts is garbage and is
         # simply overwritten later.
         rejected = len(drafts) + 1 - len(tokens)
