@@ -23,7 +23,8 @@ RUNNING = RequestStatus.RUNNING
 
 
 def is_plain(plan: StepPlan, result: StepResult) -> bool:
-    """Sampled tokens only: what the C loop handles (it knows no drafts, logprobs or pooled vectors)."""
+    """Sampled tokens only: what the C loop handles. It knows no drafts, logprobs or pooled vectors, so any new
+    per-request field of StepResult belongs in this test too."""
     return not (plan.draft_token_ids or result.logprobs or result.prompt_logprobs or result.pooled)
 
 
@@ -115,10 +116,11 @@ def cache_full_blocks(sched: Scheduler, request: Request, end: int, num_new: int
 
 def fail_requests(sched: Scheduler, requests: list[Request], error: str) -> list[RequestOutput]:
     """The worker failed the whole step: every request of it still running finishes with the error."""
-    outputs = []
-    for request in requests:
-        if request.status == RUNNING:
-            request.error = error
-            sched._finish(request, RequestStatus.FINISHED_ERROR)
-            outputs.append(make_output(request, [], None))
-    return outputs
+    return [fail_request(sched, request, error) for request in requests if request.status == RUNNING]
+
+
+def fail_request(sched: Scheduler, request: Request, error: str) -> RequestOutput:
+    """Finish a running request with FINISHED_ERROR and `error` (why, for the client)."""
+    request.error = error
+    sched._finish(request, RequestStatus.FINISHED_ERROR)
+    return make_output(request, [], None)
