@@ -183,7 +183,7 @@ error:
    index k of the step's parallel lists: skips requests that are no longer running, appends one sampled token
    that does not stop the request (the stop rule: stop_rule.stop_status), and appends its RequestOutput.
    A token that fills a block has it keyed by `cache_blocks` (KVCacheManager.cache_blocks, called with
-   (request, min(end, prompt + output tokens))) between the two, as the Python branch does. Stops at the first
+   (request, min(end, prompt + output tokens))) between the two, as the Python path does. Stops at the first
    request that needs anything else. */
 static PyObject *apply_decodes(PyObject *self, PyObject *args) {
     PyObject *requests, *ends, *handles, *counts, *sampled, *outputs, *cache_blocks;
