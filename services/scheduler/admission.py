@@ -1,4 +1,4 @@
-"""Waiting-queue admission (step 4 of Scheduler.schedule's docstring), and the priority policy's preemptions
+"""Waiting-queue admission (step 5 of Scheduler.schedule's docstring), and the priority policy's preemptions
 that make room for the waiting head before the running pass.
 
 A waiting request is admitted at its longest cached prefix while the budget, max_num_seqs, free blocks (less the

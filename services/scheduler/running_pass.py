@@ -1,4 +1,4 @@
-"""The running pass of schedule() (steps 1-3 of Scheduler.schedule's docstring): drafts, then every running
+"""The running pass of schedule() (steps 1, 2 and 4 of Scheduler.schedule's docstring): drafts, then every running
 request in rank order gets min(gap, budget) tokens, preempting the worst running request when blocks run out.
 
 Each request takes the one Python path: Scheduler._num_new_tokens, kv.allocate_slots, Scheduler._add_to_batch
