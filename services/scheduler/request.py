@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()    # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()   # client cancelled
     FINISHED_ERROR = enum.auto()     # the worker failed the step
+    FINISHED_REJECTED = enum.auto()  # the worker cannot serve it as asked (e.g. its grammar does not compile)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -61,7 +62,7 @@ class Request:
     num_preemptions: int = 0
     # Prefix-cache keys of this request's full blocks, in order; content-derived, so kept across preemptions.
     block_hashes: list[bytes] = field(default_factory=list)
-    error: str = ""                      # set with FINISHED_ERROR
+    error: str = ""                      # set with FINISHED_ERROR and FINISHED_REJECTED
     # sampling.prompt_logprobs: logprobs of prompt tokens 1, 2, ... gathered over the prompt's chunks; sent
     # with the first output. Kept across preemption (the recomputed ones are dropped).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -121,6 +122,8 @@ class RequestOutput:
     error: str = ""                      # why, for FINISHED_ERROR
     prompt_logprobs: list[TokenLogprob] | None = None  # [num_prompt_tokens - 1], on the first output only
     embedding: list[float] | None = None  # a pooling request's vector, on its one (last) output
+    error_code: str = ""                 # FINISHED_REJECTED: the OpenAI error code (e.g. "invalid_grammar")
+    error_param: str = ""                # FINISHED_REJECTED: the SamplingParams field at fault
 
     @property
     def finished(self) -> bool:

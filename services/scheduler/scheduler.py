@@ -22,6 +22,7 @@ from services.scheduler.lora_steps import LoraSteps
 from services.scheduler.ngram_proposer import NgramProposer, propose_drafts
 from services.scheduler.prefill_pacing import PrefillPacer
 from services.scheduler.request import Request, RequestOutput, RequestStatus
+from services.scheduler.request_failures import end_failed
 from services.scheduler.request_outputs import (
     add_prompt_logprobs,
     check_runner,
@@ -401,6 +402,9 @@ class Scheduler:
             self.pacer.observe(plan.step_id, result.forward_seconds)
         if result.error:
             return self._fail_plan(in_flight[0], result.error)
+        if result.failed:   # requests the worker cannot serve as asked end alone; the rest go on
+            return (end_failed(self, in_flight[0], plan.scheduled_handles, result.failed)
+                    + self._apply_results(in_flight, plan, result))
         if plan.draft_token_ids or result.logprobs or result.prompt_logprobs or result.pooled:
             return self._apply_results(in_flight, plan, result)
         return self._apply_tokens(in_flight, plan, result.sampled)
