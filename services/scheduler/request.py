@@ -122,8 +122,6 @@ class RequestOutput:
     error: str = ""                      # why, for FINISHED_ERROR
     prompt_logprobs: list[TokenLogprob] | None = None  # [num_prompt_tokens - 1], on the first output only
     embedding: list[float] | None = None  # a pooling request's vector, on its one (last) output
-    error_code: str = ""                 # FINISHED_REJECTED: the OpenAI error code (e.g. "invalid_grammar")
-    error_param: str = ""                # FINISHED_REJECTED: the SamplingParams field at fault
 
     @property
     def finished(self) -> bool:

@@ -8,9 +8,19 @@ dropped like those of any request that finished since its plan was built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from services.common.step_contract import RequestFailure
 from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.request_outputs import make_output
+
+
+@dataclass(slots=True)
+class RejectedOutput(RequestOutput):
+    """The last output of a FINISHED_REJECTED request: no tokens, `error` says why, and these say what to the
+    client's error mapping. (A subclass: the plain RequestOutput is built field by field by the C decode loop.)"""
+
+    error_code: str = ""                 # the OpenAI error code (e.g. "invalid_grammar")
+    error_param: str = ""                # the SamplingParams field at fault ("json_schema", "regex")
 
 
 def end_failed(scheduler, requests: list[Request], handles: list[int],
@@ -24,7 +34,8 @@ def end_failed(scheduler, requests: list[Request], handles: list[int],
             continue   # not failed, or finished / aborted / preempted since the plan was built
         request.error = failure.message
         scheduler._finish(request, RequestStatus.FINISHED_REJECTED)
-        output = make_output(request, [], None)
-        output.error_code, output.error_param = failure.code, failure.param
-        outputs.append(output)
+        outputs.append(RejectedOutput(request.request_id, [], None, RequestStatus.FINISHED_REJECTED, None,
+                                      len(request.prompt_token_ids), len(request.output_token_ids),
+                                      request.num_cached_tokens, failure.message, error_code=failure.code,
+                                      error_param=failure.param))
     return outputs
