@@ -5,9 +5,9 @@ Two checks, cheapest first: grammar_lint.py finds the constructs xgrammar accept
 flags) by name; then the constraint is compiled once by xgrammar in a child process (grammar_helper.py: importing
 xgrammar imports torch, which the gateway never does), whose errors and "... is ignored" warnings refuse it too.
 Results are cached (the same schema twice is one compile). Compiling runs in a thread, so the event loop never waits
-on it. If the helper cannot run (xgrammar missing, a crash, a compile past the timeout), the request goes on: the
-worker compiles it anyway and ends it with its error (FinishReason.REJECTED, mapped by `rejected`), never
-unconstrained. A constraint the helper crashes or hangs on is refused: the worker would do the same, in its step.
+on it. If the helper cannot start (no xgrammar beside the gateway), the request goes on: the worker compiles it
+anyway and ends it with its error (FinishReason.REJECTED, mapped by `rejected`), never unconstrained. A constraint
+the helper crashes or hangs on is refused: the worker would crash or stall on it too, with a whole step waiting.
 """
 
 from __future__ import annotations
@@ -80,36 +80,41 @@ class GrammarChecker:
         self.cache_size, self.timeout_s = cache_size, timeout_s
         self.cache: OrderedDict[tuple[str, str], str | None] = OrderedDict()
         self.num_compiles = 0              # asks that reached the helper (tests: a cached one does not)
-        self._lock = threading.Lock()      # one ask at a time on the helper's pipes
+        self._cache_lock = threading.Lock()   # held briefly (the event loop takes it too)
+        self._pipe_lock = threading.Lock()    # one ask at a time on the helper's pipes (held in a thread only)
         self._proc: subprocess.Popen | None = None
         self._broken = False               # the helper cannot start here: stop trying (logged once)
         atexit.register(self.close)
 
     async def problem(self, kind: str, text: str) -> str | None:
         """Why the constraint cannot be enforced ("does not compile: ...", "cannot be enforced: ..."), or None."""
+        key = (kind, text)
+        with self._cache_lock:             # a cache hit costs no thread hop and no parse
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
         lint = regex_problem(text) if kind == "regex" else schema_problem(text)
         if lint is not None:
-            return (f"cannot be enforced: {lint} is ignored by the grammar engine (xgrammar); rewrite the "
-                    "constraint without it")
-        with self._lock:                   # a cache hit costs no thread hop
-            if (kind, text) in self.cache:
-                self.cache.move_to_end((kind, text))
-                return self.cache[(kind, text)]
-        return await asyncio.to_thread(self._compile_cached, kind, text)
+            return self._remember(key, f"cannot be enforced: {lint} is ignored by the grammar engine (xgrammar); "
+                                       "rewrite the constraint without it")
+        return await asyncio.to_thread(self._compile, key)
 
-    def _compile_cached(self, kind: str, text: str) -> str | None:
-        with self._lock:
-            key = (kind, text)
-            if key in self.cache:          # a concurrent ask for the same constraint compiled it meanwhile
-                return self.cache[key]
-            answer = self._ask(kind, text)
-            if answer is None:             # no verdict (helper unavailable): not cached, the worker decides
-                return None
-            problem = _verdict(answer)
+    def _compile(self, key: tuple[str, str]) -> str | None:
+        with self._pipe_lock:
+            with self._cache_lock:         # a concurrent ask for the same constraint compiled it meanwhile
+                if key in self.cache:
+                    return self.cache[key]
+            answer = self._ask(*key)
+        if answer is None:                 # no verdict (helper unavailable): not cached, the worker decides
+            return None
+        return self._remember(key, _verdict(answer))
+
+    def _remember(self, key: tuple[str, str], problem: str | None) -> str | None:
+        with self._cache_lock:
             self.cache[key] = problem
             if len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
-            return problem
+        return problem
 
     def _ask(self, kind: str, text: str) -> dict | None:
         proc = self._helper()
@@ -162,7 +167,7 @@ class GrammarChecker:
             self._proc = None
 
     def close(self) -> None:
-        with self._lock:
+        with self._pipe_lock:
             self._stop()
 
 
