@@ -74,10 +74,10 @@ class StructuredOutput:
         compiler = self._get_compiler()
         if params.regex:
             param, problem = "regex", regex_problem(params.regex)
-            build = lambda: compiler.compile_regex(params.regex)   # noqa: E731
+            build = lambda: compiler.compile_regex(params.regex)
         elif params.json_schema:
             param, problem = "json_schema", schema_problem(params.json_schema)
-            build = lambda: compiler.compile_json_schema(params.json_schema, any_whitespace=False)   # noqa: E731
+            build = lambda: compiler.compile_json_schema(params.json_schema, any_whitespace=False)
         else:
             return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
         what = "regex" if param == "regex" else "JSON schema"

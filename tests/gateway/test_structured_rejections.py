@@ -132,10 +132,11 @@ async def test_without_the_helper_the_worker_decides(monkeypatch):
 
 def test_the_helper_never_imports_torch():
     ask = json.dumps({"kind": "json_schema", "text": json.dumps(LOOKAHEAD)}) + "\n"
-    out = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.argv=['x'];\n"
-                          "try:\n    runpy.run_module('services.gateway.grammar_helper', run_name='__main__')\n"
-                          "finally:\n    print(sys.modules.get('torch') is not None, file=sys.__stdout__)"],
-                         input=ask, capture_output=True, text=True, check=True, timeout=120)
+    script = ("import sys, runpy\n"
+              "try:\n    runpy.run_module('services.gateway.grammar_helper', run_name='__main__')\n"
+              "finally:\n    print(sys.modules.get('torch') is not None, file=sys.__stdout__)")
+    out = subprocess.run([sys.executable, "-c", script], input=ask, capture_output=True, text=True, check=True,
+                         timeout=120)
     lines = out.stdout.strip().splitlines()
     assert json.loads(lines[1])["warnings"] and "Lookahead" in json.loads(lines[1])["warnings"][0]
     assert lines[-1] == "False"      # (the helper blocks torch with a None entry in sys.modules)
