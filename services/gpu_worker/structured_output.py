@@ -72,20 +72,17 @@ class StructuredOutput:
         that does not compile or would be enforced only in part. json_object is an object, as OpenAI's JSON mode
         promises (xgrammar's builtin JSON grammar also takes arrays and scalars)."""
         compiler = self._get_compiler()
-        if params.regex:
-            param, problem = "regex", regex_problem(params.regex)
-            build = lambda: compiler.compile_regex(params.regex)
-        elif params.json_schema:
-            param, problem = "json_schema", schema_problem(params.json_schema)
-            build = lambda: compiler.compile_json_schema(params.json_schema, any_whitespace=False)
-        else:
+        if not (params.regex or params.json_schema):
             return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
-        what = "regex" if param == "regex" else "JSON schema"
+        param, what = ("regex", "regex") if params.regex else ("json_schema", "JSON schema")
+        problem = regex_problem(params.regex) if params.regex else schema_problem(params.json_schema)
         if problem is not None:
             raise GrammarRefused(RequestFailure(GRAMMAR_ERROR, f"the {what} cannot be enforced: {problem} is not "
                                                                "supported by the grammar engine (xgrammar)", param))
         try:
-            return build()
+            if params.regex:
+                return compiler.compile_regex(params.regex)
+            return compiler.compile_json_schema(params.json_schema, any_whitespace=False)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on what it cannot compile
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise GrammarRefused(RequestFailure(GRAMMAR_ERROR, f"the {what} does not compile: {_clean(reason)}",
