@@ -39,6 +39,8 @@ def json_schema(schema):
     ({"guided_regex": "[a-z]+(?<!x)"}, "guided_regex", "lookbehind"),
     ({"structured_outputs": {"regex": "^a$b"}}, "structured_outputs.regex", "xgrammar would drop part of it"),
     ({"guided_json": {"type": "string", "pattern": "a\\Zb"}}, "guided_json", "Escape sequence"),
+    (json_schema({"if": {"type": "integer"}, "then": {"minimum": 5}}), "response_format.json_schema",
+     "keyword 'if' / 'then' / 'else' at /"),
 ])
 @pytest.mark.parametrize("path, base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
 async def test_a_constraint_that_cannot_be_enforced_is_400_naming_the_field(gateway, path, base, extra, field,

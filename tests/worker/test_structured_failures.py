@@ -30,6 +30,8 @@ def structured(model_dir):
     (SamplingParams(json_schema=json.dumps(LOOKAHEAD)), "json_schema", "lookahead (?=...)"),
     (SamplingParams(regex="[a-z]+(?!x)"), "regex", "negative lookahead"),
     (SamplingParams(regex="(ab"), "regex", "regex does not compile"),
+    (SamplingParams(json_schema='{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}'),
+     "json_schema", "keyword 'not' at /properties/a"),
 ])
 def test_compile_refuses_by_name(structured, params, param, words):
     with pytest.raises(GrammarRefused) as refused:
