@@ -96,3 +96,23 @@ def test_failures_of_requests_already_finished_are_dropped():
     assert outputs == []
     sched.check_integrity()
     assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
+
+
+def test_the_last_chunk_carries_the_error_on_both_engine_paths():
+    """Generate streams merge(); Session sends the same chunk inside a SessionChunk."""
+    from services.common.engine_contract import FinishReason
+    from services.common.pb.steploop.v1 import engine_pb2
+    from services.scheduler.request_failures import RejectedOutput
+    from services.scheduler.request_stream import merge
+    from services.scheduler.session import outputs_messages
+
+    out = RejectedOutput("r1", [], None, RequestStatus.FINISHED_REJECTED, None, 6, 0, 0, FAILURE.message,
+                         error_code=FAILURE.code, error_param=FAILURE.param)
+    chunk = merge([out])
+    assert (chunk.finish_reason, chunk.error_message, chunk.error_code, chunk.error_param) == (
+        FinishReason.REJECTED, FAILURE.message, FAILURE.code, FAILURE.param)
+    [message] = outputs_messages({"r1": [out]})
+    sent = message.chunks[0]
+    assert not sent.HasField("error")          # not an admission error: a finished chunk
+    assert (sent.chunk.finish_reason, sent.chunk.error_code, sent.chunk.error_param) == (
+        engine_pb2.FINISH_REASON_REJECTED, FAILURE.code, FAILURE.param)
