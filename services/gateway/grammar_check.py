@@ -16,6 +16,8 @@ import asyncio
 import atexit
 import json
 import logging
+import os
+import pathlib
 import select
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import services
 from services.common.engine_contract import EngineChunk
 from services.common.grammar_lint import regex_problem, schema_problem
 from services.gateway.errors import APIError
@@ -138,8 +141,8 @@ class GrammarChecker:
             return None
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "services.gateway.grammar_helper"],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                          text=True, bufsize=1, env=_helper_env())
             ready = json.loads(self._read_line(self._proc))
             if not ready.get("ready"):
                 raise ValueError(f"unexpected first line {ready!r}")
@@ -169,6 +172,14 @@ class GrammarChecker:
     def close(self) -> None:
         with self._pipe_lock:
             self._stop()
+
+
+def _helper_env() -> dict[str, str]:
+    """This process's environment, with the folder this `services` package came from first on the path (the
+    gateway may run from anywhere)."""
+    root = str(pathlib.Path(services.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def _verdict(answer: dict) -> str | None:
