@@ -37,7 +37,7 @@ logger = logging.getLogger("steploop.gateway")
 
 CODE = "invalid_grammar"           # the OpenAI error code of a constraint that cannot be served as asked
 CACHE_SIZE = 1024                  # distinct constraints remembered
-TIMEOUT_S = 30.0                   # a compile that takes longer is left to the worker
+TIMEOUT_S = 30.0                   # a compile that takes longer is refused (it would stall a worker step)
 
 
 def constraint_field(sampling: SamplingFields) -> str:
