@@ -13,7 +13,7 @@ def test_finish_reasons_are_the_wire_values():
     assert [(r.name, int(r)) for r in FinishReason] == [
         ("NONE", engine_pb2.FINISH_REASON_UNSPECIFIED), ("STOP", engine_pb2.FINISH_REASON_STOP),
         ("LENGTH", engine_pb2.FINISH_REASON_LENGTH), ("ABORT", engine_pb2.FINISH_REASON_ABORT),
-        ("ERROR", engine_pb2.FINISH_REASON_ERROR)]
+        ("ERROR", engine_pb2.FINISH_REASON_ERROR), ("REJECTED", engine_pb2.FINISH_REASON_REJECTED)]
 
 
 def test_request_round_trip():
@@ -39,3 +39,18 @@ def test_chunk_round_trip_with_and_without_logprobs():
     last.to_pb(into.chunk)
     assert (list(into.chunk.token_ids), into.chunk.finish_reason, into.chunk.usage.completion_tokens) == (
         [2], engine_pb2.FINISH_REASON_STOP, 5)
+
+
+def test_rejected_chunk_carries_its_error_across_the_wire():
+    """A request the worker could not serve as asked ends with REJECTED and the error's code and field."""
+    chunk = EngineChunk([], finish_reason=FinishReason.REJECTED, usage=Usage(4, 0, 0),
+                        error_message="the regex does not compile: unclosed (", error_code="invalid_grammar",
+                        error_param="regex")
+    pb = chunk.to_pb()
+    assert (pb.finish_reason, pb.error_code, pb.error_param) == (engine_pb2.FINISH_REASON_REJECTED,
+                                                                 "invalid_grammar", "regex")
+    for with_logprobs in (True, False):
+        back = EngineChunk.from_pb(engine_pb2.GenerateChunk.FromString(pb.SerializeToString()), with_logprobs)
+        assert (back.finish_reason, back.error_message, back.error_code, back.error_param, back.usage) == (
+            FinishReason.REJECTED, chunk.error_message, "invalid_grammar", "regex", Usage(4, 0, 0))
+    assert EngineChunk.from_pb(EngineChunk([5]).to_pb()).error_code == ""      # only a finished chunk has one

@@ -29,6 +29,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 2               # max_tokens or the model's context length
     ABORT = 3                # cancelled by the caller or the server
     ERROR = 4                # the forward pass failed for this request
+    REJECTED = 5             # it cannot be served as asked (a client error): error_message / _code / _param say why
 
 
 _FINISH_BY_VALUE = tuple(FinishReason)   # wire value -> FinishReason, without an enum call per chunk
@@ -86,6 +87,8 @@ class EngineChunk:
     # Logprobs of prompt tokens 1 .. P-1, in the first chunk that carries a token, when prompt_logprobs was set.
     prompt_logprobs: Sequence[TokenLogprob] = ()
     embedding: Sequence[float] = ()      # a pooling request's vector, in its last chunk
+    error_code: str = ""                 # REJECTED: the OpenAI error code (e.g. "invalid_grammar")
+    error_param: str = ""                # REJECTED: the SamplingParams field at fault ("json_schema", "regex")
 
     @property
     def finished(self) -> bool:
@@ -106,6 +109,8 @@ class EngineChunk:
             pb.finish_reason = self.finish_reason
             pb.stop_token_id = self.stop_token_id
             pb.error_message = self.error_message
+            pb.error_code = self.error_code
+            pb.error_param = self.error_param
             if self.usage is not None:
                 usage = pb.usage
                 usage.prompt_tokens = self.usage.prompt_tokens
@@ -130,7 +135,7 @@ class EngineChunk:
         u = pb.usage
         return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id,
                    Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs,
-                   list(pb.embedding) if pb.embedding else ())
+                   list(pb.embedding) if pb.embedding else (), pb.error_code, pb.error_param)
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,16 @@ class TokenLogprob:
         return cls(pb.logprob, list(pb.top_token_ids), list(pb.top_logprobs))
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the worker cannot serve one request as asked (steploop.v1.RequestFailure). The request ends alone with
+    it, as a client error; a failed step (StepResult.error) ends every request in it instead."""
+
+    code: str                            # OpenAI-style error code, e.g. "invalid_grammar"
+    message: str                         # for the client: what cannot be served and why
+    param: str = ""                      # the SamplingParams field at fault ("json_schema", "regex"); "" = none
+
+
 @dataclass
 class StepResult:
     step_id: int
@@ -156,6 +166,8 @@ class StepResult:
     collective_seconds: float = 0.0      # tensor parallel: this rank's time in collectives during the step
     # handle -> pooled vector of a pooling request whose whole prompt is computed as of this step.
     pooled: dict[int, list[float]] = field(default_factory=dict)
+    # handle -> why it cannot be served as asked; such a request samples nothing and ends alone (the others go on).
+    failed: dict[int, RequestFailure] = field(default_factory=dict)
 
     def to_pb(self) -> worker_pb2.StepResult:
         handles = list(self.sampled)
@@ -175,6 +187,8 @@ class StepResult:
             pb.pooled_handles.append(h)
             pb.pooled_dims.append(len(vector))
             pb.pooled_values.extend(vector)
+        for h, failure in self.failed.items():
+            pb.request_failures.add(handle=h, code=failure.code, message=failure.message, param=failure.param)
         return pb
 
     @classmethod
@@ -194,9 +208,10 @@ class StepResult:
         for handle, n in zip(pb.pooled_handles, pb.pooled_dims):
             pooled[handle] = values[pos:pos + n]
             pos += n
+        failed = {f.handle: RequestFailure(f.code, f.message, f.param) for f in pb.request_failures}
         return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
                    forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs, pooled=pooled,
-                   collective_seconds=pb.collective_seconds)
+                   collective_seconds=pb.collective_seconds, failed=failed)
 
 
 @dataclass(frozen=True)

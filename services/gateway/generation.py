@@ -16,6 +16,7 @@ from services.common.sampling_params import SamplingParams
 from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError
+from services.gateway.grammar_check import rejected
 from services.gateway.logprobs import TokenInfo, TokenNamer
 from services.gateway.stop_strings import StopStringMatcher
 
@@ -39,6 +40,7 @@ class Choice:
     cache_salt: str = ""             # tenants with different salts share no prefix-cache blocks
     prompt_param: str = "prompt"     # the request field an engine error about the prompt names ("messages": chat)
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
+    constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
 
 
 @dataclass
@@ -101,6 +103,8 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                     if text:
                         yield TextEvent(choice.index, text, logprobs=lps)
                     continue
+                if finish == FinishReason.REJECTED:    # the worker cannot serve it as asked: the client's error
+                    raise rejected(chunk, choice.constraint_param)
                 if finish == FinishReason.ERROR:
                     raise APIError(500, f"generation failed: {chunk.error_message or 'engine error'}",
                                    type="server_error", code="engine_error")

@@ -47,13 +47,15 @@ _SAMPLING: dict[str, Any] = {
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "include_stop_str_in_output": {"type": "boolean"},
     "skip_special_tokens": {"type": "boolean"},
-    # vLLM's (vllm_extras.py); at most one of response_format, guided_json, guided_choice, structured_outputs
+    # vLLM's (vllm_extras.py); at most one of response_format, guided_json, guided_choice, guided_regex,
+    # structured_outputs
     "truncate_prompt_tokens": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": MAX_UINT32},
                                          {"type": "integer", "enum": [-1]}]},
     "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}]},
     "guided_choice": _CHOICES,
+    "guided_regex": {"type": "string", "minLength": 1},
     "structured_outputs": {"type": "object", "properties": {"json": {"type": "object"}, "json_object": {
-        "type": "boolean"}, "choice": _CHOICES}},
+        "type": "boolean"}, "choice": _CHOICES, "regex": {"type": "string", "minLength": 1}}},
 }
 # Unset: what fits in the context. Prompt + max_tokens over the context is a 400 (context_length_exceeded).
 _MAX_TOKENS = {"type": "integer", "minimum": 1}

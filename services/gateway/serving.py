@@ -10,6 +10,7 @@ from services.common.lora_config import LoraConfig
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import Choice, TextEvent, generate_choice, merge
+from services.gateway.grammar_check import check_constraint, constraint_field
 from services.gateway.model_state import ModelState
 from services.gateway.protocol import SamplingFields, choice_params
 from services.gateway.tokenizer import Tokenizer
@@ -59,6 +60,7 @@ class Serving:
         seeds seed, seed+1, ... so the n samples differ (and repeat across runs). A pooling model (embeddings
         only) refuses them: a 400 naming `api` (by default the API whose prompt field is `param`)."""
         await self.model.check_serves("generate", api or API_BY_PARAM.get(param, "Completions"))
+        await check_constraint(sampling)     # a grammar that cannot be enforced as written: 400 before any work
         keep = sampling.truncate_prompt_tokens
         if keep == -1:                       # vLLM's "the model's context length" (unknown yet: nothing to cut)
             keep = await self.model.known_max_model_len()
@@ -76,7 +78,8 @@ class Serving:
                                       skip_special_tokens=sampling.skip_special_tokens, echo=sampling.echo,
                                       prompt_text=prompt_text,
                                       drop_output=sampling.max_tokens == 0, priority=sampling.priority,
-                                      cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name))
+                                      cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name,
+                                      constraint_param=constraint_field(sampling)))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:

@@ -13,7 +13,7 @@ from services.common import tracing
 _REQUEST: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("steploop_genai",
                                                                          default=("text_completion", ""))
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
-FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error", 5: "error"}
 
 
 def start_http(request: Any, route: str, model: str) -> Any:

@@ -7,10 +7,10 @@ what is generated or how the answer is shaped, must not be dropped silently: a c
 unless it holds its default (null, or the value vLLM treats as "off"), which clients often send.
 
 Structured output has several spellings: OpenAI's `response_format` (protocol.py), vLLM's `structured_outputs`
-({"json": schema}, {"json_object": true} or {"choice": [...]}; regex, grammar and structural_tag are not built)
-and its older `guided_json` and `guided_choice`. They name one constraint; two of them in one request is a 400.
-A choice becomes a regex of its escaped alternatives, which the worker's xgrammar compiles (a user's own regex
-could fail to compile there, where no per-request error exists: refused for now).
+({"json": schema}, {"json_object": true}, {"choice": [...]} or {"regex": "..."}; grammar and structural_tag are
+not built) and its older `guided_json`, `guided_choice` and `guided_regex`. They name one constraint; two of them in
+one request is a 400. A choice becomes a regex of its escaped alternatives. A regex or schema is compiled at
+admission (grammar_check.py): one that xgrammar cannot compile, or would enforce only in part, is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from services.gateway.errors import bad_request
 NOT_BUILT: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None, []),
     "bad_words": (None, []),
-    "guided_regex": (None,),
     "guided_grammar": (None,),
     "structural_tag": (None,),
     "use_beam_search": (None, False),
@@ -38,7 +37,7 @@ NOT_BUILT: dict[str, tuple[Any, ...]] = {
     "chat_template": (None,),                # a per-request template (vLLM refuses it too unless trusted)
     "documents": (None, []),                 # RAG documents for the template
 }
-STRUCTURED_NOT_BUILT = ("regex", "grammar", "structural_tag")
+STRUCTURED_NOT_BUILT = ("grammar", "structural_tag")
 REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")     # escaped in a choice: everything else is literal
 MAX_CHOICES = 1024
 
@@ -88,6 +87,15 @@ def choice_regex(choices: Any, where: str) -> str:
     return "(" + "|".join("".join("\\" + ch if ch in REGEX_SPECIAL else ch for ch in c) for c in choices) + ")"
 
 
+def user_regex(value: Any, where: str) -> str:
+    """guided_regex / structured_outputs.regex: a non-empty string (xgrammar's dialect; compiled at admission)."""
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"'{where}' must be a non-empty regular expression string", param=where)
+    if "\0" in value:                               # xgrammar's regexes cannot hold NUL
+        raise bad_request(f"'{where}' must not contain NUL (\\u0000)", param=where)
+    return value
+
+
 def structured_output(body: dict[str, Any]) -> Constraint | None:
     """The constraint named by `structured_outputs`, `guided_json` or `guided_choice`; None when none is."""
     found = []
@@ -95,6 +103,8 @@ def structured_output(body: dict[str, Any]) -> Constraint | None:
         found.append(Constraint("guided_json", schema=_schema_object(body["guided_json"], "guided_json")))
     if body.get("guided_choice") is not None:
         found.append(Constraint("guided_choice", regex=choice_regex(body["guided_choice"], "guided_choice")))
+    if body.get("guided_regex") is not None:
+        found.append(Constraint("guided_regex", regex=user_regex(body["guided_regex"], "guided_regex")))
     spec = v.get_object(body, "structured_outputs")
     if spec:
         for key in STRUCTURED_NOT_BUILT:
@@ -105,6 +115,9 @@ def structured_output(body: dict[str, Any]) -> Constraint | None:
         elif spec.get("choice") is not None:
             found.append(Constraint("structured_outputs",
                                     regex=choice_regex(spec["choice"], "structured_outputs.choice")))
+        elif spec.get("regex") is not None:
+            found.append(Constraint("structured_outputs.regex",
+                                    regex=user_regex(spec["regex"], "structured_outputs.regex")))
         elif v.get_bool(spec, "json_object", False):
             found.append(Constraint("structured_outputs", json_object=True))
     if len(found) > 1:

@@ -4,7 +4,8 @@
                    -> sample (and verify drafts) -> append the sampled tokens to the worker's own lists
 
 The worker appends what it sampled itself, so under async scheduling step N+1 can use step N's token before the
-scheduler has seen it. A failing step returns StepResult(error=...) instead of raising.
+scheduler has seen it. A failing step returns StepResult(error=...) instead of raising; a request that cannot be
+served as asked (a grammar that does not compile) fails alone, in StepResult.failed.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class ModelRunner:
             self.batch.apply_plan(plan)
             if self.lora is not None:
                 self.lora.apply_plan(plan)
+            self.structured.check_new(plan.new_requests, self.batch.requests)   # a bad grammar fails its request
             if not plan.scheduled_handles:
                 return StepResult(step_id=plan.step_id)
             with_lora = self.lora is not None and self.lora.begin_step(plan)
@@ -152,6 +154,7 @@ class ModelRunner:
             log.exception("step %d failed", plan.step_id)
             return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         result.forward_seconds = time.perf_counter() - start
+        result.failed = self.structured.take_failures()
         if self.tp_comm is not None:
             result.collective_seconds = self.tp_comm.take_seconds()[0]
         return result
@@ -224,8 +227,10 @@ class ModelRunner:
             accepted = 1
             while accepted <= len(slot.drafts) and rows[accepted - 1] == slot.drafts[accepted - 1]:
                 accepted += 1
-            result.sampled[slot.handle] = rows[:accepted]
             self.batch.append_sampled(slot.handle, rows[:accepted], slot.num_known_end + accepted - 1)
+            if self.structured.failed(self.batch.requests[slot.handle]):
+                continue   # kept here (a plan in flight may feed it), never reported: it ends with its error
+            result.sampled[slot.handle] = rows[:accepted]
             self.structured.accept(self.batch.requests[slot.handle], rows[:accepted])
             if self.batch.requests[slot.handle].sampling.logprobs >= 0:
                 result.logprobs[slot.handle] = _logprobs(out, slot, accepted,

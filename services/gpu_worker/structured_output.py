@@ -11,22 +11,39 @@ request gets a GrammarMatcher:
     - after sampling, the worker advances it with the tokens it accepted (async scheduling needs nothing more:
       the worker appends its own tokens).
 Matchers of requests that left the batch are dropped at the next step.
+
+A grammar xgrammar cannot compile, or would compile only by dropping part of it (a lookahead in a `pattern`:
+grammar_lint.py), is never served unconstrained or empty: the request gets no matcher, samples nothing, and the
+step result reports it as failed (StepResult.failed) so the scheduler ends it alone with that error. Each new
+request's grammar is compiled when the plan brings it (`check_new`), so a failure ends it before its prompt runs.
 """
 
 from __future__ import annotations
 
 import logging
 import pathlib
+import re
 from typing import Any
 
 import torch
 
+from services.common.grammar_lint import regex_problem, schema_problem
 from services.common.sampling_params import SamplingParams
+from services.common.step_contract import NewRequestData, RequestFailure
 
 log = logging.getLogger(__name__)
 
 MAX_ROLLBACK = 16   # drafts a matcher may try and undo in one step
 ANY_OBJECT = '{"type": "object"}'
+GRAMMAR_ERROR = "invalid_grammar"   # the RequestFailure code of a grammar that cannot be served as asked
+
+
+class GrammarRefused(Exception):
+    """The request's grammar cannot be served as asked; `failure` says why, for the client."""
+
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 class StructuredOutput:
@@ -35,6 +52,8 @@ class StructuredOutput:
         self.vocab_size = vocab_size
         self._compiler: Any = None
         self._matchers: dict[int, tuple[Any, Any]] = {}   # handle -> (RequestState it belongs to, matcher)
+        self._failed: dict[int, tuple[Any, RequestFailure]] = {}   # handle -> (RequestState, why), until it leaves
+        self._unreported: list[int] = []                  # failed handles no step result has named yet
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -49,33 +68,68 @@ class StructuredOutput:
         return self._compiler
 
     def compile(self, params: SamplingParams) -> Any:
-        """The grammar of a request. A schema xgrammar cannot compile falls back to "any JSON object" (logged):
-        the worker has no per-request error channel, and failing the step would fail every request in it (the
-        gateway refuses what it can tell is wrong: invalid schemas, refs that do not resolve).
-        json_object is an object, as OpenAI's JSON mode promises (xgrammar's builtin JSON grammar also takes
-        arrays and scalars)."""
+        """The request's grammar (xgrammar caches compilations). Raises GrammarRefused for a regex or JSON schema
+        that does not compile or would be enforced only in part. json_object is an object, as OpenAI's JSON mode
+        promises (xgrammar's builtin JSON grammar also takes arrays and scalars)."""
         compiler = self._get_compiler()
-        if params.regex:      # built by the gateway (guided_choice), which refuses what xgrammar cannot compile
-            try:
+        if not (params.regex or params.json_schema):
+            return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
+        param, what = ("regex", "regex") if params.regex else ("json_schema", "JSON schema")
+        problem = regex_problem(params.regex) if params.regex else schema_problem(params.json_schema)
+        if problem is not None:
+            raise GrammarRefused(RequestFailure(GRAMMAR_ERROR, f"the {what} cannot be enforced: {problem} is not "
+                                                               "supported by the grammar engine (xgrammar)", param))
+        try:
+            if params.regex:
                 return compiler.compile_regex(params.regex)
-            except Exception:  # noqa: BLE001 - a bug: end the output at once rather than let it run unconstrained
-                log.error("cannot compile the regex %r; this request's output is empty", params.regex)
-                return compiler.compile_regex("")
-        if params.json_schema:
-            try:
-                return compiler.compile_json_schema(params.json_schema, any_whitespace=False)
-            except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on bad schemas
-                log.warning("cannot compile JSON schema (%s); constraining to any JSON object instead", exc)
-        return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
+            return compiler.compile_json_schema(params.json_schema, any_whitespace=False)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on what it cannot compile
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise GrammarRefused(RequestFailure(GRAMMAR_ERROR, f"the {what} does not compile: {_clean(reason)}",
+                                                param)) from None
+
+    def check_new(self, new_requests: list[NewRequestData], states: dict[int, Any]) -> None:
+        """Compile the grammar of each structured request a plan brings, so one that cannot be served fails
+        before its prompt runs (the matcher built later finds the compilation cached)."""
+        for new in new_requests:
+            state = states.get(new.handle)
+            if state is not None and state.sampling.structured:
+                try:
+                    self.compile(state.sampling)
+                except GrammarRefused as refused:
+                    self._fail(state, refused.failure)
+
+    def _fail(self, state, failure: RequestFailure) -> None:
+        log.warning("handle %d cannot be served as asked: %s", state.handle, failure.message)
+        self._failed[state.handle] = (state, failure)
+        self._unreported.append(state.handle)
+
+    def failed(self, state) -> bool:
+        held = self._failed.get(state.handle)
+        return held is not None and held[0] is state
+
+    def take_failures(self) -> dict[int, RequestFailure]:
+        """The requests that failed since the last call (handle -> why), for the step result."""
+        out = {h: self._failed[h][1] for h in self._unreported if h in self._failed}
+        self._unreported.clear()
+        return out
 
     def matcher(self, state) -> Any:
-        """The request's matcher, (re)built from its output tokens when new or when the handle changed owner."""
+        """The request's matcher, (re)built from its output tokens when new or when the handle changed owner;
+        None when its grammar cannot be served (the request is failed)."""
         import xgrammar as xgr
 
         held = self._matchers.get(state.handle)
         if held is not None and held[0] is state:
             return held[1]
-        matcher = xgr.GrammarMatcher(self.compile(state.sampling), max_rollback_tokens=MAX_ROLLBACK)
+        if self.failed(state):
+            return None
+        try:
+            grammar = self.compile(state.sampling)
+        except GrammarRefused as refused:
+            self._fail(state, refused.failure)
+            return None
+        matcher = xgr.GrammarMatcher(grammar, max_rollback_tokens=MAX_ROLLBACK)
         for token in state.output_token_ids:
             if not matcher.accept_token(token):
                 log.warning("handle %d: output token %d does not fit its grammar", state.handle, token)
@@ -94,6 +148,8 @@ class StructuredOutput:
         for r in structured:
             state, drafts = rows[r]
             matcher = self.matcher(state)
+            if matcher is None:               # failed: its row is sampled but never reported
+                continue
             accepted = 0
             for token in drafts:
                 if not matcher.accept_token(token):
@@ -115,5 +171,11 @@ class StructuredOutput:
 
     def drop_missing(self, live: dict[int, Any]) -> None:
         """Forget matchers of requests no longer in the batch."""
-        for handle in [h for h, (state, _) in self._matchers.items() if live.get(h) is not state]:
-            del self._matchers[handle]
+        for held in (self._matchers, self._failed):
+            for handle in [h for h, (state, _) in held.items() if live.get(h) is not state]:
+                del held[handle]
+
+
+def _clean(reason: str) -> str:
+    """xgrammar's message without its log prefix ("[21:30:15] /project/cpp/regex_converter.cc:94: ")."""
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", reason)

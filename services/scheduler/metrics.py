@@ -34,7 +34,8 @@ from services.scheduler.stats import LoadReport, StepStats
 log = logging.getLogger("steploop.scheduler.stats")
 
 FINISHED_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                    RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
+                    RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error",
+                    RequestStatus.FINISHED_REJECTED: "error"}
 
 
 class _Live:

@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()    # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()   # client cancelled
     FINISHED_ERROR = enum.auto()     # the worker failed the step
+    FINISHED_REJECTED = enum.auto()  # the worker cannot serve it as asked (e.g. its grammar does not compile)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -64,7 +65,7 @@ class Request:
     num_preemptions: int = 0
     # Prefix-cache keys of this request's full blocks, in order; content-derived, so kept across preemptions.
     block_hashes: list[bytes] = field(default_factory=list)
-    error: str = ""                      # set with FINISHED_ERROR
+    error: str = ""                      # set with FINISHED_ERROR and FINISHED_REJECTED
     # sampling.prompt_logprobs: logprobs of prompt tokens 1, 2, ... gathered over the prompt's chunks; sent
     # with the first output. Kept across preemption (the recomputed ones are dropped).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

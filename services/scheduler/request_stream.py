@@ -15,12 +15,14 @@ from typing import Protocol
 from services.common.engine_contract import EngineChunk, FinishReason, Usage
 from services.common.errors import EngineError
 from services.scheduler.request import RequestStatus
+from services.scheduler.request_failures import RejectedOutput
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
 }
 
 
@@ -53,6 +55,8 @@ def merge(outputs: Sequence) -> EngineChunk:
             chunk.finish_reason = FINISH_REASONS[out.finish_reason]
             chunk.stop_token_id = out.stop_token_id or 0
             chunk.error_message = out.error or ""
+            if isinstance(out, RejectedOutput):
+                chunk.error_code, chunk.error_param = out.error_code, out.error_param
             chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
             if out.embedding is not None:
                 chunk.embedding = out.embedding

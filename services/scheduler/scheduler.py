@@ -25,6 +25,7 @@ from services.scheduler.lora_steps import LoraSteps
 from services.scheduler.ngram_proposer import NgramProposer
 from services.scheduler.prefill_pacing import PrefillPacer
 from services.scheduler.request import Request, RequestOutput, RequestStatus
+from services.scheduler.request_failures import end_failed
 from services.scheduler.request_outputs import check_runner, make_output, validate_pooling_request, validate_request
 from services.scheduler.stats import SchedulerCounters, SchedulerStats
 from services.scheduler.stop_rule import StopRules
@@ -288,6 +289,9 @@ class Scheduler:
         requests, ends = in_flight
         if result.error:
             return step_update.fail_requests(self, requests, result.error)
+        if result.failed:   # requests the worker cannot serve as asked end alone; the rest go on
+            return (end_failed(self, requests, plan.scheduled_handles, result.failed)
+                    + step_update.apply_result(self, requests, ends, plan, result))
         return step_update.apply_result(self, requests, ends, plan, result)
 
     # ----------------------------------------------------------------- worker loss, integrity

@@ -25,7 +25,7 @@ RUNNING = RequestStatus.RUNNING
 def is_plain(plan: StepPlan, result: StepResult) -> bool:
     """Sampled tokens only: what the C loop handles. It knows no drafts, logprobs or pooled vectors, so any new
     per-request field of StepResult belongs in this test too."""
-    return not (plan.draft_token_ids or result.logprobs or result.prompt_logprobs or result.pooled)
+    return not (plan.draft_token_ids or result.logprobs or result.prompt_logprobs or result.pooled or result.failed)
 
 
 def apply_result(sched: Scheduler, requests: list[Request], ends: list[int], plan: StepPlan,

@@ -35,6 +35,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     status: grpc.StatusCode | None = None          # if set, Generate fails with it
     status_metadata: tuple = ()
     fail_after: int | None = None                  # if set, ends with FINISH_REASON_ERROR after this many tokens
+    reject_after: int | None = None                # if set, ends with FINISH_REASON_REJECTED after this many tokens
     reply_fn: Callable[[engine_pb2.GenerateRequest], Sequence[int]] | None = None
     generation_defaults: dict = field(default_factory=dict)   # GetModelInfo's model sampling defaults
     requests: list = field(default_factory=list)   # GenerateRequests received
@@ -143,6 +144,15 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 yield engine_pb2.GenerateChunk(token_ids=ids[:self.fail_after])
                 yield engine_pb2.GenerateChunk(finish_reason=engine_pb2.FINISH_REASON_ERROR,
                                                error_message="worker exploded")
+                return
+            if self.reject_after is not None:      # as the scheduler ends a request its worker cannot serve
+                if self.reject_after:
+                    yield engine_pb2.GenerateChunk(token_ids=ids[:self.reject_after])
+                yield engine_pb2.GenerateChunk(
+                    finish_reason=engine_pb2.FINISH_REASON_REJECTED, error_code="invalid_grammar",
+                    error_param="json_schema", error_message="the JSON schema does not compile: scripted",
+                    usage=engine_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                           completion_tokens=self.reject_after))
                 return
             for start in range(0, len(ids), self.tokens_per_chunk):
                 if self.token_delay_s:

@@ -15,7 +15,7 @@ from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 
 COMPLETION = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"], "guided_regex": "[a-z]+",
+SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"],
        "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "use_beam_search": True,
        "logits_processors": ["x"], "prompt_logprobs": 1,
        "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1},
@@ -58,10 +58,19 @@ async def test_vllm_structured_output_reaches_the_engine(gateway, extra, schema,
         assert sent.sampling.json_object == json_object
 
 
+@pytest.mark.parametrize("extra", [{"guided_regex": "[a-z]+"}, {"structured_outputs": {"regex": "[a-z]+"}}])
+async def test_a_user_regex_reaches_the_engine(gateway, extra):
+    assert (await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, **extra}))[0] == 200
+    assert [sent.sampling.regex for sent in gateway.engine.requests] == ["[a-z]+"]
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
     ({"structured_outputs": {"json": SCHEMA}, "guided_json": SCHEMA}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    ({"guided_regex": 5}, "guided_regex"),
+    ({"guided_regex": "a\u0000b"}, "guided_regex"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
     ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_choice": ["a", ""]}, "guided_choice"),

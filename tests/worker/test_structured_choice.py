@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from services.common.sampling_params import SamplingParams
 from services.gateway.vllm_extras import choice_regex
-
-xgr = pytest.importorskip("xgrammar")
+from services.gpu_worker.structured_output import GrammarRefused
 
 CHOICES = ["yes", "no", "a.b (c)|d*", "x\\y", "naïve café", "line\nbreak", "tab\tx", "[{json}]", "$^+?", "/slash",
            "-dash-", "quote\"s'", "日本語", "  spaced  "]
@@ -49,9 +49,8 @@ def test_each_choice_and_only_the_choices_fit(structured):
         assert not (fits and matcher.accept_token(eos)), other        # never a finished output
 
 
-def test_a_regex_that_cannot_compile_ends_the_output_at_once(structured, caplog):
-    so, tokenizer = structured
-    grammar = so.compile(SamplingParams(regex="(a\0b|c)"))     # NUL: the gateway refuses it; a bug if it got here
-    mask = allowed(xgr.GrammarMatcher(grammar), so.vocab_size)
-    assert mask[tokenizer.eos_token_id] and not mask[tokenizer.encode("c", add_special_tokens=False)[0]]
-    assert "output is empty" in caplog.text
+def test_a_regex_that_cannot_compile_is_refused_not_served_empty(structured):
+    so, _ = structured
+    with pytest.raises(GrammarRefused) as refused:
+        so.compile(SamplingParams(regex="(a\0b|c"))     # the gateway refuses it; a direct Engine client may not
+    assert refused.value.failure.param == "regex" and "does not compile" in refused.value.failure.message

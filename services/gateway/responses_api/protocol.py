@@ -154,7 +154,8 @@ def parse_responses(body: Any, parser: ToolParser, defaults: GenerationDefaults 
         stop=(), stop_token_ids=(), ignore_eos=False,
         min_tokens=0, include_stop_str_in_output=False, skip_special_tokens=True,
         stream=v.get_bool(body, "stream", False), include_usage=False,
-        json_schema=json_schema, json_object=json_object, cache_salt=v.get_str(body, "cache_salt", "") or "")
+        json_schema=json_schema, json_object=json_object, cache_salt=v.get_str(body, "cache_salt", "") or "",
+        constrained_by="text.format" if json_schema or json_object else "")
     forced = tools.guided_schema() if tools is not None else ""
     if forced:
         sampling = replace(sampling, json_schema=forced)
