@@ -33,7 +33,7 @@ from services.common.model_path import (
     resolve_model,
 )
 from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
-from services.common.step_contract import StepPlan
+from services.common.step_contract import SCHEDULER_STOPPING_METADATA, StepPlan
 from services.common.tls import open_channel
 from services.gpu_worker.config import WorkerConfig, add_cli_args
 from services.gpu_worker.distributed.comm import CollectiveError
@@ -172,7 +172,9 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
                 return
             msg = reader.result()
             if msg is grpc.aio.EOF:
-                log.warning("scheduler %s closed the plan stream", address)
+                stopping = _scheduler_stopping(await call.trailing_metadata())
+                log.log(logging.INFO if stopping else logging.WARNING, "scheduler %s %s the plan stream", address,
+                        "is stopping: it ended" if stopping else "closed")
                 return
             if msg.HasField("plan"):
                 plan = StepPlan.from_pb(msg.plan)
@@ -184,6 +186,14 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
         plans.put(None)                            # the forward thread ends after the step it is on
         writer.cancel()
         await asyncio.gather(forward, writer, return_exceptions=True)
+
+
+def _scheduler_stopping(trailing) -> bool:
+    """Whether the scheduler ended the plan stream because it is stopping (an ordered stop, logged as such)."""
+    key, value = SCHEDULER_STOPPING_METADATA
+    if trailing is None:
+        return False
+    return (trailing.get(key) if hasattr(trailing, "get") else dict(trailing).get(key)) == value   # Metadata or pairs
 
 
 def build_parser() -> argparse.ArgumentParser:
