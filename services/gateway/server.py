@@ -88,11 +88,16 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         logger.info("gateway stopped")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="steploop gateway",
                                      description="steploop gateway: OpenAI-compatible HTTP API")
     add_cli_args(parser)
     observability.add_cli_args(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         config = GatewayConfig.from_args(args)

@@ -136,9 +136,14 @@ async def serve(sched_config: SchedulerConfig, server_config: ServerConfig) -> b
     return clean
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="steploop scheduler", description=__doc__)
     add_cli_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     observability.setup("scheduler", args)
     try:
