@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from services.common import model_path
 from tests.integration import readme_examples
 from tests.integration.serve_process import ROOT, ServeProcess
 
@@ -56,8 +57,12 @@ def scratch(tmp_path_factory):
 
 
 def localize(code: str, serve: ServeProcess) -> str:
+    """This server's ports; and the model folder where STEPLOOP_CACHE_DIR moved it (the README names the default)."""
+    model_dir = str(model_path.default_model_dir())
     return code.replace("127.0.0.1:8000", f"127.0.0.1:{serve.http_port}").replace(
-        "127.0.0.1:50051", f"127.0.0.1:{serve.grpc_port}")
+        "127.0.0.1:50051", f"127.0.0.1:{serve.grpc_port}").replace(
+        "~/.cache/steploop/models/SmolLM2-135M-Instruct", model_dir).replace(
+        "$HOME/.cache/steploop/models/SmolLM2-135M-Instruct", model_dir)
 
 
 def example_env() -> dict[str, str]:
