@@ -140,6 +140,23 @@ async def test_sigterm_cancels_what_outlives_the_shutdown_timeout(gateway_model_
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+async def test_a_messages_stream_cut_by_the_deadline_ends_with_an_error_event(gateway_model_dir, reply_ids):
+    """Anthropic's stream (no [DONE] there) ends with its own `error` event naming the shutdown."""
+    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=1.0)
+    body = {"model": SERVED_NAME, "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc, _):
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{url}/v1/messages", json=body)
+            await resp.content.readline()
+            proc.send_signal(signal.SIGTERM)
+            text = (await asyncio.wait_for(resp.read(), 15)).decode()
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    last = text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\n"), text[-500:]
+    assert "the server is shutting down" in last and "--shutdown-timeout 1 s" in last, last
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
 async def test_a_request_cut_before_its_first_token_is_a_503(gateway_model_dir, reply_ids):
     engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=30.0)
     async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc, _):
