@@ -40,7 +40,9 @@ model: $(STAMP) protos
 	$(STEP) "set-up 8/8: build the CPU kernels (once)" $(BIN)/python -m services.gpu_worker.cpu_kernels.build \
 		|| echo "note: CPU kernels not built; CPU workers use their torch paths (slower)"
 
+# The set-up's last line says where the command is: the venv is not on PATH unless the shell activates it.
 serve: install
+	@echo "==> set-up done: the steploop command is $(BIN)/steploop; for bare 'steploop' (and the venv's python) in your shell: source $(BIN)/activate"
 	$(BIN)/steploop serve $(ARGS)
 
 # tests/kernels runs in its own pytest process: its conftest sets TRITON_INTERPRET=1 on a CPU, which triton reads

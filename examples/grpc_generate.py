@@ -2,18 +2,15 @@
 
     python examples/grpc_generate.py --scheduler-address 127.0.0.1:50051 "Once upon a time"
 
-The model folder (for the tokenizer) defaults to the converted default model.
+The model folder (for the tokenizer) defaults to the converted default model. It imports the installed steploop
+package (`pip install .`, or the checkout's `.venv` from `make install`), as any client would.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import pathlib
-import sys
 import uuid
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from services.client import EngineClient, SamplingParams
 from services.common.model_path import resolve_model

@@ -20,6 +20,9 @@ from services.common.pb.steploop.v1 import engine_pb2, worker_pb2
 from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
 
+# Trailing metadata on a plan stream the scheduler ended because it is stopping (an ordered stop, not a fault).
+SCHEDULER_STOPPING_METADATA = ("steploop-scheduler-stopping", "1")
+
 
 @dataclass
 class NewRequestData:

@@ -261,8 +261,9 @@ def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
             raise v.type_error(where, "an object", message, param="messages")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                              param="messages")
+            got = "is missing" if "role" not in message else f"is {role!r}"
+            raise bad_request(f"{where}.role {got}; it must be one of {sorted(CHAT_ROLES)}", param="messages",
+                              code="missing_required_parameter" if "role" not in message else "invalid_value")
         if role == "assistant" and (message.get("tool_calls") or message.get("content") is None):
             content = message.get("content")   # null: an assistant turn that only called tools
             entry = {"role": role, "content": "" if content is None else _message_text(content, where)}

@@ -1,8 +1,9 @@
 """`python -m services.gateway`: the gateway process. One aiohttp site on uvloop, graceful shutdown.
 
 Shutdown is a sequence: on SIGTERM/SIGINT /health turns 503 (load balancers stop routing here) and new requests
-get 503 + Retry-After while in-flight ones get `--shutdown-timeout` seconds to finish (drain.py); then the
-listening socket closes, what still runs is cancelled (which aborts its engine calls) and the gRPC channel closes.
+get 503 + Retry-After while in-flight ones get `--shutdown-timeout` seconds to finish (drain.py); what still runs
+then ends with a `shutting_down` error (a stream: an error event, then [DONE]; its engine calls are aborted); then
+the listening socket closes and the gRPC channel closes.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                     app[DRAIN].in_flight, config.shutdown_timeout)
         left = await app[DRAIN].drain(config.shutdown_timeout)
         if left:
-            logger.warning("%d requests still running after %.0f s; cancelling them", left, config.shutdown_timeout)
+            logger.warning("%d requests still running after %.0f s (--shutdown-timeout); ending them with a "
+                           "shutting_down error", left, config.shutdown_timeout)
+            await app[DRAIN].cut()    # each stream gets its error event and [DONE] while the socket is open
         await runner.cleanup()    # stop accepting, cancel what is left
     finally:
         if discovery is not None:
@@ -85,11 +88,16 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         logger.info("gateway stopped")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="steploop gateway",
                                      description="steploop gateway: OpenAI-compatible HTTP API")
     add_cli_args(parser)
     observability.add_cli_args(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         config = GatewayConfig.from_args(args)

@@ -2,11 +2,13 @@
 as Anthropic's Messages and OpenAI's Responses stream them: `event: {type}\\ndata: {json}\\n\\n`, no [DONE].
 
 Once the 200 and headers are out, an error can no longer change the status; it goes out as one error event
-(OpenAI: `data: {"error": ...}` before [DONE], as vLLM and OpenAI do; Anthropic: an `error` event).
+(OpenAI: `data: {"error": ...}` before [DONE], as vLLM and OpenAI do; Anthropic: an `error` event). A stream the
+drain deadline cuts (drain.py) ends the same way, with a `shutting_down` error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -15,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.gateway.drain import cut_by_drain
 from services.gateway.errors import APIError, internal_error
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,11 @@ async def _stream(request: web.Request, chunks: AsyncIterator[dict[str, Any]], e
             await response.write(encode_error(err))
         except ConnectionError:
             raise   # the client went away; aclosing aborts the engine calls
+        except asyncio.CancelledError:
+            error = cut_by_drain()
+            if error is None:
+                raise   # the client went away (handler cancellation) or the server is being killed
+            await response.write(encode_error(error))
         except Exception:
             logger.exception("stream failed")
             await response.write(encode_error(internal_error()))

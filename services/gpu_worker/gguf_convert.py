@@ -183,15 +183,19 @@ def _write_folder(gguf: pathlib.Path, out: pathlib.Path, fill) -> pathlib.Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Convert a GGUF model (default: the default model) into a "
-                                                 "HuggingFace folder")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="steploop convert", description="Convert a GGUF model (default: the "
+                                                                          "default model) into a HuggingFace folder")
     parser.add_argument("gguf", nargs="?", default=None, help="a GGUF file (--model FILE.gguf); default: the "
                                                                "default model")
     parser.add_argument("--out-dir", type=pathlib.Path, default=None,
                         help="the default model's folder (default: the steploop cache dir)")
     parser.add_argument("--force", action="store_true", help="convert again even if the folder exists")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.gguf is None:
         convert_default_model(args.out_dir, force=args.force)
         return 0

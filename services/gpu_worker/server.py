@@ -33,7 +33,7 @@ from services.common.model_path import (
     resolve_model,
 )
 from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
-from services.common.step_contract import StepPlan
+from services.common.step_contract import SCHEDULER_STOPPING_METADATA, StepPlan
 from services.common.tls import open_channel
 from services.gpu_worker.config import WorkerConfig, add_cli_args
 from services.gpu_worker.distributed.comm import CollectiveError
@@ -102,7 +102,7 @@ async def _attach_forever(config: WorkerConfig, runner: ModelRunner, executor, s
 async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop: asyncio.Event,
                        obs: WorkerObserver) -> bool:
     """One attach: returns whether it got attached (then the next reconnect starts from a short backoff)."""
-    served = False
+    served = stopped = False
     async with open_channel(config.scheduler_address, config.tls, CHANNEL_OPTIONS) as channel:
         call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
         stopper = asyncio.ensure_future(stop.wait())
@@ -112,7 +112,7 @@ async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop
             served = True
             log.info("attached to scheduler %s as %s (%d KV blocks of %d tokens)", config.scheduler_address,
                      runner.info.worker_id, runner.info.num_kv_blocks, runner.info.block_size)
-            await _serve_stream(call, runner, executor, stopper, obs, config.scheduler_address, rank)
+            stopped = await _serve_stream(call, runner, executor, stopper, obs, config.scheduler_address, rank)
         except grpc.aio.AioRpcError as err:
             level = logging.WARNING if served else logging.DEBUG
             log.log(level, "plan stream to %s ended: %s %s", config.scheduler_address, err.code().name,
@@ -123,14 +123,15 @@ async def _attach_once(config: WorkerConfig, runner: ModelRunner, executor, stop
         finally:
             stopper.cancel()
             rank.leave()
-    if served:
+    if served and not stopped:            # a stopping scheduler's end was logged as such, once
         log.info("detached from scheduler %s; forgetting all requests", config.scheduler_address)
     return served
 
 
 async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Future, obs: WorkerObserver,
-                        address: str, rank: RankLink) -> None:
-    """Serve the stream's plans until it ends (EOF), breaks (raises AioRpcError) or `stopper` fires.
+                        address: str, rank: RankLink) -> bool:
+    """Serve the stream's plans until it ends (EOF), breaks (raises AioRpcError) or `stopper` fires. Returns
+    whether the scheduler ended it because it is stopping.
 
     The forward thread runs one loop for the whole stream: it takes the next plan from a queue that the event loop
     fills as plans arrive (decoded while the previous step runs; the scheduler keeps two outstanding) and hands each
@@ -169,11 +170,13 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
             if reader not in done:                 # stopping
                 reader.cancel()
                 call.cancel()
-                return
+                return False
             msg = reader.result()
             if msg is grpc.aio.EOF:
-                log.warning("scheduler %s closed the plan stream", address)
-                return
+                stopping = _scheduler_stopping(await call.trailing_metadata())
+                log.log(logging.INFO if stopping else logging.WARNING, "scheduler %s %s the plan stream; "
+                        "forgetting all requests", address, "is stopping: it ended" if stopping else "closed")
+                return stopping
             if msg.HasField("plan"):
                 plan = StepPlan.from_pb(msg.plan)
                 obs.before(plan)
@@ -184,6 +187,14 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
         plans.put(None)                            # the forward thread ends after the step it is on
         writer.cancel()
         await asyncio.gather(forward, writer, return_exceptions=True)
+
+
+def _scheduler_stopping(trailing) -> bool:
+    """Whether the scheduler ended the plan stream because it is stopping (an ordered stop, logged as such)."""
+    key, value = SCHEDULER_STOPPING_METADATA
+    if trailing is None:
+        return False
+    return (trailing.get(key) if hasattr(trailing, "get") else dict(trailing).get(key)) == value   # Metadata or pairs
 
 
 def build_parser() -> argparse.ArgumentParser:

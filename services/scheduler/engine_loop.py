@@ -192,6 +192,7 @@ class EngineLoop:
                 self._fail(request.request_id, exc)
 
     def detach(self, link: WorkerLink | WorkerGroup, reason: str) -> None:
+        ordered = getattr(link, "ended_by_stop", False)   # the scheduler's own stop ended it: not a fault
         link.close(reason)
         if isinstance(link, WorkerLink):
             self.assembler.discard(link)
@@ -206,8 +207,8 @@ class EngineLoop:
             self.scheduler.preempt_all()
         if self.kv_events is not None:
             self.kv_events.flush()                  # AllBlocksCleared now, not at the next step
-        log.warning("worker %s detached (%s); its requests will be recomputed when a worker is back",
-                    link.info.worker_id, reason)
+        log.log(logging.INFO if ordered else logging.WARNING, "worker %s detached (%s)%s", link.info.worker_id,
+                reason, "" if ordered else "; its requests will be recomputed when a worker is back")
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -45,7 +45,8 @@ class SchedulerService:
         self.engine = EngineServicer(self.loop)
         self.health = health.aio.HealthServicer()
         engine_pb2_grpc.add_EngineServicer_to_server(self.engine, self.server)
-        add_plan_stream_servicer(PlanStreamServicer(self.loop), self.server)
+        self.plan_streams = PlanStreamServicer(self.loop)
+        add_plan_stream_servicer(self.plan_streams, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = tls.add_server_port(self.server, server_config.address, server_config.tls)
         self._stop = asyncio.Event()
@@ -95,6 +96,7 @@ class SchedulerService:
         deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout
         while self.loop.streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
+        self.plan_streams.end_all()         # the workers hear an ordered stop, then the server stops
         await self.server.stop(grace=1.0)
         await self.metrics_server.stop()
         for task in self.tasks:
@@ -134,9 +136,14 @@ async def serve(sched_config: SchedulerConfig, server_config: ServerConfig) -> b
     return clean
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="steploop scheduler", description=__doc__)
     add_cli_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     observability.setup("scheduler", args)
     try:

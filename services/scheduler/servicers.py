@@ -12,7 +12,7 @@ from services.common import metrics, tracing
 from services.common.engine_contract import KV_EVENTS_RESUMED_METADATA, EngineRequest
 from services.common.errors import EngineError, abort_with
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
-from services.common.step_contract import WorkerInfo
+from services.common.step_contract import SCHEDULER_STOPPING_METADATA, WorkerInfo
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.kv_events.hub import WatcherCutOff, message_pb
 from services.scheduler.session import EngineSession
@@ -107,6 +107,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 class PlanStreamServicer(worker_pb2_grpc.PlanStreamServicer):
     def __init__(self, loop: EngineLoop):
         self.loop = loop
+        self.links: set[WorkerLink] = set()
+
+    def end_all(self) -> None:
+        """The scheduler is stopping: end every plan stream (with SCHEDULER_STOPPING_METADATA), so each worker
+        hears an ordered stop rather than a broken stream."""
+        for link in list(self.links):
+            link.ended_by_stop = True
+            link.close("the scheduler is stopping")
 
     async def Attach(self, request_iterator, context):
         hello = await context.read()
@@ -117,7 +125,11 @@ class PlanStreamServicer(worker_pb2_grpc.PlanStreamServicer):
             self.loop.attach(link)
         except EngineError as err:
             await abort_with(context, err)
+        self.links.add(link)
         try:
             await link.read_loop()           # until the stream breaks; the step loop writes on it meanwhile
         finally:
+            self.links.discard(link)
             self.loop.detach(link, link.close_reason or "stream closed")
+        if link.ended_by_stop:               # end_all: the stream ends with OK and says why
+            context.set_trailing_metadata((SCHEDULER_STOPPING_METADATA,))

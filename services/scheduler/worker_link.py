@@ -53,6 +53,7 @@ class WorkerLink:
         self.attached_at = time.monotonic()
         self.closed = asyncio.Event()       # set when the stream is known to be broken
         self.close_reason = ""
+        self.ended_by_stop = False          # closed by the scheduler's own stop: an ordered stop, not a fault
         self.bytes_sent = 0
         self._results: asyncio.Queue[worker_pb2.StepResult] = asyncio.Queue()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -118,7 +119,8 @@ async def test_sigterm_drains_in_flight_stream(gateway_model_dir, reply_ids):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
 async def test_sigterm_cancels_what_outlives_the_shutdown_timeout(gateway_model_dir, reply_ids):
-    """A stream longer than --shutdown-timeout is cancelled (its engine request aborted) and the gateway exits."""
+    """A stream longer than --shutdown-timeout is cut (its engine request aborted) and the gateway exits; the
+    stream ends with a shutting_down error event and [DONE], never a bare cut connection."""
     engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=1.0)
     async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc, _):
         async with aiohttp.ClientSession() as http:
@@ -126,10 +128,46 @@ async def test_sigterm_cancels_what_outlives_the_shutdown_timeout(gateway_model_
             await resp.content.readline()
             started = asyncio.get_running_loop().time()
             proc.send_signal(signal.SIGTERM)
+            events = [line[len("data: "):] for line in (await asyncio.wait_for(resp.read(), 15)).decode().splitlines()
+                      if line.startswith("data: ")]
             assert await asyncio.wait_for(proc.wait(), 15) == 0
             assert asyncio.get_running_loop().time() - started < 6
+        assert events[-1] == "[DONE]", events
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "shutting_down" and "--shutdown-timeout 1 s" in error["message"], error
         await wait_for(lambda: engine.cancelled)     # the request was aborted, not left generating
         assert not engine.finished
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+async def test_a_messages_stream_cut_by_the_deadline_ends_with_an_error_event(gateway_model_dir, reply_ids):
+    """Anthropic's stream (no [DONE] there) ends with its own `error` event naming the shutdown."""
+    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=1.0)
+    body = {"model": SERVED_NAME, "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc, _):
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{url}/v1/messages", json=body)
+            await resp.content.readline()
+            proc.send_signal(signal.SIGTERM)
+            text = (await asyncio.wait_for(resp.read(), 15)).decode()
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    last = text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\n"), text[-500:]
+    assert "the server is shutting down" in last and "--shutdown-timeout 1 s" in last, last
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+async def test_a_request_cut_before_its_first_token_is_a_503(gateway_model_dir, reply_ids):
+    engine = FakeEngine(reply_ids=reply_ids, eos_token_id=reply_ids[-1], token_delay_s=30.0)
+    async with gateway_process(gateway_model_dir, engine, shutdown_timeout=1) as (url, proc, _):
+        async with aiohttp.ClientSession() as http:
+            pending = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": False}))
+            await wait_for(lambda: engine.requests)
+            proc.send_signal(signal.SIGTERM)
+            async with await pending as resp:
+                assert resp.status == 503 and (await resp.json())["error"]["code"] == "shutting_down"
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        await wait_for(lambda: engine.cancelled)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
+import openai
 import pytest
 
-from tests.integration.serve_process import ServeProcess, StreamReader
+from tests.integration.serve_process import MODEL, ServeProcess, StreamReader
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +43,56 @@ def test_ctrl_c_to_the_process_group_drains_a_running_stream(tmp_path):
     assert serve.proc.returncode == 0, log[-4000:]
     # the order of the drain: the gateway stopped (after its stream) before the scheduler and the worker
     assert log.index("gateway stopped") < log.index("scheduler stopped") < log.index("worker stopped"), log[-4000:]
+    # an ordered stop is not a fault: no service logs a warning from the signal on
+    stop = log[log.index("SIGINT: stopping"):]
+    assert not [line for line in stop.splitlines() if " WARNING " in line or " ERROR " in line], stop
     print(f"all processes gone {gone_after:.1f} s after the stream ended")
+
+
+def test_a_stream_that_outlives_the_shutdown_timeout_ends_with_an_error_and_done(tmp_path):
+    """The drain deadline cuts a stream with a shutting_down error event and [DONE]: the openai SDK raises its
+    APIError naming the shutdown, not APIConnectionError, which a client could not tell from a network fault."""
+    serve = ServeProcess(tmp_path, "--num-kv-blocks", "600", "--shutdown-timeout", "2")
+    long_stream = {**STREAM, "max_tokens": 4000}
+    sdk: dict = {}
+    sdk_first_token = threading.Event()
+
+    def read_with_the_sdk() -> None:
+        client = openai.OpenAI(base_url=serve.cluster.base_url + "/v1", api_key="unused", max_retries=0)
+        try:
+            body = {k: v for k, v in long_stream.items() if k != "ignore_eos"}
+            for _ in client.completions.create(model=MODEL, stream=True, extra_body={"ignore_eos": True}, **body):
+                sdk_first_token.set()
+        except Exception as exc:  # noqa: BLE001 - what the SDK raised is the result under test
+            sdk["error"] = exc
+        finally:
+            sdk_first_token.set()
+
+    raw = StreamReader(serve.cluster.base_url, long_stream)
+    sdk_reader = threading.Thread(target=read_with_the_sdk, daemon=True)
+    try:
+        serve.wait_ready()
+        raw.start()
+        sdk_reader.start()
+        assert raw.first_token.wait(120) and raw.error is None, raw.error
+        assert sdk_first_token.wait(120) and "error" not in sdk, sdk
+        os.killpg(serve.proc.pid, signal.SIGINT)
+        raw.join(60)
+        sdk_reader.join(60)
+        gone_after = serve.wait_all_gone(120)
+        log = serve.log()
+    finally:
+        serve.kill()
+    assert not raw.is_alive() and not sdk_reader.is_alive()
+    assert raw.error is None, f"{raw.error!r}\n{log[-4000:]}"
+    assert raw.events[-1] == "[DONE]", raw.events[-3:]
+    error = raw.events[-2]["error"]
+    assert error["code"] == "shutting_down" and "--shutdown-timeout 2 s" in error["message"], error
+    assert isinstance(sdk.get("error"), openai.APIError), repr(sdk.get("error"))
+    assert not isinstance(sdk["error"], openai.APIConnectionError), repr(sdk["error"])
+    assert "shutting down" in str(sdk["error"]), str(sdk["error"])
+    assert serve.proc.returncode == 0, log[-4000:]
+    print(f"cut after {len(raw.text)} characters; all processes gone {gone_after:.1f} s after SIGINT")
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):

@@ -69,8 +69,10 @@ def parse_input(value: Any) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise bad_request(f"{where}.role must be user, assistant, system or developer, got {role!r}",
-                                  param="input")
+                got = "is missing" if "role" not in item else f"is {role!r}"
+                raise bad_request(f"{where}.role {got}; it must be user, assistant, system or developer",
+                                  param="input", code="missing_required_parameter" if "role" not in item
+                                  else "invalid_value")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _content_text(item.get("content"), where)})
         elif kind == "function_call":
