@@ -63,7 +63,7 @@ def readme_grpcurl_calls() -> list[tuple[str, dict]]:
     """(method, -d payload) of every grpcurl call in the README that sends one."""
     text = README.read_text()
     calls = []
-    for command in re.findall(r"^grpcurl .*?(?<!\\)$", text, flags=re.M | re.S):
+    for command in re.findall(r"^grpcurl .*?(?<!\\)$", text, flags=re.MULTILINE | re.DOTALL):
         words = shlex.split(command.replace("\\\n", " "))
         if "-d" in words:
             calls.append((words[-1].rsplit("/", 1)[-1], json.loads(words[words.index("-d") + 1])))
