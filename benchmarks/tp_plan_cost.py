@@ -1,7 +1,7 @@
 """What tensor parallelism costs the scheduler, and what it does to throughput:  python -m benchmarks.tp_plan_cost
 
 1. Plan fan-out, in process, no gRPC: a real Scheduler with 256 running decode requests drives a worker group of
-   world size 1, 2 and 4 (WorkerLink / WorkerGroup over in-memory streams; a fake worker answers). Per step it
+   world size 1, 2 and 4 (a WorkerGroup of WorkerLinks over in-memory streams; a fake worker answers). Per step it
    times schedule() + send (serialize, write to every rank) + recv (every rank's answer) + update_from_output()
    in this thread's CPU time, and counts the plan bytes serialized. Target: <= 1.1x the world-size-1 cost.
 2. --throughput: real clusters (gateway, scheduler, workers as processes) on the default model, 64 concurrent
@@ -43,12 +43,9 @@ async def fan_out(world_size: int, num_running: int, steps: int) -> dict:
     for i in range(num_running):
         sched.add_request(_request(i, rng, 4 * steps))
     links = [WorkerLink(FakeStream(), info(r, world=world_size)) for r in range(world_size)]
-    if world_size == 1:
-        target = links[0]
-    else:
-        assembler = GroupAssembler(world_size, 30.0)
-        for link in links:
-            target = assembler.add(link)
+    assembler = GroupAssembler(world_size, 30.0)       # world size 1: a group of one, as the scheduler drives it
+    for link in links:
+        target = assembler.add(link)
     worker = BenchWorker()
     cpu, plan_bytes = [], []
     for step in range(steps + 20):          # the first steps admit the prompts: not measured

@@ -2,11 +2,11 @@
 
     schedule() -> StepPlan ──▶ worker (plan stream) ──▶ StepResult ──▶ update_from_output() ──▶ caller streams
 
-It owns the transport-free Scheduler, the attached WorkerLink and one output sink per live request (a
-RequestStream for a Generate call, a SessionSink for a request on a Session stream). The KV pool
-is sized by the first worker that attaches; requests that arrive before that wait (up to --worker-timeout).
-A worker that is lost is preemption of everything it held: the requests stay, are recomputed when a worker is
-back, and their callers' streams stay open.
+It owns the transport-free Scheduler, the attached WorkerGroup (a single worker is a group of one rank) and one
+output sink per live request (a RequestStream for a Generate call, a SessionSink for a request on a Session
+stream). The KV pool is sized by the first group that attaches; requests that arrive before that wait (up to
+--worker-timeout). A group that is lost (any of its ranks) is preemption of everything it held: the requests
+stay, are recomputed when a group is back, and their callers' streams stay open.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class EngineLoop:
         self.server_config = server_config
         self.scheduler: Scheduler | None = None     # built when the first worker says how many blocks it has
         self.worker_info: WorkerInfo | None = None  # of the first worker; later ones must match its model
-        self.link: WorkerLink | WorkerGroup | None = None   # a group when --tensor-parallel-size > 1
+        self.group: WorkerGroup | None = None       # --tensor-parallel-size ranks (one by default)
         self.assembler = GroupAssembler(server_config.tensor_parallel_size, server_config.tp_collective_timeout)
         self.streams: dict[str, OutputSink] = {}
         self.accepting = True                       # False once shutdown began: new requests get UNAVAILABLE
@@ -81,7 +81,7 @@ class EngineLoop:
         prompt = list(req.prompt_token_ids)
         if not prompt:
             raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
-        if not self.has_work() and self.link is not None:
+        if not self.has_work() and self.group is not None:
             self.last_progress = time.monotonic()
         if "\x00" in req.cache_salt:        # NUL separates salt and adapter in block 0's key (block_hashing.py)
             raise InvalidRequestError("cache_salt may not contain a NUL character", param="cache_salt")
@@ -135,32 +135,25 @@ class EngineLoop:
 
     # ---- workers --------------------------------------------------------------------------------------------
     def attach(self, link: WorkerLink) -> None:
-        """A worker says hello. World size 1: a newer worker replaces an attached one (a restarted worker
-        reconnects before the old stream's end is noticed), whose requests are then recomputed. Tensor parallel:
-        a rank joins the group being assembled (a rank arriving while a group serves breaks that group), and the
-        group attaches once all its ranks are in."""
-        if self.assembler.world_size > 1 or link.info.world_size > 1:
-            if self.worker_info is not None and link.info.model_name != self.worker_info.model_name:
-                raise InvalidRequestError(f"worker serves {link.info.model_name!r}, this scheduler serves "
-                                          f"{self.worker_info.model_name!r}", param="model")
-            if isinstance(self.link, WorkerGroup) and link.info.rank < len(self.link.links):
-                self.detach(self.link, f"rank {link.info.rank} re-attached as {link.info.worker_id}")
-            group = self.assembler.add(link)
-            if group is None:
-                return
-            link = group
-        info = link.info
-        if self.link is not None:
-            log.warning("worker %s replaces attached worker %s", info.worker_id, self.link.info.worker_id)
-            self.detach(self.link, f"replaced by worker {info.worker_id}")
-        if self.worker_info is not None and info.model_name != self.worker_info.model_name:
-            raise InvalidRequestError(f"worker serves {info.model_name!r}, this scheduler serves "
+        """A worker (one rank) says hello and joins the group being assembled; the group attaches once all its
+        ranks are in (a single worker at once). A rank that arrives while a group serves breaks that group (a
+        restarted worker reconnects before its old stream's end is noticed), whose requests are then recomputed."""
+        if self.worker_info is not None and link.info.model_name != self.worker_info.model_name:
+            raise InvalidRequestError(f"worker serves {link.info.model_name!r}, this scheduler serves "
                                       f"{self.worker_info.model_name!r}", param="model")
+        group = self.assembler.add(link)     # refuses a rank that cannot join, naming why
+        if self.group is not None:
+            log.warning("worker %s (rank %d) replaces attached worker %s", link.info.worker_id, link.info.rank,
+                        self.group.info.worker_id)
+            self._lose(f"replaced by worker {link.info.worker_id} (rank {link.info.rank})")
+        if group is None:
+            return
+        info = group.info
         self.lora.attach(info.lora_shapes)
         if (self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks
                 or info.pooling != self.worker_info.pooling):     # a pooling worker serves other requests
             self._build_scheduler(info)
-        self.worker_info, self.link, self.lost_since = info, link, None
+        self.worker_info, self.group, self.lost_since = info, group, None
         self.observer.on_attach(info)
         self.last_progress = time.monotonic()
         log.info("worker %s attached: %d KV blocks of %d tokens, max_model_len %d", info.worker_id,
@@ -191,23 +184,25 @@ class EngineLoop:
                 self.observer.on_abort(request.request_id, "rejected", "error")
                 self._fail(request.request_id, exc)
 
-    def detach(self, link: WorkerLink | WorkerGroup, reason: str) -> None:
-        ordered = getattr(link, "ended_by_stop", False)   # the scheduler's own stop ended it: not a fault
+    def detach(self, link: WorkerLink, reason: str) -> None:
+        """A rank's stream ended (the Attach handler): it leaves the group being assembled, and one rank lost is
+        the whole serving group lost."""
         link.close(reason)
-        if isinstance(link, WorkerLink):
-            self.assembler.discard(link)
-            if isinstance(self.link, WorkerGroup) and link in self.link.links:
-                link = self.link                   # one rank lost is the whole group lost
-                link.close(reason)
-        if self.link is not link:
-            return
-        self.link, self.lost_since = None, time.monotonic()
+        self.assembler.discard(link)
+        if self.group is not None and link in self.group.links:
+            self._lose(reason, ordered=link.ended_by_stop)
+
+    def _lose(self, reason: str, ordered: bool = False) -> None:
+        """The serving group is gone: close every rank's link and preempt everything (recomputed when a group is
+        back)."""
+        group, self.group, self.lost_since = self.group, None, time.monotonic()
+        group.close(reason)
         self.observer.on_detach()
         if self.scheduler is not None:
             self.scheduler.preempt_all()
         if self.kv_events is not None:
             self.kv_events.flush()                  # AllBlocksCleared now, not at the next step
-        log.log(logging.INFO if ordered else logging.WARNING, "worker %s detached (%s)%s", link.info.worker_id,
+        log.log(logging.INFO if ordered else logging.WARNING, "worker %s detached (%s)%s", group.info.worker_id,
                 reason, "" if ordered else "; its requests will be recomputed when a worker is back")
 
     # ---- the loop -------------------------------------------------------------------------------------------
@@ -218,31 +213,31 @@ class EngineLoop:
         """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied."""
         outstanding: deque[tuple[StepPlan, int]] = deque()   # plans sent, with their size in bytes
         window = 2 if self.sched_config.async_scheduling else 1
-        link: WorkerLink | None = None
+        group: WorkerGroup | None = None
         while True:
-            if not outstanding:          # plans in flight are answered on the link they went out on, or not at all
-                link = await self._wait_for_work()
+            if not outstanding:         # plans in flight are answered by the group they went to, or not at all
+                group = await self._wait_for_work()
             sent = False
             try:
                 if len(outstanding) < window and self.has_work():
                     plan = self.scheduler.schedule()
                     if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
                         self.observer.on_plan(plan, self.scheduler.new_request_ids(plan))
-                        bytes_before = link.bytes_sent
-                        await link.send(plan)
-                        outstanding.append((plan, link.bytes_sent - bytes_before))
+                        bytes_before = group.bytes_sent
+                        await group.send(plan)
+                        outstanding.append((plan, group.bytes_sent - bytes_before))
                         sent = True
                 if outstanding and (len(outstanding) == window or not sent):
                     plan, plan_bytes = outstanding.popleft()
-                    self._apply(plan, await link.recv(plan), plan_bytes)
+                    self._apply(plan, await group.recv(plan), plan_bytes)
                 elif not sent:
                     await self._wait(timeout=0.05)   # nothing fits right now: wait for an abort or a finish
             except WorkerLost as exc:
                 outstanding.clear()
-                if self.link is link:
-                    self.detach(link, str(exc))
+                if self.group is group:
+                    self._lose(str(exc))
                 elif self.scheduler is not None:
-                    # The Attach handler detached this link first (and a new worker may be attached by now): the
+                    # The Attach handler detached this group first (and a new worker may be attached by now): the
                     # plans this loop scheduled on it since then died with it, so preempt those requests too.
                     self.scheduler.preempt_all()
 
@@ -270,12 +265,12 @@ class EngineLoop:
             raise AssertionError(f"KV block leak at idle: {kv.num_free_blocks} of {kv.num_usable_blocks} "
                                  f"blocks free with no live request")
 
-    async def _wait_for_work(self) -> WorkerLink:
+    async def _wait_for_work(self) -> WorkerGroup:
         self.check_idle()
         while True:
-            if self.link is not None and self.has_work():
-                return self.link
-            if self.link is None and self.has_work():
+            if self.group is not None and self.has_work():
+                return self.group
+            if self.group is None and self.has_work():
                 self._fail_if_no_worker()
             await self._wait(timeout=0.5)
 
@@ -309,14 +304,14 @@ class EngineLoop:
     # ---- health and load ------------------------------------------------------------------------------------
     def is_serving(self) -> bool:
         """A worker is attached and, whenever work is pending, a step finished recently (busy ≠ hung)."""
-        if self.link is None or self.link.closed.is_set():
+        if self.group is None or self.group.is_closed:
             return False
         return not self.has_work() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
 
     def load_report(self) -> LoadReport:
         """What the engine holds now (Engine.GetLoadReport, the vllm:* gauges, the stats line)."""
         sched = self.scheduler
-        attached = 0 if self.link is None else len(getattr(self.link, "links", [self.link]))
+        attached = 0 if self.group is None else self.group.world_size
         if sched is None:
             return LoadReport(num_waiting=len(self._pending), num_steps=self.num_steps,
                               counters=self._retired_counters, workers_attached=attached)

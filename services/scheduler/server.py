@@ -1,5 +1,8 @@
 """The scheduler service: a grpc.aio server with Engine, PlanStream and grpc.health.v1, and the step loop.
 
+Server reflection (grpc.reflection.v1alpha) describes Engine and Health, so grpcurl, grpcui and Postman can list
+and call them without the protos in hand; PlanStream stays internal (workers ship its stubs).
+
 Shutdown is a sequence: health NOT_SERVING, stop accepting new requests, let in-flight streams finish within
 --shutdown-timeout, then stop the server.
 """
@@ -14,10 +17,11 @@ import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from services.common import event_loop, grpc_options, observability, tls
 from services.common.metrics import MetricsServer
-from services.common.pb.steploop.v1 import engine_pb2_grpc
+from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from services.scheduler import fastpath, gc_tuning
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine_loop import EngineLoop
@@ -26,7 +30,8 @@ from services.scheduler.servicers import EngineServicer, PlanStreamServicer
 from services.scheduler.worker_link import add_plan_stream_servicer
 
 log = logging.getLogger("steploop.scheduler")
-ENGINE_SERVICE = "steploop.v1.Engine"
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name     # steploop.v1.Engine
+REFLECTED_SERVICES = (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +53,7 @@ class SchedulerService:
         self.plan_streams = PlanStreamServicer(self.loop)
         add_plan_stream_servicer(self.plan_streams, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(REFLECTED_SERVICES, self.server)
         self.port = tls.add_server_port(self.server, server_config.address, server_config.tls)
         self._stop = asyncio.Event()
         self.tasks: list[asyncio.Task] = []

@@ -1,14 +1,15 @@
-"""A tensor-parallel worker group: N rank links the step loop drives as one worker.
+"""The worker group the step loop drives: N rank links as one worker. A single worker is a group of one rank.
 
-    GroupAssembler.add(link)  collects ranks as they attach, in any order; refuses a rank whose model, block size
-                              or dtype differs from the others' (naming both values); once all N are in, returns
-                              a WorkerGroup, which first sends every rank TpGroupForm (rank 0's store address and
-                              a new generation number) so they form their process group
+    GroupAssembler.add(link)  collects ranks as they attach, in any order; refuses a rank whose world size, model,
+                              block size or dtype differs (naming both values); once all N are in (at once for a
+                              single worker), returns a WorkerGroup. A group of several ranks first sends every rank
+                              TpGroupForm (rank 0's store address and a new generation number) so they form their
+                              process group; a group of one has nothing to form.
     WorkerGroup.send(plan)    serializes the plan ONCE and writes the same bytes to every rank
     WorkerGroup.recv(plan)    every rank's answer to it; rank 0's carries the tokens, the others' that they kept up
 
 Any rank's link breaking closes the whole group (every link, so the surviving ranks' streams end and they leave
-their process group); the step loop sees WorkerLost, as for a single lost worker, and preempts everything.
+their process group); the step loop sees WorkerLost and preempts everything the group held.
 """
 
 from __future__ import annotations
@@ -25,29 +26,28 @@ from services.scheduler.worker_link import WorkerLink, WorkerLost, encode_plan
 log = logging.getLogger(__name__)
 
 
-class _AnyClosed:
-    """Quacks like the asyncio.Event WorkerLink.closed is, for what EngineLoop asks of it."""
-
-    def __init__(self, links: list[WorkerLink]):
-        self.links = links
-
-    def is_set(self) -> bool:
-        return any(link.closed.is_set() for link in self.links)
-
-
 class WorkerGroup:
     def __init__(self, links: list[WorkerLink], generation: int, collective_timeout: float):
         self.links, self.generation = links, generation
-        rank0 = links[0].info
-        self.info = dataclasses.replace(rank0, num_kv_blocks=min(link.info.num_kv_blocks for link in links),
-                                        worker_id=f"tp-group-{generation}({rank0.worker_id}+{len(links) - 1})")
-        self.closed = _AnyClosed(links)
         self.close_reason = ""
         self.bytes_sent = 0           # plan bytes, counted once per plan (each rank gets the same bytes)
         self.bytes_written = 0        # all ranks together
-        form = worker_pb2.TpGroupForm(generation=generation, world_size=len(links), rendezvous=rank0.tp_rendezvous,
-                                      collective_timeout_s=collective_timeout)
-        self._formed = asyncio.ensure_future(self._send_all(worker_pb2.SchedulerMessage(tp_group=form)))
+        rank0 = links[0].info
+        self.info, self._formed = rank0, None
+        if self.world_size > 1:       # the ranks' process group; one rank computes alone
+            self.info = dataclasses.replace(rank0, num_kv_blocks=min(link.info.num_kv_blocks for link in links),
+                                            worker_id=f"tp-group-{generation}({rank0.worker_id}+{len(links) - 1})")
+            form = worker_pb2.TpGroupForm(generation=generation, world_size=len(links),
+                                          rendezvous=rank0.tp_rendezvous, collective_timeout_s=collective_timeout)
+            self._formed = asyncio.ensure_future(self._send_all(worker_pb2.SchedulerMessage(tp_group=form)))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.links)
+
+    @property
+    def is_closed(self) -> bool:
+        return any(link.closed.is_set() for link in self.links)
 
     async def _send_all(self, data) -> None:
         try:
@@ -55,10 +55,11 @@ class WorkerGroup:
                 await link.send_bytes(data)
         except WorkerLost as exc:
             self.close(str(exc))
-            raise
+            raise WorkerLost(self.close_reason) from exc
 
     async def send(self, plan: StepPlan) -> None:
-        await self._formed
+        if self._formed is not None:
+            await self._formed
         data = encode_plan(plan)
         await self._send_all(data)
         self.bytes_sent += len(data)
@@ -79,11 +80,13 @@ class WorkerGroup:
         return result
 
     def close(self, reason: str = "closed") -> None:
+        """Closes every rank's link (their Attach calls end). A group of one keeps its worker's own words."""
         if not self.close_reason:
-            self.close_reason = f"tensor-parallel group {self.generation}: {reason}"
+            self.close_reason = reason if self.world_size == 1 else \
+                f"tensor-parallel group {self.generation}: {reason}"
         for link in self.links:
-            link.close(f"its group closed ({reason})")
-        if not self._formed.done():
+            link.close(reason if self.world_size == 1 else f"its group closed ({reason})")
+        if self._formed is not None and not self._formed.done():
             self._formed.cancel()
 
 

@@ -1,13 +1,14 @@
-"""WorkerLink: the scheduler's end of one worker's plan stream (PlanStream.Attach).
+"""WorkerLink: the scheduler's end of one worker's (one rank's) plan stream (PlanStream.Attach).
 
 The worker opened the stream and sent its hello. The Attach handler then runs `read_loop`, which always has a
-read pending, so a worker that dies or is cut off is noticed at once, busy or idle. The step loop `send`s one
-StepPlan per step and `recv`s the StepResults in the same order. With async scheduling two plans are outstanding:
-the worker finds plan N+1 queued when it finishes N, so it never waits for a network round trip.
+read pending, so a worker that dies or is cut off is noticed at once, busy or idle. The step loop drives links
+only through their WorkerGroup (worker_group.py; a single worker is a group of one), which writes one serialized
+StepPlan per step (`send_bytes`) and `recv`s the StepResults in the same order. With async scheduling two plans
+are outstanding: the worker finds plan N+1 queued when it finishes N, so it never waits for a network round trip.
 A broken stream surfaces as WorkerLost, which the loop treats as preemption of everything that worker held.
 
-Plans go out as bytes serialized once (`encode_plan`), so a tensor-parallel group (worker_group.py) writes the
-same bytes to every rank; the PlanStream handler is registered with a serializer that passes bytes through.
+Plans go out as bytes serialized once (`encode_plan`), so a tensor-parallel group writes the same bytes to every
+rank; the PlanStream handler is registered with a serializer that passes bytes through.
 Closing a link ends its Attach call (the worker sees the stream end and re-attaches).
 """
 
@@ -81,9 +82,6 @@ class WorkerLink:
             self.close(f"stream failed: {exc}")
         finally:
             closed.cancel()
-
-    async def send(self, plan: StepPlan) -> None:
-        await self.send_bytes(encode_plan(plan))
 
     async def send_bytes(self, data: bytes | worker_pb2.SchedulerMessage) -> None:
         """Writes one SchedulerMessage, given serialized (a plan) or as a message (a group's TpGroupForm)."""

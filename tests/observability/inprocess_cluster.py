@@ -61,7 +61,7 @@ async def inprocess_cluster(tokenizer, engine_session: bool = True) -> AsyncIter
     app = create_app(GatewayConfig(port=0, served_model_name=MODEL), engine, tokenizer)
     runner, _ = await start_site(app, "127.0.0.1", 0, 1.0)
     try:
-        while svc.loop.link is None:
+        while svc.loop.group is None:
             if worker.done():           # a worker that failed to attach says why instead of hanging the test
                 await worker
                 raise RuntimeError("the in-process worker stopped before it attached")

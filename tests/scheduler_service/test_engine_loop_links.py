@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from services.common.engine_contract import EngineRequest
+from services.common.pb.steploop.v1 import worker_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import StepPlan, StepResult, WorkerInfo
 from services.scheduler.config import SchedulerConfig
@@ -21,9 +22,10 @@ pytestmark = pytest.mark.asyncio
 
 
 class StubLink:
-    """WorkerLink's interface over FakeWorker, answering in order. Like the real link, recv waits for a result or
-    the stream's end, hands out a result that arrived before the stream broke, and treats a result for another
-    step as a broken stream. With hold_from=n, recv of the n-th plan and later waits until `release()`."""
+    """WorkerLink's interface over FakeWorker, answering in order: the loop drives it as a group of one, which
+    writes each plan serialized. Like the real link, recv waits for a result or the stream's end, hands out a
+    result that arrived before the stream broke, and treats a result for another step as a broken stream. With
+    hold_from=n, recv of the n-th plan and later waits until `release()`."""
 
     def __init__(self, worker_id: str, hold_from: int | None = None):
         self.info = WorkerInfo(worker_id=worker_id, model_name="fake-model", block_size=4, num_kv_blocks=256,
@@ -33,6 +35,7 @@ class StubLink:
         self.results: asyncio.Queue[StepResult] = asyncio.Queue()
         self.hold_from, self.received = hold_from, 0
         self.held, self._gate = asyncio.Event(), asyncio.Event()
+        self.ended_by_stop = False          # as WorkerLink: closed by the scheduler's own stop
 
     def close(self, reason: str) -> None:
         if not self.closed.is_set():
@@ -42,9 +45,10 @@ class StubLink:
     def release(self) -> None:
         self._gate.set()
 
-    async def send(self, plan: StepPlan) -> None:
+    async def send_bytes(self, data: bytes) -> None:
         if self.closed.is_set():
             raise WorkerLost(self.close_reason)
+        plan = StepPlan.from_pb(worker_pb2.SchedulerMessage.FromString(data).plan)
         self.results.put_nowait(self.worker.execute(plan))
 
     async def recv(self, plan: StepPlan) -> StepResult:

@@ -100,12 +100,12 @@ def test_engine_serves_only_while_the_group_is_whole():
         loop = EngineLoop(SchedulerConfig(), ServerConfig(tensor_parallel_size=2))
         links = [WorkerLink(FakeStream(), info(r, world=2)) for r in range(2)]
         loop.attach(links[1])
-        assert not loop.is_serving() and loop.link is None
+        assert not loop.is_serving() and loop.group is None
         loop.attach(links[0])
         assert loop.is_serving() and loop.scheduler.kv.num_blocks == 100
         assert loop.load_report().workers_attached == 2
         loop.detach(links[1], "the worker closed its stream")
-        assert not loop.is_serving() and loop.link is None and links[0].closed.is_set()
+        assert not loop.is_serving() and loop.group is None and links[0].closed.is_set()
         with pytest.raises(InvalidRequestError, match="started with -tp 1"):
             loop.attach(WorkerLink(FakeStream(), info(0, world=1)))
     asyncio.run(scenario())
