@@ -15,7 +15,7 @@ import uuid
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from services.client import EngineClient, SamplingParams
+from services.client import EngineClient, EngineRequest, SamplingParams
 from services.common.model_path import resolve_model
 from services.gateway.tokenizer import load_tokenizer
 
@@ -27,7 +27,7 @@ async def generate(address: str, model: str | None, prompt: str, max_tokens: int
         ids = tokenizer.encode_sync(prompt)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
         out: list[int] = []
-        async for chunk in client.generate(f"example-{uuid.uuid4().hex}", ids, params):
+        async for chunk in client.generate(EngineRequest(f"example-{uuid.uuid4().hex}", ids, params)):
             out.extend(chunk.token_ids)
             print(tokenizer.decode(chunk.token_ids), end="", flush=True)
         print()

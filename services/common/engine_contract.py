@@ -38,8 +38,12 @@ _FINISH_BY_VALUE = tuple(FinishReason)   # wire value -> FinishReason, without a
 KV_EVENTS_RESUMED_METADATA = "steploop-kv-events-resumed"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
+    """One generation (or embedding) request as it crosses the Engine seam: the gateway builds it once per choice
+    and hands it down its generate chain unchanged (generation -> router -> migration -> engine client; a
+    migrated retry is a `dataclasses.replace` of it); the scheduler's servicers build it from the wire."""
+
     request_id: str                      # unique per live request; "" = the engine assigns one (Generate only)
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.common.engine_contract import EngineChunk, FinishReason
+from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason
 from services.common.sampling_params import SamplingParams
 from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from services.gateway.engine_client import EngineClient
@@ -71,8 +71,8 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     namer = TokenNamer(tokenizer) if choice.params.logprobs >= 0 else None
     pending: list[TokenInfo] = []
     num_tokens, first = 0, True
-    stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params, priority=choice.priority,
-                             cache_salt=choice.cache_salt, lora_name=choice.lora_name)
+    stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
+                                           choice.cache_salt, lora_name=choice.lora_name))
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:

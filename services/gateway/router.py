@@ -32,7 +32,6 @@ remove_replica; a removed replica's slot is reused, so the affinity map's indice
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import logging
 import struct
@@ -42,8 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from services.common.block_hashing import BlockHasher, block_hashes, first_block_extra, get_block_hasher
-from services.common.engine_contract import EngineChunk, ModelInfo
-from services.common.sampling_params import SamplingParams
+from services.common.engine_contract import EngineChunk, EngineRequest, ModelInfo
 from services.gateway import errors, route_header
 from services.gateway.engine_client import EngineClient
 from services.gateway.kv_index import KvEventWatcher, ReplicaCacheIndex
@@ -247,19 +245,16 @@ class EngineRouter:
             return guess[0], guess[1] * self.affinity.block_size, "guess"
         return None
 
-    def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str = "", pooling=None,
-                 lora_name: str = "") -> AsyncIterator[EngineChunk]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """The request's chunks from the replica chosen for it, then from others it migrates to."""
-        route = functools.partial(self._route, lora_name=lora_name)
-        return self.migration.generate(route, request_id, prompt_ids, params, priority=priority,
-                                       cache_salt=cache_salt, pooling=pooling)
+        return self.migration.generate(self._route, request)
 
-    async def _route(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int,
-                     cache_salt: str, pooling, resume: Sequence[int], avoid: frozenset[str],
-                     placement: Placement, lora_name: str = "") -> AsyncIterator[EngineChunk]:
-        """One try of the request (resumed after `resume` delivered tokens), failing over before its first chunk;
-        `avoid`: the replica it just failed on."""
+    async def _route(self, request: EngineRequest, avoid: frozenset[str],
+                     placement: Placement) -> AsyncIterator[EngineChunk]:
+        """One try of the request (resumed after its resume_output_token_ids), failing over before its first
+        chunk; `avoid`: the replica it just failed on."""
+        request_id, prompt_ids, cache_salt, lora_name = (request.request_id, request.prompt_token_ids,
+                                                         request.cache_salt, request.lora_name)
         self._poll_health()
         if not self.live:
             raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none); retry shortly")
@@ -279,8 +274,7 @@ class EngineRouter:
             replica.in_flight += 1
             replica.routed += 1
             placement.address, placement.started = replica.address, False
-            stream = replica.client.generate(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
-                                             pooling=pooling, resume_output_token_ids=resume, lora_name=lora_name)
+            stream = replica.client.generate(request)
             self.lora_homes.record(lora_name, index)
             try:
                 async for chunk in stream:

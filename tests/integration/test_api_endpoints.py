@@ -51,18 +51,18 @@ def test_chat_options_and_cached_tokens(cluster):
 
 
 def test_grpc_client_generate_and_abort(cluster, hf):
-    from services.client import EngineClient, FinishReason, SamplingParams
+    from services.client import EngineClient, EngineRequest, FinishReason, SamplingParams
 
     async def run():
         engine = EngineClient(cluster.scheduler_address)
         ids = hf.text_ids("The quick brown fox")
         tokens, last = [], None
-        async for chunk in engine.generate("grpc-1", ids, SamplingParams(max_tokens=6, logprobs=1)):
+        async for chunk in engine.generate(EngineRequest("grpc-1", ids, SamplingParams(max_tokens=6, logprobs=1))):
             tokens.extend(chunk.token_ids)
             last = chunk
         assert tokens == hf.greedy_ids(ids, 6)[:len(tokens)] and last.usage.completion_tokens == len(tokens)
         assert last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-        long = engine.generate("grpc-2", ids, SamplingParams(max_tokens=2000, ignore_eos=True))
+        long = engine.generate(EngineRequest("grpc-2", ids, SamplingParams(max_tokens=2000, ignore_eos=True)))
         await anext(long)
         assert await engine.abort(["grpc-2"]) == 1
         rest = [c async for c in long]
