@@ -72,9 +72,23 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int                   # prompt tokens served from the prefix cache
+    """Token counts of one request (steploop.v1.Usage); the gateway sums choices' into the OpenAI usage."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0               # prompt tokens served from the prefix cache
+
+    def to_pb(self, pb: engine_pb2.Usage | None = None) -> engine_pb2.Usage:
+        """Fills pb (a chunk's `usage` in place), or a new Usage."""
+        if pb is None:
+            pb = engine_pb2.Usage()
+        pb.prompt_tokens, pb.completion_tokens, pb.cached_tokens = (self.prompt_tokens, self.completion_tokens,
+                                                                    self.cached_tokens)
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.Usage) -> Usage:
+        return cls(pb.prompt_tokens, pb.completion_tokens, pb.cached_tokens)
 
 
 @dataclass(slots=True)
@@ -111,10 +125,7 @@ class EngineChunk:
             pb.stop_token_id = self.stop_token_id
             pb.error_message = self.error_message
             if self.usage is not None:
-                usage = pb.usage
-                usage.prompt_tokens = self.usage.prompt_tokens
-                usage.completion_tokens = self.usage.completion_tokens
-                usage.cached_tokens = self.usage.cached_tokens
+                self.usage.to_pb(pb.usage)
         return pb
 
     @classmethod
@@ -131,10 +142,8 @@ class EngineChunk:
             prompt_logprobs = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs]
             if not finish:
                 return cls(list(pb.token_ids), logprobs, prompt_logprobs=prompt_logprobs)
-        u = pb.usage
-        return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id,
-                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs,
-                   list(pb.embedding) if pb.embedding else ())
+        return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id, Usage.from_pb(pb.usage), pb.error_message,
+                   prompt_logprobs, list(pb.embedding) if pb.embedding else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +170,20 @@ class ModelInfo:
                    GenerationDefaults.from_pb(pb.generation_defaults),
                    tuple((a.name, a.path) for a in pb.lora_adapters))
 
+    def to_pb(self) -> engine_pb2.ModelInfo:
+        return engine_pb2.ModelInfo(
+            model_name=self.model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, eos_token_ids=self.eos_token_ids,
+            num_workers=self.num_workers, runner=self.runner,
+            pooling=self.pooling.to_pb() if self.pooling is not None else None,
+            generation_defaults=self.generation_defaults.to_pb(),
+            lora_adapters=[engine_pb2.LoraAdapterRef(name=name, path=path) for name, path in self.lora_adapters])
+
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """Queue lengths and KV usage, for routers and autoscalers (steploop.v1.LoadReport)."""
+    """Queue lengths and KV usage, for routers and autoscalers (steploop.v1.LoadReport). The scheduler's own
+    report (scheduler/stats.py EngineLoad) extends it with what stays in the service."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -179,3 +198,9 @@ class LoadReport:
     def from_pb(cls, pb: engine_pb2.LoadReport) -> "LoadReport":
         return cls(pb.num_running, pb.num_waiting, pb.num_free_blocks, pb.num_total_blocks, pb.kv_cache_usage,
                    pb.num_steps, tuple(pb.running_lora_adapters), tuple(pb.waiting_lora_adapters))
+
+    def to_pb(self) -> engine_pb2.LoadReport:
+        return engine_pb2.LoadReport(
+            num_running=self.num_running, num_waiting=self.num_waiting, num_free_blocks=self.num_free_blocks,
+            num_total_blocks=self.num_total_blocks, kv_cache_usage=self.kv_cache_usage, num_steps=self.num_steps,
+            running_lora_adapters=self.running_lora_adapters, waiting_lora_adapters=self.waiting_lora_adapters)

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason
+from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from services.common.sampling_params import SamplingParams
 from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from services.gateway.engine_client import EngineClient
@@ -39,18 +39,6 @@ class Choice:
     cache_salt: str = ""             # tenants with different salts share no prefix-cache blocks
     prompt_param: str = "prompt"     # the request field an engine error about the prompt names ("messages": chat)
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.engine_contract import Usage
 from services.gateway import responses
-from services.gateway.generation import TextEvent, Usage, total_usage
+from services.gateway.generation import TextEvent, total_usage
 from services.gateway.logprobs import TokenInfo, chat_logprobs, completion_logprobs
 from services.gateway.responses import Meta
 from services.gateway.tool_parsers import ContentSplitter, ToolCall

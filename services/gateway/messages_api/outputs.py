@@ -15,7 +15,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.gateway.generation import TextEvent, Usage
+from services.common.engine_contract import Usage
+from services.gateway.generation import TextEvent
 from services.gateway.outputs import ToolCallStream, chat_deltas
 from services.gateway.responses import Meta
 from services.gateway.tool_parsers import ToolCall

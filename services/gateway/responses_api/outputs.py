@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.generation import TextEvent, Usage
+from services.common.engine_contract import Usage
+from services.gateway.generation import TextEvent
 from services.gateway.outputs import ToolCallStream, chat_deltas
 from services.gateway.tool_parsers import ToolCall
 from services.gateway.tools import ToolRequest
