@@ -59,6 +59,9 @@ def test_chunk_round_trip_with_and_without_logprobs():
     assert EngineChunk.from_pb(middle.to_pb()) == middle and not middle.finished
     last = EngineChunk([2], [lp], FinishReason.STOP, stop_token_id=2, usage=Usage(3, 5, 1))
     assert EngineChunk.from_pb(last.to_pb()) == EngineChunk([2], [lp], FinishReason.STOP, 2, Usage(3, 5, 1), "", [])
+    first = EngineChunk([7], usage=Usage(3, 1, 2))   # the first chunk with tokens: usage so far (cached tokens)
+    assert EngineChunk.from_pb(first.to_pb(), with_logprobs=False) == first
+    assert EngineChunk.from_pb(first.to_pb()) == EngineChunk([7], [], usage=Usage(3, 1, 2), prompt_logprobs=[])
     plain = EngineChunk.from_pb(EngineChunk([9]).to_pb(), with_logprobs=False)
     assert plain == EngineChunk([9]) and plain.usage is None
     failed = EngineChunk.from_pb(EngineChunk([], finish_reason=FinishReason.ERROR, error_message="boom",

@@ -5,7 +5,7 @@ step_contract.py mirrors the worker seam. The scheduler's EngineLoop and the gat
 `to_pb` / `from_pb` are the one place that touches the generated classes, and only the servicers
 (scheduler/servicers.py, session.py) and the engine client (gateway/engine_client.py, engine_session.py) call
 them. A chunk is converted once per request per step on both sides, so they are slots dataclasses filled field by
-field, and a chunk that is not the last carries no Usage.
+field, and only the first chunk with tokens and the last carry a Usage.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class EngineChunk:
     logprobs: Sequence[TokenLogprob] = ()         # [len(token_ids)] when logprobs were asked for
     finish_reason: FinishReason = FinishReason.NONE
     stop_token_id: int = 0               # the token id that stopped it (STOP)
-    usage: Usage | None = None           # on the last chunk only
+    usage: Usage | None = None           # so far: on the first chunk with tokens and on the last
     error_message: str = ""              # why, for ERROR
     # Logprobs of prompt tokens 1 .. P-1, in the first chunk that carries a token, when prompt_logprobs was set.
     prompt_logprobs: Sequence[TokenLogprob] = ()
@@ -124,8 +124,8 @@ class EngineChunk:
             pb.finish_reason = self.finish_reason
             pb.stop_token_id = self.stop_token_id
             pb.error_message = self.error_message
-            if self.usage is not None:
-                self.usage.to_pb(pb.usage)
+        if self.usage is not None:
+            self.usage.to_pb(pb.usage)
         return pb
 
     @classmethod
@@ -135,13 +135,14 @@ class EngineChunk:
         finish = _FINISH_BY_VALUE[pb.finish_reason]
         if not with_logprobs:
             if not finish:   # the per-token case
-                return cls(list(pb.token_ids))
+                return cls(list(pb.token_ids), usage=Usage.from_pb(pb.usage) if pb.HasField("usage") else None)
             logprobs = prompt_logprobs = ()
         else:
             logprobs = [TokenLogprob.from_pb(x) for x in pb.logprobs]
             prompt_logprobs = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs]
             if not finish:
-                return cls(list(pb.token_ids), logprobs, prompt_logprobs=prompt_logprobs)
+                usage = Usage.from_pb(pb.usage) if pb.HasField("usage") else None
+                return cls(list(pb.token_ids), logprobs, usage=usage, prompt_logprobs=prompt_logprobs)
         return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id, Usage.from_pb(pb.usage), pb.error_message,
                    prompt_logprobs, list(pb.embedding) if pb.embedding else ())
 

@@ -58,7 +58,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     stops = StopStringMatcher(choice.stop, choice.include_stop_str_in_output)
     namer = TokenNamer(tokenizer) if choice.params.logprobs >= 0 else None
     pending: list[TokenInfo] = []
-    num_tokens, first = 0, True
+    num_tokens, first, cached = 0, True, 0   # cached: from the usage on the first chunk with tokens
     stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
                                            choice.cache_salt, lora_name=choice.lora_name))
     try:
@@ -67,6 +67,8 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                 if first and choice.echo:
                     yield echo_event(choice, tokenizer, namer, chunk)
                 first = False
+                if chunk.usage is not None:
+                    cached = chunk.usage.cached_tokens
                 ids = chunk.token_ids if not choice.drop_output else []
                 num_tokens += len(ids)
                 if namer is not None:
@@ -82,7 +84,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                 if lps is not None:
                     pending = []
                 if stops.stopped:
-                    usage = Usage(len(choice.prompt_ids), num_tokens)
+                    usage = Usage(len(choice.prompt_ids), num_tokens, cached)
                     yield TextEvent(choice.index, text, "stop", usage, lps, stops.matched)
                     return
                 if not finish:

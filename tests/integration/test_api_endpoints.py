@@ -45,6 +45,9 @@ def test_chat_options_and_cached_tokens(cluster):
     again = client(cluster).chat.completions.create(**kwargs)
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0      # the same prompt hits the prefix cache
+    cut = client(cluster).chat.completions.create(**kwargs, stop=[first.choices[0].message.content.strip()[:2]])
+    assert cut.choices[0].finish_reason == "stop"                    # a stop string: the engine call is cut short
+    assert cut.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
     stream = client(cluster).chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     last = list(stream)[-1]
     assert last.choices == [] and last.usage.prompt_tokens == first.usage.prompt_tokens
