@@ -11,7 +11,8 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
 from services.gateway.engine_client import EngineClient
-from services.gateway.router import AffinityMap, EngineRouter
+from services.gateway.affinity import AffinityMap
+from services.gateway.router import EngineRouter
 from tests.gateway.conftest import SERVED_NAME, serving_app
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
