@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from services.client import EngineClient, EngineRequest, SamplingParams
-from services.gateway.router import EngineRouter
+from services.gateway.routing.router import EngineRouter
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "routing_kv_events.json"

@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from services.client import EngineClient, EngineRequest, SamplingParams
 from services.common.model_path import resolve_model
-from services.gateway.tokenizer import load_tokenizer
+from services.gateway.text.tokenizer import load_tokenizer
 
 
 async def generate(address: str, model: str | None, prompt: str, max_tokens: int, temperature: float) -> str:

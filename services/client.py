@@ -1,6 +1,6 @@
 """The Python client of steploop's token-level gRPC API (the scheduler's Engine service).
 
-It is the gateway's own EngineClient (services/gateway/engine_client.py), exposed here so there is one client:
+It is the gateway's own EngineClient (services/gateway/engine/engine_client.py), exposed here so there is one client:
 
     from services.client import EngineClient, EngineRequest, SamplingParams
 
@@ -22,7 +22,7 @@ would answer (400 invalid request, 503 overloaded or no worker, ...).
 
 from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, LoadReport, ModelInfo, Usage
 from services.common.sampling_params import SamplingParams
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError
 
 __all__ = ["APIError", "EngineChunk", "EngineClient", "EngineRequest", "FinishReason", "LoadReport", "ModelInfo",

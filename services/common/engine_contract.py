@@ -3,7 +3,7 @@
 These dataclasses mirror steploop.v1.GenerateRequest / GenerateChunk (protos/steploop/v1/engine.proto), as
 step_contract.py mirrors the worker seam. The scheduler's EngineLoop and the gateway's generation use only these;
 `to_pb` / `from_pb` are the one place that touches the generated classes, and only the servicers
-(scheduler/servicers.py, session.py) and the engine client (gateway/engine_client.py, engine_session.py) call
+(scheduler/servicers.py, session.py) and the engine client (gateway/engine/engine_client.py, engine_session.py) call
 them. A chunk is converted once per request per step on both sides, so they are slots dataclasses filled field by
 field, and only the first chunk with tokens and the last carry a Usage.
 """

@@ -14,7 +14,7 @@ from services.common.engine_contract import EngineRequest
 from services.common.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.app_keys import SERVING
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from tests.gateway.conftest import REPLY_TEXT, SERVED_NAME, wait_for
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 

@@ -10,8 +10,8 @@ import pytest
 from services.common.block_hashing import block_hashes, get_block_hasher
 from services.common.engine_contract import EngineRequest
 from services.common.sampling_params import SamplingParams
-from services.gateway.engine_client import EngineClient
-from services.gateway.router import EngineRouter
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.routing.router import EngineRouter
 from services.scheduler.request import Request
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 from tests.scheduler.sched_factories import FakeWorker, create_scheduler, run_until_idle

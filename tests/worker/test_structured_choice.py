@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.gateway.vllm_extras import choice_regex
+from services.gateway.openai_api.vllm_extras import choice_regex
 
 xgr = pytest.importorskip("xgrammar")
 

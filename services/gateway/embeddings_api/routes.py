@@ -18,7 +18,7 @@ from services.gateway.app_keys import SERVING
 from services.gateway.embeddings_api.outputs import embeddings_body
 from services.gateway.embeddings_api.protocol import parse_embeddings
 from services.gateway.errors import APIError, bad_request
-from services.gateway.request_body import read_json
+from services.gateway.http_io.request_body import read_json
 from services.gateway.serving import Serving
 
 

@@ -23,13 +23,14 @@ from collections.abc import AsyncIterator, Sequence
 
 from services.common.block_hashing import first_block_extra
 from services.common.engine_contract import EngineChunk, EngineRequest, ModelInfo
-from services.gateway import errors, route_header
-from services.gateway.affinity import AffinityMap
-from services.gateway.engine_client import EngineClient
-from services.gateway.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement
-from services.gateway.replica import Replica
-from services.gateway.replica_choice import ReplicaChooser
-from services.gateway.replica_set import ReplicaSet
+from services.gateway import errors
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.routing import route_header
+from services.gateway.routing.affinity import AffinityMap
+from services.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement
+from services.gateway.routing.replica import Replica
+from services.gateway.routing.replica_choice import ReplicaChooser
+from services.gateway.routing.replica_set import ReplicaSet
 
 logger = logging.getLogger(__name__)
 

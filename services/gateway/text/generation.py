@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from services.common.sampling_params import SamplingParams
-from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError
-from services.gateway.logprobs import TokenInfo, TokenNamer
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
+from services.gateway.text.logprobs import TokenInfo, TokenNamer
+from services.gateway.text.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 

@@ -24,7 +24,7 @@ from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from services.common.tls import TlsConfig, open_channel
 from services.gateway import errors
 from services.gateway import tracing as gateway_tracing
-from services.gateway.engine_session import SessionStream
+from services.gateway.engine.engine_session import SessionStream
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import time
 from collections.abc import Sequence
 
 from services.common.block_hashing import first_block_extra
-from services.gateway.affinity import AffinityMap
-from services.gateway.lora_routing import LoraHomes
-from services.gateway.replica import Replica
+from services.gateway.routing.affinity import AffinityMap
+from services.gateway.routing.lora_routing import LoraHomes
+from services.gateway.routing.replica import Replica
 
 
 class ReplicaChooser:
