@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.client import EngineClient, SamplingParams
-from services.gateway.router import EngineRouter
+from services.client import EngineClient, EngineRequest, SamplingParams
+from services.gateway.routing.router import EngineRouter
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "routing_kv_events.json"
@@ -115,7 +115,7 @@ async def run_one(address: str, ids: list[int], rid: str) -> int:
 
 async def consume(engine, ids: list[int], rid: str) -> int:
     cached = 0
-    async for chunk in engine.generate(rid, ids, SamplingParams(max_tokens=1)):
+    async for chunk in engine.generate(EngineRequest(rid, ids, SamplingParams(max_tokens=1))):
         if chunk.usage is not None:
             cached = chunk.usage.cached_tokens
     return cached

@@ -12,9 +12,9 @@ import argparse
 import asyncio
 import uuid
 
-from services.client import EngineClient, SamplingParams
+from services.client import EngineClient, EngineRequest, SamplingParams
 from services.common.model_path import resolve_model
-from services.gateway.tokenizer import load_tokenizer
+from services.gateway.text.tokenizer import load_tokenizer
 
 
 async def generate(address: str, model: str | None, prompt: str, max_tokens: int, temperature: float) -> str:
@@ -24,7 +24,7 @@ async def generate(address: str, model: str | None, prompt: str, max_tokens: int
         ids = tokenizer.encode_sync(prompt)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
         out: list[int] = []
-        async for chunk in client.generate(f"example-{uuid.uuid4().hex}", ids, params):
+        async for chunk in client.generate(EngineRequest(f"example-{uuid.uuid4().hex}", ids, params)):
             out.extend(chunk.token_ids)
             print(tokenizer.decode(chunk.token_ids), end="", flush=True)
         print()

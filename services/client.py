@@ -1,13 +1,13 @@
 """The Python client of steploop's token-level gRPC API (the scheduler's Engine service).
 
-It is the gateway's own EngineClient (services/gateway/engine_client.py), exposed here so there is one client:
+It is the gateway's own EngineClient (services/gateway/engine/engine_client.py), exposed here so there is one client:
 
-    from services.client import EngineClient, SamplingParams
+    from services.client import EngineClient, EngineRequest, SamplingParams
 
     async def main():
         client = EngineClient("127.0.0.1:50051")          # create it inside the running event loop
         params = SamplingParams(temperature=0.7, seed=1, max_tokens=32, logprobs=2)  # max_tokens None: what fits
-        async for chunk in client.generate("my-request-1", prompt_token_ids, params):
+        async for chunk in client.generate(EngineRequest("my-request-1", prompt_token_ids, params)):
             print(chunk.token_ids, chunk.finish_reason)         # EngineChunk; FinishReason.NONE until the last
         await client.abort(["some-other-request"])         # by id; closing the generate iterator aborts too
         info = await client.model_info()                   # ModelInfo: max_model_len, vocab_size, eos ids, KV pool
@@ -20,10 +20,10 @@ Errors surface as services.gateway.errors.APIError with the HTTP status and Open
 would answer (400 invalid request, 503 overloaded or no worker, ...).
 """
 
-from services.common.engine_contract import EngineChunk, FinishReason, LoadReport, ModelInfo, Usage
+from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, LoadReport, ModelInfo, Usage
 from services.common.sampling_params import SamplingParams
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError
 
-__all__ = ["APIError", "EngineChunk", "EngineClient", "FinishReason", "LoadReport", "ModelInfo", "SamplingParams",
-           "Usage"]
+__all__ = ["APIError", "EngineChunk", "EngineClient", "EngineRequest", "FinishReason", "LoadReport", "ModelInfo",
+           "SamplingParams", "Usage"]

@@ -1,10 +1,13 @@
-"""The Engine seam's dataclasses survive the wire: EngineRequest and EngineChunk round-trip through their
-protobuf messages, and FinishReason keeps the wire's values."""
+"""The Engine seam's dataclasses survive the wire: every type with a `from_pb` has a `to_pb` and round-trips
+through its protobuf message (EngineRequest, Usage, EngineChunk, ModelInfo, LoadReport), and FinishReason keeps
+the wire's values."""
 
 from __future__ import annotations
 
-from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
+from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, LoadReport, ModelInfo, Usage
+from services.common.generation_defaults import GenerationDefaults
 from services.common.pb.steploop.v1 import engine_pb2
+from services.common.pooling_params import PoolingConfig, PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.common.step_contract import TokenLogprob
 
@@ -22,6 +25,32 @@ def test_request_round_trip():
     assert EngineRequest.from_pb(request.to_pb()) == request
     assert request.to_pb().resume_output_token_ids == [9, 10]
     assert EngineRequest.from_pb(engine_pb2.GenerateRequest(prompt_token_ids=[1])).sampling.max_tokens is None
+    embed = EngineRequest("e", [1, 2], pooling=PoolingParams(dimensions=8), lora_name="adapter")
+    assert EngineRequest.from_pb(embed.to_pb()) == embed
+
+
+def test_usage_round_trip():
+    usage = Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=8)
+    assert Usage.from_pb(usage.to_pb()) == usage
+    chunk = engine_pb2.GenerateChunk()
+    usage.to_pb(chunk.usage)   # in place, as EngineChunk.to_pb fills its chunk's
+    assert Usage.from_pb(chunk.usage) == usage and Usage() == Usage(0, 0, 0)
+
+
+def test_model_info_round_trip():
+    info = ModelInfo("smol", max_model_len=2048, vocab_size=49152, block_size=16, num_kv_blocks=900,
+                     eos_token_ids=(2, 0), num_workers=2, runner="pooling",
+                     pooling=PoolingConfig("MEAN", True, 576, True, (64, 128)),
+                     generation_defaults=GenerationDefaults(temperature=0.7, top_k=40, max_tokens=100),
+                     lora_adapters=(("sql", "/adapters/sql"), ("chat", "/adapters/chat")))
+    assert ModelInfo.from_pb(info.to_pb()) == info
+    assert ModelInfo.from_pb(ModelInfo().to_pb()) == ModelInfo()   # no worker attached yet
+
+
+def test_load_report_round_trip():
+    load = LoadReport(num_running=3, num_waiting=4, num_free_blocks=10, num_total_blocks=64, kv_cache_usage=0.5,
+                      num_steps=99, running_lora_adapters=("sql",), waiting_lora_adapters=("chat", "sql"))
+    assert LoadReport.from_pb(load.to_pb()) == load   # 0.5: exact in float32
 
 
 def test_chunk_round_trip_with_and_without_logprobs():
@@ -30,6 +59,9 @@ def test_chunk_round_trip_with_and_without_logprobs():
     assert EngineChunk.from_pb(middle.to_pb()) == middle and not middle.finished
     last = EngineChunk([2], [lp], FinishReason.STOP, stop_token_id=2, usage=Usage(3, 5, 1))
     assert EngineChunk.from_pb(last.to_pb()) == EngineChunk([2], [lp], FinishReason.STOP, 2, Usage(3, 5, 1), "", [])
+    first = EngineChunk([7], usage=Usage(3, 1, 2))   # the first chunk with tokens: usage so far (cached tokens)
+    assert EngineChunk.from_pb(first.to_pb(), with_logprobs=False) == first
+    assert EngineChunk.from_pb(first.to_pb()) == EngineChunk([7], [], usage=Usage(3, 1, 2), prompt_logprobs=[])
     plain = EngineChunk.from_pb(EngineChunk([9]).to_pb(), with_logprobs=False)
     assert plain == EngineChunk([9]) and plain.usage is None
     failed = EngineChunk.from_pb(EngineChunk([], finish_reason=FinishReason.ERROR, error_message="boom",

@@ -3,9 +3,9 @@
 These dataclasses mirror steploop.v1.GenerateRequest / GenerateChunk (protos/steploop/v1/engine.proto), as
 step_contract.py mirrors the worker seam. The scheduler's EngineLoop and the gateway's generation use only these;
 `to_pb` / `from_pb` are the one place that touches the generated classes, and only the servicers
-(scheduler/servicers.py, session.py) and the engine client (gateway/engine_client.py, engine_session.py) call
+(scheduler/servicers.py, session.py) and the engine client (gateway/engine/engine_client.py, engine_session.py) call
 them. A chunk is converted once per request per step on both sides, so they are slots dataclasses filled field by
-field, and a chunk that is not the last carries no Usage.
+field, and only the first chunk with tokens and the last carry a Usage.
 """
 
 from __future__ import annotations
@@ -39,8 +39,12 @@ _FINISH_BY_VALUE = tuple(FinishReason)   # wire value -> FinishReason, without a
 KV_EVENTS_RESUMED_METADATA = "steploop-kv-events-resumed"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
+    """One generation (or embedding) request as it crosses the Engine seam: the gateway builds it once per choice
+    and hands it down its generate chain unchanged (generation -> router -> migration -> engine client; a
+    migrated retry is a `dataclasses.replace` of it); the scheduler's servicers build it from the wire."""
+
     request_id: str                      # unique per live request; "" = the engine assigns one (Generate only)
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -69,9 +73,23 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int                   # prompt tokens served from the prefix cache
+    """Token counts of one request (steploop.v1.Usage); the gateway sums choices' into the OpenAI usage."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0               # prompt tokens served from the prefix cache
+
+    def to_pb(self, pb: engine_pb2.Usage | None = None) -> engine_pb2.Usage:
+        """Fills pb (a chunk's `usage` in place), or a new Usage."""
+        if pb is None:
+            pb = engine_pb2.Usage()
+        pb.prompt_tokens, pb.completion_tokens, pb.cached_tokens = (self.prompt_tokens, self.completion_tokens,
+                                                                    self.cached_tokens)
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: engine_pb2.Usage) -> Usage:
+        return cls(pb.prompt_tokens, pb.completion_tokens, pb.cached_tokens)
 
 
 @dataclass(slots=True)
@@ -82,7 +100,7 @@ class EngineChunk:
     logprobs: Sequence[TokenLogprob] = ()         # [len(token_ids)] when logprobs were asked for
     finish_reason: FinishReason = FinishReason.NONE
     stop_token_id: int = 0               # the token id that stopped it (STOP)
-    usage: Usage | None = None           # on the last chunk only
+    usage: Usage | None = None           # so far: on the first chunk with tokens and on the last
     error_message: str = ""              # why, for ERROR
     # Logprobs of prompt tokens 1 .. P-1, in the first chunk that carries a token, when prompt_logprobs was set.
     prompt_logprobs: Sequence[TokenLogprob] = ()
@@ -111,11 +129,8 @@ class EngineChunk:
             pb.error_message = self.error_message
             pb.error_code = self.error_code
             pb.error_param = self.error_param
-            if self.usage is not None:
-                usage = pb.usage
-                usage.prompt_tokens = self.usage.prompt_tokens
-                usage.completion_tokens = self.usage.completion_tokens
-                usage.cached_tokens = self.usage.cached_tokens
+        if self.usage is not None:
+            self.usage.to_pb(pb.usage)
         return pb
 
     @classmethod
@@ -125,17 +140,16 @@ class EngineChunk:
         finish = _FINISH_BY_VALUE[pb.finish_reason]
         if not with_logprobs:
             if not finish:   # the per-token case
-                return cls(list(pb.token_ids))
+                return cls(list(pb.token_ids), usage=Usage.from_pb(pb.usage) if pb.HasField("usage") else None)
             logprobs = prompt_logprobs = ()
         else:
             logprobs = [TokenLogprob.from_pb(x) for x in pb.logprobs]
             prompt_logprobs = [TokenLogprob.from_pb(x) for x in pb.prompt_logprobs]
             if not finish:
-                return cls(list(pb.token_ids), logprobs, prompt_logprobs=prompt_logprobs)
-        u = pb.usage
-        return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id,
-                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens), pb.error_message, prompt_logprobs,
-                   list(pb.embedding) if pb.embedding else (), pb.error_code, pb.error_param)
+                usage = Usage.from_pb(pb.usage) if pb.HasField("usage") else None
+                return cls(list(pb.token_ids), logprobs, usage=usage, prompt_logprobs=prompt_logprobs)
+        return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id, Usage.from_pb(pb.usage), pb.error_message,
+                   prompt_logprobs, list(pb.embedding) if pb.embedding else (), pb.error_code, pb.error_param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +176,20 @@ class ModelInfo:
                    GenerationDefaults.from_pb(pb.generation_defaults),
                    tuple((a.name, a.path) for a in pb.lora_adapters))
 
+    def to_pb(self) -> engine_pb2.ModelInfo:
+        return engine_pb2.ModelInfo(
+            model_name=self.model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, eos_token_ids=self.eos_token_ids,
+            num_workers=self.num_workers, runner=self.runner,
+            pooling=self.pooling.to_pb() if self.pooling is not None else None,
+            generation_defaults=self.generation_defaults.to_pb(),
+            lora_adapters=[engine_pb2.LoraAdapterRef(name=name, path=path) for name, path in self.lora_adapters])
+
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
-    """Queue lengths and KV usage, for routers and autoscalers (steploop.v1.LoadReport)."""
+    """Queue lengths and KV usage, for routers and autoscalers (steploop.v1.LoadReport). The scheduler's own
+    report (scheduler/stats.py EngineLoad) extends it with what stays in the service."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -180,3 +204,9 @@ class LoadReport:
     def from_pb(cls, pb: engine_pb2.LoadReport) -> "LoadReport":
         return cls(pb.num_running, pb.num_waiting, pb.num_free_blocks, pb.num_total_blocks, pb.kv_cache_usage,
                    pb.num_steps, tuple(pb.running_lora_adapters), tuple(pb.waiting_lora_adapters))
+
+    def to_pb(self) -> engine_pb2.LoadReport:
+        return engine_pb2.LoadReport(
+            num_running=self.num_running, num_waiting=self.num_waiting, num_free_blocks=self.num_free_blocks,
+            num_total_blocks=self.num_total_blocks, kv_cache_usage=self.kv_cache_usage, num_steps=self.num_steps,
+            running_lora_adapters=self.running_lora_adapters, waiting_lora_adapters=self.waiting_lora_adapters)

@@ -14,7 +14,6 @@ from aiohttp import web
 
 from services.common import model_path
 from services.gateway import metrics as gateway_metrics
-from services.gateway import route_header, routes
 from services.gateway.app_keys import (
     CHAT_TEMPLATE,
     DRAIN,
@@ -25,18 +24,20 @@ from services.gateway.app_keys import (
     SERVING,
     TOOL_PARSER,
 )
-from services.gateway.chat_template import ChatTemplate
 from services.gateway.config import GatewayConfig
 from services.gateway.drain import Drain
-from services.gateway.engine_client import EngineClient
+from services.gateway.endpoints import routes
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError, internal_error
 from services.gateway.health import HealthProbe
 from services.gateway.messages_api import errors as anthropic_errors
 from services.gateway.model_state import ModelState
-from services.gateway.reasoning import get_reasoning_parser
 from services.gateway.responses_api.store import ResponseStore
+from services.gateway.routing import route_header
 from services.gateway.serving import Serving
-from services.gateway.tokenizer import Tokenizer
+from services.gateway.text.chat_template import ChatTemplate
+from services.gateway.text.reasoning import get_reasoning_parser
+from services.gateway.text.tokenizer import Tokenizer
 from services.gateway.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)

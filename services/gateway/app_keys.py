@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.gateway.chat_template import ChatTemplate
 from services.gateway.drain import Drain
 from services.gateway.health import HealthProbe
-from services.gateway.reasoning import ReasoningParser
 from services.gateway.responses_api.store import ResponseStore
 from services.gateway.serving import Serving
+from services.gateway.text.chat_template import ChatTemplate
+from services.gateway.text.reasoning import ReasoningParser
 from services.gateway.tool_parsers import ToolParser
 
 SERVING = web.AppKey("serving", Serving)                  # the request flow both OpenAI endpoints share

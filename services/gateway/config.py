@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from services.common import envs, lora_config
 from services.common.lora_config import LoraConfig
 from services.common.tls import TlsConfig
-from services.gateway.migration import DEFAULT_MAX_MIGRATIONS
-from services.gateway.reasoning import REASONING_PARSERS, get_reasoning_parser
+from services.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS
+from services.gateway.text.reasoning import REASONING_PARSERS, get_reasoning_parser
 from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024

@@ -31,7 +31,7 @@ from services.common.grammar_lint import regex_problem, schema_problem
 from services.gateway.errors import APIError
 
 if TYPE_CHECKING:
-    from services.gateway.protocol import SamplingFields
+    from services.gateway.openai_api.protocol import SamplingFields
 
 logger = logging.getLogger("steploop.gateway")
 

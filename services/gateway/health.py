@@ -10,7 +10,7 @@ import asyncio
 import time
 
 from services.gateway.drain import Drain
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError
 
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metrics, tracing
 from services.gateway import tracing as gateway_tracing
-from services.gateway.router import EngineRouter
+from services.gateway.routing.router import EngineRouter
 
 log = logging.getLogger(__name__)
 

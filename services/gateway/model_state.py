@@ -6,7 +6,7 @@ import logging
 
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.pooling_params import PoolingConfig, unsupported_api_message
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)

@@ -17,13 +17,13 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from services.common import event_loop, model_path, observability
-from services.gateway import discovery as discovery_mod
 from services.gateway.app import create_app
 from services.gateway.app_keys import DRAIN, SERVING
 from services.gateway.config import GatewayConfig, add_cli_args
-from services.gateway.engine_client import EngineClient
-from services.gateway.router import EngineRouter
-from services.gateway.tokenizer import load_tokenizer
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.routing import discovery as discovery_mod
+from services.gateway.routing.router import EngineRouter
+from services.gateway.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("steploop.gateway")
 

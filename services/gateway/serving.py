@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 from services.common.lora_config import LoraConfig
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError, bad_request
-from services.gateway.generation import Choice, TextEvent, generate_choice, merge
 from services.gateway.grammar_check import check_constraint, constraint_field
 from services.gateway.model_state import ModelState
-from services.gateway.protocol import SamplingFields, choice_params
-from services.gateway.tokenizer import Tokenizer
+from services.gateway.openai_api.protocol import SamplingFields, choice_params
+from services.gateway.text.generation import Choice, TextEvent, generate_choice, merge
+from services.gateway.text.tokenizer import Tokenizer
 
 # The API a generation request came through, by the field its prompt is in (vLLM names it when refusing).
 API_BY_PARAM = {"prompt": "Completions", "messages": "Chat Completions", "input": "Responses"}

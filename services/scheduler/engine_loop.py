@@ -33,7 +33,7 @@ from services.scheduler.request import Request, RequestOutput, RequestRejectedEr
 from services.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.server_config import ServerConfig
-from services.scheduler.stats import LoadReport, SchedulerCounters, StepStats
+from services.scheduler.stats import EngineLoad, SchedulerCounters, StepStats
 from services.scheduler.worker_group import GroupAssembler, WorkerGroup
 from services.scheduler.worker_link import WorkerLink, WorkerLost
 
@@ -308,15 +308,15 @@ class EngineLoop:
             return False
         return not self.has_work() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
 
-    def load_report(self) -> LoadReport:
+    def load_report(self) -> EngineLoad:
         """What the engine holds now (Engine.GetLoadReport, the vllm:* gauges, the stats line)."""
         sched = self.scheduler
         attached = 0 if self.group is None else self.group.world_size
         if sched is None:
-            return LoadReport(num_waiting=len(self._pending), num_steps=self.num_steps,
+            return EngineLoad(num_waiting=len(self._pending), num_steps=self.num_steps,
                               counters=self._retired_counters, workers_attached=attached)
         kv = sched.kv
-        return LoadReport(
+        return EngineLoad(
             num_running=sched.num_running, num_waiting=sched.num_waiting + len(self._pending),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks, kv_cache_usage=kv.usage,
             num_steps=self.num_steps, counters=self._retired_counters + sched.counters(),

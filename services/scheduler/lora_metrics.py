@@ -8,10 +8,10 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
-from services.scheduler.stats import LoadReport
+from services.scheduler.stats import EngineLoad
 
 
-def lora_requests_info(load: LoadReport) -> GaugeMetricFamily:
+def lora_requests_info(load: EngineLoad) -> GaugeMetricFamily:
     family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
     family.add_metric([str(load.max_loras), ",".join(load.running_lora_adapters),

@@ -29,7 +29,7 @@ from services.common.step_contract import StepPlan, WorkerInfo
 from services.scheduler import metrics_export
 from services.scheduler import tracing as request_tracing
 from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.stats import LoadReport, StepStats
+from services.scheduler.stats import EngineLoad, StepStats
 
 log = logging.getLogger("steploop.scheduler.stats")
 
@@ -60,7 +60,7 @@ class _Live:
 
 
 class EngineObserver:
-    def __init__(self, load_report: Callable[[], LoadReport], enable_prefix_caching: bool) -> None:
+    def __init__(self, load_report: Callable[[], EngineLoad], enable_prefix_caching: bool) -> None:
         self.load_report = load_report                    # the engine's load and counters now (scrape time)
         self.enable_prefix_caching = enable_prefix_caching
         self.worker_info: WorkerInfo | None = None        # of the last worker that attached
@@ -247,13 +247,13 @@ class NullEngineObserver:
     """--disable-log-stats: EngineObserver's hooks as no-ops (no metrics, no per-request or stats log lines,
     no spans); its registry is empty, so /metrics and Engine.GetMetrics answer with no samples."""
 
-    def __init__(self, load_report: Callable[[], LoadReport], enable_prefix_caching: bool) -> None:
+    def __init__(self, load_report: Callable[[], EngineLoad], enable_prefix_caching: bool) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
 
     on_arrival = on_plan = on_step = on_abort = on_attach = on_detach = log_stats = staticmethod(_ignore)
 
 
-def make_observer(load_report: Callable[[], LoadReport],
+def make_observer(load_report: Callable[[], EngineLoad],
                   enable_prefix_caching: bool) -> EngineObserver | NullEngineObserver:
     cls = EngineObserver if m.ENABLED else NullEngineObserver
     return cls(load_report, enable_prefix_caching)

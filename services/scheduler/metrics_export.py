@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from services.scheduler.lora_metrics import lora_requests_info
-from services.scheduler.stats import LoadReport, SchedulerCounters
+from services.scheduler.stats import EngineLoad, SchedulerCounters
 
 MODEL = ["model_name"]
 
@@ -102,7 +102,7 @@ def _spec_decode(counts: SchedulerCounters, labels: list[str]) -> Iterator:
                  counts.accepted_tokens / drafts if drafts else 0.0)
 
 
-def _pacing(load: LoadReport, labels: list[str]) -> Iterator:
+def _pacing(load: EngineLoad, labels: list[str]) -> Iterator:
     """Prefill pacing (--max-decode-slowdown): how often it held prompt tokens back, and the step-time model."""
     yield _counter("steploop:prefill_paced_steps", "Steps in which prefill pacing cut a prompt chunk.", labels,
                    load.counters.paced_steps)
@@ -115,7 +115,7 @@ def _pacing(load: LoadReport, labels: list[str]) -> Iterator:
                      coef[1])
 
 
-def _steploop(obs: Any, load: LoadReport, labels: list[str]) -> Iterator:
+def _steploop(obs: Any, load: EngineLoad, labels: list[str]) -> Iterator:
     yield _counter("steploop:steps", "Steps whose result was applied.", labels, obs.num_steps)
     yield _hist("steploop:step_duration_seconds", "Plan sent to its result applied, per step.", labels,
                 obs.step_duration)

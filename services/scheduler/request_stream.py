@@ -39,14 +39,17 @@ class OutputSink(Protocol):
 
 
 def merge(outputs: Sequence) -> EngineChunk:
-    """One chunk of outputs, oldest first (the last one says whether the request finished). Raises a
-    FailedOutput's error."""
+    """One chunk of outputs, oldest first (the last one says whether the request finished). The chunk with the
+    request's first tokens carries usage too, so a caller that stops reading early (a stop string) knows its
+    cached tokens. Raises a FailedOutput's error."""
     tokens, logprobs, prompt_logprobs = [], [], []
     chunk = EngineChunk(tokens, logprobs, prompt_logprobs=prompt_logprobs)
     for out in outputs:
         if isinstance(out, FailedOutput):
             raise out.error
         tokens += out.new_token_ids
+        if out.new_token_ids and out.num_output_tokens == len(out.new_token_ids):   # its first: prefix hit known
+            chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             prompt_logprobs += out.prompt_logprobs
         if out.logprobs:

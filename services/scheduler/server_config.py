@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from services.common import lora_config
 from services.common.envs import add_flag
-from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
 from services.common.lora_adapter import LoraAdapterError, read_adapter
 from services.common.lora_config import LoraConfig
+from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
 from services.common.tls import TlsConfig
 
 

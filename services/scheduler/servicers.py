@@ -66,11 +66,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             lora_adapters=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules])
 
     async def GetLoadReport(self, request, context):
-        load = self.loop.load_report()
-        return engine_pb2.LoadReport(
-            num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks, kv_cache_usage=load.kv_cache_usage, num_steps=load.num_steps,
-            running_lora_adapters=load.running_lora_adapters, waiting_lora_adapters=load.waiting_lora_adapters)
+        return self.loop.load_report().to_pb()
 
     async def LoadLoraAdapter(self, request, context):
         try:

@@ -1,7 +1,7 @@
 """What the scheduler and its step loop report, as plain data (as vLLM's SchedulerStats / IterationStats).
 
 SchedulerStats: counters one Scheduler keeps while it runs. SchedulerCounters: monotonic counts since the
-service started, summed over every scheduler built since (a worker with another pool rebuilds it). LoadReport:
+service started, summed over every scheduler built since (a worker with another pool rebuilds it). EngineLoad:
 what the engine holds now, which Engine.GetLoadReport, the vllm:* gauges and the stats line read. StepStats: one
 applied step, which the loop pushes to its observer. Observers see only these, never the loop or the pool.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
 
+from services.common.engine_contract import LoadReport
 from services.scheduler.request import RequestOutput
 
 
@@ -42,21 +43,15 @@ class SchedulerCounters:
         return SchedulerCounters(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    """The engine now. The first six fields are steploop.v1.LoadReport's; the rest stay in the service."""
+@dataclass(frozen=True, slots=True)
+class EngineLoad(LoadReport):
+    """The engine now: the Engine seam's LoadReport (what GetLoadReport sends, its `to_pb`; num_waiting counts
+    requests that arrived before any worker attached, num_total_blocks the null block) and what stays in the
+    service."""
 
-    num_running: int = 0
-    num_waiting: int = 0              # in the scheduler's queue, or arrived before any worker attached
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0         # as the worker reported, the null block included (0: no worker yet)
-    kv_cache_usage: float = 0.0       # 0..1 of the usable blocks
-    num_steps: int = 0                # steps applied since start
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)   # since start
     step_cost: tuple[float, float] | None = None   # prefill pacing's learned step time: (base s, s per token)
     workers_attached: int = 0
-    running_lora_adapters: tuple[str, ...] = ()    # distinct adapters of running requests (vllm:lora_requests_info)
-    waiting_lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0                             # --max-loras with --enable-lora; 0 = LoRA off
 
 

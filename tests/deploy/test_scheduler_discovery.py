@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from services.gateway import discovery
 from services.gateway.config import GatewayConfig
-from services.gateway.router import EngineRouter
+from services.gateway.routing import discovery
+from services.gateway.routing.router import EngineRouter
 
 # The gateway tests' fixtures (a tokenizer folder, a config), imported so pytest finds them here.
 from tests.gateway.conftest import SERVED_NAME, gateway_config, gateway_model_dir, reply_ids, serving_app, tokenizer  # noqa: F401

@@ -31,7 +31,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     num_workers: int = 1
     token_delay_s: float = 0.0                     # sleep before each chunk (disconnect tests need it slow)
     tokens_per_chunk: int = 1
-    cached_tokens: int = 0
+    cached_tokens: int = 0                         # usage.cached_tokens (first chunk with tokens, and last)
     status: grpc.StatusCode | None = None          # if set, Generate fails with it
     status_metadata: tuple = ()
     fail_after: int | None = None                  # if set, ends with FINISH_REASON_ERROR after this many tokens
@@ -167,6 +167,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 if start == 0 and request.sampling.HasField("prompt_logprobs"):
                     chunk.prompt_logprobs.extend(engine_pb2.TokenLogprob(logprob=-0.25)
                                                  for _ in request.prompt_token_ids[1:])
+                if start == 0 and not resumed:   # as the engine: usage so far with its first tokens, then at the end
+                    chunk.usage.prompt_tokens = len(request.prompt_token_ids)
+                    chunk.usage.completion_tokens = len(part)
+                    chunk.usage.cached_tokens = self.cached_tokens
                 if start + self.tokens_per_chunk >= len(ids):
                     chunk.finish_reason = finish
                     chunk.usage.prompt_tokens = len(request.prompt_token_ids)

@@ -10,10 +10,11 @@ import aiohttp
 import grpc
 import pytest
 
+from services.common.engine_contract import EngineRequest
 from services.common.sampling_params import SamplingParams
 from services.gateway import errors
 from services.gateway.app_keys import SERVING
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from tests.gateway.conftest import REPLY_TEXT, SERVED_NAME, wait_for
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
@@ -31,10 +32,10 @@ async def test_concurrent_requests_share_one_session(gateway):
 async def test_a_live_request_id_is_refused_before_it_is_sent(gateway):
     client = gateway.app[SERVING].engine
     gateway.engine.token_delay_s = 0.05
-    first = client.generate("same", [1, 2], SamplingParams(max_tokens=3))
+    first = client.generate(EngineRequest("same", [1, 2], SamplingParams(max_tokens=3)))
     await anext(first)
     with pytest.raises(errors.APIError) as info:
-        await anext(client.generate("same", [1, 2], SamplingParams(max_tokens=3)))
+        await anext(client.generate(EngineRequest("same", [1, 2], SamplingParams(max_tokens=3))))
     assert (info.value.status, info.value.code) == (400, "duplicate_request_id")
     assert [t async for c in first for t in c.token_ids]                  # the first one is unharmed
     assert [r.request_id for r in gateway.engine.requests] == ["same"]
@@ -64,16 +65,17 @@ async def test_without_session_each_request_is_its_own_call(reply_ids):
     server, address, _ = await start_fake_engine(engine)
     client = EngineClient(address, multiplex=False)
     try:
-        chunks = [c async for c in client.generate("whole", [1, 2, 3], SamplingParams(max_tokens=100))]
+        whole = EngineRequest("whole", [1, 2, 3], SamplingParams(max_tokens=100))
+        chunks = [c async for c in client.generate(whole)]
         assert [t for c in chunks for t in c.token_ids] == reply_ids
-        stream = client.generate("left", [1, 2, 3], SamplingParams(max_tokens=100))
+        stream = client.generate(EngineRequest("left", [1, 2, 3], SamplingParams(max_tokens=100)))
         await anext(stream)
         await stream.aclose()                              # the caller left: the call is cancelled
         await wait_for(lambda: engine.cancelled == ["left"])
         engine.status, engine.status_metadata = grpc.StatusCode.INVALID_ARGUMENT, (
             ("steploop-error-code", "context_length_exceeded"), ("steploop-error-param", "max_tokens"))
         with pytest.raises(errors.APIError) as info:
-            await anext(client.generate("bad", [1], SamplingParams(max_tokens=5)))
+            await anext(client.generate(EngineRequest("bad", [1], SamplingParams(max_tokens=5))))
         assert (info.value.status, info.value.code, info.value.param) == (400, "context_length_exceeded",
                                                                           "max_tokens")
         assert engine.sessions == 0

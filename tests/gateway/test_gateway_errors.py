@@ -13,7 +13,7 @@ import pytest
 
 from services.gateway import errors
 from services.gateway.app import create_app
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.server import bound_port, start_site
 from tests.gateway.conftest import SERVED_NAME, serving_app, wait_for
 from tests.gateway.fake_engine import start_fake_engine

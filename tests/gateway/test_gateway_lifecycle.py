@@ -53,7 +53,7 @@ async def test_health_needs_serving_and_a_worker(gateway):
 NO_TORCH = """
 import sys
 import services.gateway.server
-from services.gateway.tokenizer import load_tokenizer
+from services.gateway.text.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 assert tok.chat_sync([{"role": "user", "content": "hi"}])
 print(",".join(sorted(m for m in ("torch", "triton") if m in sys.modules)) or "clean")

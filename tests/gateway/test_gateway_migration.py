@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
-from services.gateway.engine_client import EngineClient
-from services.gateway.router import EngineRouter
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.routing.router import EngineRouter
 from tests.gateway.conftest import SERVED_NAME, serving_app
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 

@@ -103,6 +103,22 @@ async def test_stop_string_across_tokens_cancels_engine_call(gateway, tokenizer)
     assert gateway.engine.finished == []
 
 
+async def test_stop_string_finish_reports_cached_tokens(gateway):
+    """A choice cut by a stop string stops reading the engine before its last chunk: its cached tokens come from
+    the usage on the first chunk with tokens (a prefix hit), in every API's usage."""
+    gateway.engine.cached_tokens = 4
+    gateway.engine.token_delay_s = 0.02   # still generating when the stop string matches
+    client = gateway.openai()
+    r = await client.completions.create(model=SERVED_NAME, prompt="x", stop=["o th"], max_tokens=50)
+    assert r.choices[0].finish_reason == "stop" and r.usage.prompt_tokens_details.cached_tokens == 4
+    stream = await client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "x"}],
+                                                  stop=["世界"], stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert gateway.engine.finished == []   # cut before the engine's last chunk
+
+
 async def test_stop_string_streamed_never_leaks_stop_text(gateway):
     client = gateway.openai()
     stream = await client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "x"}],

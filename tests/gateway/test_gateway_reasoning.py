@@ -9,7 +9,7 @@ import anthropic
 import pytest
 
 from services.gateway.config import GatewayConfig
-from services.gateway.reasoning import ReasoningSplitter, get_reasoning_parser
+from services.gateway.text.reasoning import ReasoningSplitter, get_reasoning_parser
 from tests.gateway.conftest import SERVED_NAME
 
 REPLY = "<think>\nThe user greets me. 2 < 3.\n</think>\n\nHello! The end."

@@ -12,8 +12,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from services.gateway.engine_client import EngineClient
-from services.gateway.tokenizer import load_tokenizer
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.text.tokenizer import load_tokenizer
 from tests.gateway.conftest import SERVED_NAME, serving_app
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.errors import APIError
-from services.gateway.protocol import parse_chat_messages
+from services.gateway.openai_api.protocol import parse_chat_messages
 from services.gateway.responses_api.protocol import parse_input
 
 

@@ -8,9 +8,10 @@ import random
 import pytest
 
 from services.common.block_hashing import block_hashes, get_block_hasher
+from services.common.engine_contract import EngineRequest
 from services.common.sampling_params import SamplingParams
-from services.gateway.engine_client import EngineClient
-from services.gateway.router import EngineRouter
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.routing.router import EngineRouter
 from services.scheduler.request import Request
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 from tests.scheduler.sched_factories import FakeWorker, create_scheduler, run_until_idle
@@ -33,7 +34,8 @@ async def test_router_hashes_equal_the_schedulers_for_the_same_prompt_and_salt(r
     prompt = random.Random(7).sample(range(100, 900), 45)        # 5 full blocks of 8, and 5 tokens over
     try:
         assert router.affinity.block_hashes(prompt) == []          # block size not known yet: no keys
-        chunks = [c async for c in router.generate("r", prompt, SamplingParams(max_tokens=2), cache_salt=salt)]
+        request = EngineRequest("r", prompt, SamplingParams(max_tokens=2), cache_salt=salt)
+        chunks = [c async for c in router.generate(request)]
         assert chunks[-1].finished
         assert router.affinity.block_size == 8                     # from the replicas' ModelInfo
         keys = router.affinity.block_hashes(prompt, salt)

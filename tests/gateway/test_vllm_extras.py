@@ -1,6 +1,6 @@
-"""vLLM's extra fields (services/gateway/vllm_extras.py): the ones steploop does not build are a 400 naming them
-(never dropped silently) unless they hold their "off" value; vLLM's spellings of structured output reach the engine
-as the same constraint response_format gives; two spellings at once are a 400."""
+"""vLLM's extra fields (services/gateway/openai_api/vllm_extras.py): the ones steploop does not build are a 400
+naming them (never dropped silently) unless they hold their "off" value; vLLM's spellings of structured output reach
+the engine as the same constraint response_format gives; two spellings at once are a 400."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from services.gateway.app_keys import SERVING
-from services.gateway.vllm_extras import NOT_BUILT
+from services.gateway.openai_api.vllm_extras import NOT_BUILT
 from tests.gateway.conftest import SERVED_NAME
 from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 

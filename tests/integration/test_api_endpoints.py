@@ -45,24 +45,27 @@ def test_chat_options_and_cached_tokens(cluster):
     again = client(cluster).chat.completions.create(**kwargs)
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0      # the same prompt hits the prefix cache
+    cut = client(cluster).chat.completions.create(**kwargs, stop=[first.choices[0].message.content.strip()[:2]])
+    assert cut.choices[0].finish_reason == "stop"                    # a stop string: the engine call is cut short
+    assert cut.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens
     stream = client(cluster).chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     last = list(stream)[-1]
     assert last.choices == [] and last.usage.prompt_tokens == first.usage.prompt_tokens
 
 
 def test_grpc_client_generate_and_abort(cluster, hf):
-    from services.client import EngineClient, FinishReason, SamplingParams
+    from services.client import EngineClient, EngineRequest, FinishReason, SamplingParams
 
     async def run():
         engine = EngineClient(cluster.scheduler_address)
         ids = hf.text_ids("The quick brown fox")
         tokens, last = [], None
-        async for chunk in engine.generate("grpc-1", ids, SamplingParams(max_tokens=6, logprobs=1)):
+        async for chunk in engine.generate(EngineRequest("grpc-1", ids, SamplingParams(max_tokens=6, logprobs=1))):
             tokens.extend(chunk.token_ids)
             last = chunk
         assert tokens == hf.greedy_ids(ids, 6)[:len(tokens)] and last.usage.completion_tokens == len(tokens)
         assert last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-        long = engine.generate("grpc-2", ids, SamplingParams(max_tokens=2000, ignore_eos=True))
+        long = engine.generate(EngineRequest("grpc-2", ids, SamplingParams(max_tokens=2000, ignore_eos=True)))
         await anext(long)
         assert await engine.abort(["grpc-2"]) == 1
         rest = [c async for c in long]

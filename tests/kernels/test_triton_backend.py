@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.attention.metadata import build_common_metadata
+from services.gpu_worker.attention.selector import create_backend
 from services.gpu_worker.cuda_graphs import DecodeGraphRunner
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig

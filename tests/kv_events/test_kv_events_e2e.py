@@ -12,7 +12,7 @@ import signal
 import grpc
 import pytest
 
-from services.client import EngineClient, SamplingParams
+from services.client import EngineClient, EngineRequest, SamplingParams
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from tests.integration.cluster import MODEL, Cluster, free_port, two_replicas
 from tests.kv_events.helpers import expected_chain, low64
@@ -40,7 +40,7 @@ async def generate(address: str, ids: list[int], rid: str) -> int:
     client = EngineClient(address)
     try:
         cached = 0
-        async for chunk in client.generate(rid, ids, SamplingParams(max_tokens=1)):
+        async for chunk in client.generate(EngineRequest(rid, ids, SamplingParams(max_tokens=1))):
             if chunk.usage is not None:
                 cached = chunk.usage.cached_tokens
         return cached

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 from services.common.pb.steploop.v1 import engine_pb2
-from services.gateway.engine_client import EngineClient
-from services.gateway.router import EngineRouter
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.routing.router import EngineRouter
 from tests.kv_events.helpers import cbor_sha256, expected_chain
 
 BLOCK = 16

@@ -13,8 +13,8 @@ import grpc
 
 from services.common import grpc_options
 from services.common.pb.steploop.v1 import engine_pb2_grpc
-from services.gateway.engine_client import EngineClient
-from services.gateway.kv_index import KvEventWatcher, ReplicaCacheIndex
+from services.gateway.engine.engine_client import EngineClient
+from services.gateway.routing.kv_index import KvEventWatcher, ReplicaCacheIndex
 from services.scheduler.servicers import EngineServicer
 from tests.integration.cluster import free_port
 from tests.kv_events.helpers import expected_chain, make_hub, run_prompt

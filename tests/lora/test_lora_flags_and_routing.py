@@ -10,7 +10,7 @@ import pytest
 from services.common import envs, lora_config
 from services.common.block_hashing import block_hashes, first_block_extra
 from services.common.lora_config import LoraConfig, LoraModule
-from services.gateway.lora_routing import LoraHomes
+from services.gateway.routing.lora_routing import LoraHomes
 
 
 def parse(argv, monkeypatch=None):

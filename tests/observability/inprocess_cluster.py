@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from services.common.step_contract import WorkerInfo
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.server import bound_port, start_site
 from services.gpu_worker import server as worker_server
 from services.gpu_worker.config import WorkerConfig

@@ -8,8 +8,15 @@ import pytest
 
 from services.common.step_contract import StepPlan, StepResult
 from services.scheduler.step_cost import StepCostModel, attention_pairs
-from tests.scheduler.sched_factories import (AsyncDriver, FakeWorker, Run, create_requests, create_scheduler,
-                                             run_until_idle, step)
+from tests.scheduler.sched_factories import (
+    AsyncDriver,
+    FakeWorker,
+    Run,
+    create_requests,
+    create_scheduler,
+    run_until_idle,
+    step,
+)
 
 # A CPU-like machine: 90 ms per step, 1.6 ms per token, 5 ns per (query, key) pair.
 A, B, C = 0.090, 0.0016, 5e-9

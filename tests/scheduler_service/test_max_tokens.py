@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.client import APIError, EngineClient, FinishReason, SamplingParams
+from services.client import APIError, EngineClient, EngineRequest, FinishReason, SamplingParams
 from services.common.pb.steploop.v1 import engine_pb2
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 
 
 async def run(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams) -> list:
-    return [chunk async for chunk in client.generate(rid, prompt, params)]
+    return [chunk async for chunk in client.generate(EngineRequest(rid, list(prompt), params))]
 
 
 async def test_unset_is_what_fits_and_set_must_fit(service):

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from services.common.engine_contract import FinishReason
+from services.common.engine_contract import EngineRequest, FinishReason
 from services.common.pooling_params import PoolingParams
 from services.common.sampling_params import SamplingParams
 from services.gateway.app_keys import SERVING
 from services.gateway.embeddings_api.outputs import embeddings_body
 from services.gateway.embeddings_api.protocol import parse_embeddings
 from services.gateway.errors import APIError, bad_request
-from services.gateway.request_body import read_json
+from services.gateway.http_io.request_body import read_json
 from services.gateway.serving import Serving
 
 
@@ -31,7 +31,7 @@ def _too_long(max_model_len: int, n: int, index: int) -> APIError:
 async def _embed_one(serving: Serving, request_id: str, prompt_ids: Sequence[int],
                      pooling: PoolingParams) -> tuple[list[float], int]:
     """(vector, prompt tokens) of one input; engine errors about the prompt name `input`."""
-    stream = serving.engine.generate(request_id, prompt_ids, SamplingParams(), pooling=pooling)
+    stream = serving.engine.generate(EngineRequest(request_id, list(prompt_ids), SamplingParams(), pooling=pooling))
     try:
         async with contextlib.aclosing(stream):   # leaving early (an error, a client gone) aborts the request
             async for chunk in stream:

@@ -15,11 +15,12 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.gateway.generation import TextEvent, Usage
-from services.gateway.outputs import ToolCallStream, chat_deltas
-from services.gateway.responses import Meta
+from services.common.engine_contract import Usage
+from services.gateway.openai_api.outputs import ToolCallStream, chat_deltas
+from services.gateway.openai_api.responses import Meta
+from services.gateway.text.generation import TextEvent
 from services.gateway.tool_parsers import ToolCall
-from services.gateway.tools import ToolRequest
+from services.gateway.tool_parsers.tools import ToolRequest
 
 
 def usage_dict(usage: Usage) -> dict[str, int]:

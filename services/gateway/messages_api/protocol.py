@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from services.gateway import validation as v
 from services.gateway.errors import bad_request
-from services.gateway.protocol import SamplingFields
+from services.gateway.http_io import validation as v
+from services.gateway.openai_api.protocol import SamplingFields
 from services.gateway.tool_parsers import ToolParser
-from services.gateway.tools import ToolRequest, parse_tools
+from services.gateway.tool_parsers.tools import ToolRequest, parse_tools
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Tool-call formats, keyed by name as vLLM's `--tool-call-parser`: how a model writes calls under tool_choice
 "auto", parsed whole (`ToolParser.parse`) or streamed (`ContentSplitter`).
 
-A new format is a `ToolParser` subclass in its own module, listed in `_PARSERS`.
+A new format is a `ToolParser` subclass in its own module, listed in `_PARSERS`. The request side (`tools` and
+`tool_choice`: what may be called, and how) is tools.py.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from torch import nn
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, PackedWeight, pack
 
+
 class PackedLinear(nn.Linear):
     packed: PackedWeight | None = None     # set once after loading; None: an fp32 torch matmul
 

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.generation import Usage
+from services.common.engine_contract import Usage
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage object (the Responses and Messages APIs name the same counts their own way)."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
 def _envelope(meta: Meta, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model, "choices": choices}
 
@@ -34,7 +41,7 @@ def completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None],
     logprobs = logprobs or {}
     choices = [{"index": i, "text": texts[i], "logprobs": logprobs.get(i), "finish_reason": finish.get(i)}
                for i in sorted(texts)]
-    return {**_envelope(meta, "text_completion", choices), "usage": usage.to_dict()}
+    return {**_envelope(meta, "text_completion", choices), "usage": usage_dict(usage)}
 
 
 def completion_chunk(meta: Meta, index: int, text: str, finish_reason: str | None,
@@ -51,7 +58,7 @@ def chat_completion(meta: Meta, messages: dict[int, dict[str, Any]], finish: dic
     logprobs = logprobs or {}
     choices = [{"index": i, "message": messages[i], "logprobs": logprobs.get(i), "finish_reason": finish.get(i)}
                for i in sorted(messages)]
-    return {**_envelope(meta, "chat.completion", choices), "usage": usage.to_dict()}
+    return {**_envelope(meta, "chat.completion", choices), "usage": usage_dict(usage)}
 
 
 def chat_chunk(meta: Meta, index: int, delta: dict[str, Any], finish_reason: str | None,
@@ -62,4 +69,4 @@ def chat_chunk(meta: Meta, index: int, delta: dict[str, Any], finish_reason: str
 
 def usage_chunk(meta: Meta, obj: str, usage: Usage) -> dict[str, Any]:
     """stream_options.include_usage: the last chunk before [DONE], with no choices."""
-    return {**_envelope(meta, obj, []), "usage": usage.to_dict()}
+    return {**_envelope(meta, obj, []), "usage": usage_dict(usage)}

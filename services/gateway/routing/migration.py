@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.common.engine_contract import EngineChunk
+from services.common.engine_contract import EngineChunk, EngineRequest
 from services.common.sampling_params import SamplingParams
 from services.gateway import errors
 
@@ -51,8 +51,8 @@ class Placement:
     started: bool = False        # a chunk came from that replica
 
 
-# route(request_id, prompt_ids, params, priority=, cache_salt=, pooling=, resume=, avoid=, placement=) -> chunks
-Route = Callable[..., AsyncIterator[EngineChunk]]
+# route(request, avoid, placement) -> chunks: one try of the request (the router's), on a replica not in `avoid`
+Route = Callable[[EngineRequest, frozenset[str], "Placement"], AsyncIterator[EngineChunk]]
 
 
 class Migration:
@@ -72,16 +72,16 @@ class Migration:
             self.migrations.labels(reason)
             self.failures.labels(reason)
 
-    async def generate(self, route: Route, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "", pooling=None) -> AsyncIterator[EngineChunk]:
-        """pooling: an embedding request (one chunk: it never has delivered tokens to resume from)."""
+    async def generate(self, route: Route, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """request.pooling set: an embedding request (one chunk: it never has delivered tokens to resume from)."""
+        request_id = request.request_id
         delivered: list[int] = []            # every token yielded so far, whichever replica sampled it
         any_chunk, moves, avoid = False, 0, frozenset()
         while True:
             placement = Placement()
-            stream = route(request_id, prompt_ids, resumed_params(params) if any_chunk else params,
-                           priority=priority, cache_salt=cache_salt, pooling=pooling, resume=tuple(delivered),
-                           avoid=avoid, placement=placement)
+            attempt = request if not any_chunk else dataclasses.replace(
+                request, sampling=resumed_params(request.sampling), resume_output_token_ids=list(delivered))
+            stream = route(attempt, avoid, placement)
             try:
                 async for chunk in stream:
                     any_chunk = True

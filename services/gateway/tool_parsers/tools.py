@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway import validation as v
 from services.gateway.errors import bad_request
+from services.gateway.http_io import validation as v
 from services.gateway.tool_parsers import ToolCall, ToolParser
 from services.gateway.tool_parsers.base import NewId, calls_from_values, loads
 

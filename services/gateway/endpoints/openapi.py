@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from services.gateway.embeddings_api import openapi as embeddings_openapi
+from services.gateway.http_io.validation import MAX_INT32, MAX_UINT32
 from services.gateway.messages_api import openapi as messages_openapi
-from services.gateway.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
+from services.gateway.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
+from services.gateway.openai_api.vllm_extras import MAX_CHOICES
 from services.gateway.responses_api import openapi as responses_openapi
-from services.gateway.validation import MAX_INT32, MAX_UINT32
-from services.gateway.vllm_extras import MAX_CHOICES
 
 _NUM = {"type": "number"}
 _CHOICES = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES}

@@ -15,11 +15,11 @@ from typing import Any
 
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.sampling_params import SamplingParams
-from services.gateway import validation as v
 from services.gateway.errors import bad_request
+from services.gateway.http_io import validation as v
+from services.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
 from services.gateway.tool_parsers import ToolParser
-from services.gateway.tools import ToolRequest, parse_tools
-from services.gateway.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
+from services.gateway.tool_parsers.tools import ToolRequest, parse_tools
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

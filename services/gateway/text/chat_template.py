@@ -15,9 +15,9 @@ from typing import Any
 import jinja2
 
 from services.gateway.errors import bad_request
-from services.gateway.tokenizer import Tokenizer
+from services.gateway.text.tokenizer import Tokenizer
 from services.gateway.tool_parsers import ToolParser
-from services.gateway.tools import ToolRequest
+from services.gateway.tool_parsers.tools import ToolRequest
 
 
 class ChatTemplate:

@@ -21,12 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import grpc_options, tracing
 from services.common.engine_contract import EngineChunk, EngineRequest, LoadReport, ModelInfo
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from services.common.pooling_params import PoolingParams
-from services.common.sampling_params import SamplingParams
 from services.common.tls import TlsConfig, open_channel
 from services.gateway import errors
 from services.gateway import tracing as gateway_tracing
-from services.gateway.engine_session import SessionStream
+from services.gateway.engine.engine_session import SessionStream
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +47,16 @@ class EngineClient:
         # Generate calls live (multiplex=False) -> None, or why it was evicted
         self._calls: dict[grpc.aio.Call, Callable[[], errors.APIError] | None] = {}
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str = "",
-                       pooling: PoolingParams | None = None, resume_output_token_ids: Sequence[int] = (),
-                       lora_name: str = "") -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Streams the request's chunks; the last one has finish_reason set. Closing the iterator aborts it.
         request_id must be unique among this engine's live requests. pooling set: an embedding request (its
         one chunk carries the vector). resume_output_token_ids: outputs another replica already delivered
-        (migration.py); the chunks carry only the tokens after them. lora_name: the LoRA adapter to run with
-        ("" = the base model)."""
-        request = EngineRequest(request_id, list(prompt_ids), params, priority, cache_salt, pooling,
-                                list(resume_output_token_ids), lora_name).to_pb()
-        span = gateway_tracing.start_generate(request_id, prompt_ids, params) if tracing.ENABLED else None
-        chunks = self._on_session(request, span) if self.multiplex else self._on_call(request, span)
+        (migration.py); the chunks carry only the tokens after them."""
+        params = request.sampling
+        span = (gateway_tracing.start_generate(request.request_id, request.prompt_token_ids, params)
+                if tracing.ENABLED else None)
+        pb = request.to_pb()
+        chunks = self._on_session(pb, span) if self.multiplex else self._on_call(pb, span)
         with_logprobs = params.logprobs >= 0 or params.prompt_logprobs >= 0
         try:
             async for pb in chunks:

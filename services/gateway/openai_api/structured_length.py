@@ -9,9 +9,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from services.gateway.generation import TextEvent
-from services.gateway.protocol import SamplingFields
-from services.gateway.tools import ToolRequest
+from services.gateway.openai_api.protocol import SamplingFields
+from services.gateway.text.generation import TextEvent
+from services.gateway.tool_parsers.tools import ToolRequest
 
 logger = logging.getLogger("steploop.gateway")
 

@@ -11,14 +11,14 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.common.engine_contract import EngineChunk, FinishReason
+from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from services.common.sampling_params import SamplingParams
-from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
-from services.gateway.engine_client import EngineClient
+from services.gateway.engine.engine_client import EngineClient
 from services.gateway.errors import APIError
 from services.gateway.grammar_check import rejected
-from services.gateway.logprobs import TokenInfo, TokenNamer
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
+from services.gateway.text.logprobs import TokenInfo, TokenNamer
+from services.gateway.text.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
@@ -43,18 +43,6 @@ class Choice:
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
 
 
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-
 @dataclass(frozen=True)
 class TextEvent:
     index: int                       # choice index
@@ -72,15 +60,17 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     stops = StopStringMatcher(choice.stop, choice.include_stop_str_in_output)
     namer = TokenNamer(tokenizer) if choice.params.logprobs >= 0 else None
     pending: list[TokenInfo] = []
-    num_tokens, first = 0, True
-    stream = engine.generate(choice.request_id, choice.prompt_ids, choice.params, priority=choice.priority,
-                             cache_salt=choice.cache_salt, lora_name=choice.lora_name)
+    num_tokens, first, cached = 0, True, 0   # cached: from the usage on the first chunk with tokens
+    stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
+                                           choice.cache_salt, lora_name=choice.lora_name))
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:
                 if first and choice.echo:
                     yield echo_event(choice, tokenizer, namer, chunk)
                 first = False
+                if chunk.usage is not None:
+                    cached = chunk.usage.cached_tokens
                 ids = chunk.token_ids if not choice.drop_output else []
                 num_tokens += len(ids)
                 if namer is not None:
@@ -96,7 +86,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                 if lps is not None:
                     pending = []
                 if stops.stopped:
-                    usage = Usage(len(choice.prompt_ids), num_tokens)
+                    usage = Usage(len(choice.prompt_ids), num_tokens, cached)
                     yield TextEvent(choice.index, text, "stop", usage, lps, stops.matched)
                     return
                 if not finish:

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.tls import TlsConfig, open_channel
-from services.gateway.engine_client import CHANNEL_OPTIONS, EngineClient
-from services.gateway.router import EngineRouter
+from services.gateway.engine.engine_client import CHANNEL_OPTIONS, EngineClient
+from services.gateway.routing.router import EngineRouter
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The gateway's door to one scheduler: the Engine gRPC client and its multiplexed Session stream."""
