@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from services.common.sampling_params import SamplingParams
 from services.gateway.vllm_extras import choice_regex
-
-xgr = pytest.importorskip("xgrammar")
 
 CHOICES = ["yes", "no", "a.b (c)|d*", "x\\y", "naïve café", "line\nbreak", "tab\tx", "[{json}]", "$^+?", "/slash",
            "-dash-", "quote\"s'", "日本語", "  spaced  "]
