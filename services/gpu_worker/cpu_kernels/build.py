@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 class KernelBuildError(RuntimeError):
     """A compiler is present but the library did not build (gcc's message included)."""
 
+
 _COMMON = ["-O3", "-fopenmp", "-fPIC"]
 # source (a .c file beside this one) -> gcc flags (the ISA's flags come on top, isa_flags)
 SOURCES = {
