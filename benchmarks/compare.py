@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import pathlib
-import platform
 import signal
 import sys
 import tempfile
@@ -49,6 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import compare_report as report
+from benchmarks.machine import machine_info
 from services.bench import datasets, plots
 from services.bench.client import Target
 from services.bench.runner import run as bench_run
@@ -86,34 +85,6 @@ class Workloads:
 
 
 LLAMA_CPP_MISSING = "not installed (pip install llama-cpp-python; building it takes ~9 minutes)"
-
-
-def machine_info() -> dict:
-    import importlib.metadata
-
-    import torch
-    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-               platform.processor())
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-    mem = next((int(line.split()[1]) for line in (pathlib.Path("/proc/meminfo").read_text().splitlines()
-                                                   if os.path.exists("/proc/meminfo") else [])
-                if line.startswith("MemTotal")), 0)
-
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "simd": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16",
-                                                                         "amx_tile") if f in flags],
-            "memory_gib": round(mem / 2**20, 1), "os": f"{platform.system()} {platform.release()}",
-            "gpu": gpu, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "transformers": version("transformers"), "llama_cpp_python": version("llama_cpp_python"),
-            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "load_average_at_start": os.getloadavg()}
 
 
 THREADS: list[str] = []       # ["--num-threads", N] for the worker when --threads is given

@@ -33,7 +33,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare import machine_info
+from benchmarks.machine import machine_info
 from services.bench import datasets
 from services.bench.client import Target
 from services.bench.runner import run as bench_run

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from benchmarks.compare import machine_info
+from benchmarks.machine import machine_info
 from services.gpu_worker import host_memory
 from services.gpu_worker.cpu_kernels import build
 from services.gpu_worker.cpu_kernels import paged_attention as kernel

@@ -1,4 +1,6 @@
-"""No import cycles among the modules of services/ (statically, with `ast`; nothing is imported).
+"""No import cycles anywhere in the tree: among the modules of every top-level package of the repository
+(services/, benchmarks/, tests/, and any other folder with an __init__.py), within and across them (statically,
+with `ast`; nothing is imported).
 
 What counts as an import of module A by module B:
 - `import services.x.y` and `from services.x import y` (y a submodule: services.x.y; else the package services.x),
@@ -7,7 +9,7 @@ What counts as an import of module A by module B:
   modules still cannot be understood, tested or split apart one without the other (the attention backends' factory
   imported them inside a function).
 - Not counted: imports under `if TYPE_CHECKING:` (annotations only, no run-time dependency), and anything outside
-  services/ (third-party and the standard library cannot close a cycle through services/).
+  the repository's packages (third-party and the standard library cannot close a cycle through them).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE = "services"
+# the repository's top-level packages (a new one, e.g. an import package for the wheel, is walked too)
+PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
 
 
 def module_names() -> dict[str, pathlib.Path]:
-    """Every module under services/, by dotted name (a package is named by its __init__.py)."""
+    """Every module of the repository's packages, by dotted name (a package is named by its __init__.py)."""
     out = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -50,7 +53,7 @@ def _import_nodes(tree: ast.AST):
 
 
 def imports_of(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
-    """The services/ modules that module `name` imports (see the module docstring for what counts)."""
+    """The repository's modules that module `name` imports (see the module docstring for what counts)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
@@ -63,7 +66,7 @@ def imports_of(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) 
     for node in _import_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] == PACKAGE:
+                if alias.name.split(".")[0] in PACKAGES:
                     add(alias.name)
             continue
         if node.level:   # relative: from the module's package, one level up per extra dot
@@ -71,7 +74,7 @@ def imports_of(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) 
             source = ".".join(base + ([node.module] if node.module else []))
         else:
             source = node.module or ""
-        if source.split(".")[0] != PACKAGE:
+        if source.split(".")[0] not in PACKAGES:
             continue
         for alias in node.names:
             submodule = f"{source}.{alias.name}"
@@ -155,10 +158,12 @@ def test_the_walk_sees_relative_function_level_and_type_checking_imports(tmp_pat
     assert find_cycles({"x": {"y"}, "y": set()}) == []
 
 
-def test_no_import_cycles_among_services_modules():
+def test_no_import_cycles_anywhere_in_the_tree():
     graph = import_graph()
+    assert {"services", "benchmarks", "tests"} <= set(PACKAGES), PACKAGES
     assert len(graph) > 100 and graph["services.gateway.app"], "the walk found no modules or no imports"
+    assert "tests.integration.cluster" in graph["benchmarks.cpu_peers"], "the walk does not follow benchmarks/"
     cycles = find_cycles(graph)
-    assert not cycles, "import cycles among services/ modules:\n" + "\n".join(
+    assert not cycles, "import cycles among the repository's modules:\n" + "\n".join(
         " -> ".join(cycle) + (f"  (one group: {', '.join(members)})" if len(members) > 2 else "")
         for cycle, members in cycles)

@@ -16,7 +16,15 @@ from services.gateway.routing import discovery
 from services.gateway.routing.router import EngineRouter
 
 # The gateway tests' fixtures (a tokenizer folder, a config), imported so pytest finds them here.
-from tests.gateway.conftest import SERVED_NAME, gateway_config, gateway_model_dir, reply_ids, serving_app, tokenizer  # noqa: F401
+from tests.gateway.conftest import (  # noqa: F401
+    SERVED_NAME,
+    gateway_config,
+    gateway_model_dir,
+    reply_ids,
+    serving_app,
+    tokenizer,
+    wait_for,
+)
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
 
@@ -102,7 +110,7 @@ async def test_a_removed_replica_finishes_its_requests_in_flight(cluster):
     url, engines, addresses, dns, finder, _ = cluster
     engines[0].token_delay_s = 0.2
     running = asyncio.create_task(complete(url, list(range(300, 340))))
-    await asyncio.sleep(0.15)
+    await wait_for(lambda: engines[0].requests)       # in flight on replica 0 (3 tokens, 0.2 s each, to go)
     dns.answer = [addresses[1]]
     await finder.refresh()
     assert await running == 200                        # the stream on the removed replica was not cut

@@ -36,18 +36,27 @@ async def test_client_disconnect_mid_stream_cancels_engine_call(gateway):
 
 async def test_health_needs_serving_and_a_worker(gateway):
     async with aiohttp.ClientSession() as http:
-        async def status() -> int:
-            await asyncio.sleep(0.6)   # past the cache ttl
-            async with http.get(f"{gateway.url}/health") as resp:
-                return resp.status
-        assert await status() == 200
+        await until_health(http, gateway.url, 200)
         gateway.engine.num_workers = 0
-        assert await status() == 503
+        await until_health(http, gateway.url, 503)
         gateway.engine.num_workers = 1
+        await until_health(http, gateway.url, 200)
         await gateway.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        assert await status() == 503
+        await until_health(http, gateway.url, 503)
         await gateway.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        assert await status() == 200
+        await until_health(http, gateway.url, 200)
+
+
+async def until_health(http, url: str, status: int, timeout: float = 10.0) -> None:
+    """Polls /health until it answers `status` (the gateway caches the engine's state briefly, so a change shows a
+    moment later)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        async with http.get(f"{url}/health") as resp:
+            if resp.status == status:
+                return
+        assert asyncio.get_running_loop().time() < deadline, f"/health never answered {status} in {timeout} s"
+        await asyncio.sleep(0.05)      # a poll interval
 
 
 NO_TORCH = """
@@ -103,14 +112,12 @@ async def test_sigterm_drains_in_flight_stream(gateway_model_dir, reply_ids):
             resp = await http.post(f"{url}/v1/chat/completions", json=CHAT)
             await resp.content.readline()
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            # While the stream drains the socket stays open: new requests get a clear 503, health says not ready.
+            # While the stream drains the socket stays open: health says not ready, new requests get a clear 503.
             async with aiohttp.ClientSession() as fresh:
+                await until_health(fresh, url, 503)                 # the gateway got the signal
                 async with fresh.post(f"{url}/v1/chat/completions", json=CHAT) as refused:
                     assert refused.status == 503 and refused.headers["Retry-After"] == "1"
                     assert (await refused.json())["error"]["code"] == "shutting_down"
-                async with fresh.get(f"{url}/health") as health:
-                    assert health.status == 503
             body = (await resp.read()).decode()
             assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"stop"' in body
         assert await asyncio.wait_for(proc.wait(), 15) == 0
@@ -181,9 +188,10 @@ async def test_engine_stopping_during_the_drain_is_a_503_in_words(gateway_model_
             pending = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=CHAT))
             await wait_for(lambda: engine.requests)
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            async with aiohttp.ClientSession() as fresh, fresh.post(f"{url}/v1/chat/completions", json=CHAT) as refused:
-                assert refused.status == 503 and (await refused.json())["error"]["code"] == "shutting_down"
+            async with aiohttp.ClientSession() as fresh:
+                await until_health(fresh, url, 503)                 # the gateway got the signal
+                async with fresh.post(f"{url}/v1/chat/completions", json=CHAT) as refused:
+                    assert refused.status == 503 and (await refused.json())["error"]["code"] == "shutting_down"
             await server.stop(0.1)                       # the scheduler's own drain ends with the call still open
             async with await pending as resp:
                 assert resp.status == 503 and resp.headers["Retry-After"] == "1"

@@ -22,9 +22,22 @@ class TwoReplicas:
         self.url, self.engines, self.router = url, engines, router
         self.servers = [server for server, _, _ in started]
         self.healths = [health for _, _, health in started]
+        self.addresses = [address for _, address, _ in started]
 
     def counts(self) -> list[int]:
         return [len(e.requests) for e in self.engines]
+
+    async def routed_to(self, http, i: int, up: bool, timeout: float = 10.0) -> None:
+        """Until the gateway's /metrics says it routes new requests to replica i (steploop:replica_up 1), or not."""
+        head = f'steploop:replica_up{{replica="{self.addresses[i]}"}} '
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            async with http.get(f"{self.url}/metrics") as resp:
+                lines = (await resp.text()).splitlines()
+            if [float(line[len(head):]) for line in lines if line.startswith(head)] == [float(up)]:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"replica {i} never became up={up}"
+            await asyncio.sleep(0.02)       # a poll interval
 
     async def complete(self, http, prompt_ids, **extra):
         body = {"model": SERVED_NAME, "prompt": prompt_ids, "max_tokens": 4, **extra}
@@ -101,13 +114,13 @@ async def test_a_replica_not_serving_gets_no_new_requests(two):
     async with aiohttp.ClientSession() as http:
         assert (await two.complete(http, prompt(0)))[0] == 200        # starts the health poller
         await two.healths[0].set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        await asyncio.sleep(0.5)
+        await two.routed_to(http, 0, up=False)                        # the health poller saw it
         before = two.counts()
         for k in range(8):
             assert (await two.complete(http, prompt(300 + k)))[0] == 200
         assert two.counts()[0] == before[0] and two.counts()[1] == before[1] + 8
         await two.healths[0].set("", health_pb2.HealthCheckResponse.SERVING)
-        await asyncio.sleep(0.5)
+        await two.routed_to(http, 0, up=True)
         for k in range(16):
             assert (await two.complete(http, prompt(400 + k)))[0] == 200
         assert two.counts()[0] > before[0]                            # back in rotation

@@ -31,22 +31,33 @@ def test_cut_link_is_detected_and_recovered(tmp_path, model_dir, hf):
         try:
             cluster.start()
 
+            async def complete(client, prompt: str, first: asyncio.Event) -> str:
+                stream = await client.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                                         max_tokens=MAX_TOKENS, stream=True)
+                text = ""
+                async for chunk in stream:
+                    if chunk.choices:
+                        text += chunk.choices[0].text
+                        first.set()
+                first.set()                 # a stream that ended at once must not leave the scenario waiting
+                return text
+
             async def scenario():
                 client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0,
                                             timeout=300)
-                tasks = [asyncio.create_task(client.completions.create(
-                    model=MODEL, prompt=p, temperature=0, max_tokens=MAX_TOKENS)) for p in PROMPTS]
-                await asyncio.sleep(1.5)
+                firsts = [asyncio.Event() for _ in PROMPTS]
+                tasks = [asyncio.create_task(complete(client, p, first)) for p, first in zip(PROMPTS, firsts)]
+                await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)   # both generating
                 ns.cut()
                 cut_at = time.monotonic()
                 log = tmp_path / "scheduler.log"
                 while "detached" not in log.read_text() and time.monotonic() - cut_at < 40:
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)        # a poll interval, up to a 40 s deadline
                 detected = time.monotonic() - cut_at
                 ns.restore()
-                replies = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+                texts = await asyncio.wait_for(asyncio.gather(*tasks), 240)
                 await client.close()
-                return detected, [r.choices[0].text for r in replies]
+                return detected, texts
 
             detected, texts = asyncio.run(scenario())
             assert_healthy_and_no_leak(cluster, PROMPTS[0], 8,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import openai
 import pytest
@@ -31,6 +32,15 @@ async def _stream(client, prompt, progress: dict, model: str = MODEL, max_tokens
     return text
 
 
+async def until_streaming(progress: dict, tasks: list, timeout: float = 120.0) -> None:
+    """Until every stream has produced text (`progress` has an entry per prompt)."""
+    deadline = time.monotonic() + timeout
+    while len(progress) < len(tasks):
+        assert time.monotonic() < deadline, f"only {len(progress)} of {len(tasks)} streams started"
+        assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+        await asyncio.sleep(0.05)        # a poll interval
+
+
 def test_killed_worker_restarts_and_requests_finish_unchanged(tmp_path, model_dir, hf):
     cluster = Cluster(tmp_path).start()
     try:
@@ -38,10 +48,13 @@ def test_killed_worker_restarts_and_requests_finish_unchanged(tmp_path, model_di
             client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
             progress: dict = {}
             tasks = [asyncio.create_task(_stream(client, p, progress)) for p in PROMPTS]
-            while len(progress) < len(PROMPTS):              # every stream has produced text
-                await asyncio.sleep(0.05)
+            await until_streaming(progress, tasks)
             cluster.stop_service("worker", sig=signal.SIGKILL)
-            await asyncio.sleep(0.5)
+            log = tmp_path / "scheduler.log"
+            deadline = time.monotonic() + 60
+            while "detached" not in log.read_text():         # the scheduler noticed, then the worker comes back
+                assert time.monotonic() < deadline, "the scheduler never noticed the killed worker"
+                await asyncio.sleep(0.05)
             cluster.start_service("worker")
             texts = await asyncio.wait_for(asyncio.gather(*tasks), 240)
             await client.close()

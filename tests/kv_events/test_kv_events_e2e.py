@@ -14,9 +14,10 @@ import pytest
 
 from services.client import EngineClient, EngineRequest, SamplingParams
 from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from services.scheduler.kv_events.zmq_wire import BlockRemoved, BlockStored
 from tests.integration.cluster import MODEL, Cluster, free_port, two_replicas
 from tests.kv_events.helpers import expected_chain, low64
-from tests.kv_events.test_zmq_vllm_wire import BlockRemoved, BlockStored, Subscriber
+from tests.kv_events.test_zmq_vllm_wire import Subscriber
 
 pytestmark = pytest.mark.slow
 

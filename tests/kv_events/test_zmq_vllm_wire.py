@@ -1,67 +1,19 @@
-"""The ZMQ publisher speaks vLLM's wire format: a subscriber written as vLLM's consumers are, decoding with vLLM's
-own message classes (copied below from vllm/distributed/kv_events.py, vLLM 0.32.0, field for field), sees one
-BlockStored entry per full block with the sha256_cbor hashes this test computes, BlockRemoved on eviction, and
-recovers a gap through the replay ROUTER socket."""
+"""The ZMQ publisher speaks vLLM's wire format: a subscriber written as vLLM's consumers are, decoding with the wire
+classes (services/scheduler/kv_events/zmq_wire.py, checked field for field against bytes vLLM itself sent in
+test_vllm_golden.py), sees one BlockStored entry per full block with the sha256_cbor hashes this test computes,
+BlockRemoved on eviction, and recovers a gap through the replay ROUTER socket. Both of vLLM's endpoint forms
+deliver: the publisher binds tcp://*:P, or connects to tcp://host:P where a collector bound its SUB socket."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import msgspec
 import pytest
 import zmq
-from msgspec.msgpack import Decoder
 
+from services.scheduler.kv_events.zmq_wire import BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from tests.integration.cluster import free_port
 from tests.kv_events.helpers import expected_chain, low64, make_hub, run_prompt
-
-ExternalBlockHash = bytes | int   # vllm/v1/core/kv_cache_utils.py
-
-
-# ---- vLLM 0.32.0's definitions (vllm/distributed/kv_events.py) --------------------------------------------------
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-# -----------------------------------------------------------------------------------------------------------------
 
 END_SEQ = -1
 
@@ -71,11 +23,10 @@ class Subscriber:
     sequence and read (topic, seq, payload) until the end marker."""
 
     def __init__(self, pub_port: int, replay_port: int) -> None:
-        self.ctx, self.pub_port = zmq.Context.instance(), pub_port
+        self.ctx, self.pub_port, self.replay_port = zmq.Context.instance(), pub_port, replay_port
         self.sub = self._subscribe()
         self.replay = self.ctx.socket(zmq.DEALER)
         self.replay.connect(f"tcp://127.0.0.1:{replay_port}")
-        self.decoder = Decoder(type=KVEventBatch)
         self.batches: dict[int, KVEventBatch] = {}
         self.next_seq = 0
         self.replayed = 0
@@ -101,7 +52,7 @@ class Subscriber:
         if seq > self.next_seq:
             self.recover(self.next_seq)
         if seq >= self.next_seq:
-            self.batches[seq] = self.decoder.decode(payload)
+            self.batches[seq] = decode_batch(payload)
             self.next_seq = seq + 1
         return True
 
@@ -115,7 +66,7 @@ class Subscriber:
                 assert payload == b"" and topic == b""
                 return
             assert topic == b"kv"
-            self.batches[seq] = self.decoder.decode(payload)
+            self.batches[seq] = decode_batch(payload)
             self.replayed += 1
             self.next_seq = max(self.next_seq, seq + 1)
 
@@ -168,15 +119,17 @@ def test_vllm_subscriber_sees_stored_and_removed_with_sha256_cbor_hashes(wired):
 def test_a_gap_is_recovered_through_the_replay_socket(wired):
     hub, kv, sub = wired
     pump_until_received(hub, kv, sub, start=41000)
-    sub.disconnect()                                        # the subscriber misses what follows
-    missed = []
-    for i in range(3):
-        run_prompt(kv, f"m{i}", [60000 + i] * 4)
-        missed.append(hub.flush().sequence)
-    for _ in range(2000):                                   # sent (to no one) before the subscriber is back
-        if hub.publisher.last_sent >= missed[-1]:
-            break
-        time.sleep(0.005)
+    other = Subscriber(sub.pub_port, sub.replay_port)           # another collector keeps listening (the publisher
+    try:                                                    # holds batches only while no one does)
+        pump_until_received(hub, kv, other, start=41500)
+        sub.disconnect()                                    # this subscriber misses what follows
+        missed = []
+        for i in range(3):
+            run_prompt(kv, f"m{i}", [60000 + i] * 4)
+            missed.append(hub.flush().sequence)
+        wait_until(lambda: hub.publisher.last_sent >= missed[-1], "the missed batches were never sent")
+    finally:
+        other.close()
     sub.reconnect()
     pump_until_received(hub, kv, sub, start=42000)           # the next live batch reveals the gap
     assert sub.replayed >= len(missed)
@@ -184,6 +137,39 @@ def test_a_gap_is_recovered_through_the_replay_socket(wired):
         (event,) = [e for e in sub.batches[seq].events if isinstance(e, BlockStored)]
         assert event.block_hashes == [low64(h) for h in expected_chain([60000 + i] * 4, 4)]
     assert sorted(sub.batches) == list(range(min(sub.batches), sub.next_seq))   # nothing missing from there
+
+
+def wait_until(condition, message: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.005)                                   # a poll interval
+
+
+@pytest.mark.parametrize("form", ["publisher binds", "subscriber binds"])
+def test_the_first_batch_reaches_a_subscriber_of_either_endpoint_form(form):
+    """vLLM's two forms: tcp://*:P binds (subscribers connect); tcp://127.0.0.1:P connects to a collector's bound
+    SUB socket, which subscribes only once its owner polls it: the batch published before that is held, not lost."""
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    if form == "subscriber binds":
+        sub.bind(f"tcp://127.0.0.1:{port}")
+    hub, kv = make_hub(num_blocks=6, block_size=4, publisher="zmq",
+                       endpoint=f"tcp://*:{port}" if form == "publisher binds" else f"tcp://127.0.0.1:{port}")
+    try:
+        if form == "publisher binds":
+            sub.connect(f"tcp://127.0.0.1:{port}")
+        run_prompt(kv, "only", list(range(7, 15)))
+        assert hub.flush().sequence == 0
+        assert sub.poll(10_000), "the first batch never arrived"
+        topic, seq, payload = sub.recv_multipart()
+        (stored,) = decode_batch(payload).events
+        assert (topic, int.from_bytes(seq, "big")) == (b"", 0)
+        assert stored.block_hashes == [low64(h) for h in expected_chain(list(range(7, 15)), 4)]
+    finally:
+        sub.close(linger=0)
+        hub.close()
 
 
 def test_kv_events_config_is_vllms_json():

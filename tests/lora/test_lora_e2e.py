@@ -105,8 +105,10 @@ def test_load_use_unload_reload_while_others_stream(lora_cluster, peft_ref, adap
 
     async def run():
         api = aclient(lora_cluster)
-        streams = [asyncio.create_task(stream_text(api, name)) for name in (MODEL, "attn8", MODEL)]
-        await asyncio.sleep(1.0)         # they are streaming now
+        firsts = [asyncio.Event() for _ in range(3)]
+        streams = [asyncio.create_task(stream_text(api, name, first))
+                   for name, first in zip((MODEL, "attn8", MODEL), firsts)]
+        await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), 300)   # all three streaming
         status, text = await asyncio.to_thread(post, lora_cluster, "/v1/load_lora_adapter",
                                                {"lora_name": "late", "lora_path": str(copy)})
         assert status == 200 and "added successfully" in text
@@ -121,10 +123,16 @@ def test_load_use_unload_reload_while_others_stream(lora_cluster, peft_ref, adap
         again = await api.completions.create(model="late", prompt=PROMPTS[0], temperature=0, max_tokens=MAX_TOKENS)
         return used, again, await asyncio.gather(*streams)
 
-    async def stream_text(api, name):
+    async def stream_text(api, name, first: asyncio.Event):
         stream = await api.completions.create(model=name, prompt=PROMPTS[1], temperature=0, max_tokens=48,
                                               stream=True)
-        return name, "".join([c.choices[0].text async for c in stream if c.choices])
+        text = ""
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                first.set()
+        first.set()                      # an empty stream must not leave the test waiting
+        return name, text
 
     used, again, streamed = asyncio.run(run())
     assert used.choices[0].text == again.choices[0].text == expected(peft_ref, "mlp16", PROMPTS[0])

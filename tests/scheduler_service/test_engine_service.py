@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import grpc
 import pytest
@@ -30,6 +31,19 @@ def request(rid: str, prompt: list[int], max_tokens: int = 8) -> engine_pb2.Gene
                                       sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True).to_pb())
 
 
+async def until(check, what: str, timeout: float = 10.0) -> None:
+    """Polls `check()` (a bool, or an awaitable of one) until it is true; fails naming `what` after `timeout` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        ok = check()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"not in {timeout} s: {what}"
+        await asyncio.sleep(0.01)      # a poll interval
+
+
 async def collect(stub, req) -> tuple[list[int], engine_pb2.GenerateChunk]:
     tokens, last = [], None
     async for chunk in stub.Generate(req):
@@ -47,8 +61,8 @@ async def test_generate_streams_tokens_and_usage(service, engine):
         assert tokens == expected(prompt, 8)
         assert last.finish_reason == engine_pb2.FINISH_REASON_LENGTH
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 8)
-    await asyncio.sleep(0.05)
-    assert service.loop.scheduler.kv.num_free_blocks == 255   # all back (block 0 is the null block)
+    await until(lambda: service.loop.scheduler.kv.num_free_blocks == 255,    # all back (block 0 is the null block)
+                "every KV block free after the streams ended")
     await worker.kill()
 
 
@@ -59,10 +73,7 @@ async def test_cancelled_call_aborts_and_frees_blocks(service, engine):
     async for _ in call:
         break                                                   # first chunk, then the caller goes away
     call.cancel()
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if not service.loop.scheduler.has_unfinished_requests():
-            break
+    await until(lambda: not service.loop.scheduler.has_unfinished_requests(), "the cancelled request aborted")
     assert not service.loop.streams and not service.loop.scheduler.has_unfinished_requests()
     assert service.loop.scheduler.kv.num_free_blocks == 255
     await worker.kill()
@@ -72,10 +83,12 @@ async def test_worker_loss_is_preemption_and_tokens_are_unchanged(service, engin
     stub, _ = engine
     first = FakeGrpcWorker(service.address, step_delay=0.01).start()
     task = asyncio.create_task(collect(stub, request("survivor", [13] * 20, max_tokens=60)))
-    while first.steps < 10:
-        await asyncio.sleep(0.01)
+    await until(lambda: first.steps >= 10, "ten steps on the first worker")
     await first.kill()                                          # the stream breaks mid-generation
-    await asyncio.sleep(0.2)
+
+    async def worker_gone() -> bool:
+        return (await stub.GetModelInfo(engine_pb2.ModelInfoRequest())).num_workers == 0
+    await until(worker_gone, "the scheduler noticed the lost worker")
     second = FakeGrpcWorker(service.address, worker_id="fake-1").start()
     tokens, last = await asyncio.wait_for(task, 20)
     assert tokens == expected([13] * 20, 60)
@@ -109,20 +122,21 @@ async def test_invalid_requests_are_invalid_argument(service, engine):
 async def test_health_follows_the_worker_and_hangs(service, engine):
     stub, health = engine
 
-    async def status():
-        await asyncio.sleep(0.6)
-        return (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
+    async def health_is(want) -> None:
+        async def check() -> bool:
+            return (await health.Check(health_pb2.HealthCheckRequest(service=""))).status == want
+        await until(check, f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(want)}")
 
-    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING      # no worker yet
+    await health_is(health_pb2.HealthCheckResponse.NOT_SERVING)               # no worker yet
     worker = FakeGrpcWorker(service.address).start()
-    assert await status() == health_pb2.HealthCheckResponse.SERVING
+    await health_is(health_pb2.HealthCheckResponse.SERVING)
     worker.paused.clear()                                                     # hung, not dead
     task = asyncio.create_task(collect(stub, request("stuck", [16] * 4)))
-    await asyncio.sleep(1.2)
-    assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_is(health_pb2.HealthCheckResponse.NOT_SERVING)               # past hang_timeout (1 s)
+    assert not task.done()
     worker.paused.set()
     await asyncio.wait_for(task, 5)
-    assert await status() == health_pb2.HealthCheckResponse.SERVING
+    await health_is(health_pb2.HealthCheckResponse.SERVING)
     info = await stub.GetModelInfo(engine_pb2.ModelInfoRequest())
     assert (info.model_name, info.num_workers, info.num_kv_blocks) == ("fake-model", 1, 256)
     await worker.kill()
@@ -137,9 +151,8 @@ async def test_failed_step_fails_its_requests_and_the_next_ones_run(service, eng
     assert "illegal memory access" in last.error_message
     tokens, last = await collect(stub, request("next", [17] * 6, max_tokens=4))
     assert tokens == expected([17] * 6, 4) and last.finish_reason == engine_pb2.FINISH_REASON_LENGTH
-    await asyncio.sleep(0.05)
+    await until(lambda: service.loop.scheduler.kv.num_free_blocks == 255, "every KV block free")
     service.loop.check_idle()
-    assert service.loop.scheduler.kv.num_free_blocks == 255
     await worker.kill()
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.integration.cluster import assert_healthy_and_no_leak
 from tests.integration.hf_reference import HFReference
-from tests.integration.test_worker_restart_e2e import _stream
+from tests.integration.test_worker_restart_e2e import _stream, until_streaming
 from tests.tp.tp_cluster import TpCluster
 
 pytestmark = pytest.mark.slow
@@ -50,8 +50,7 @@ def _fault_scenario(cluster: TpCluster, model: str, fault) -> list[str]:
         client = openai.AsyncOpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=600)
         progress: dict = {}
         tasks = [asyncio.create_task(_stream(client, p, progress, model, MAX_TOKENS)) for p in PROMPTS]
-        while len(progress) < len(PROMPTS):
-            await asyncio.sleep(0.05)
+        await until_streaming(progress, tasks)
         await asyncio.get_running_loop().run_in_executor(None, fault)
         texts = await asyncio.wait_for(asyncio.gather(*tasks), 400)
         await client.close()
@@ -83,7 +82,7 @@ def test_killed_rank_breaks_the_group_and_it_reforms(tp2):
 
     def kill_and_restart():
         cluster.stop_service("worker-1", sig=signal.SIGKILL)
-        time.sleep(0.5)
+        _wait_for_log(cluster.log_dir / "scheduler.log", "detached")      # the group broke; now it re-forms
         cluster.start_service("worker-1")
 
     _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart))

@@ -11,8 +11,9 @@ from services.gpu_worker.cpu_kernels import elementwise as kernel
 from services.gpu_worker.model.cpu_ops import CpuOps
 from services.gpu_worker.model.ops import TorchOps
 from services.gpu_worker.model.rotary import RotaryEmbedding
+from tests.worker.c_kernels import needs_c_kernels
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason="the C kernels did not build (no gcc?)")
+pytestmark = needs_c_kernels()
 
 
 def rand(*shape, seed=0):

@@ -26,8 +26,9 @@ from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.model.llama import LlamaForCausalLM
 from services.gpu_worker.model.model_config import LlamaModelConfig
 from tests.kernels.attention_cases import make_case
+from tests.worker.c_kernels import needs_c_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_pa.available(), reason="the C kernel did not build (no gcc?)")
+pytestmark = needs_c_kernels(build.runnable_isas())
 
 # seq_lens 1, 16 (= block_size), 17 (= block_size + 1), chunks of 3 and 8 (one crossing a block), long contexts
 QUERY_LENS = [1, 1, 1, 3, 8, 1, 2, 8, 1, 5]
@@ -136,6 +137,23 @@ def test_build_cache_key_and_failure(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         assert build.build() is None
     assert "not built" in caplog.text
+
+
+def test_a_compile_error_is_an_error_when_strict(tmp_path, monkeypatch, caplog):
+    """Serving falls back to torch with a warning; tests (strict) see the compiler's message instead."""
+    monkeypatch.setenv(envs.CACHE_DIR, str(tmp_path))
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "broken-cc 1.0" && exit 0\n'
+                  'echo "decoder.c:1: error: broken on purpose" >&2; exit 1\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    with pytest.raises(build.KernelBuildError, match="broken on purpose"):
+        build.build(strict=True)
+    with caplog.at_level(logging.WARNING):
+        assert build.build() is None
+    assert "broken on purpose" in caplog.text
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))                 # no compiler at all: None, even strict
+    assert build.compiler() is None and build.build(strict=True) is None
 
 
 def test_backend_groups_and_env_switch(monkeypatch):

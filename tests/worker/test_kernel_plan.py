@@ -12,16 +12,16 @@ from torch import nn
 
 from services.common import envs
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cpu_kernels.build import load
 from services.gpu_worker.kernel_plan import KernelPlan, resolve_kernel_plan
 from services.gpu_worker.model.cpu_ops import CpuOps
 from services.gpu_worker.model.ops import TorchOps, TritonOps
 from services.gpu_worker.model.packed_linear_layer import PackedLinear
+from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.test_cpu_paged_attention import TINY
 
 CPU = torch.device("cpu")
 SWITCHES = (envs.CPU_KERNELS, envs.CPU_PACKED_WEIGHTS, envs.CPU_DECODER, envs.CPU_ATTENTION_KERNEL, envs.CPU_HUGEPAGES)
-needs_kernels = pytest.mark.skipif(load() is None, reason="the C kernels did not build (no gcc?)")
+needs_kernels = needs_c_kernels()
 
 
 @pytest.fixture(autouse=True)

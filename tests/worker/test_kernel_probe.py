@@ -14,9 +14,10 @@ from services.gpu_worker.cpu_kernels import probe
 from services.gpu_worker.cpu_kernels.build import load
 from services.gpu_worker.kernel_plan import resolve_kernel_plan
 from services.gpu_worker.model.model_config import LlamaModelConfig
+from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.test_cpu_paged_attention import TINY
 
-needs_kernels = pytest.mark.skipif(load() is None, reason="the C kernels did not build (no gcc?)")
+needs_kernels = needs_c_kernels()
 
 
 def result(packed_ms, torch_ms) -> probe.ProbeResult:

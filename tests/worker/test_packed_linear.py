@@ -13,8 +13,9 @@ from services.gpu_worker.cpu_kernels import build
 from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q8_0, pack, unpack
 from services.gpu_worker.model.packed_linear_layer import PackedLinear, pack_linear_weights
+from tests.worker.c_kernels import needs_c_kernels
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason="the C kernel did not build (no gcc?)")
+pytestmark = needs_c_kernels(build.runnable_isas())
 
 
 def gguf_q4_1(n: int, k: int, seed: int) -> torch.Tensor:

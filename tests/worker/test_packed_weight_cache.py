@@ -14,14 +14,14 @@ from safetensors.torch import save_file
 
 from services.gpu_worker import packed_weight_cache
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cpu_kernels import packed_linear as kernel
 from services.gpu_worker.cpu_kernels.packed_weights import unpack
 from services.gpu_worker.model import packed_linear_layer
 from services.gpu_worker.model_runner import ModelRunner
+from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.test_forward import run_flat
 from tests.worker.test_packed_linear import gguf_q4_1, gguf_q8_0
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason="the C kernel did not build (no gcc?)")
+pytestmark = needs_c_kernels()
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 128, 256, 4, 2, 32, 2, 96
 CONFIG = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER,

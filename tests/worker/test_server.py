@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -39,7 +40,8 @@ class FakeScheduler(worker_pb2_grpc.PlanStreamServicer):
         self.results.append(StepResult.from_pb((await it.__anext__()).result))
 
 
-async def test_attach_serve_reconnect(fresh_runner):
+async def test_attach_serve_reconnect(fresh_runner, caplog):
+    caplog.set_level(logging.INFO, logger="steploop.worker")
     server = grpc.aio.server()
     fake = FakeScheduler()
     worker_pb2_grpc.add_PlanStreamServicer_to_server(fake, server)
@@ -47,7 +49,10 @@ async def test_attach_serve_reconnect(fresh_runner):
     config = WorkerConfig(scheduler_address=f"127.0.0.1:{port}", num_kv_blocks=256, max_model_len=1024)
     stop = asyncio.Event()
     task = asyncio.create_task(serve(config, runner=fresh_runner, stop=stop))
-    await asyncio.sleep(0.5)                                  # scheduler not up yet: the worker backs off
+    deadline = asyncio.get_running_loop().time() + 30
+    while "not reachable yet" not in caplog.text:             # scheduler not up yet: the worker backs off
+        assert asyncio.get_running_loop().time() < deadline and not task.done(), "the worker never retried"
+        await asyncio.sleep(0.02)
     await server.start()
     for _ in range(200):
         if len(fake.results) >= 2:

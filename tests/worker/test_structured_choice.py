@@ -12,8 +12,6 @@ from services.common.sampling_params import SamplingParams
 from services.gateway.openai_api.vllm_extras import choice_regex
 from services.gpu_worker.structured_output import GrammarRefused
 
-xgr = pytest.importorskip("xgrammar")
-
 CHOICES = ["yes", "no", "a.b (c)|d*", "x\\y", "naïve café", "line\nbreak", "tab\tx", "[{json}]", "$^+?", "/slash",
            "-dash-", "quote\"s'", "日本語", "  spaced  "]
 

@@ -12,8 +12,9 @@ for the host. The library lands in $STEPLOOP_CACHE_DIR/kernels/ (default ~/.cach
 steploop_cpu-<isa>-<hash>.so, the hash covering the sources, the flags, `gcc --version`, the ISA and the CPU's
 flags line: -march=native code must not run on another CPU (an image moved between hosts rebuilds). gcc works in
 a temp folder and the library is renamed into place, so several processes may build at once. No gcc, or a failed
-compile: build() logs one warning and returns None (callers fall back to torch). $CC, when set, replaces gcc (it
-must accept gcc's flags, -fopenmp included).
+compile: build() logs one warning and returns None (callers fall back to torch); build(strict=True) raises
+KernelBuildError with gcc's message instead when a compiler is there (tests: a kernel that does not compile is a
+failure, not a skip). $CC, when set, replaces gcc (it must accept gcc's flags, -fopenmp included).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ from services.common import envs
 from services.common.model_path import cache_dir
 
 log = logging.getLogger(__name__)
+
+
+class KernelBuildError(RuntimeError):
+    """A compiler is present but the library did not build (gcc's message included)."""
+
 
 _COMMON = ["-O3", "-fopenmp", "-fPIC"]
 # source (a .c file beside this one) -> gcc flags (the ISA's flags come on top, isa_flags)
@@ -119,32 +125,42 @@ def _compile(gcc: str, out: pathlib.Path, isa: str) -> None:
             done = subprocess.run([gcc, *flags, *isa_flags(isa), "-c", "-o", str(obj), str(source(name))],
                                   check=False, capture_output=True, text=True)
             if done.returncode:
-                raise RuntimeError(f"gcc failed on {name}.c: {done.stderr.strip()[-500:]}")
+                raise KernelBuildError(f"gcc failed on {name}.c: {done.stderr.strip()[-500:]}")
             objects.append(str(obj))
         lib = pathlib.Path(tmp) / "lib.so"
         done = subprocess.run([gcc, "-shared", "-fopenmp", "-o", str(lib), *objects], check=False,
                               capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"linking failed: {done.stderr.strip()[-500:]}")
+            raise KernelBuildError(f"linking failed: {done.stderr.strip()[-500:]}")
         os.chmod(lib, 0o755)                             # tempfile's 0700 folder; the library must be readable
         os.replace(lib, out)
 
 
-def build(isa: str | None = None) -> pathlib.Path | None:
+def compiler() -> str | None:
+    """The C compiler's path ($CC, else gcc), or None when there is none on PATH."""
+    return shutil.which(os.environ.get("CC", "gcc"))
+
+
+def build(isa: str | None = None, strict: bool = False) -> pathlib.Path | None:
     """The compiled library for `isa` (default: selected_isa()), compiling it if it is not cached, or None when it
-    cannot be built."""
-    gcc = shutil.which(os.environ.get("CC", "gcc"))
+    cannot be built. strict: a compiler that is there but fails raises KernelBuildError (no compiler: None)."""
+    gcc = compiler()
     try:
         isa = isa or selected_isa()
         if gcc is None:
             raise RuntimeError("gcc not found")
-        version = subprocess.run([gcc, "--version"], capture_output=True, text=True, check=True).stdout
+        try:
+            version = subprocess.run([gcc, "--version"], capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise KernelBuildError(f"{gcc} --version failed: {exc}") from exc
         path = library_path(version, isa)
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             _compile(gcc, path, isa)
         return path
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+        if strict and isinstance(exc, KernelBuildError):
+            raise
         log.warning("CPU kernels not built (%s); the CPU uses its torch paths instead", exc)
         return None
 

@@ -3,10 +3,18 @@ vLLM 0.32.0), so vLLM's subscribers (its examples/online_serving/kv_events_subsc
 steploop scheduler unchanged:
 
 - PUB `endpoint`: every batch as the multipart message (topic, sequence as 8-byte big-endian, msgpack payload);
-- ROUTER `replay_endpoint`: a request (identity, b"", start sequence as 8-byte big-endian) is answered with each
-  buffered batch from that sequence on as (identity, b"", topic, seq, payload), then the end marker
-  (identity, b"", b"", -1 as 8 signed big-endian bytes, b"");
+  vLLM's rule decides the side: a wildcard (tcp://*:P), `::`, ipc:// or inproc:// address binds, any other
+  (tcp://host:P) connects to a collector that binds its SUB socket there (llm-d's deployment);
+- ROUTER `replay_endpoint` (always bound): a request (identity, b"", start sequence as 8-byte big-endian) is
+  answered with each buffered batch from that sequence on as (identity, b"", topic, seq, payload), then the end
+  marker (identity, b"", b"", -1 as 8 signed big-endian bytes, b"");
 - the last `buffer_steps` payloads are kept for replay; the PUB socket's high-water mark is `hwm`.
+
+Unlike vLLM, batches are not dropped while no subscriber listens for the topic: the PUB side is an XPUB socket,
+which reports subscriptions, and batches published while none matches are held (in the replay buffer) and sent
+when one arrives. A SUB socket that binds only subscribes once its owner calls into it (a poll or recv), so with
+vLLM's plain PUB a connecting publisher loses every batch sent before that moment: a collector that binds, lets
+a completion run and then reads got nothing at all.
 
 The step loop only puts batches on a bounded queue (`max_queue_size`; past it a batch is dropped and logged,
 never blocking a step); one thread owns both sockets (ZMQ sockets are not thread-safe) and does the encoding.
@@ -46,8 +54,10 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode()
         self.dropped = 0
         self.last_sent = -1                  # the last sequence sent on the PUB socket (the thread's progress)
+        self._subscriptions: set[bytes] = set()   # prefixes subscribed now (XPUB reports the first and the last)
+        self._held_from: int | None = None   # the first buffered sequence no subscriber has been sent
         ctx = zmq.Context.instance()
-        self._pub = ctx.socket(zmq.PUB)
+        self._pub = ctx.socket(zmq.XPUB)
         self._pub.set_hwm(config.hwm)
         (self._pub.bind if is_bind_endpoint(config.endpoint) else self._pub.connect)(config.endpoint)
         self._replay = None
@@ -76,17 +86,45 @@ class ZmqEventPublisher:
                     self._service_replay()
                 except zmq.ZMQError:
                     log.exception("KV events: replay request failed")
+            self._read_subscriptions()
             try:
                 batch = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
             if batch is None:
                 break
-            payload = encode_batch(encoder, batch, self.data_parallel_rank)
-            seq = batch.sequence.to_bytes(8, "big")
-            self._pub.send_multipart((self._topic, seq, payload))
-            self._buffer.append((batch.sequence, payload))
-            self.last_sent = batch.sequence
+            self._buffer.append((batch.sequence, encode_batch(encoder, batch, self.data_parallel_rank)))
+            if self._held_from is None:
+                self._held_from = batch.sequence
+            if self._has_subscriber():
+                self._send_held()
+
+    def _has_subscriber(self) -> bool:
+        return any(self._topic.startswith(prefix) for prefix in self._subscriptions)
+
+    def _read_subscriptions(self) -> None:
+        """XPUB's subscription messages: 1 + prefix for a prefix's first subscriber, 0 + prefix when its last one
+        leaves."""
+        while self._pub.poll(0):
+            message = self._pub.recv()
+            if message[:1] == b"\x01":
+                self._subscriptions.add(message[1:])
+            elif message[:1] == b"\x00":
+                self._subscriptions.discard(message[1:])
+        if self._held_from is not None and self._has_subscriber():
+            self._send_held()
+
+    def _send_held(self) -> None:
+        """Every buffered batch from the first held one on, oldest first (usually just the newest)."""
+        held = []
+        for seq, payload in reversed(self._buffer):
+            if seq < self._held_from:
+                break
+            held.append((seq, payload))
+        for seq, payload in reversed(held):
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self.last_sent = seq
+        self._held_from = None
 
     def _service_replay(self) -> None:
         frames = self._replay.recv_multipart()

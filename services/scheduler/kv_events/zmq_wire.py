@@ -77,3 +77,16 @@ def to_wire(event: ev.KvEvent) -> KVCacheEvent:
 
 def encode_batch(encoder: msgspec.msgpack.Encoder, batch: ev.KvEventBatch, data_parallel_rank: int = 0) -> bytes:
     return encoder.encode(EventBatch(batch.ts, [to_wire(e) for e in batch.events], data_parallel_rank))
+
+
+class KVEventBatch(EventBatch):
+    """A batch whose events decode to the classes above (vLLM's KVEventBatch)."""
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+_DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A ZMQ payload (ours or vLLM's) as vLLM's consumers decode it."""
+    return _DECODER.decode(payload)
