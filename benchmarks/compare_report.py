@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from statistics import median
 
 
 def short(s: dict) -> str:
@@ -84,7 +85,8 @@ def _rounds(f: dict, key: str) -> str:
     if len(r.get(key, [])) < 2:
         return ""
     fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)
-    return f"; best of alternating rounds: {fmt(r[key])} vs {fmt(r[other])}"
+    return (f"; best of alternating rounds: {fmt(r[key])} vs {fmt(r[other])} (medians {median(r[key]):.1f} vs "
+            f"{median(r[other]):.1f}: {median(r[key]) / median(r[other]):.2f}x)")
 
 
 def _tpot_row(f: dict) -> dict:
@@ -154,8 +156,9 @@ def machine_line(info: dict) -> str:
                                                                                           "llama_cpp_python")
                                             if info.get(k)]
     threads = info.get("engine_threads", info["torch_threads"])
-    return (f"{', '.join(parts)}; {', '.join(versions)}, Python {info['python']}; {threads} threads per engine "
-            "(gRPC worker, in-process engine, transformers and llama.cpp alike)")
+    commit = f"commit {info['commit']}; " if info.get("commit") else ""
+    return (f"{commit}{', '.join(parts)}; {', '.join(versions)}, Python {info['python']}; {threads} threads per "
+            "engine (gRPC worker, in-process engine, transformers and llama.cpp alike)")
 
 
 def _clean(f: dict) -> dict:

@@ -7,6 +7,21 @@ import datetime
 import os
 import pathlib
 import platform
+import subprocess
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (short), '+dirty' when tracked files differ from it: every table names the code it
+    measured. None outside a git checkout (an installed package)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def machine_info() -> dict:
@@ -33,5 +48,5 @@ def machine_info() -> dict:
             "memory_gib": round(mem / 2**20, 1), "os": f"{platform.system()} {platform.release()}",
             "gpu": gpu, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "transformers": version("transformers"), "llama_cpp_python": version("llama_cpp_python"),
-            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "python": platform.python_version(), "commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_average_at_start": os.getloadavg()}
