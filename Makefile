@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools \
+.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools compose-tools \
 	image-scheduler image-worker-cpu image-model image-gateway
 
 install: $(STAMP) protos model
@@ -46,7 +46,7 @@ serve: install
 # tests/kernels runs in its own pytest process: its conftest sets TRITON_INTERPRET=1 on a CPU, which triton reads
 # when a kernel is decorated and which every subprocess started later inherits, so the rest of the suite (and the
 # workers it starts) would run with it. Both parts always run; the target fails if either did.
-test: install policy-tools
+test: install policy-tools compose-tools
 	@rc=0; $(BIN)/python -m pytest -q --ignore=tests/kernels $(PYTEST_ARGS) || rc=1; \
 	$(BIN)/python -m pytest -q tests/kernels $(PYTEST_ARGS) || rc=1; exit $$rc
 
@@ -67,6 +67,11 @@ $(POLICY_VENV)/.installed:
 	$(PYTHON) -m venv $(POLICY_VENV)
 	$(POLICY_VENV)/bin/pip install -q "$(CHECKOV_SPEC)"
 	touch $@
+
+# Docker Compose v2 (`docker compose`; only the client: tests/deploy/test_compose_config.py runs `docker compose
+# config`, no engine): Debian trixie's static plugin where the machine has none (seconds when present).
+compose-tools:
+	@docker compose version 2>/dev/null | grep -q ' v\?2\.' || bash deploy/compose/install-compose-v2.sh
 
 # Container images (deploy/docker/Dockerfile), named $(STEPLOOP_REGISTRY)/<gateway|scheduler|worker-cpu|model>:$(STEPLOOP_TAG),
 # the names docker-compose.yml and deploy/k8s use (set STEPLOOP_REGISTRY=registry.example.com/steploop to build

@@ -11,6 +11,9 @@ if docker compose version 2>/dev/null | grep -q 'v\?2\.'; then
   docker compose version; exit 0
 fi
 command -v apt-get >/dev/null || { echo "needs apt-get (Debian); else install Compose v2 by hand" >&2; exit 1; }
+if ! command -v docker >/dev/null; then   # the plugin needs the docker client (Debian's docker.io has it)
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io
+fi
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 list=/etc/apt/sources.list.d/steploop-trixie-compose.list
 pin=/etc/apt/preferences.d/steploop-trixie-compose
