@@ -54,6 +54,11 @@ for image in scheduler worker-cpu model gateway; do
   echo "build steploop/$image: $(since "$start") s, $((size / 1000000)) MB"
 done
 
+tag="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)"
+for image in scheduler worker-cpu model gateway; do
+  echo "image steploop/$image:$tag: $(( $(docker image inspect -f '{{.Size}}' "steploop/$image:$tag") / 1000000 )) MB"
+done
+
 work="$(mktemp -d /tmp/steploop-smoke.XXXXXX)"
 project="steploop-smoke-$$"
 export STEPLOOP_CERTS="$work/certs" COMPOSE_PROFILES=cpu
@@ -110,11 +115,23 @@ echo "chat reply after the worker restart ($(since "$start") s): $reply"
 
 # A crash, not an operator's stop: `docker kill` counts as a stop under every restart policy (never restarted);
 # a process killed from the host is what a crash or the OOM killer looks like to Docker.
+scheduler_id="$("${compose[@]}" ps -q scheduler)"
+restarts() { docker inspect -f '{{.RestartCount}}' "$scheduler_id"; }
+before="$(restarts)"
 start=$(now)
-kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$("${compose[@]}" ps -q scheduler)")"
+kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$scheduler_id")"
+deadline=$(( $(date +%s) + 60 ))
+until [ "$(restarts)" -gt "$before" ]; do   # Docker noticed the death and started it again
+  [ "$(date +%s)" -lt "$deadline" ] || { echo "the scheduler was not restarted within 60 s" >&2; exit 1; }
+  sleep 0.2
+done
+echo "scheduler SIGKILLed: restarted by Docker after $(since "$start") s"
 wait_healthy 300
-echo "scheduler SIGKILLed, restarted by Docker (restarts: $(docker inspect -f '{{.RestartCount}}' \
-  "$("${compose[@]}" ps -q scheduler)")), healthy again after $(since "$start") s"
+until [ "$(docker inspect -f '{{.State.Health.Status}}' "$scheduler_id")" = healthy ]; do
+  [ "$(date +%s)" -lt $(( deadline + 300 )) ] || { echo "the scheduler is not healthy again" >&2; exit 1; }
+  sleep 1
+done
+echo "scheduler healthy again (its worker re-attached) after $(since "$start") s"
 reply="$(chat)"
 echo "chat reply after the scheduler crash: $reply"
 
