@@ -20,6 +20,7 @@ COMPOSE = ROOT / "deploy" / "compose"
 HOST = "host-network.yml"
 OVERRIDES = sorted(p.name for p in COMPOSE.glob("*.yml") if p.name != HOST and not p.stem.endswith("-host-network"))
 REGISTRY = "registry.example.com/steploop"
+pytestmark = pytest.mark.slow   # ~40 s of `docker compose config` runs: `make test` runs them, `make test-fast` not
 
 
 def docker_compose() -> list[str]:
