@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools \
+.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools compose-tools \
 	image-scheduler image-worker-cpu image-model image-gateway
 
 install: $(STAMP) protos model
@@ -48,7 +48,7 @@ serve: install
 # tests/kernels runs in its own pytest process: its conftest sets TRITON_INTERPRET=1 on a CPU, which triton reads
 # when a kernel is decorated and which every subprocess started later inherits, so the rest of the suite (and the
 # workers it starts) would run with it. Both parts always run; the target fails if either did.
-test: install policy-tools
+test: install policy-tools compose-tools
 	@rc=0; $(BIN)/python -m pytest -q --ignore=tests/kernels $(PYTEST_ARGS) || rc=1; \
 	$(BIN)/python -m pytest -q tests/kernels $(PYTEST_ARGS) || rc=1; exit $$rc
 
@@ -70,32 +70,53 @@ $(POLICY_VENV)/.installed:
 	$(POLICY_VENV)/bin/pip install -q "$(CHECKOV_SPEC)"
 	touch $@
 
+# Docker Compose v2 (`docker compose`; only the client: tests/deploy/test_compose_config.py runs `docker compose
+# config`, no engine): Debian trixie's static plugin where the machine has none (seconds when present).
+compose-tools:
+	@docker compose version 2>/dev/null | grep -q ' v\?2\.' || bash deploy/compose/install-compose-v2.sh
+
 # Container images (deploy/docker/Dockerfile), named $(STEPLOOP_REGISTRY)/<gateway|scheduler|worker-cpu|model>:$(STEPLOOP_TAG),
-# the names docker-compose.yml and deploy/k8s use. TORCH_SPEC/TORCH_INDEX choose the worker's torch (CPU build
-# by default); offline, put a torch wheel in deploy/wheels/ and set TORCH_INDEX= (README "Deployment").
+# the names docker-compose.yml and deploy/k8s use (set STEPLOOP_REGISTRY=registry.example.com/steploop to build
+# for your registry; README "Deployment"). TORCH_SPEC/TORCH_INDEX choose the worker's torch (CPU build by default);
+# offline, put a torch wheel in deploy/wheels/ and set TORCH_INDEX= TORCH_SPEC=torch==2.13.0+cpu. PIP_INDEX_URL: a
+# package mirror; CA_BUNDLE: a CA bundle's file name in deploy/wheels/ (an intercepting proxy).
 # BASE_IMAGE: any Debian-like Python 3.10+ image (deploy/docker/make-base-image.sh makes one without a registry).
+# The builds use the classic builder (no buildx needed) on the host's network (a daemon without a default bridge
+# network has no DNS for a build on the bridge), and send each build only what it reads: the sources, plus the
+# wheels in deploy/wheels/ for the images whose build installs torch (worker, model, gateway: the gateway's
+# tokenizer files come from the model conversion stage); the scheduler's context has no torch wheel.
 STEPLOOP_REGISTRY ?= steploop
 STEPLOOP_TAG      ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 BASE_IMAGE        ?= python:3.11-slim
 TORCH_INDEX       ?= https://download.pytorch.org/whl/cpu
 TORCH_INDEX_CUDA  ?= https://download.pytorch.org/whl/cu128
 CA_BUNDLE         ?=
-DOCKER_BUILD      ?= docker build
+PIP_INDEX_URL     ?=
+DOCKER_BUILD      ?= docker build --network host
+export DOCKER_BUILDKIT ?= 0
 IMAGE_BUILD = $(DOCKER_BUILD) -f deploy/docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) \
-	--build-arg CA_BUNDLE=$(CA_BUNDLE) --build-arg TORCH_SPEC=$(TORCH_SPEC)
+	--build-arg CA_BUNDLE=$(CA_BUNDLE) --build-arg PIP_INDEX_URL=$(PIP_INDEX_URL) --build-arg TORCH_SPEC=$(TORCH_SPEC)
+# The build context as a tar on stdin: the sources the Dockerfile copies (.dockerignore says the same for
+# `docker build .` and `docker compose build`), and of deploy/wheels/ all ($(1) = deploy/wheels, the torch images)
+# or only its README and the CA bundle.
+IMAGE_SOURCES = pyproject.toml setup.py MANIFEST.in README.md LICENSE protos scripts/gen_protos.py services deploy/docker
+image_context = tar -c --exclude=services/common/pb --exclude=__pycache__ --exclude='*.pyc' $(IMAGE_SOURCES) \
+	$(or $(1),deploy/wheels/README.md $(if $(CA_BUNDLE),deploy/wheels/$(CA_BUNDLE)))
 
 images: image-scheduler image-worker-cpu image-model image-gateway
 image-scheduler:
-	$(IMAGE_BUILD) --target scheduler -t $(STEPLOOP_REGISTRY)/scheduler:$(STEPLOOP_TAG) .
+	$(call image_context) | $(IMAGE_BUILD) --target scheduler -t $(STEPLOOP_REGISTRY)/scheduler:$(STEPLOOP_TAG) -
 image-worker-cpu:
-	$(IMAGE_BUILD) --target worker --build-arg TORCH_INDEX=$(TORCH_INDEX) --build-arg WORKER_EXTRA=worker-cpu \
-		-t $(STEPLOOP_REGISTRY)/worker-cpu:$(STEPLOOP_TAG) .
+	$(call image_context,deploy/wheels) | $(IMAGE_BUILD) --target worker --build-arg TORCH_INDEX=$(TORCH_INDEX) \
+		--build-arg WORKER_EXTRA=worker-cpu -t $(STEPLOOP_REGISTRY)/worker-cpu:$(STEPLOOP_TAG) -
 image-model:
-	$(IMAGE_BUILD) --target model --build-arg TORCH_INDEX=$(TORCH_INDEX) -t $(STEPLOOP_REGISTRY)/model:$(STEPLOOP_TAG) .
+	$(call image_context,deploy/wheels) | $(IMAGE_BUILD) --target model --build-arg TORCH_INDEX=$(TORCH_INDEX) \
+		-t $(STEPLOOP_REGISTRY)/model:$(STEPLOOP_TAG) -
 image-gateway:
-	$(IMAGE_BUILD) --target gateway --build-arg TORCH_INDEX=$(TORCH_INDEX) -t $(STEPLOOP_REGISTRY)/gateway:$(STEPLOOP_TAG) .
+	$(call image_context,deploy/wheels) | $(IMAGE_BUILD) --target gateway --build-arg TORCH_INDEX=$(TORCH_INDEX) \
+		-t $(STEPLOOP_REGISTRY)/gateway:$(STEPLOOP_TAG) -
 
 # The CUDA worker (~6 GB): torch from TORCH_INDEX_CUDA, with triton.
 images-cuda:
-	$(IMAGE_BUILD) --target worker --build-arg TORCH_INDEX=$(TORCH_INDEX_CUDA) --build-arg WORKER_EXTRA=worker \
-		-t $(STEPLOOP_REGISTRY)/worker-cuda:$(STEPLOOP_TAG) .
+	$(call image_context,deploy/wheels) | $(IMAGE_BUILD) --target worker --build-arg TORCH_INDEX=$(TORCH_INDEX_CUDA) \
+		--build-arg WORKER_EXTRA=worker -t $(STEPLOOP_REGISTRY)/worker-cuda:$(STEPLOOP_TAG) -

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # A real container run of docker-compose.yml: builds the images (make images), brings the CPU profile up on
 # host networking bound to loopback (deploy/compose/host-network.yml), sends a chat request through the
-# gateway, restarts the worker container and checks that a request after it still works, then takes
-# everything down (volumes too). Prints build times, image sizes, time to healthy and both replies.
+# gateway, restarts the worker container and checks that a request after it still works, kills the scheduler's
+# process (SIGKILL from the host, as a crash or the OOM killer would) and waits for Docker to restart it; then
+# two replicas on host networking (replicas.yml + replicas-host-network.yml): stops each scheduler in turn and
+# checks the gateway still answers. Takes everything down (volumes too). Prints build times, image sizes, time
+# to healthy, each recovery time and the replies.
 #   deploy/smoke.sh                   # environment: BASE_IMAGE, TORCH_SPEC, TORCH_INDEX, CA_BUNDLE (see Makefile)
 # Exits non-zero on any failure, and (2) where no Docker engine or compose v2 is available.
 set -euo pipefail
@@ -51,13 +54,19 @@ for image in scheduler worker-cpu model gateway; do
   echo "build steploop/$image: $(since "$start") s, $((size / 1000000)) MB"
 done
 
+tag="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)"
+for image in scheduler worker-cpu model gateway; do
+  echo "image steploop/$image:$tag: $(( $(docker image inspect -f '{{.Size}}' "steploop/$image:$tag") / 1000000 )) MB"
+done
+
 work="$(mktemp -d /tmp/steploop-smoke.XXXXXX)"
 project="steploop-smoke-$$"
 export STEPLOOP_CERTS="$work/certs" COMPOSE_PROFILES=cpu
 deploy/make-certs.sh "$STEPLOOP_CERTS" >/dev/null
 export STEPLOOP_API_KEY="$(cat "$STEPLOOP_CERTS/api-key")"
-export STEPLOOP_PUBLISH_PORT="$(free_port)" STEPLOOP_SCHEDULER_PORT="$(free_port)"
+export STEPLOOP_PUBLISH_PORT="$(free_port)" STEPLOOP_SCHEDULER_PORT="$(free_port)" STEPLOOP_SCHEDULER_2_PORT="$(free_port)"
 compose=(docker compose -p "$project" -f docker-compose.yml -f deploy/compose/host-network.yml)
+single=("${compose[@]}")
 down() {
   status=$?
   if [ "$status" -ne 0 ]; then "${compose[@]}" logs --no-color --tail 40 >&2 || true; fi
@@ -103,3 +112,52 @@ echo "worker restarted, healthy again after $(since "$start") s"
 start=$(now)
 reply="$(chat)"
 echo "chat reply after the worker restart ($(since "$start") s): $reply"
+
+# A crash, not an operator's stop: `docker kill` counts as a stop under every restart policy (never restarted);
+# a process killed from the host is what a crash or the OOM killer looks like to Docker.
+scheduler_id="$("${compose[@]}" ps -q scheduler)"
+restarts() { docker inspect -f '{{.RestartCount}}' "$scheduler_id"; }
+before="$(restarts)"
+start=$(now)
+kill -KILL "$(docker inspect -f '{{.State.Pid}}' "$scheduler_id")"
+deadline=$(( $(date +%s) + 60 ))
+until [ "$(restarts)" -gt "$before" ]; do   # Docker noticed the death and started it again
+  [ "$(date +%s)" -lt "$deadline" ] || { echo "the scheduler was not restarted within 60 s" >&2; exit 1; }
+  sleep 0.2
+done
+echo "scheduler SIGKILLed: restarted by Docker after $(since "$start") s"
+wait_healthy 300
+until [ "$(docker inspect -f '{{.State.Health.Status}}' "$scheduler_id")" = healthy ]; do
+  [ "$(date +%s)" -lt $(( deadline + 300 )) ] || { echo "the scheduler is not healthy again" >&2; exit 1; }
+  sleep 1
+done
+echo "scheduler healthy again (its worker re-attached) after $(since "$start") s"
+reply="$(chat)"
+echo "chat reply after the scheduler crash: $reply"
+
+# Two replicas on host networking; each scheduler stopped in turn, the gateway routes to the other.
+"${compose[@]}" down -v --remove-orphans >/dev/null 2>&1
+compose=("${single[@]}" -f deploy/compose/replicas.yml -f deploy/compose/replicas-host-network.yml)
+start=$(now)
+"${compose[@]}" up -d --no-build --quiet-pull 2>&1 | grep -v '^\s*$' || true
+wait_healthy 600
+wait_container_healthy() {   # service seconds
+  local deadline=$(( $(date +%s) + $2 ))
+  until [ "$(docker inspect -f '{{.State.Health.Status}}' "$("${compose[@]}" ps -q "$1")")" = healthy ]; do
+    [ "$(date +%s)" -lt "$deadline" ] || { echo "$1 not healthy within $2 s" >&2; return 1; }
+    sleep 1
+  done
+}
+wait_container_healthy scheduler 600
+wait_container_healthy scheduler-2 600
+echo "two replicas healthy after $(since "$start") s: $(docker ps --filter "label=com.docker.compose.project=$project" \
+  --format '{{.Names}}={{.Status}}' | tr '\n' ' ')"
+for victim in scheduler scheduler-2; do
+  "${compose[@]}" stop "$victim" >/dev/null
+  start=$(now)
+  reply="$(chat)"
+  echo "$victim stopped: chat reply through the other replica ($(since "$start") s): $reply"
+  "${compose[@]}" start "$victim" >/dev/null
+  wait_container_healthy "$victim" 300
+done
+echo "smoke passed"

@@ -12,11 +12,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 
 
-def kustomizations() -> list[pathlib.Path]:
-    """Every folder holding a Kustomization (components are rendered through the overlays that use them)."""
+def kustomizations(kinds: tuple[str, ...] = ("Kustomization",)) -> list[pathlib.Path]:
+    """Every folder holding a kustomization of one of `kinds` (by default Kustomizations: components are rendered
+    through the overlays that use them; ("Kustomization", "Component") gives every folder `kubectl kustomize`
+    renders)."""
     found = []
     for path in sorted(K8S.rglob("kustomization.yaml")):
-        if yaml.safe_load(path.read_text()).get("kind", "Kustomization") == "Kustomization":
+        if yaml.safe_load(path.read_text()).get("kind", "Kustomization") in kinds:
             found.append(path.parent)
     return found
 

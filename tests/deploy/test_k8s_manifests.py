@@ -15,6 +15,7 @@ from tests.deploy.k8s_render import K8S, ROOT, kustomizations, render
 
 KUBERNETES_VERSION = "1.32.0"            # the oldest release the manifests promise (sleep-free preStop, PDB v1)
 FOLDERS = kustomizations()
+REGISTRY_EXAMPLE = "examples/registry"          # renames the images: test_k8s_namespace_and_registry.py
 IMAGES = {"steploop/gateway", "steploop/scheduler", "steploop/worker-cpu", "steploop/worker-cuda", "steploop/model"}
 
 
@@ -172,7 +173,7 @@ def test_gateways_discover_engine_replicas_through_the_headless_service(rendered
 
 
 def image_repos(rendered) -> set[str]:
-    return {c["image"].rsplit(":", 1)[0] for _, _, spec in pod_specs(rendered)
+    return {c["image"].rsplit(":", 1)[0] for folder, _, spec in pod_specs(rendered) if folder != REGISTRY_EXAMPLE
             for c in spec["containers"] + spec.get("initContainers", [])}
 
 
@@ -269,3 +270,35 @@ def test_the_tp_overlay_runs_a_leader_worker_set_group(rendered):
     policy = next(d for d in rendered["overlays/tp"] if d["metadata"]["name"] == "engine-tp-group")
     peers = {"podSelector": {"matchLabels": {"leaderworkerset.sigs.k8s.io/name": "engine"}}}
     assert policy["spec"]["ingress"] == [{"from": [peers]}] and policy["spec"]["egress"][0] == {"to": [peers]}
+
+
+def test_dns_egress_reaches_node_local_dns_cache_too(rendered):
+    """A rule that lets pods reach kube-dns also lets them reach NodeLocal DNSCache (169.254.20.10 on each node,
+    host-networked, so no podSelector matches it): with it installed the pods' resolv.conf points there."""
+    rules = [rule for docs in rendered.values() for d in docs if d["kind"] == "NetworkPolicy"
+             for rule in d["spec"].get("egress", []) if any(p["port"] == 53 for p in rule.get("ports", []))]
+    assert rules
+    for rule in rules:
+        assert {"ipBlock": {"cidr": "169.254.20.10/32"}} in rule["to"], rule
+
+
+def test_a_node_drain_keeps_an_engine_serving(rendered):
+    """Two engine replicas at least (StatefulSet, HPA/KEDA floor), spread over nodes, one down at a time."""
+    for folder in ("overlays/cpu", "overlays/gpu"):
+        docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered[folder]}
+        engine = docs[("StatefulSet", "engine")]["spec"]
+        assert engine["replicas"] >= 2
+        spread = engine["template"]["spec"]["topologySpreadConstraints"]
+        assert spread[0]["topologyKey"] == "kubernetes.io/hostname"
+        assert docs[("PodDisruptionBudget", "engine")]["spec"]["maxUnavailable"] == 1
+        scaler = docs.get(("HorizontalPodAutoscaler", "engine")) or docs[("ScaledObject", "engine")]
+        assert scaler["spec"].get("minReplicas", scaler["spec"].get("minReplicaCount")) >= 2, folder
+
+
+def test_the_gateway_stays_ready_without_an_engine(rendered):
+    """Readiness on /version (not /health): with no engine serving, clients get the gateway's 503, not a Service
+    without endpoints (refused connections)."""
+    for folder, name, spec in pod_specs(rendered):
+        if name == "gateway":
+            (gateway,) = spec["containers"]
+            assert gateway["readinessProbe"]["httpGet"]["path"] == "/version", folder
