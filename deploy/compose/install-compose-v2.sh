@@ -14,7 +14,14 @@ command -v apt-get >/dev/null || { echo "needs apt-get (Debian); else install Co
 if ! command -v docker >/dev/null; then   # the plugin needs the docker client (Debian's docker.io has it)
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io
 fi
-mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+# The machine's own Debian archive (its apt sources: a mirror or proxy keeps working), unless DEBIAN_MIRROR is set.
+apt_mirror() {
+  { sed -n 's/^URIs:[[:space:]]*\([^[:space:]]*\).*/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null
+    sed -n 's/^deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]*\).*/\2/p' /etc/apt/sources.list 2>/dev/null
+  } | grep -m1 '/debian/\?$' || true
+}
+mirror="${DEBIAN_MIRROR:-$(apt_mirror)}"
+[ -n "$mirror" ] || { echo "no Debian archive in the apt sources: set DEBIAN_MIRROR" >&2; exit 1; }
 list=/etc/apt/sources.list.d/steploop-trixie-compose.list
 pin=/etc/apt/preferences.d/steploop-trixie-compose
 work="$(mktemp -d)"
