@@ -50,6 +50,7 @@ def make_model(shape: str, dtype: torch.dtype, device: str, folder: pathlib.Path
     import transformers
 
     config = transformers.LlamaConfig(**SHAPES[shape], **COMMON)
+    config._attn_implementation = "eager"      # the plainest oracle (sdpa may pick fused kernels of its own)
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(dtype).eval()
@@ -71,7 +72,8 @@ def make_runner(folder: pathlib.Path, device: str, dtype: str, graphs: bool, num
 
 
 def free(runner) -> None:
-    runner.graphs = runner.model = runner.kv_caches = None
+    if runner is not None:
+        runner.graphs = runner.model = runner.kv_caches = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -131,6 +133,7 @@ def e2e(shape: str, dry: bool) -> dict:
             row["ok"] = row["agreement"] >= need and row.get("graphs_equal_eager", True)
             out[dtype] = row
             del hf
+            free(None)
             if dtype == "bfloat16" or dry:
                 out["max_batch"] = max_batch(folder, device, dtype, dry)
     out["ok"] = all(v.get("ok", True) for v in out.values() if isinstance(v, dict))
@@ -165,7 +168,7 @@ def decode(dry: bool, hbm_gbs: float | None) -> dict:
     """Step time at batch x context on the 8B-width model (bf16, CUDA graphs), as a fraction of the bound."""
     device, dtype, shape = ("cpu", "float32", "tiny") if dry else ("cuda", "bfloat16", "8b")
     batches, contexts = ((1, 2), (32, 64)) if dry else ((1, 8, 32, 128), (1024, 4096, 32768))
-    token_budget = 64 * 4 if dry else 1 << 21          # KV tokens held at once (2 Mi: 32 GiB at 8 layers)
+    token_budget = 64 * 4 if dry else 1 << 21          # KV tokens held at once (2 Mi: 64 GiB at 8 layers, bf16)
     cfg = SHAPES[shape]
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * (4 if dry else 2)
     rows = []
