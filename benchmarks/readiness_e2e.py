@@ -23,16 +23,17 @@ import torch
 from tests.worker.driver import Driver
 
 SHAPES = {   # hand-written: Llama-3.2-1B's shape, and Llama-3-8B's width with fewer layers
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True},
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False},
+    "tiny": {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "tie_word_embeddings": False},
 }
-COMMON = dict(max_position_embeddings=32768 + 512, rms_norm_eps=1e-5, rope_theta=500000.0, initializer_range=0.2,
-              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192}, bos_token_id=1, eos_token_id=2)
+COMMON = {"max_position_embeddings": 32768 + 512, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+          "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
+          "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}
 
 
 class FastDriver(Driver):

@@ -27,7 +27,7 @@ def to_v4_rope(values: dict[str, Any]) -> dict[str, Any]:
     if not params:
         return out
     if not isinstance(params, dict):
-        raise ValueError(f"config.json rope_parameters={params!r} is not a mapping")
+        raise ValueError(f"config.json rope_parameters={params!r} is not a mapping")  # noqa: TRY004 - exit 2
     if set(params) <= set(LAYER_TYPES) and all(isinstance(v, dict) for v in params.values()):
         full = params.get("full_attention") or params.get("sliding_attention")
         sliding = params.get("sliding_attention")
