@@ -74,3 +74,13 @@ def test_check_stops_before_any_section_without_stubs(tmp_path, monkeypatch):
 
 def test_what_travels_is_under_the_limit():
     assert readiness_stubs.travelling_bytes() < readiness_stubs.LIMIT_BYTES
+
+
+def test_bundled_stubs_drop_the_runtime_version_guard():
+    """The device's protobuf may be older than the generator here (a 6.31 guard refuses a 5.27 runtime; without it
+    the same stubs load there: checked by hand with protobuf 5.27.5)."""
+    text = (ROOT / "services" / "common" / "pb" / "steploop" / "v1" / "worker_pb2.py").read_text()
+    relaxed = readiness_stubs.relax_runtime_check(text)
+    assert "_runtime_version" not in relaxed and "AddSerializedFile" in relaxed
+    compile(relaxed, "worker_pb2.py", "exec")
+    assert readiness_stubs.relax_runtime_check(relaxed) == relaxed
