@@ -52,8 +52,8 @@ def check_stubs(stubs: pathlib.Path = STUBS, protos: pathlib.Path = PROTOS) -> d
     return {"ok": True}
 
 
-_GUARD_IMPORT = re.compile(r"^from google\.protobuf import runtime_version as _runtime_version\n", re.M)
-_GUARD_CALL = re.compile(r"^_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*\)\n", re.M)
+_GUARD_IMPORT = re.compile(r"^from google\.protobuf import runtime_version as _runtime_version\n", re.MULTILINE)
+_GUARD_CALL = re.compile(r"^_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*\)\n", re.MULTILINE)
 
 
 def relax_runtime_check(text: str) -> str:
