@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools compose-tools \
+.PHONY: install protos model serve test test-fast bench clean images images-cuda policy-tools compose-tools gpu-bundle \
 	image-scheduler image-worker-cpu image-model image-gateway
 
 install: $(STAMP) protos model
@@ -56,6 +56,11 @@ test: install policy-tools compose-tools
 test-fast: install
 	@rc=0; $(BIN)/python -m pytest -q -m "not slow" --ignore=tests/kernels $(PYTEST_ARGS) || rc=1; \
 	$(BIN)/python -m pytest -q -m "not slow" tests/kernels $(PYTEST_ARGS) || rc=1; exit $$rc
+
+# What the GPU readiness check needs beside the tracked tree (the GPU machine has no grpcio-tools): the stubs,
+# stamped with a hash of protos/; prints the size of what travels (< 64 MiB). benchmarks/GPU_READINESS.md.
+gpu-bundle: $(STAMP)
+	$(BIN)/python -m benchmarks.readiness_stubs
 
 clean:
 	rm -rf $(VENV) $(POLICY_VENV) services/common/pb

@@ -8,7 +8,7 @@ the worker imports services.gpu_worker.kernels only for the triton attention bac
 picks on a CPU, and for the LoRA dispatch (lora_ops), which imports its triton modules only for CUDA tensors;
 gateway/scheduler never import triton at all. The guard below fails loudly if a kernel
 module was imported (compiled mode) before this conftest, which would make every test here fail on a CPU.
-On a CUDA machine (benchmarks/gpu_check.sh) nothing is set and the same tests run compiled.
+On a CUDA machine nothing is set and the same tests run compiled.
 """
 
 from __future__ import annotations

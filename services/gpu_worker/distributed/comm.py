@@ -4,6 +4,14 @@ its ranks formed (process_group.py), each bounded by the group's timeout.
 A collective that fails or times out raises CollectiveError; the worker then leaves the group and breaks its plan
 stream, which the scheduler treats as the whole group lost. Before a group exists (the start-up memory profile)
 `local_only` lets the forward run without talking to anyone: shapes and memory are right, values are not used.
+
+gloo's `work.wait(timeout)` blocks the host, so every collective is bounded where it is called. NCCL's only makes
+the compute stream wait: the host runs ahead and a stalled peer would surface only in NCCL's watchdog, which by
+default kills the process. So on NCCL (the group formed with TORCH_NCCL_ASYNC_ERROR_HANDLING=2, process_group.py:
+the watchdog aborts the communicator at the group's timeout instead) the step's last collective, the vocabulary
+all-gather, is awaited on the host with the same deadline: NCCL runs one group's collectives in order on one
+stream, so its completion covers every all-reduce before it, and a stall anywhere in the step raises here, once
+per step, as on gloo.
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ class TensorParallelComm:
         self.local_only = False          # True only while profiling memory before a group exists
         self.seconds = 0.0               # time spent in collectives since the last take_seconds()
         self.calls = 0
+        self.stream_ordered = False      # NCCL: collectives complete on the device, after the host moved on
 
     def attach(self, group, generation: int, timeout: timedelta) -> None:
         self.group, self.generation, self.timeout = group, generation, timeout
+        self.stream_ordered = _backend(group) == "nccl"     # wait() does not block the host (module doc)
 
     def detach(self) -> None:
         """Leave the group. NCCL needs its communicators aborted (a peer may be gone mid-collective); gloo's
@@ -68,16 +78,19 @@ class TensorParallelComm:
         if self.local_only:
             return torch.cat([x] * self.world_size, dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self._run(lambda g: g.allgather([parts], [x]))
+        self._run(lambda g: g.allgather([parts], [x]), host_wait=True)   # the step's last collective
         return torch.cat(parts, dim=-1)
 
-    def _run(self, start) -> None:
+    def _run(self, start, host_wait: bool = False) -> None:
         if self.group is None:
             raise CollectiveError(f"rank {self.rank}: no tensor-parallel group formed (the group is incomplete)")
         began = time.perf_counter()
         try:
             work = start(self.group)
-            if not work.wait(self.timeout):
+            finished = work.wait(self.timeout)
+            if self.stream_ordered and host_wait:
+                finished = _await_on_host(work, began + self.timeout.total_seconds())
+            if not finished:
                 raise CollectiveError(f"rank {self.rank}: a collective did not finish in "
                                       f"{self.timeout.total_seconds():g} s")
         except CollectiveError:
@@ -87,3 +100,19 @@ class TensorParallelComm:
         finally:
             self.seconds += time.perf_counter() - began
             self.calls += 1
+
+
+def _backend(group) -> str:
+    name = getattr(group, "name", None)
+    return name() if callable(name) else ""
+
+
+def _await_on_host(work, deadline: float) -> bool:
+    """Poll until the device finished the collective (True) or the deadline passed (False); a collective the
+    watchdog aborted completes with an error, which wait() raises."""
+    while not work.is_completed():
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(0.0001)
+    work.wait()
+    return True

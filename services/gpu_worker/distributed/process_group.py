@@ -11,12 +11,17 @@ rank of the next. The group is a plain ProcessGroup object (no global default gr
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+# NCCL's watchdog on a collective past the group's timeout: 2 = abort the communicator and mark the work failed
+# (the default, 3, kills the process), so the rank raises CollectiveError and leaves the group as on gloo (comm.py).
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 class GroupStore:
@@ -37,6 +42,7 @@ def form_group(rank: int, world_size: int, rendezvous: str, generation: int, tim
         store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
     store = dist.PrefixStore(f"steploop-tp/{generation}", store)
     if device.type == "cuda":
+        os.environ.update(NCCL_ENV)     # read when the group is built
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(store, rank, world_size, options)

@@ -1,6 +1,6 @@
 """Supported model families as declared differences from the Llama decoder, and the config-field audit.
 
-parse_config(path) reads config.json through transformers' own config class (so derived fields, e.g. Qwen2's
+parse_config(path) reads config.json through transformers' own config class (version 4 or 5: config_compat.py) (so derived fields, e.g. Qwen2's
 layer_types from use_sliding_window / max_window_layers, are what transformers computes), then the family's reader
 below. Every field of config.to_dict() must be either read by the reader or listed in INERT_FIELDS (documented as
 not changing the output); any other field that is set (not None / false / 0 / empty) is refused with a ValueError
@@ -16,6 +16,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
+from services.gpu_worker.model.config_compat import to_v4_rope
 from services.gpu_worker.model.moe import MoESpec
 from services.gpu_worker.model.rotary import ROPE_TYPES, rope_type
 
@@ -147,6 +148,7 @@ def _qwen3(f: Fields) -> dict[str, Any]:
 
 def _gemma(f: Fields, act_key: str = "hidden_act") -> dict[str, Any]:
     cfg = _decoder(f, act_key)
+    f.refuse_if("use_bidirectional_attention", bool, "only causal attention runs")   # transformers 5 has it on all
     return {**cfg, "norm_offset": 1.0, "embedding_scale": math.sqrt(cfg["hidden_size"])}
 
 
@@ -158,7 +160,6 @@ def _gemma2(f: Fields) -> dict[str, Any]:
 
 
 def _gemma3(f: Fields) -> dict[str, Any]:
-    f.refuse_if("use_bidirectional_attention", bool, "only causal attention runs")
     return {**_gemma2(f), "qk_norm": "head", "local_rope_theta": f.get("rope_local_base_freq", 10000.0)}
 
 
@@ -189,7 +190,8 @@ def _mixtral(f: Fields) -> dict[str, Any]:
 
 def _qwen3_moe(f: Fields) -> dict[str, Any]:
     cfg = _qwen3(f)
-    experts, step, dense = f.get("num_experts", 0), f.get("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
+    experts = f.get("num_experts") or f.get("num_local_experts", 0)     # transformers 5 renames it
+    step, dense = f.get("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
     moe = MoESpec(experts, f.get("num_experts_per_tok"), f.get("moe_intermediate_size"),
                   bool(f.get("norm_topk_prob", False)), "mlp", _sparse_layers(cfg, experts, step, dense))
     return {**cfg, "moe": moe}
@@ -205,6 +207,7 @@ def _qwen2_moe(f: Fields) -> dict[str, Any]:
     # transformers' eager/sdpa masks window every layer, its flash path only those past max_window_layers: no oracle
     f.refuse_if("use_sliding_window", bool, "transformers' own Qwen2-MoE windows differ by attention implementation")
     f.get("sliding_window"), f.get("max_window_layers")     # unused without use_sliding_window
+    f.refuse_if("layer_types", lambda v: set(v) - {"full_attention"}, "Qwen2-MoE runs full attention only")
     f.refuse_if("shared_expert_intermediate_size", lambda v: v <= 0, "the shared expert must have a width")
     experts, step, dense = f.get("num_experts", 0), f.get("decoder_sparse_step", 1), f.get("mlp_only_layers", [])
     moe = MoESpec(experts, f.get("num_experts_per_tok"), f.get("moe_intermediate_size"),
@@ -225,7 +228,7 @@ def read_fields(values: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
     model_type = values.get("model_type", "")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported; steploop runs {', '.join(FAMILIES)}")
-    f = Fields(dict(values), model_type)
+    f = Fields(to_v4_rope(values), model_type)        # transformers 5's rope_parameters, as v4 fields
     kwargs = FAMILIES[model_type](f)
     set_fields = [k for k in f.unaccounted() if f.values[k] not in (None, False, 0, "", [], {})]
     if set_fields:

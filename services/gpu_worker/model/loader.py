@@ -56,7 +56,9 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     cfg = full_cfg if tp_share is None else local_config(full_cfg, tp_share)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, plan)
-    model = model.to_empty(device=device).to(dtype)
+    # cast while still on meta, so the device holds only the target dtype (building fp32 first and casting made an
+    # 8B model peak at 32 GB); each checkpoint tensor is then read in its stored dtype and cast by copy_ on the device
+    model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     _load_weights(model, cfg, path, None if tp_share is None else CheckpointSharder(full_cfg, tp_share))
     if tp_share is not None:

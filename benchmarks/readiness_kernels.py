@@ -1,0 +1,205 @@
+"""gpu_readiness section `kernels`: every Triton kernel against its fp32 torch reference (kernels/reference.py,
+kernels/lora_reference.py) at serving shapes: 32 query / 8 KV heads, head sizes 64 and 128, block 16, decode at
+contexts 4k and 32k, an 8k prefill, mixed steps, window + soft-cap, a KV cache over 2^31 elements (int64 offsets),
+fused MoE and LoRA shrink/expand. Each case records its max abs error, the bound it was held to and its time; one
+failing case does not stop the others. Dry run: the same cases at tiny shapes, interpreted (TRITON_INTERPRET=1 is
+set by the parent for this section's subprocess), fp32.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+# (atol, rtol) against the fp32 references, as tests/kernels/conftest.py
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> dict:
+    atol, rtol = TOL[dtype]
+    got, want = got.float(), want.float()
+    err = (got - want).abs()
+    bound = atol * scale + rtol * scale * want.abs()
+    return {"max_abs_err": float(err.max()) if err.numel() else 0.0, "atol": atol * scale, "rtol": rtol * scale,
+            "ok": bool((err <= bound).all()) and bool(torch.isfinite(got).all())}
+
+
+def _paged(query_lens: list[int], seq_lens: list[int], h: int, hk: int, d: int, dtype, device,
+           extra_blocks: int = 0, high_blocks: bool = False, seed: int = 0):
+    """q, a paged cache [2, N, 16, hk, d] and block tables; high_blocks puts every request's blocks at the end
+    of the cache (the far offsets a >2^31-element cache needs int64 for)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    bs = 16
+    per_req = [-(-s // bs) for s in seq_lens]
+    used = sum(per_req)
+    num_blocks = used + 1 + extra_blocks
+    cache = torch.empty((2, num_blocks, bs, hk, d), dtype=dtype, device=device)
+    first = num_blocks - used if high_blocks else 1
+    cache[:, first:].normal_(generator=g)
+    cache[:, :first].zero_()
+    ids = torch.arange(first, first + used, device=device, dtype=torch.int32)
+    ids = ids[torch.randperm(used, generator=g, device=device)]
+    tables = torch.zeros((len(seq_lens), max(per_req)), dtype=torch.int32, device=device)
+    start = 0
+    for r, n in enumerate(per_req):
+        tables[r, :n] = ids[start:start + n]
+        start += n
+    q = torch.randn((sum(query_lens), h, d), generator=g, dtype=torch.float32, device=device).to(dtype)
+    return q, cache, tables
+
+
+def attention_case(query_lens, seq_lens, h, hk, d, dtype, device, window=None, softcap=None, **cache_kw) -> dict:
+    from services.gpu_worker.kernels.paged_attention import plan_attention, unified_attention
+    from services.gpu_worker.kernels.reference import paged_attention_ref
+
+    q, cache, tables = _paged(query_lens, seq_lens, h, hk, d, dtype, device, **cache_kw)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32, device=device)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    plan = plan_attention(qsl, seq, tables, np.array(query_lens, np.int32), np.array(seq_lens, np.int32), h, hk)
+    out = torch.empty_like(q)
+    scale = d ** -0.5
+    t0 = time.perf_counter()
+    unified_attention(q, cache, out, plan, scale, window, softcap)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    want = paged_attention_ref(q, cache, query_lens, seq_lens, tables, scale, window, softcap)
+    return {**compare(out, want, dtype), "num_splits": plan.num_splits, "cache_elements": cache.numel(),
+            "first_call_s": round(seconds, 3)}
+
+
+def cache_write_case(num_tokens, hk, d, dtype, device, num_blocks) -> dict:
+    from services.gpu_worker.kernels.cache_write import write_kv_cache
+    from services.gpu_worker.kernels.reference import write_kv_cache_ref
+
+    g = torch.Generator(device=device).manual_seed(1)
+    k = torch.randn((num_tokens, hk, d), generator=g, device=device).to(dtype)
+    v = torch.randn((num_tokens, hk, d), generator=g, device=device).to(dtype)
+    cache = torch.zeros((2, num_blocks, 16, hk, d), dtype=dtype, device=device)
+    top = num_blocks * 16
+    slots = torch.arange(top - num_tokens, top, device=device, dtype=torch.int64)   # the far end of the cache
+    slots[::7] = -1                                                                   # padding rows: skipped
+    write_kv_cache(k, v, cache, slots)
+    got = cache[:, -(-num_tokens // 16) - 1:].clone()
+    cache.zero_()
+    write_kv_cache_ref(k, v, cache, slots)
+    return {**compare(got, cache[:, -(-num_tokens // 16) - 1:], dtype), "cache_elements": cache.numel()}
+
+
+def fused_cases(tokens: int, hidden: int, inter: int, h: int, hk: int, d: int, dtype, device) -> dict:
+    from services.gpu_worker.kernels import fused, reference
+
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn((tokens, hidden), generator=g, device=device).to(dtype)
+    res = torch.randn((tokens, hidden), generator=g, device=device).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(dtype)
+    out = {"rms_norm": compare(fused.rms_norm(x, w, 1e-6), reference.rms_norm_ref(x, w, 1e-6), dtype)}
+    got, got_res = fused.rms_norm(x.clone(), w, 1e-6, res.clone())
+    want, want_res = reference.fused_add_rms_norm_ref(x, res, w, 1e-6)
+    out["fused_add_rms_norm"] = {"out": compare(got, want, dtype), "residual": compare(got_res, want_res, dtype)}
+    gu = torch.randn((tokens, 2 * inter), generator=g, device=device).to(dtype)
+    out["silu_and_mul"] = compare(fused.silu_and_mul(gu), reference.silu_and_mul_ref(gu), dtype)
+    pos = torch.randint(0, 4096, (tokens,), generator=g, device=device)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d))
+    emb = torch.outer(torch.arange(4096, device=device).float(), inv).repeat(1, 2)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = torch.randn((tokens, h, d), generator=g, device=device).to(dtype)
+    k = torch.randn((tokens, hk, d), generator=g, device=device).to(dtype)
+    want_q, want_k = reference.rotary_neox_ref(pos, q, k, cos, sin)
+    got_q, got_k = fused.rotary_neox(pos, q.clone(), k.clone(), cos, sin)
+    out["rotary_neox"] = {"q": compare(got_q, want_q, dtype), "k": compare(got_k, want_k, dtype)}
+    return out
+
+
+def moe_case(tokens, hidden, inter, experts, top_k, dtype, device) -> dict:
+    from services.gpu_worker.kernels.fused_moe import fused_experts
+    from services.gpu_worker.kernels.reference import fused_moe_ref
+
+    g = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn((tokens, hidden), generator=g, device=device).to(dtype)
+    w13 = (torch.randn((experts, 2 * inter, hidden), generator=g, device=device) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn((experts, hidden, inter), generator=g, device=device) * inter ** -0.5).to(dtype)
+    logits = torch.randn((tokens, experts), generator=g, device=device)
+    weights, ids = logits.softmax(-1).topk(top_k, -1)
+    got = fused_experts(x, w13, w2, weights, ids.to(torch.int32), "silu")
+    return compare(got, fused_moe_ref(x, w13, w2, weights, ids, "silu"), dtype, scale=2.0)
+
+
+def lora_case(token_slots, hidden, n, rank, dtype, device) -> dict:
+    from services.gpu_worker.kernels.lora_expand import lora_expand_triton
+    from services.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_shrink_ref
+    from services.gpu_worker.kernels.lora_shrink import lora_shrink_triton
+    from tests.kernels.lora_cases import make_case
+
+    case = make_case(token_slots, hidden=hidden, n=n, rank=rank, dtype=dtype)
+    on = case.to(device)
+    z = lora_shrink_triton(on.x, on.lora_a, on.seg, on.scale)
+    shrink = compare(z, lora_shrink_ref(case.x, case.lora_a, case.seg, case.scale).to(device), dtype)
+    lora_expand_triton(on.y, z, on.lora_b, on.seg)
+    want = case.y.float() + lora_delta_ref(case.x, case.lora_a, case.lora_b, case.token_slots, case.scale)
+    return {"shrink": shrink, "expand": compare(on.y, want.to(device), dtype, scale=2.0)}
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def cases(dry: bool) -> dict[str, Callable[[], dict]]:
+    """name -> thunk. Real shapes on the GPU (bf16); a handful of tokens interpreted on the CPU (fp32)."""
+    dev = "cpu" if dry else "cuda"
+    dt = torch.float32 if dry else torch.bfloat16
+    h, hk = (4, 2) if dry else (32, 8)
+    ctx4k, ctx32k, pre = (40, 70, 24) if dry else (4096, 32768, 8192)
+    # K alone over 2^31 elements (an int32 offset overflows inside one layer's K): blocks * 16 * 8 * 128 > 2^31
+    # needs > 131,072 blocks; 140,000 hold 4.6e9 elements (8.5 GiB of bf16)
+    big_blocks = 4 if dry else 140_000
+    out: dict[str, Callable[[], dict]] = {}
+    for d in ((16, 32) if dry else (64, 128)):
+        out[f"decode_ctx4k_d{d}"] = lambda d=d: attention_case([1] * 4, [ctx4k] * 4, h, hk, d, dt, dev)
+        out[f"decode_ctx32k_d{d}"] = lambda d=d: attention_case([1] * 2, [ctx32k, ctx32k // 3], h, hk, d, dt, dev)
+        out[f"prefill_8k_d{d}"] = lambda d=d: attention_case([pre], [pre], h, hk, d, dt, dev)
+        out[f"mixed_d{d}"] = lambda d=d: attention_case([1, 1, pre // 8, 3], [ctx4k, 7, pre // 8, ctx4k // 2],
+                                                        h, hk, d, dt, dev)
+        out[f"window_softcap_d{d}"] = lambda d=d: attention_case([1, pre // 8], [ctx4k, pre // 4], h, hk, d, dt,
+                                                                 dev, window=ctx4k // 4, softcap=30.0)
+    d = 32 if dry else 128
+    out["decode_kv_over_2e31"] = lambda: attention_case([1, 1], [ctx4k, 33], h, hk, d, dt, dev,
+                                                        extra_blocks=big_blocks, high_blocks=True)
+    out["cache_write_over_2e31"] = lambda: cache_write_case(48 if dry else 4096, hk, d, dt, dev,
+                                                            big_blocks + (8 if dry else 300))
+    out["fused_elementwise"] = lambda: fused_cases(8 if dry else 8192, 64 if dry else 4096, 96 if dry else 14336,
+                                                   h, hk, d, dt, dev)
+    out["fused_moe"] = lambda: moe_case(6 if dry else 96, 32 if dry else 4096, 48 if dry else 1408,
+                                        4 if dry else 8, 2, dt, dev)
+    decode_slots, mixed_slots = [0, 1, 0, -1, 2], [0] * 20 + [-1] * 3 + [1] * 9
+    out["lora_decode"] = lambda: lora_case(decode_slots * (1 if dry else 16), 32 if dry else 4096,
+                                           48 if dry else 4096, 8 if dry else 16, dt, dev)
+    out["lora_mixed"] = lambda: lora_case(mixed_slots * (1 if dry else 40), 32 if dry else 4096,
+                                          24 if dry else 1024, 8 if dry else 64, dt, dev)
+    return out
+
+
+def _all_ok(value) -> bool:
+    if isinstance(value, dict):
+        return value.get("ok", True) and all(_all_ok(v) for v in value.values() if isinstance(v, dict))
+    return True
+
+
+def run(dry: bool) -> dict:
+    results, failed = {}, []
+    for name, thunk in cases(dry).items():
+        t0 = time.perf_counter()
+        try:
+            results[name] = thunk()
+        except Exception as exc:  # noqa: BLE001 - one failing case does not hide the others
+            results[name] = {"ok": False, "error": repr(exc), "traceback": traceback.format_exc()[-1500:]}
+        results[name]["seconds"] = round(time.perf_counter() - t0, 3)
+        if not _all_ok(results[name]):
+            failed.append(name)
+        if not dry:
+            torch.cuda.empty_cache()
+    return {"dtype": "float32" if dry else "bfloat16", "cases": results, "failed": failed, "ok": not failed}
