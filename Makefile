@@ -36,8 +36,8 @@ protos: $(STAMP)
 # kernels (attention, packed linear), compiled once (gcc) so the first worker start does not pay it; without gcc the
 # worker falls back to torch. Both are cached under ~/.cache/steploop: later runs take well under a second here.
 model: $(STAMP) protos
-	$(STEP) "set-up 7/8: convert the default model (once)" $(BIN)/python -m services.gpu_worker.gguf_convert
-	$(STEP) "set-up 8/8: build the CPU kernels (once)" $(BIN)/python -m services.gpu_worker.cpu_kernels.build \
+	$(STEP) "set-up 7/8: convert the default model (once)" $(BIN)/python -m steploop.gpu_worker.gguf_convert
+	$(STEP) "set-up 8/8: build the CPU kernels (once)" $(BIN)/python -m steploop.gpu_worker.cpu_kernels.build \
 		|| echo "note: CPU kernels not built; CPU workers use their torch paths (slower)"
 
 # The set-up's last line says where the command is: the venv is not on PATH unless the shell activates it.

@@ -4,15 +4,15 @@ Why a hook and not committed stubs: the stubs are build output of protos/ (never
 committed copy drifts from the .proto files the moment someone forgets to regenerate. Every build path runs this
 file first (`pip install .`, `pip wheel`, `python -m build` for the sdist and the wheel), so each sdist and wheel
 carries stubs made from the protos it ships. Generation runs here, at module level, because setuptools lists
-the packages (`packages.find` in pyproject.toml) before any build command runs: a command-level hook would be too
-late to add services.common.pb to the wheel. An sdist already holds the stubs, so building a wheel from it needs
+the packages (PACKAGES below) before any build command runs: a command-level hook would be too
+late to add steploop.common.pb to the wheel. An sdist already holds the stubs, so building a wheel from it needs
 no grpcio-tools; from a checkout it does (a build requirement, also in the `dev` extra).
 """
 
 import pathlib
 import runpy
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = pathlib.Path(__file__).resolve().parent
 STUBS = ROOT / "services" / "common" / "pb"
@@ -37,4 +37,7 @@ def generate_stubs() -> None:
 
 
 generate_stubs()
-setup()
+# The repository keeps its layout (services/gateway, services/scheduler, services/gpu_worker); installed, the code
+# is the import package `steploop` (nothing else at the top level), so a user's own `services` package is left alone.
+PACKAGES = ["steploop" + name[len("services"):] for name in find_packages(include=["services", "services.*"])]
+setup(package_dir={"steploop": "services"}, packages=PACKAGES)

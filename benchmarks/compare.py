@@ -48,11 +48,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import compare_report as report
 from benchmarks.machine import machine_info
-from services.bench import datasets, plots
-from services.bench.client import Target
-from services.bench.runner import run as bench_run
-from services.bench.runner import run_sync
-from services.common.model_path import DEFAULT_MODEL, resolve_model
+from steploop.bench import datasets, plots
+from steploop.bench.client import Target
+from steploop.bench.runner import run as bench_run
+from steploop.bench.runner import run_sync
+from steploop.common.model_path import DEFAULT_MODEL, resolve_model
 from tests.integration.cluster import Cluster
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -125,7 +125,7 @@ def ids_of(reqs) -> list[tuple[list[int], int]]:
 
 # ---- (d): running streams while long prompts arrive ---------------------------------------------------------
 async def _streams_with_long_prompts(cluster: Cluster, w: Workloads, streams, longs):
-    from services.bench.runner import run as run_
+    from steploop.bench.runner import run as run_
     target = Target(cluster.base_url, DEFAULT_MODEL)
 
     async def longs_later():
@@ -225,7 +225,7 @@ def main(argv=None) -> None:
     figures["matmul_gflops"] = measure_limit()
     print(f"fp32 matmul on layer shapes: {figures['matmul_gflops']} GFLOP/s", flush=True)
     from benchmarks.packed_linear import packed_flops  # the worker's own fp32 matmul, on the packed weights
-    from services.gpu_worker.cpu_kernels import packed_linear as packed_kernel
+    from steploop.gpu_worker.cpu_kernels import packed_linear as packed_kernel
     if packed_kernel.available():
         figures["packed_gflops"] = {str(k): v / 1e9 for k, v in packed_flops(model_dir).items()}
         print(f"packed fp32 matmul on layer 0's weights: {figures['packed_gflops']} GFLOP/s", flush=True)

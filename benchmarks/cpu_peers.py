@@ -34,12 +34,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.machine import machine_info
-from services.bench import datasets
-from services.bench.client import Target
-from services.bench.runner import run as bench_run
-from services.bench.runner import run_sync
-from services.common.model_path import DEFAULT_MODEL, resolve_model
-from services.gpu_worker.cpu_kernels.build import selected_isa
+from steploop.bench import datasets
+from steploop.bench.client import Target
+from steploop.bench.runner import run as bench_run
+from steploop.bench.runner import run_sync
+from steploop.common.model_path import DEFAULT_MODEL, resolve_model
+from steploop.gpu_worker.cpu_kernels.build import selected_isa
 from tests.integration.cluster import Cluster, free_port
 
 RESULTS = ROOT / "benchmarks" / "results" / "cpu_peers.json"

@@ -22,7 +22,7 @@ import time
 import torch
 
 from benchmarks import hf_baseline
-from services.common.model_path import resolve_model
+from steploop.common.model_path import resolve_model
 
 _SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
           "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 128,

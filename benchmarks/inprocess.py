@@ -3,7 +3,7 @@
 It mirrors EngineLoop.run: schedule, execute (one forward thread, like the worker's executor), update, with one
 plan in flight under async scheduling (plan N+1 is scheduled and queued before result N is applied). Per-request
 timelines are recorded when update_from_output returns a request's tokens, so the metrics are the same
-definitions the HTTP client uses (services.bench.metrics).
+definitions the HTTP client uses (steploop.bench.metrics).
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import concurrent.futures
 import time
 from collections import deque
 
-from services.bench.metrics import RequestResult, compute_metrics
-from services.common.sampling_params import SamplingParams
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request
+from steploop.bench.metrics import RequestResult, compute_metrics
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.request import Request
 
 
 class InProcessEngine:
     def __init__(self, model_dir, num_kv_blocks: int, sched_config: SchedulerConfig | None = None,
                  num_threads: int | None = None):
-        from services.gpu_worker.config import WorkerConfig
-        from services.gpu_worker.model_runner import ModelRunner
+        from steploop.gpu_worker.config import WorkerConfig
+        from steploop.gpu_worker.model_runner import ModelRunner
 
         self.sched_config = sched_config or SchedulerConfig()
         self.runner = ModelRunner.from_config(

@@ -33,7 +33,7 @@ def batched(prompts: list[tuple[list[int], int]], n_parallel: int = 16, threads:
     import numpy as np
     from llama_cpp._logger import set_verbose
 
-    from services.gpu_worker.gguf_convert import find_gguf
+    from steploop.gpu_worker.gguf_convert import find_gguf
 
     set_verbose(False)                   # llama.cpp's load/context logs, as Llama(verbose=False)
     threads = threads or os.cpu_count()
@@ -131,7 +131,7 @@ def batched(prompts: list[tuple[list[int], int]], n_parallel: int = 16, threads:
 def one_at_a_time(prompts: list[tuple[list[int], int]], threads: int | None = None) -> dict:
     from llama_cpp import Llama, LogitsProcessorList
 
-    from services.gpu_worker.gguf_convert import find_gguf
+    from steploop.gpu_worker.gguf_convert import find_gguf
 
     threads = threads or os.cpu_count()
     llm = Llama(model_path=str(find_gguf()), n_ctx=4096, n_threads=threads, n_threads_batch=threads,

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from services.common.model_path import resolve_model
-from services.gpu_worker.kernels.lora_ops import lora_expand_slices, lora_shrink
-from services.gpu_worker.lora.segments import build_lora_segments
+from steploop.common.model_path import resolve_model
+from steploop.gpu_worker.kernels.lora_ops import lora_expand_slices, lora_shrink
+from steploop.gpu_worker.lora.segments import build_lora_segments
 
 
 def projections(cfg: dict) -> list[tuple[int, list[int]]]:

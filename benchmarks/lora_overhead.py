@@ -37,7 +37,7 @@ TARGETS = {"base_lora/base_plain": 0.98, "adapters_lora/base_lora": 0.7}
 
 
 def make_adapters(out: pathlib.Path) -> dict[str, pathlib.Path]:
-    from services.common.model_path import default_model_dir
+    from steploop.common.model_path import default_model_dir
     from tests.lora.adapters import WITH_MLP, AdapterRecipe, make_adapter
 
     model_dir = default_model_dir()

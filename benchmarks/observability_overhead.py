@@ -141,9 +141,9 @@ async def _load(base_url: str, reqs, concurrency: int, scrape_interval: float) -
     summary and the scrape times (s)."""
     import aiohttp
 
-    from services.bench.client import Target
-    from services.bench.runner import run as bench_run
-    from services.common.model_path import DEFAULT_MODEL
+    from steploop.bench.client import Target
+    from steploop.bench.runner import run as bench_run
+    from steploop.common.model_path import DEFAULT_MODEL
 
     scrapes: list[float] = []
 
@@ -208,7 +208,7 @@ def verdict(ratio: dict) -> str:
 
 def measure(args: argparse.Namespace, tok, sink: SpanSink):
     """The three clusters up, warmed, then the interleaved rounds; every cluster stopped at the end."""
-    from services.bench import datasets
+    from steploop.bench import datasets
 
     began = time.perf_counter()
     print(f"OTLP collector on {sink.endpoint}", flush=True)
@@ -258,7 +258,7 @@ def measure(args: argparse.Namespace, tok, sink: SpanSink):
 
 
 def run_e2e(args: argparse.Namespace) -> dict:
-    from services.bench import datasets
+    from steploop.bench import datasets
 
     began = time.perf_counter()
     load_start = os.getloadavg()
@@ -334,14 +334,14 @@ def run_e2e(args: argparse.Namespace) -> dict:
 # ---- 2. scheduler-only loop ---------------------------------------------------------------------------------------
 def loop_run(num_requests: int, prompt_len: int, max_tokens: int, observe: bool):
     from benchmarks.scheduler_step import BenchWorker
-    from services.common.sampling_params import SamplingParams
-    from services.common.step_contract import WorkerInfo
-    from services.scheduler.async_scheduler import make_scheduler
-    from services.scheduler.config import SchedulerConfig
-    from services.scheduler.kv_cache_manager import KVCacheManager
-    from services.scheduler.metrics import EngineObserver
-    from services.scheduler.request import Request
-    from services.scheduler.stats import LoadReport, StepStats
+    from steploop.common.sampling_params import SamplingParams
+    from steploop.common.step_contract import WorkerInfo
+    from steploop.scheduler.async_scheduler import make_scheduler
+    from steploop.scheduler.config import SchedulerConfig
+    from steploop.scheduler.kv_cache_manager import KVCacheManager
+    from steploop.scheduler.metrics import EngineObserver
+    from steploop.scheduler.request import Request
+    from steploop.scheduler.stats import LoadReport, StepStats
 
     kv = KVCacheManager(num_requests * ((prompt_len + max_tokens) // 16 + 2) + 1, 16)
     sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=num_requests), kv, 4096, [2])
@@ -373,7 +373,7 @@ def loop_run(num_requests: int, prompt_len: int, max_tokens: int, observe: bool)
 def run_scheduler_only(args: argparse.Namespace) -> dict:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from services.common import metrics, tracing
+    from steploop.common import metrics, tracing
 
     root = logging.getLogger()
     saved_handlers, saved_level = root.handlers[:], root.level

@@ -13,11 +13,11 @@ from __future__ import annotations
 import sys
 import time
 
-from services.common import event_loop, observability
-from services.common.model_path import DEFAULT_MODEL
-from services.common.step_contract import StepPlan, StepResult, WorkerInfo
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.server import build_parser, serve
+from steploop.common import event_loop, observability
+from steploop.common.model_path import DEFAULT_MODEL
+from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.server import build_parser, serve
 
 EOS = 2   # SmolLM2's <|im_end|>: never sampled here (the prompt cycle skips it), so max_tokens ends each request
 

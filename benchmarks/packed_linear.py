@@ -17,9 +17,9 @@ import time
 import torch
 from safetensors import safe_open
 
-from services.common.model_path import resolve_model
-from services.gpu_worker.cpu_kernels import packed_linear as kernel
-from services.gpu_worker.cpu_kernels.packed_weights import pack
+from steploop.common.model_path import resolve_model
+from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
+from steploop.gpu_worker.cpu_kernels.packed_weights import pack
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "packed_linear.json"
 

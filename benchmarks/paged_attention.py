@@ -20,9 +20,9 @@ import time
 import torch
 
 from benchmarks.machine import machine_info
-from services.gpu_worker import host_memory
-from services.gpu_worker.cpu_kernels import build
-from services.gpu_worker.cpu_kernels import paged_attention as kernel
+from steploop.gpu_worker import host_memory
+from steploop.gpu_worker.cpu_kernels import build
+from steploop.gpu_worker.cpu_kernels import paged_attention as kernel
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "paged_attention.json"
 H, HK, D, BS, LAYERS = 9, 3, 64, 16, 30

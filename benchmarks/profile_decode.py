@@ -17,17 +17,17 @@ import time
 import torch
 
 from benchmarks.inprocess import InProcessEngine
-from services.bench import datasets
-from services.common.model_path import resolve_model
-from services.common.sampling_params import SamplingParams
-from services.scheduler.request import Request
+from steploop.bench import datasets
+from steploop.common.model_path import resolve_model
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.request import Request
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "profile_decode.json"
 
 
 def _phase_timer(runner):
     """Wrap the runner's pieces to time them (monkeypatching instance attributes only)."""
-    import services.gpu_worker.model_runner as mr
+    import steploop.gpu_worker.model_runner as mr
     times: dict[str, list[float]] = {"inputs": [], "forward": [], "logits": [], "sample": []}
 
     def timed(name, fn):

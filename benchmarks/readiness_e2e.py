@@ -61,8 +61,8 @@ def make_model(shape: str, dtype: torch.dtype, device: str, folder: pathlib.Path
 
 def make_runner(folder: pathlib.Path, device: str, dtype: str, graphs: bool, num_kv_blocks: int | None,
                 max_model_len: int = 2048):
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.model_runner import ModelRunner
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.model_runner import ModelRunner
 
     if num_kv_blocks is not None:                      # at least one sequence of max_model_len, as the worker needs
         num_kv_blocks = max(num_kv_blocks, -(-max_model_len // 16) + 2)
@@ -144,7 +144,7 @@ def e2e(shape: str, dry: bool) -> dict:
 def max_batch(folder: pathlib.Path, device: str, dtype: str, dry: bool) -> dict:
     """The KV cache sized by --gpu-memory-utilization (0.9), then the largest step the scheduler sends (8192
     prompt tokens over 256 requests) and a 256-request decode step: peak memory, no out-of-memory."""
-    from services.gpu_worker.cuda_graphs import CAPTURE_SIZES
+    from steploop.gpu_worker.cuda_graphs import CAPTURE_SIZES
 
     reqs, plen = (4, 8) if dry else (CAPTURE_SIZES[-1], 32)
     t0 = time.perf_counter()

@@ -53,8 +53,8 @@ def _paged(query_lens: list[int], seq_lens: list[int], h: int, hk: int, d: int, 
 
 
 def attention_case(query_lens, seq_lens, h, hk, d, dtype, device, window=None, softcap=None, **cache_kw) -> dict:
-    from services.gpu_worker.kernels.paged_attention import plan_attention, unified_attention
-    from services.gpu_worker.kernels.reference import paged_attention_ref
+    from steploop.gpu_worker.kernels.paged_attention import plan_attention, unified_attention
+    from steploop.gpu_worker.kernels.reference import paged_attention_ref
 
     q, cache, tables = _paged(query_lens, seq_lens, h, hk, d, dtype, device, **cache_kw)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32, device=device)
@@ -72,8 +72,8 @@ def attention_case(query_lens, seq_lens, h, hk, d, dtype, device, window=None, s
 
 
 def cache_write_case(num_tokens, hk, d, dtype, device, num_blocks) -> dict:
-    from services.gpu_worker.kernels.cache_write import write_kv_cache
-    from services.gpu_worker.kernels.reference import write_kv_cache_ref
+    from steploop.gpu_worker.kernels.cache_write import write_kv_cache
+    from steploop.gpu_worker.kernels.reference import write_kv_cache_ref
 
     g = torch.Generator(device=device).manual_seed(1)
     k = torch.randn((num_tokens, hk, d), generator=g, device=device).to(dtype)
@@ -90,7 +90,7 @@ def cache_write_case(num_tokens, hk, d, dtype, device, num_blocks) -> dict:
 
 
 def fused_cases(tokens: int, hidden: int, inter: int, h: int, hk: int, d: int, dtype, device) -> dict:
-    from services.gpu_worker.kernels import fused, reference
+    from steploop.gpu_worker.kernels import fused, reference
 
     g = torch.Generator(device=device).manual_seed(2)
     x = torch.randn((tokens, hidden), generator=g, device=device).to(dtype)
@@ -115,8 +115,8 @@ def fused_cases(tokens: int, hidden: int, inter: int, h: int, hk: int, d: int, d
 
 
 def moe_case(tokens, hidden, inter, experts, top_k, dtype, device) -> dict:
-    from services.gpu_worker.kernels.fused_moe import fused_experts
-    from services.gpu_worker.kernels.reference import fused_moe_ref
+    from steploop.gpu_worker.kernels.fused_moe import fused_experts
+    from steploop.gpu_worker.kernels.reference import fused_moe_ref
 
     g = torch.Generator(device=device).manual_seed(3)
     x = torch.randn((tokens, hidden), generator=g, device=device).to(dtype)
@@ -129,9 +129,9 @@ def moe_case(tokens, hidden, inter, experts, top_k, dtype, device) -> dict:
 
 
 def lora_case(token_slots, hidden, n, rank, dtype, device) -> dict:
-    from services.gpu_worker.kernels.lora_expand import lora_expand_triton
-    from services.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_shrink_ref
-    from services.gpu_worker.kernels.lora_shrink import lora_shrink_triton
+    from steploop.gpu_worker.kernels.lora_expand import lora_expand_triton
+    from steploop.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_shrink_ref
+    from steploop.gpu_worker.kernels.lora_shrink import lora_shrink_triton
     from tests.kernels.lora_cases import make_case
 
     case = make_case(token_slots, hidden=hidden, n=n, rank=rank, dtype=dtype)

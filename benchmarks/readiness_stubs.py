@@ -46,7 +46,7 @@ def check_stubs(stubs: pathlib.Path = STUBS, protos: pathlib.Path = PROTOS) -> d
     if stamp.read_text().strip() != protos_hash(protos):
         return {"ok": False, "error": f"protobuf stubs under {stubs} are older than protos/: {fix}"}
     try:
-        from services.common.pb.steploop.v1 import engine_pb2, worker_pb2  # noqa: F401
+        from steploop.common.pb.steploop.v1 import engine_pb2, worker_pb2  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - e.g. a protobuf runtime older than the stubs' gencode
         return {"ok": True, "import_error": f"protobuf stubs do not import here: {exc!r}"}
     return {"ok": True}

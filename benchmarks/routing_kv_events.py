@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.client import EngineClient, EngineRequest, SamplingParams
-from services.gateway.routing.router import EngineRouter
+from steploop.client import EngineClient, EngineRequest, SamplingParams
+from steploop.gateway.routing.router import EngineRouter
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "routing_kv_events.json"
@@ -71,11 +71,11 @@ class Replica:
                                     stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def start_scheduler(self) -> None:
-        self.scheduler = self._spawn("scheduler", "services.scheduler", "--scheduler-port", str(self.port),
+        self.scheduler = self._spawn("scheduler", "steploop.scheduler", "--scheduler-port", str(self.port),
                                      "--kv-events-config", EVENTS, "--log-stats-interval", "0")
 
     def start_worker(self) -> None:
-        self.worker = self._spawn("worker", "services.gpu_worker", "--scheduler-address", self.address,
+        self.worker = self._spawn("worker", "steploop.gpu_worker", "--scheduler-address", self.address,
                                   "--num-kv-blocks", str(self.num_kv_blocks), "--num-threads", "1",
                                   "--max-model-len", "1024")
 

@@ -21,14 +21,14 @@ import statistics
 import time
 from pathlib import Path
 
-from services.common import envs
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import StepPlan, StepResult
-from services.scheduler import gc_tuning
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request
+from steploop.common import envs
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler import gc_tuning
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.request import Request
 
 RESULTS = Path(__file__).parent / "results" / "scheduler_step.json"
 BLOCK_SIZE = 16

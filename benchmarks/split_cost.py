@@ -24,11 +24,11 @@ import tempfile
 import time
 
 from benchmarks.observability_overhead import cpu_seconds
-from services.bench import datasets
-from services.bench.client import Target
-from services.bench.runner import run as bench_run
-from services.bench.runner import run_sync
-from services.common.model_path import DEFAULT_MODEL
+from steploop.bench import datasets
+from steploop.bench.client import Target
+from steploop.bench.runner import run as bench_run
+from steploop.bench.runner import run_sync
+from steploop.common.model_path import DEFAULT_MODEL
 from tests.integration.cluster import Cluster
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "split_cost.json"

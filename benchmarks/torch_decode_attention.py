@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.cpu_kernels import paged_attention as cpu_pa
+from steploop.gpu_worker.cpu_kernels import paged_attention as cpu_pa
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "torch_decode_attention.json"
 G, CTX, BS, H, HK, D, LAYERS = 64, 256, 16, 9, 3, 64, 30

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from services.common.model_path import default_model_dir
+    from steploop.common.model_path import default_model_dir
     from tests.tp.tp_models import build_llama, run_ranks
     from tests.worker.family_models import load_oracle
 

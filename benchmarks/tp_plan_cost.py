@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from benchmarks.scheduler_step import BLOCK_SIZE, PROMPT_LEN, BenchWorker, _request
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.worker_group import GroupAssembler
-from services.scheduler.worker_link import WorkerLink
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.worker_group import GroupAssembler
+from steploop.scheduler.worker_link import WorkerLink
 from tests.tp.test_worker_group import FakeStream, info
 
 RESULTS = Path(__file__).parent / "results" / "tp_plan_cost.json"

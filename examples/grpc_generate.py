@@ -12,9 +12,9 @@ import argparse
 import asyncio
 import uuid
 
-from services.client import EngineClient, EngineRequest, SamplingParams
-from services.common.model_path import resolve_model
-from services.gateway.text.tokenizer import load_tokenizer
+from steploop.client import EngineClient, EngineRequest, SamplingParams
+from steploop.common.model_path import resolve_model
+from steploop.gateway.text.tokenizer import load_tokenizer
 
 
 async def generate(address: str, model: str | None, prompt: str, max_tokens: int, temperature: float) -> str:

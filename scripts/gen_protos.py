@@ -2,7 +2,7 @@
 
 Run at install time (`make install`). Nothing under services/common/pb/ is edited by hand; the folder is
 git-ignored and rebuilt from the .proto files. protoc writes absolute imports (`from steploop.v1 import x_pb2`);
-they are rewritten to relative ones so the stubs live inside the `services.common.pb` package.
+they are rewritten to relative ones so the stubs live inside the `steploop.common.pb` package.
 """
 
 from __future__ import annotations

@@ -27,12 +27,12 @@ def parsers() -> dict[str, argparse.ArgumentParser]:
     """Every command's parser, built as the command builds it, with no STEPLOOP_* variable in effect."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from services import serve
-    from services.bench import serve as bench_serve
-    from services.gateway import server as gateway
-    from services.gpu_worker import gguf_convert
-    from services.gpu_worker import server as worker
-    from services.scheduler import server as scheduler
+    from steploop import serve
+    from steploop.bench import serve as bench_serve
+    from steploop.gateway import server as gateway
+    from steploop.gpu_worker import gguf_convert
+    from steploop.gpu_worker import server as worker
+    from steploop.scheduler import server as scheduler
     saved = {name: value for name, value in os.environ.items() if name.startswith("STEPLOOP_")}
     for name in saved:
         del os.environ[name]

@@ -14,12 +14,12 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "serve": "services.serve:main",
-    "gateway": "services.gateway.server:main",
-    "scheduler": "services.scheduler.server:main",
-    "worker": "services.gpu_worker.server:main",
-    "convert": "services.gpu_worker.gguf_convert:main",
-    "bench": "services.bench.cli:main",
+    "serve": "steploop.serve:main",
+    "gateway": "steploop.gateway.server:main",
+    "scheduler": "steploop.scheduler.server:main",
+    "worker": "steploop.gpu_worker.server:main",
+    "convert": "steploop.gpu_worker.gguf_convert:main",
+    "bench": "steploop.bench.cli:main",
 }
 
 

@@ -2,7 +2,7 @@
 
 It is the gateway's own EngineClient (services/gateway/engine/engine_client.py), exposed here so there is one client:
 
-    from services.client import EngineClient, EngineRequest, SamplingParams
+    from steploop.client import EngineClient, EngineRequest, SamplingParams
 
     async def main():
         client = EngineClient("127.0.0.1:50051")          # create it inside the running event loop
@@ -16,14 +16,14 @@ It is the gateway's own EngineClient (services/gateway/engine/engine_client.py),
 
 Token ids in, token ids out: tokenize with the model folder's tokenizer (see examples/grpc_generate.py). The
 types are the Engine seam's contract (services/common/engine_contract.py); protobuf stays inside the client.
-Errors surface as services.gateway.errors.APIError with the HTTP status and OpenAI error code the gateway
+Errors surface as steploop.gateway.errors.APIError with the HTTP status and OpenAI error code the gateway
 would answer (400 invalid request, 503 overloaded or no worker, ...).
 """
 
-from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, LoadReport, ModelInfo, Usage
-from services.common.sampling_params import SamplingParams
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.errors import APIError
+from steploop.common.engine_contract import EngineChunk, EngineRequest, FinishReason, LoadReport, ModelInfo, Usage
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.errors import APIError
 
 __all__ = ["APIError", "EngineChunk", "EngineClient", "EngineRequest", "FinishReason", "LoadReport", "ModelInfo",
            "SamplingParams", "Usage"]

@@ -16,19 +16,19 @@ import subprocess
 import sys
 import time
 
-from services.common import envs, lora_config, model_path, observability
-from services.common.log import setup_logging
-from services.serve_ports import check_ports_free, serve_ports
-from services.supervisor import ServiceSpec, Supervisor
+from steploop.common import envs, lora_config, model_path, observability
+from steploop.common.log import setup_logging
+from steploop.serve_ports import check_ports_free, serve_ports
+from steploop.supervisor import ServiceSpec, Supervisor
 
 log = logging.getLogger("steploop.serve")
 SERVE_METRICS_PORT = 9091   # the scheduler's own /metrics (each service alone defaults to off)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.gateway.config import add_cli_args as gateway_args
-    from services.gpu_worker.config import add_cli_args as worker_args
-    from services.scheduler.server import add_cli_args as scheduler_args
+    from steploop.gateway.config import add_cli_args as gateway_args
+    from steploop.gpu_worker.config import add_cli_args as worker_args
+    from steploop.scheduler.server import add_cli_args as scheduler_args
 
     parser = argparse.ArgumentParser(prog="steploop serve", conflict_handler="resolve",
                                      description="Run gateway, scheduler and one worker on this machine.",
@@ -90,10 +90,10 @@ def child_environment(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def validate_configs(args: argparse.Namespace) -> None:
     """Every service's config from the same flags, before any process starts: a bad flag is one clear message,
     not a service that exits and is restarted in a loop."""
-    from services.gateway.config import GatewayConfig
-    from services.gpu_worker.config import WorkerConfig
-    from services.scheduler.config import SchedulerConfig
-    from services.scheduler.server_config import ServerConfig
+    from steploop.gateway.config import GatewayConfig
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.scheduler.config import SchedulerConfig
+    from steploop.scheduler.server_config import ServerConfig
 
     if args.scheduler_address is None:       # not parsed by main() (tests): the address serve would give its children
         args.scheduler_address = own_scheduler_address(args)
@@ -106,14 +106,14 @@ def validate_configs(args: argparse.Namespace) -> None:
 def ensure_model(model: str | None) -> None:
     if model_path.is_gguf(model) and not model_path.is_model_dir(model_path.gguf_model_dir(model)):
         log.info("converting %s (first start only)", model)
-        subprocess.run([sys.executable, "-m", "services.gpu_worker.gguf_convert", model], check=True)
+        subprocess.run([sys.executable, "-m", "steploop.gpu_worker.gguf_convert", model], check=True)
     if model and model != model_path.DEFAULT_MODEL:
         model_path.resolve_model(model)          # fails early, with the reason, if the folder is wrong
         return
     if not model_path.is_model_dir(model_path.default_model_dir()):
         log.info("converting the default model (first start only, about a minute on 2 cores)")
         started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "services.gpu_worker.gguf_convert"], check=True)
+        subprocess.run([sys.executable, "-m", "steploop.gpu_worker.gguf_convert"], check=True)
         log.info("converted the default model in %.0f s", time.monotonic() - started)
 
 
@@ -121,8 +121,8 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
     """-tp N whose shapes cannot split: refused from config.json, before any process starts or weight loads."""
     if args.tensor_parallel_size == 1:
         return
-    from services.gpu_worker.distributed.shapes import check_splittable
-    from services.gpu_worker.model.model_config import ModelConfig
+    from steploop.gpu_worker.distributed.shapes import check_splittable
+    from steploop.gpu_worker.model.model_config import ModelConfig
     check_splittable(ModelConfig.from_dir(model_path.resolve_model(args.model)), args.tensor_parallel_size)
 
 
@@ -130,7 +130,7 @@ def worker_specs(args: argparse.Namespace, env: dict[str, str]) -> list[ServiceS
     """One worker per rank: rank R gets STEPLOOP_RANK=R, its own metrics port, and its share of the CPUs."""
     size = args.tensor_parallel_size
     if size == 1:
-        return [ServiceSpec("worker", [sys.executable, "-m", "services.gpu_worker"], env)]
+        return [ServiceSpec("worker", [sys.executable, "-m", "steploop.gpu_worker"], env)]
     specs = []
     for rank in range(size):
         rank_env = dict(env, **{envs.env_name("--rank"): str(rank)})
@@ -139,7 +139,7 @@ def worker_specs(args: argparse.Namespace, env: dict[str, str]) -> list[ServiceS
         if args.num_threads is None:
             rank_env[envs.env_name("--num-threads")] = str(max(1, len(os.sched_getaffinity(0)) // size))
         specs.append(ServiceSpec("worker" if rank == 0 else f"worker-{rank}",
-                                 [sys.executable, "-m", "services.gpu_worker"], rank_env))
+                                 [sys.executable, "-m", "steploop.gpu_worker"], rank_env))
     return specs
 
 
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     env = child_environment(parser, args)
     workers = worker_specs(args, env)
-    specs = [ServiceSpec("scheduler", [sys.executable, "-m", "services.scheduler"], env), *workers,
-             ServiceSpec("gateway", [sys.executable, "-m", "services.gateway"], env)]
+    specs = [ServiceSpec("scheduler", [sys.executable, "-m", "steploop.scheduler"], env), *workers,
+             ServiceSpec("gateway", [sys.executable, "-m", "steploop.gateway"], env)]
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     supervisor = Supervisor(specs, health_url=f"{url}/health", ready_timeout=args.ready_timeout,
                             stop_timeout=args.shutdown_timeout + 5, stop_order=["gateway", "scheduler", *(w.name for w in workers)])

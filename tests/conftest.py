@@ -9,10 +9,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def model_dir() -> pathlib.Path:
-    from services.common.model_path import default_model_dir, is_model_dir
+    from steploop.common.model_path import default_model_dir, is_model_dir
 
     path = default_model_dir()
     if not is_model_dir(path):
-        from services.gpu_worker.gguf_convert import convert_default_model
+        from steploop.gpu_worker.gguf_convert import convert_default_model
         convert_default_model(path)
     return path

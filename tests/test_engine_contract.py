@@ -4,12 +4,12 @@ the wire's values."""
 
 from __future__ import annotations
 
-from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, LoadReport, ModelInfo, Usage
-from services.common.generation_defaults import GenerationDefaults
-from services.common.pb.steploop.v1 import engine_pb2
-from services.common.pooling_params import PoolingConfig, PoolingParams
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import TokenLogprob
+from steploop.common.engine_contract import EngineChunk, EngineRequest, FinishReason, LoadReport, ModelInfo, Usage
+from steploop.common.generation_defaults import GenerationDefaults
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.common.pooling_params import PoolingConfig, PoolingParams
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import TokenLogprob
 
 
 def test_finish_reasons_are_the_wire_values():

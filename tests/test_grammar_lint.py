@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.common.grammar_lint import regex_problem, schema_problem
+from steploop.common.grammar_lint import regex_problem, schema_problem
 
 
 @pytest.mark.parametrize("regex, found", [

@@ -3,7 +3,7 @@
 with `ast`; nothing is imported).
 
 What counts as an import of module A by module B:
-- `import services.x.y` and `from services.x import y` (y a submodule: services.x.y; else the package services.x),
+- `import steploop.x.y` and `from steploop.x import y` (y a submodule: steploop.x.y; else the package steploop.x),
   absolute or relative (`from . import y`, `from ..common import z`), wherever they are in B: at module level, and
   also inside functions and methods. A lazy import defers a cycle to run time, it does not remove it: the two
   modules still cannot be understood, tested or split apart one without the other (the attention backends' factory
@@ -20,6 +20,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the repository's top-level packages (a new one, e.g. an import package for the wheel, is walked too)
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+# a folder whose import name differs: services/ installs as the package `steploop` (setup.py's package_dir)
+IMPORT_NAME = {"services": "steploop"}
 
 
 def module_names() -> dict[str, pathlib.Path]:
@@ -29,6 +31,7 @@ def module_names() -> dict[str, pathlib.Path]:
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
+        parts[0] = IMPORT_NAME.get(parts[0], parts[0])
         out[".".join(parts)] = path
     return out
 
@@ -144,16 +147,16 @@ def _cycle_in(start: str, component: set[str], graph: dict[str, set[str]]) -> li
 
 
 def test_the_walk_sees_relative_function_level_and_type_checking_imports(tmp_path):
-    modules = {"services.a": tmp_path / "a.py", "services.b": tmp_path / "b.py", "services.c": tmp_path / "c.py",
-               "services": tmp_path / "__init__.py"}
-    modules["services.a"].write_text(
+    modules = {"steploop.a": tmp_path / "a.py", "steploop.b": tmp_path / "b.py", "steploop.c": tmp_path / "c.py",
+               "steploop": tmp_path / "__init__.py"}
+    modules["steploop.a"].write_text(
         "from typing import TYPE_CHECKING\nimport os\nfrom . import b\n"
-        "if TYPE_CHECKING:\n    from services.c import C\n"
-        "def f():\n    from services.c import g\n")
-    assert imports_of("services.a", modules["services.a"], modules) == {"services.b", "services.c"}
-    modules["services.b"].write_text("import os\n")
-    modules["services.c"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import services.a\n")
-    assert imports_of("services.c", modules["services.c"], modules) == set()
+        "if TYPE_CHECKING:\n    from steploop.c import C\n"
+        "def f():\n    from steploop.c import g\n")
+    assert imports_of("steploop.a", modules["steploop.a"], modules) == {"steploop.b", "steploop.c"}
+    modules["steploop.b"].write_text("import os\n")
+    modules["steploop.c"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import steploop.a\n")
+    assert imports_of("steploop.c", modules["steploop.c"], modules) == set()
     assert find_cycles({"x": {"y"}, "y": {"z", "x"}, "z": {"x"}, "w": {"x"}}) == [(["x", "y", "x"], ["x", "y", "z"])]
     assert find_cycles({"x": {"y"}, "y": set()}) == []
 
@@ -161,7 +164,7 @@ def test_the_walk_sees_relative_function_level_and_type_checking_imports(tmp_pat
 def test_no_import_cycles_anywhere_in_the_tree():
     graph = import_graph()
     assert {"services", "benchmarks", "tests"} <= set(PACKAGES), PACKAGES
-    assert len(graph) > 100 and graph["services.gateway.app"], "the walk found no modules or no imports"
+    assert len(graph) > 100 and graph["steploop.gateway.app"], "the walk found no modules or no imports"
     assert "tests.integration.cluster" in graph["benchmarks.cpu_peers"], "the walk does not follow benchmarks/"
     cycles = find_cycles(graph)
     assert not cycles, "import cycles among the repository's modules:\n" + "\n".join(

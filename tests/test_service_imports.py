@@ -15,8 +15,8 @@ print(",".join(bad))
 """
 
 
-@pytest.mark.parametrize("module", ["services.gateway.server", "services.scheduler.server",
-                                    "services.scheduler.scheduler", "services.serve", "services.cli"])
+@pytest.mark.parametrize("module", ["steploop.gateway.server", "steploop.scheduler.server",
+                                    "steploop.scheduler.scheduler", "steploop.serve", "steploop.cli"])
 def test_no_torch_or_triton(module):
     out = subprocess.run([sys.executable, "-c", CHECK.format(module=module)], capture_output=True, text=True,
                          check=True)

@@ -3,8 +3,8 @@ as asked travels as (handle, code, message, param) beside the tokens of the requ
 
 from __future__ import annotations
 
-from services.common.pb.steploop.v1 import worker_pb2
-from services.common.step_contract import RequestFailure, StepResult, TokenLogprob
+from steploop.common.pb.steploop.v1 import worker_pb2
+from steploop.common.step_contract import RequestFailure, StepResult, TokenLogprob
 
 
 def round_trip(result: StepResult) -> StepResult:

@@ -19,5 +19,5 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] != "serve":
         print(__doc__.strip())
         sys.exit(f"\nunknown bench command {argv[0]!r}")
-    from services.bench.serve import main as serve_main
+    from steploop.bench.serve import main as serve_main
     serve_main(argv[1:])

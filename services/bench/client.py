@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from services.bench.datasets import SampleRequest
-from services.bench.metrics import RequestResult, distribute_tokens, spread_itl
+from steploop.bench.datasets import SampleRequest
+from steploop.bench.metrics import RequestResult, distribute_tokens, spread_itl
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ def load_tokenizer(model: str | None):
     try:
         from transformers import AutoTokenizer
 
-        from services.common.model_path import resolve_model
+        from steploop.common.model_path import resolve_model
         try:
             path = resolve_model(model)
         except FileNotFoundError:

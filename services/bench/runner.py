@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 import numpy as np
 
-from services.bench.client import Target, send_request
-from services.bench.datasets import SampleRequest
-from services.bench.metrics import RequestResult, compute_metrics
-from services.common import event_loop
+from steploop.bench.client import Target, send_request
+from steploop.bench.datasets import SampleRequest
+from steploop.bench.metrics import RequestResult, compute_metrics
+from steploop.common import event_loop
 
 
 def arrival_intervals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:

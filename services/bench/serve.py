@@ -15,9 +15,9 @@ import json
 import pathlib
 import sys
 
-from services.bench import datasets, plots, runner
-from services.bench.client import Target
-from services.bench.metrics import parse_goodput
+from steploop.bench import datasets, plots, runner
+from steploop.bench.client import Target
+from steploop.bench.metrics import parse_goodput
 
 
 def build_parser() -> argparse.ArgumentParser:

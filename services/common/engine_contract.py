@@ -14,11 +14,11 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from services.common.pb.steploop.v1 import engine_pb2
-from services.common.pooling_params import PoolingConfig, PoolingParams
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import TokenLogprob
+from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.common.pooling_params import PoolingConfig, PoolingParams
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import TokenLogprob
 
 
 class FinishReason(enum.IntEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.common.pb.steploop.v1 import engine_pb2
 
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from services.common import envs
+from steploop.common import envs
 
 LOG_FORMATS = ("text", "json")
 # LogRecord attributes that are not `extra` fields.

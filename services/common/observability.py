@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any
 
-from services.common import envs, metrics, tracing
-from services.common.log import LOG_FORMATS, setup_logging
+from steploop.common import envs, metrics, tracing
+from steploop.common.log import LOG_FORMATS, setup_logging
 
 
 def add_cli_args(parser: argparse.ArgumentParser | Any) -> argparse.ArgumentParser | Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.common.pb.steploop.v1 import engine_pb2
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("generate", "pooling")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.common.pb.steploop.v1 import engine_pb2
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from services.common.lora_adapter import LoraModelShapes
-from services.common.lora_config import LoraModule
-from services.common.pb.steploop.v1 import engine_pb2, worker_pb2
-from services.common.pooling_params import PoolingConfig, PoolingParams
-from services.common.sampling_params import SamplingParams
+from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.common.lora_adapter import LoraModelShapes
+from steploop.common.lora_config import LoraModule
+from steploop.common.pb.steploop.v1 import engine_pb2, worker_pb2
+from steploop.common.pooling_params import PoolingConfig, PoolingParams
+from steploop.common.sampling_params import SamplingParams
 
 # Trailing metadata on a plan stream the scheduler ended because it is stopping (an ordered stop, not a fault).
 SCHEDULER_STOPPING_METADATA = ("steploop-scheduler-stopping", "1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from services.common.envs import env_name
+from steploop.common.envs import env_name
 
 FLAG = "--tensor-parallel-size"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.envs import add_flag
+from steploop.common.envs import add_flag
 
 
 @dataclass(frozen=True)

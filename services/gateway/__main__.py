@@ -1,4 +1,4 @@
-from services.gateway.server import main
+from steploop.gateway.server import main
 
 if __name__ == "__main__":
     main()

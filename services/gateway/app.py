@@ -12,9 +12,9 @@ import logging
 
 from aiohttp import web
 
-from services.common import model_path
-from services.gateway import metrics as gateway_metrics
-from services.gateway.app_keys import (
+from steploop.common import model_path
+from steploop.gateway import metrics as gateway_metrics
+from steploop.gateway.app_keys import (
     CHAT_TEMPLATE,
     DRAIN,
     HEALTH,
@@ -24,21 +24,21 @@ from services.gateway.app_keys import (
     SERVING,
     TOOL_PARSER,
 )
-from services.gateway.config import GatewayConfig
-from services.gateway.drain import Drain
-from services.gateway.endpoints import routes
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.errors import APIError, internal_error
-from services.gateway.health import HealthProbe
-from services.gateway.messages_api import errors as anthropic_errors
-from services.gateway.model_state import ModelState
-from services.gateway.responses_api.store import ResponseStore
-from services.gateway.routing import route_header
-from services.gateway.serving import Serving
-from services.gateway.text.chat_template import ChatTemplate
-from services.gateway.text.reasoning import get_reasoning_parser
-from services.gateway.text.tokenizer import Tokenizer
-from services.gateway.tool_parsers import get_tool_parser
+from steploop.gateway.config import GatewayConfig
+from steploop.gateway.drain import Drain
+from steploop.gateway.endpoints import routes
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.errors import APIError, internal_error
+from steploop.gateway.health import HealthProbe
+from steploop.gateway.messages_api import errors as anthropic_errors
+from steploop.gateway.model_state import ModelState
+from steploop.gateway.responses_api.store import ResponseStore
+from steploop.gateway.routing import route_header
+from steploop.gateway.serving import Serving
+from steploop.gateway.text.chat_template import ChatTemplate
+from steploop.gateway.text.reasoning import get_reasoning_parser
+from steploop.gateway.text.tokenizer import Tokenizer
+from steploop.gateway.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.gateway.drain import Drain
-from services.gateway.health import HealthProbe
-from services.gateway.responses_api.store import ResponseStore
-from services.gateway.serving import Serving
-from services.gateway.text.chat_template import ChatTemplate
-from services.gateway.text.reasoning import ReasoningParser
-from services.gateway.tool_parsers import ToolParser
+from steploop.gateway.drain import Drain
+from steploop.gateway.health import HealthProbe
+from steploop.gateway.responses_api.store import ResponseStore
+from steploop.gateway.serving import Serving
+from steploop.gateway.text.chat_template import ChatTemplate
+from steploop.gateway.text.reasoning import ReasoningParser
+from steploop.gateway.tool_parsers import ToolParser
 
 SERVING = web.AppKey("serving", Serving)                  # the request flow both OpenAI endpoints share
 CHAT_TEMPLATE = web.AppKey("chat_template", ChatTemplate)  # chat requests (and /tokenize) -> prompt token ids

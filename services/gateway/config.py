@@ -7,12 +7,12 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from services.common import envs, lora_config
-from services.common.lora_config import LoraConfig
-from services.common.tls import TlsConfig
-from services.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS
-from services.gateway.text.reasoning import REASONING_PARSERS, get_reasoning_parser
-from services.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from steploop.common import envs, lora_config
+from steploop.common.lora_config import LoraConfig
+from steploop.common.tls import TlsConfig
+from steploop.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS
+from steploop.gateway.text.reasoning import REASONING_PARSERS, get_reasoning_parser
+from steploop.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 

@@ -13,7 +13,7 @@ import weakref
 
 from aiohttp import web
 
-from services.gateway.errors import APIError
+from steploop.gateway.errors import APIError
 
 EXEMPT = ("/health", "/metrics")   # probes and scrapes are neither refused nor waited for
 # handler tasks cancelled by a drain deadline -> the error to tell their clients

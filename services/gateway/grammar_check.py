@@ -25,13 +25,13 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-import services
-from services.common.engine_contract import EngineChunk
-from services.common.grammar_lint import regex_problem, schema_problem
-from services.gateway.errors import APIError
+import steploop
+from steploop.common.engine_contract import EngineChunk
+from steploop.common.grammar_lint import regex_problem, schema_problem
+from steploop.gateway.errors import APIError
 
 if TYPE_CHECKING:
-    from services.gateway.openai_api.protocol import SamplingFields
+    from steploop.gateway.openai_api.protocol import SamplingFields
 
 logger = logging.getLogger("steploop.gateway")
 
@@ -140,7 +140,7 @@ class GrammarChecker:
         if self._broken:
             return None
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "services.gateway.grammar_helper"],
+            self._proc = subprocess.Popen([sys.executable, "-m", "steploop.gateway.grammar_helper"],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                           text=True, bufsize=1, env=_helper_env())
             ready = json.loads(self._read_line(self._proc))
@@ -175,9 +175,9 @@ class GrammarChecker:
 
 
 def _helper_env() -> dict[str, str]:
-    """This process's environment, with the folder this `services` package came from first on the path (the
+    """This process's environment, with the folder this `steploop` package came from first on the path (the
     gateway may run from anywhere)."""
-    root = str(pathlib.Path(services.__file__).resolve().parent.parent)
+    root = str(pathlib.Path(steploop.__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 

@@ -1,4 +1,4 @@
-"""The gateway's grammar compiler, in a child process: `python -m services.gateway.grammar_helper`.
+"""The gateway's grammar compiler, in a child process: `python -m steploop.gateway.grammar_helper`.
 
 The gateway never imports torch, and `import xgrammar` does (its package imports its torch kernels, and tvm_ffi,
 its binding layer, imports torch when installed). So the admission check (grammar_check.py) runs here: one JSON

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.gateway.drain import Drain
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.errors import APIError
+from steploop.gateway.drain import Drain
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.errors import APIError
 
 
 class HealthProbe:

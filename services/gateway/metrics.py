@@ -17,9 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common import metrics, tracing
-from services.gateway import tracing as gateway_tracing
-from services.gateway.routing.router import EngineRouter
+from steploop.common import metrics, tracing
+from steploop.gateway import tracing as gateway_tracing
+from steploop.gateway.routing.router import EngineRouter
 
 log = logging.getLogger(__name__)
 

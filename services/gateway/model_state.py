@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from services.common.pooling_params import PoolingConfig, unsupported_api_message
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.errors import APIError, bad_request
+from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.common.pooling_params import PoolingConfig, unsupported_api_message
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.errors import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 

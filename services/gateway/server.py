@@ -1,4 +1,4 @@
-"""`python -m services.gateway`: the gateway process. One aiohttp site on uvloop, graceful shutdown.
+"""`python -m steploop.gateway`: the gateway process. One aiohttp site on uvloop, graceful shutdown.
 
 Shutdown is a sequence: on SIGTERM/SIGINT /health turns 503 (load balancers stop routing here) and new requests
 get 503 + Retry-After while in-flight ones get `--shutdown-timeout` seconds to finish (drain.py); what still runs
@@ -16,14 +16,14 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from services.common import event_loop, model_path, observability
-from services.gateway.app import create_app
-from services.gateway.app_keys import DRAIN, SERVING
-from services.gateway.config import GatewayConfig, add_cli_args
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing import discovery as discovery_mod
-from services.gateway.routing.router import EngineRouter
-from services.gateway.text.tokenizer import load_tokenizer
+from steploop.common import event_loop, model_path, observability
+from steploop.gateway.app import create_app
+from steploop.gateway.app_keys import DRAIN, SERVING
+from steploop.gateway.config import GatewayConfig, add_cli_args
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing import discovery as discovery_mod
+from steploop.gateway.routing.router import EngineRouter
+from steploop.gateway.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("steploop.gateway")
 

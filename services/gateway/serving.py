@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from services.common.lora_config import LoraConfig
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.errors import APIError, bad_request
-from services.gateway.grammar_check import check_constraint, constraint_field
-from services.gateway.model_state import ModelState
-from services.gateway.openai_api.protocol import SamplingFields, choice_params
-from services.gateway.text.generation import Choice, TextEvent, generate_choice, merge
-from services.gateway.text.tokenizer import Tokenizer
+from steploop.common.lora_config import LoraConfig
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.errors import APIError, bad_request
+from steploop.gateway.grammar_check import check_constraint, constraint_field
+from steploop.gateway.model_state import ModelState
+from steploop.gateway.openai_api.protocol import SamplingFields, choice_params
+from steploop.gateway.text.generation import Choice, TextEvent, generate_choice, merge
+from steploop.gateway.text.tokenizer import Tokenizer
 
 # The API a generation request came through, by the field its prompt is in (vLLM names it when refusing).
 API_BY_PARAM = {"prompt": "Completions", "messages": "Chat Completions", "input": "Responses"}

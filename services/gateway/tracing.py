@@ -1,4 +1,4 @@
-"""The gateway's spans, only while `services.common.tracing.ENABLED`: one SERVER span per HTTP request (the
+"""The gateway's spans, only while `steploop.common.tracing.ENABLED`: one SERVER span per HTTP request (the
 client's `traceparent` header is its parent) and one GenAI CLIENT span per engine call ("chat <model>"), whose
 context travels to the scheduler as gRPC metadata."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextvars
 from typing import Any
 
-from services.common import tracing
+from steploop.common import tracing
 
 # (operation, served model name) of the HTTP request being handled; set by the HTTP span.
 _REQUEST: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("steploop_genai",

@@ -1,5 +1,5 @@
 import sys
 
-from services.gpu_worker.server import main
+from steploop.gpu_worker.server import main
 
 sys.exit(main())

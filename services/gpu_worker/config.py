@@ -11,11 +11,11 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from services.common import lora_config
-from services.common.envs import add_flag
-from services.common.lora_config import LoraConfig
-from services.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
-from services.common.tls import TlsConfig
+from steploop.common import lora_config
+from steploop.common.envs import add_flag
+from steploop.common.lora_config import LoraConfig
+from steploop.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
+from steploop.common.tls import TlsConfig
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 RUNNERS = ("generate", "pooling", "auto")

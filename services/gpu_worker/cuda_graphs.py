@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.gpu_worker.attention.metadata import CommonAttentionMetadata
+from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import logging
 import pathlib
 from typing import Any
 
-from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from services.common.model_path import (
+from steploop.common.model_path import (
     DEFAULT_GGUF_FILE,
     DEFAULT_GGUF_PACKAGE,
     default_model_dir,
@@ -131,7 +131,7 @@ def gguf_model_type(gguf: pathlib.Path) -> str:
     steploop does not run that family."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint
 
-    from services.gpu_worker.model.families import FAMILIES
+    from steploop.gpu_worker.model.families import FAMILIES
     try:
         model_type = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]["model_type"]
     except ValueError as exc:

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from services.common.pooling_params import PoolingParams
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import NewRequestData, StepPlan
+from steploop.common.pooling_params import PoolingParams
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import NewRequestData, StepPlan
 
 
 @dataclass

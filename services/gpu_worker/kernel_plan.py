@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.common import envs
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.model.model_config import LlamaModelConfig
-from services.gpu_worker.model.ops import TorchOps, TritonOps
+from steploop.common import envs
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.gpu_worker.model.ops import TorchOps, TritonOps
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,14 @@ class KernelPlan:
     def ops(self):
         """The elementwise ops class every norm, MLP and rotary layer calls (model/ops.py, model/cpu_ops.py)."""
         if self.elementwise == "cpu":
-            from services.gpu_worker.model.cpu_ops import CpuOps
+            from steploop.gpu_worker.model.cpu_ops import CpuOps
             return CpuOps
         return TritonOps if self.elementwise == "triton" else TorchOps
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Linear:
         """The model's linear layer: PackedLinear (packs its weight after loading) or a plain nn.Linear."""
         if self.packed_linears:
-            from services.gpu_worker.model.packed_linear_layer import PackedLinear
+            from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
             return PackedLinear(in_features, out_features, bias=bias)
         return nn.Linear(in_features, out_features, bias=bias)
 
@@ -121,21 +121,21 @@ def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | 
         return f"{off}=0" if off else None
 
     def built() -> str | None:          # builds the library (once per host) only when a switch leaves it on
-        from services.gpu_worker.cpu_kernels.build import load
+        from steploop.gpu_worker.cpu_kernels.build import load
         return None if load() is not None else "the CPU kernels did not build (see the warning above)"
 
     def torch_backend() -> str | None:
         return None if backend == "torch" else f"the {backend} attention backend has its own kernels"
 
     def heads_fit() -> str | None:
-        from services.gpu_worker.cpu_kernels.paged_attention import supports
+        from steploop.gpu_worker.cpu_kernels.paged_attention import supports
         if supports(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim):
             return None
         return (f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads of size {cfg.head_dim}: "
                 "past the kernel's limits")
 
     def faster_than_torch() -> str | None:    # times both on the model's shapes (cpu_kernels/probe.py)
-        from services.gpu_worker.cpu_kernels.probe import layer_shapes, probe_packed_linear
+        from steploop.gpu_worker.cpu_kernels.probe import layer_shapes, probe_packed_linear
         if envs.switched_off(envs.CPU_KERNEL_PROBE):
             log.info("packed-linear probe skipped (%s=0)", envs.CPU_KERNEL_PROBE)
             return None

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from services.gpu_worker import host_memory
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.gpu_worker import host_memory
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.sampling_params import SamplingParams
+from steploop.common.sampling_params import SamplingParams
 
 
 @dataclass

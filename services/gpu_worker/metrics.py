@@ -10,8 +10,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from services.common import metrics as m
-from services.common import tracing
+from steploop.common import metrics as m
+from steploop.common import tracing
 
 
 class WorkerObserver:

@@ -16,34 +16,34 @@ import time
 
 import torch
 
-from services.common.model_path import served_model_name
-from services.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
-from services.gpu_worker import kv_cache
-from services.gpu_worker.attention.selector import create_backend
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
-from services.gpu_worker.cpu_kernels.threads import granted_cpus
-from services.gpu_worker.cuda_graphs import DecodeGraphRunner
-from services.gpu_worker.distributed.comm import CollectiveError
-from services.gpu_worker.distributed.rank_setup import RankSetup
-from services.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
-from services.gpu_worker.input_batch import InputBatch
-from services.gpu_worker.kernel_plan import resolve_kernel_plan
-from services.gpu_worker.logits_processors import LogitsEdits
-from services.gpu_worker.lora.manager import LoraManager
-from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.model.loader import load_model
-from services.gpu_worker.model.model_config import LlamaModelConfig
-from services.gpu_worker.penalties import PenaltyInputs
-from services.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
-from services.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
-from services.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
-from services.gpu_worker.step_inputs import (
+from steploop.common.model_path import served_model_name
+from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
+from steploop.gpu_worker import kv_cache
+from steploop.gpu_worker.attention.selector import create_backend
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
+from steploop.gpu_worker.cpu_kernels.threads import granted_cpus
+from steploop.gpu_worker.cuda_graphs import DecodeGraphRunner
+from steploop.gpu_worker.distributed.comm import CollectiveError
+from steploop.gpu_worker.distributed.rank_setup import RankSetup
+from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
+from steploop.gpu_worker.input_batch import InputBatch
+from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
+from steploop.gpu_worker.logits_processors import LogitsEdits
+from steploop.gpu_worker.lora.manager import LoraManager
+from steploop.gpu_worker.model.llama import LlamaForCausalLM
+from steploop.gpu_worker.model.loader import load_model
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.gpu_worker.penalties import PenaltyInputs
+from steploop.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
+from steploop.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
+from steploop.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from steploop.gpu_worker.step_inputs import (
     SamplingSlot,
     StepInputs,
     prepare_step_inputs,
 )
-from services.gpu_worker.structured_output import StructuredOutput
+from steploop.gpu_worker.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size:
     activation memory; returns the last position's logits [1, vocab] (what a real prompt of that length gives)."""
     import numpy as np
 
-    from services.gpu_worker.attention.metadata import build_common_metadata
+    from steploop.gpu_worker.attention.metadata import build_common_metadata
 
     n = min(max_len, 8192)
     blocks = -(-n // block_size) + 1

@@ -35,9 +35,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.common.model_path import cache_dir
-from services.gpu_worker.cpu_kernels import build, packed_weights
-from services.gpu_worker.cpu_kernels.packed_weights import PackedWeight
+from steploop.common.model_path import cache_dir
+from steploop.gpu_worker.cpu_kernels import build, packed_weights
+from steploop.gpu_worker.cpu_kernels.packed_weights import PackedWeight
 
 log = logging.getLogger(__name__)
 

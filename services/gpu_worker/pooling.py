@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.pooling_params import PoolingConfig
-from services.common.step_contract import StepPlan
-from services.gpu_worker.input_batch import InputBatch, RequestState
+from steploop.common.pooling_params import PoolingConfig
+from steploop.common.step_contract import StepPlan
+from steploop.gpu_worker.input_batch import InputBatch, RequestState
 
 _MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 _OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")

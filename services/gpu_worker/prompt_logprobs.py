@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.step_contract import StepPlan, TokenLogprob
-from services.gpu_worker.input_batch import InputBatch
+from steploop.common.step_contract import StepPlan, TokenLogprob
+from steploop.gpu_worker.input_batch import InputBatch
 
 SLICE_ROWS = 256   # lm_head rows per slice: bounds the [rows, vocab] fp32 logits to ~50 MB at vocab 49k
 

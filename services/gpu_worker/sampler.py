@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.gpu_worker.logits_processors import LogitsEdits, apply_logits_edits
-from services.gpu_worker.model.ops import TorchOps
-from services.gpu_worker.penalties import PenaltyInputs, apply_penalties
+from steploop.common.sampling_params import SamplingParams
+from steploop.gpu_worker.logits_processors import LogitsEdits, apply_logits_edits
+from steploop.gpu_worker.model.ops import TorchOps
+from steploop.gpu_worker.penalties import PenaltyInputs, apply_penalties
 
 _MASK64 = (1 << 63) - 1
 

@@ -22,9 +22,9 @@ import time
 
 import grpc
 
-from services.common import event_loop, grpc_options, observability
-from services.common.metrics import MetricsServer
-from services.common.model_path import (
+from steploop.common import event_loop, grpc_options, observability
+from steploop.common.metrics import MetricsServer
+from steploop.common.model_path import (
     DEFAULT_MODEL,
     default_model_dir,
     gguf_model_dir,
@@ -32,14 +32,14 @@ from services.common.model_path import (
     is_model_dir,
     resolve_model,
 )
-from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
-from services.common.step_contract import SCHEDULER_STOPPING_METADATA, StepPlan
-from services.common.tls import open_channel
-from services.gpu_worker.config import WorkerConfig, add_cli_args
-from services.gpu_worker.distributed.comm import CollectiveError
-from services.gpu_worker.distributed.rank_link import RankLink
-from services.gpu_worker.metrics import WorkerObserver, make_observer
-from services.gpu_worker.model_runner import ModelRunner
+from steploop.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
+from steploop.common.step_contract import SCHEDULER_STOPPING_METADATA, StepPlan
+from steploop.common.tls import open_channel
+from steploop.gpu_worker.config import WorkerConfig, add_cli_args
+from steploop.gpu_worker.distributed.comm import CollectiveError
+from steploop.gpu_worker.distributed.rank_link import RankLink
+from steploop.gpu_worker.metrics import WorkerObserver, make_observer
+from steploop.gpu_worker.model_runner import ModelRunner
 
 log = logging.getLogger("steploop.worker")
 
@@ -50,11 +50,11 @@ BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 2.0
 def model_path_for(config: WorkerConfig):
     """The model folder; the default model is converted from its GGUF on first use."""
     if (not config.model or config.model == DEFAULT_MODEL) and not is_model_dir(default_model_dir()):
-        from services.gpu_worker.gguf_convert import convert_default_model
+        from steploop.gpu_worker.gguf_convert import convert_default_model
         log.info("default model not converted yet; converting it now")
         convert_default_model()
     if is_gguf(config.model) and not is_model_dir(gguf_model_dir(config.model)):
-        from services.gpu_worker.gguf_convert import convert_gguf
+        from steploop.gpu_worker.gguf_convert import convert_gguf
         convert_gguf(config.model)
     return resolve_model(config.model)
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.common.step_contract import StepPlan
-from services.gpu_worker.attention.metadata import (
+from steploop.common.step_contract import StepPlan
+from steploop.gpu_worker.attention.metadata import (
     CommonAttentionMetadata,
     build_common_metadata,
 )
-from services.gpu_worker.input_batch import InputBatch
+from steploop.gpu_worker.input_batch import InputBatch
 
 
 @dataclass

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from services.common.grammar_lint import regex_problem, schema_problem
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import NewRequestData, RequestFailure
+from steploop.common.grammar_lint import regex_problem, schema_problem
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import NewRequestData, RequestFailure
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-from services.scheduler.server import main
+from steploop.scheduler.server import main
 
 main()

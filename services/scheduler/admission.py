@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.common.step_contract import NewRequestData, StepPlan
-from services.scheduler import policy
-from services.scheduler.request import Request, RequestStatus
+from steploop.common.step_contract import NewRequestData, StepPlan
+from steploop.scheduler import policy
+from steploop.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler
+    from steploop.scheduler.scheduler import Scheduler
 
 
 def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: list[Request],

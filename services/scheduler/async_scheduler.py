@@ -24,11 +24,11 @@ the runs of plain decodes in C, which count one each the same way; both paths dr
 
 from __future__ import annotations
 
-from services.common.step_contract import StepPlan
-from services.scheduler import running_pass
-from services.scheduler.lora_steps import LoraSteps
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.scheduler import Scheduler
+from steploop.common.step_contract import StepPlan
+from steploop.scheduler import running_pass
+from steploop.scheduler.lora_steps import LoraSteps
+from steploop.scheduler.request import Request, RequestStatus
+from steploop.scheduler.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):

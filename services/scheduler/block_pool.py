@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the recorder is passed in; the pool itself imports nothing of KV events
-    from services.scheduler.kv_events.recorder import KvEventRecorder
+    from steploop.scheduler.kv_events.recorder import KvEventRecorder
 
 NULL_BLOCK_ID = 0
 

@@ -10,9 +10,9 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common import envs
-from services.common.block_hashing import BLOCK_HASHERS, DEFAULT_HASHER, get_block_hasher
-from services.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
+from steploop.common import envs
+from steploop.common.block_hashing import BLOCK_HASHERS, DEFAULT_HASHER, get_block_hasher
+from steploop.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
 
 
 class SchedulerConfigError(ValueError):

@@ -18,24 +18,24 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 
-from services.common.block_hashing import get_block_hasher, hasher_root
-from services.common.engine_contract import EngineRequest
-from services.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
-from services.common.step_contract import StepPlan, StepResult, WorkerInfo
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_events.hub import KvEventHub
-from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.lora_steps import LoraSteps
-from services.scheduler.metrics import make_observer
-from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
-from services.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.server_config import ServerConfig
-from services.scheduler.stats import EngineLoad, SchedulerCounters, StepStats
-from services.scheduler.worker_group import GroupAssembler, WorkerGroup
-from services.scheduler.worker_link import WorkerLink, WorkerLost
+from steploop.common.block_hashing import get_block_hasher, hasher_root
+from steploop.common.engine_contract import EngineRequest
+from steploop.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
+from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.kv_events.hub import KvEventHub
+from steploop.scheduler.lora_registry import LoraRegistry
+from steploop.scheduler.lora_steps import LoraSteps
+from steploop.scheduler.metrics import make_observer
+from steploop.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
+from steploop.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
+from steploop.scheduler.scheduler import Scheduler
+from steploop.scheduler.server_config import ServerConfig
+from steploop.scheduler.stats import EngineLoad, SchedulerCounters, StepStats
+from steploop.scheduler.worker_group import GroupAssembler, WorkerGroup
+from steploop.scheduler.worker_link import WorkerLink, WorkerLost
 
 log = logging.getLogger(__name__)
 

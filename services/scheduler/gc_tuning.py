@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 
-from services.common import envs
+from steploop.common import envs
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 
-from services.scheduler.request import Request
+from steploop.scheduler.request import Request
 
 
 class HandleTable:

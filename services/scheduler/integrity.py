@@ -3,7 +3,7 @@ after every step; it is O(pool + requests), so not on the serving path)."""
 
 from __future__ import annotations
 
-from services.scheduler.request import RequestStatus
+from steploop.scheduler.request import RequestStatus
 
 
 def check_scheduler(sched) -> None:

@@ -12,14 +12,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from services.common.block_hashing import BlockHasher, hash_block
-from services.common.intmath import cdiv
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.prefix_cache import PrefixCacheStats, ensure_block_hashes
-from services.scheduler.request import Request
+from steploop.common.block_hashing import BlockHasher, hash_block
+from steploop.common.intmath import cdiv
+from steploop.scheduler.block_pool import BlockPool
+from steploop.scheduler.prefix_cache import PrefixCacheStats, ensure_block_hashes
+from steploop.scheduler.request import Request
 
 if TYPE_CHECKING:   # the recorder is passed in (engine_loop.py)
-    from services.scheduler.kv_events.recorder import KvEventRecorder
+    from steploop.scheduler.kv_events.recorder import KvEventRecorder
 
 
 class KVCacheManager:

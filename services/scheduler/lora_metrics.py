@@ -8,7 +8,7 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
-from services.scheduler.stats import EngineLoad
+from steploop.scheduler.stats import EngineLoad
 
 
 def lora_requests_info(load: EngineLoad) -> GaugeMetricFamily:

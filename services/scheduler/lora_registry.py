@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from services.common.errors import InvalidRequestError, NotFoundError
-from services.common.lora_adapter import LoraAdapterError, LoraModelShapes, read_adapter
-from services.common.lora_config import LoraConfig, LoraModule
+from steploop.common.errors import InvalidRequestError, NotFoundError
+from steploop.common.lora_adapter import LoraAdapterError, LoraModelShapes, read_adapter
+from steploop.common.lora_config import LoraConfig, LoraModule
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from services.common.lora_config import LoraModule
-from services.common.step_contract import StepPlan
-from services.scheduler.request import Request
+from steploop.common.lora_config import LoraModule
+from steploop.common.step_contract import StepPlan
+from steploop.scheduler.request import Request
 
 
 class LoraSteps:

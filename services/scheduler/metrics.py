@@ -23,13 +23,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from services.common import metrics as m
-from services.common import tracing
-from services.common.step_contract import StepPlan, WorkerInfo
-from services.scheduler import metrics_export
-from services.scheduler import tracing as request_tracing
-from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.stats import EngineLoad, StepStats
+from steploop.common import metrics as m
+from steploop.common import tracing
+from steploop.common.step_contract import StepPlan, WorkerInfo
+from steploop.scheduler import metrics_export
+from steploop.scheduler import tracing as request_tracing
+from steploop.scheduler.request import Request, RequestOutput, RequestStatus
+from steploop.scheduler.stats import EngineLoad, StepStats
 
 log = logging.getLogger("steploop.scheduler.stats")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from services.scheduler.lora_metrics import lora_requests_info
-from services.scheduler.stats import EngineLoad, SchedulerCounters
+from steploop.scheduler.lora_metrics import lora_requests_info
+from steploop.scheduler.stats import EngineLoad, SchedulerCounters
 
 MODEL = ["model_name"]
 

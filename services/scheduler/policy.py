@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Callable
 
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.request import Request
 
 RankKey = Callable[[Request], tuple]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from services.scheduler.step_cost import StepCostModel, attention_pairs
+from steploop.scheduler.step_cost import StepCostModel, attention_pairs
 
 
 class PrefillPacer:

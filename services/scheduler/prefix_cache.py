@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.block_hashing import BlockHasher, first_block_extra, hash_block
-from services.scheduler.request import Request
+from steploop.common.block_hashing import BlockHasher, first_block_extra, hash_block
+from steploop.scheduler.request import Request
 
 
 def block_tokens(request: Request, index: int, block_size: int) -> list[int]:

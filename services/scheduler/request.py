@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import KW_ONLY, dataclass, field
 
-from services.common.pooling_params import PoolingParams
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import TokenLogprob
+from steploop.common.pooling_params import PoolingParams
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import TokenLogprob
 
 
 class RequestStatus(enum.IntEnum):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.step_contract import RequestFailure
-from services.scheduler.request import Request, RequestOutput, RequestStatus
+from steploop.common.step_contract import RequestFailure
+from steploop.scheduler.request import Request, RequestOutput, RequestStatus
 
 
 @dataclass(slots=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.common.pooling_params import PoolingConfig, unsupported_api_message
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import TokenLogprob
-from services.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
+from steploop.common.pooling_params import PoolingConfig, unsupported_api_message
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import TokenLogprob
+from steploop.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 
 
 def make_output(request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:

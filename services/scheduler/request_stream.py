@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common.engine_contract import EngineChunk, FinishReason, Usage
-from services.common.errors import EngineError
-from services.scheduler.request import RequestStatus
-from services.scheduler.request_failures import RejectedOutput
+from steploop.common.engine_contract import EngineChunk, FinishReason, Usage
+from steploop.common.errors import EngineError
+from steploop.scheduler.request import RequestStatus
+from steploop.scheduler.request_failures import RejectedOutput
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.common.step_contract import StepPlan
-from services.scheduler.ngram_proposer import propose_drafts
-from services.scheduler.request import Request
+from steploop.common.step_contract import StepPlan
+from steploop.scheduler.ngram_proposer import propose_drafts
+from steploop.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler
+    from steploop.scheduler.scheduler import Scheduler
 
 
 def schedule_running(sched: Scheduler, plan: StepPlan, budget: int, scheduled: list[Request],

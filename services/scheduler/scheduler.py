@@ -14,21 +14,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from services.common.pooling_params import PoolingConfig
-from services.common.step_contract import StepPlan, StepResult
-from services.scheduler import admission, fastpath, policy, running_pass, step_update
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.handles import HandleTable
-from services.scheduler.integrity import check_scheduler
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.lora_steps import LoraSteps
-from services.scheduler.ngram_proposer import NgramProposer
-from services.scheduler.prefill_pacing import PrefillPacer
-from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.request_failures import end_failed
-from services.scheduler.request_outputs import check_runner, make_output, validate_pooling_request, validate_request
-from services.scheduler.stats import SchedulerCounters, SchedulerStats
-from services.scheduler.stop_rule import StopRules
+from steploop.common.pooling_params import PoolingConfig
+from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler import admission, fastpath, policy, running_pass, step_update
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.handles import HandleTable
+from steploop.scheduler.integrity import check_scheduler
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.lora_steps import LoraSteps
+from steploop.scheduler.ngram_proposer import NgramProposer
+from steploop.scheduler.prefill_pacing import PrefillPacer
+from steploop.scheduler.request import Request, RequestOutput, RequestStatus
+from steploop.scheduler.request_failures import end_failed
+from steploop.scheduler.request_outputs import check_runner, make_output, validate_pooling_request, validate_request
+from steploop.scheduler.stats import SchedulerCounters, SchedulerStats
+from steploop.scheduler.stop_rule import StopRules
 
 log = logging.getLogger(__name__)
 

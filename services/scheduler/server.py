@@ -19,15 +19,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import event_loop, grpc_options, observability, tls
-from services.common.metrics import MetricsServer
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from services.scheduler import fastpath, gc_tuning
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.server_config import ServerConfig
-from services.scheduler.servicers import EngineServicer, PlanStreamServicer
-from services.scheduler.worker_link import add_plan_stream_servicer
+from steploop.common import event_loop, grpc_options, observability, tls
+from steploop.common.metrics import MetricsServer
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from steploop.scheduler import fastpath, gc_tuning
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.engine_loop import EngineLoop
+from steploop.scheduler.server_config import ServerConfig
+from steploop.scheduler.servicers import EngineServicer, PlanStreamServicer
+from steploop.scheduler.worker_link import add_plan_stream_servicer
 
 log = logging.getLogger("steploop.scheduler")
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name     # steploop.v1.Engine

@@ -1,6 +1,6 @@
 """Thin gRPC servicers: Engine (the public token API: per-request Generate calls, or many requests on one
 Session stream) and PlanStream (workers attach). Errors map in one place
-(services.common.errors); everything else lives in EngineLoop."""
+(steploop.common.errors); everything else lives in EngineLoop."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import logging
 
 import grpc
 
-from services.common import metrics, tracing
-from services.common.engine_contract import KV_EVENTS_RESUMED_METADATA, EngineRequest
-from services.common.errors import EngineError, abort_with
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
-from services.common.step_contract import SCHEDULER_STOPPING_METADATA, WorkerInfo
-from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.kv_events.hub import WatcherCutOff, message_pb
-from services.scheduler.session import EngineSession
-from services.scheduler.worker_link import WorkerLink
+from steploop.common import metrics, tracing
+from steploop.common.engine_contract import KV_EVENTS_RESUMED_METADATA, EngineRequest
+from steploop.common.errors import EngineError, abort_with
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
+from steploop.common.step_contract import SCHEDULER_STOPPING_METADATA, WorkerInfo
+from steploop.scheduler.engine_loop import EngineLoop
+from steploop.scheduler.kv_events.hub import WatcherCutOff, message_pb
+from steploop.scheduler.session import EngineSession
+from steploop.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 

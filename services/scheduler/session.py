@@ -12,17 +12,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from services.common import tracing
-from services.common.engine_contract import EngineRequest
-from services.common.errors import (
+from steploop.common import tracing
+from steploop.common.engine_contract import EngineRequest
+from steploop.common.errors import (
     RETRY_AFTER_KEY,
     EngineError,
     InvalidRequestError,
     trailing_metadata,
 )
-from services.common.pb.steploop.v1 import engine_pb2
-from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.request_stream import FailedOutput, is_final, merge
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.scheduler.engine_loop import EngineLoop
+from steploop.scheduler.request_stream import FailedOutput, is_final, merge
 
 MESSAGE_BYTES = 4 * 1024 * 1024   # a step's outputs are split into messages of about this size at most
 

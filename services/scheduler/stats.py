@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
 
-from services.common.engine_contract import LoadReport
-from services.scheduler.request import RequestOutput
+from steploop.common.engine_contract import LoadReport
+from steploop.scheduler.request import RequestOutput
 
 
 @dataclass

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.common.step_contract import StepPlan, StepResult, TokenLogprob
-from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.request_outputs import add_prompt_logprobs, make_output
-from services.scheduler.stop_rule import stop_status
+from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob
+from steploop.scheduler.request import Request, RequestOutput, RequestStatus
+from steploop.scheduler.request_outputs import add_prompt_logprobs, make_output
+from steploop.scheduler.stop_rule import stop_status
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler
+    from steploop.scheduler.scheduler import Scheduler
 
 RUNNING = RequestStatus.RUNNING
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.scheduler.request import Request, RequestStatus
+from steploop.scheduler.request import Request, RequestStatus
 
 
 class StopRules:

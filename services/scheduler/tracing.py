@@ -1,4 +1,4 @@
-"""Request spans in the scheduler, only while `services.common.tracing.ENABLED`.
+"""Request spans in the scheduler, only while `steploop.common.tracing.ENABLED`.
 
 One span per request's life ("steploop.scheduler.request", parent: the caller's trace from gRPC metadata) with
 GenAI attributes, a child span for its queue time, and events for the steps that mattered (first scheduled,
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.common import tracing
+from steploop.common import tracing
 
 
 def start(rec: Any, request: Any, model: str) -> None:

@@ -18,10 +18,10 @@ import asyncio
 import dataclasses
 import logging
 
-from services.common.errors import InvalidRequestError
-from services.common.pb.steploop.v1 import worker_pb2
-from services.common.step_contract import StepPlan, StepResult, WorkerInfo
-from services.scheduler.worker_link import WorkerLink, WorkerLost, encode_plan
+from steploop.common.errors import InvalidRequestError
+from steploop.common.pb.steploop.v1 import worker_pb2
+from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.scheduler.worker_link import WorkerLink, WorkerLost, encode_plan
 
 log = logging.getLogger(__name__)
 

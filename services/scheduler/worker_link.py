@@ -20,8 +20,8 @@ import time
 
 import grpc
 
-from services.common.pb.steploop.v1 import worker_pb2
-from services.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.common.pb.steploop.v1 import worker_pb2
+from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
 
 log = logging.getLogger(__name__)
 

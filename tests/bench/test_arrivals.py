@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from services.bench.runner import arrival_intervals
+from steploop.bench.runner import arrival_intervals
 
 
 def test_poisson_mean_rate():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from services.bench.datasets import jsonl_dataset, random_dataset, shared_prefix_dataset
+from steploop.bench.datasets import jsonl_dataset, random_dataset, shared_prefix_dataset
 
 
 class FakeTokenizer:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.inprocess import InProcessEngine
-from services.scheduler.config import SchedulerConfig
+from steploop.scheduler.config import SchedulerConfig
 from tests.scheduler.sched_factories import EOS, FakeWorker
 
 

@@ -12,7 +12,7 @@ from benchmarks.llama_cpp_baseline import batched
 
 @pytest.fixture(scope="module")
 def prompts():
-    from services.gpu_worker.gguf_convert import find_gguf
+    from steploop.gpu_worker.gguf_convert import find_gguf
     try:
         find_gguf()
     except FileNotFoundError as e:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.bench.metrics import (
+from steploop.bench.metrics import (
     RequestResult,
     compute_metrics,
     distribute_tokens,

@@ -6,10 +6,10 @@ import json
 import pytest
 from aiohttp import web
 
-from services.bench import serve
-from services.bench.client import Target
-from services.bench.datasets import random_dataset
-from services.bench.runner import run
+from steploop.bench import serve
+from steploop.bench.client import Target
+from steploop.bench.datasets import random_dataset
+from steploop.bench.runner import run
 
 TOKEN_DELAY = 0.002
 

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from services.gateway.config import GatewayConfig
-from services.gateway.routing import discovery
-from services.gateway.routing.router import EngineRouter
+from steploop.gateway.config import GatewayConfig
+from steploop.gateway.routing import discovery
+from steploop.gateway.routing.router import EngineRouter
 
 # The gateway tests' fixtures (a tokenizer folder, a config), imported so pytest finds them here.
 from tests.gateway.conftest import (  # noqa: F401

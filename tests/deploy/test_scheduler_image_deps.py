@@ -25,7 +25,7 @@ class Block:
         if name.split(".")[0] in {left_out!r}:
             raise ImportError(f"{{name}} is not in the scheduler image")
 sys.meta_path.insert(0, Block())
-import services.cli, services.scheduler.server, services.scheduler.fastpath
+import steploop.cli, steploop.scheduler.server, steploop.scheduler.fastpath
 """
 
 

@@ -18,11 +18,12 @@ import zipfile
 
 import pytest
 
-from services.cli import COMMANDS
+from steploop.cli import COMMANDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STUBS = ["services/common/pb/steploop/v1/engine_pb2.py", "services/common/pb/steploop/v1/engine_pb2_grpc.py",
-         "services/common/pb/steploop/v1/worker_pb2.py", "services/common/pb/steploop/v1/worker_pb2_grpc.py"]
+# In the sdist the repository's layout (services/...); in the wheel the import package (steploop/...).
+STUBS = ["common/pb/steploop/v1/engine_pb2.py", "common/pb/steploop/v1/engine_pb2_grpc.py",
+         "common/pb/steploop/v1/worker_pb2.py", "common/pb/steploop/v1/worker_pb2_grpc.py"]
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +61,15 @@ def test_sdist_and_wheel_carry_the_generated_stubs(dist):
     with tarfile.open(sdist) as tar:
         sdist_names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     for stub in STUBS:
-        assert stub in wheel_names, f"{stub} missing from the wheel"
-        assert stub in sdist_names, f"{stub} missing from the sdist"
+        assert f"steploop/{stub}" in wheel_names, f"steploop/{stub} missing from the wheel"
+        assert f"services/{stub}" in sdist_names, f"services/{stub} missing from the sdist"
     assert any(n.endswith("licenses/LICENSE") for n in wheel_names)
-    assert "services/gpu_worker/cpu_kernels/paged_attention.c" in wheel_names   # compiled at run time
-    assert "services/scheduler/fastpath/decode_loop.c" in wheel_names            # so is the scheduler's
-    assert not any(n.startswith("tests/") for n in wheel_names)
+    for source in ("gpu_worker/cpu_kernels/paged_attention.c", "gpu_worker/cpu_kernels/vector_width.h",
+                   "scheduler/fastpath/decode_loop.c"):       # compiled at run time, so they ship
+        assert f"steploop/{source}" in wheel_names and f"services/{source}" in sdist_names, source
+    # The wheel claims one top-level name of its own: a user's `services` or `tests` package is theirs.
+    top = {n.split("/", 1)[0] for n in wheel_names if not n.startswith("steploop-")}
+    assert top == {"steploop"}, top
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +95,7 @@ def run_in(venv: pathlib.Path, *argv: str) -> subprocess.CompletedProcess:
 
 def test_installed_package_imports_from_the_venv(venv):
     out = run_in(venv, str(venv / "bin" / "python"), "-c",
-                 "import services, services.common.pb.steploop.v1.engine_pb2 as pb; print(services.__file__); "
+                 "import steploop, steploop.common.pb.steploop.v1.engine_pb2 as pb; print(steploop.__file__); "
                  "print(pb.__file__)")
     assert out.returncode == 0, out.stderr
     for line in out.stdout.split():
@@ -103,7 +107,7 @@ def test_scheduler_c_loops_build_from_the_installed_wheel(venv, tmp_path):
     run the Python loops."""
     import shutil
 
-    code = "from services.scheduler import fastpath; m = fastpath.load(); print(m is not None, fastpath.SOURCE)"
+    code = "from steploop.scheduler import fastpath; m = fastpath.load(); print(m is not None, fastpath.SOURCE)"
     out = subprocess.run([str(venv / "bin" / "python"), "-c", code], check=False, cwd=venv, capture_output=True,
                          text=True, timeout=120, env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin",
                                                       "HOME": str(pathlib.Path.home()),
@@ -125,3 +129,24 @@ def test_each_service_help_from_the_installed_wheel(venv, command):
     out = run_in(venv, str(venv / "bin" / "steploop"), command, "--help")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage: steploop") or f"steploop {command} " in out.stdout, out.stdout[:500]
+
+
+def test_installs_beside_a_users_own_services_package(venv, tmp_path):
+    """An application with its own top-level `services` package (a common name) imports it and steploop's client
+    side by side: steploop claims only the name `steploop`."""
+    app = tmp_path / "app"
+    (app / "services").mkdir(parents=True)
+    (app / "services" / "__init__.py").write_text("OWNER = 'the application'\n")
+    (app / "services" / "billing.py").write_text("def charge():\n    return 'charged'\n")
+    code = ("import services, services.billing\n"
+            "from steploop.client import EngineClient, EngineRequest, SamplingParams\n"
+            "import steploop.gateway.app, steploop.scheduler.scheduler\n"
+            "assert services.OWNER == 'the application' and services.billing.charge() == 'charged'\n"
+            "print(services.__file__); print(EngineClient.__module__)\n")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], check=False, cwd=app, capture_output=True,
+                         text=True, timeout=120, env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+                                                      "HOME": str(pathlib.Path.home())})
+    assert out.returncode == 0, out.stderr[-3000:]
+    users, client_module = out.stdout.split()
+    assert users == str(app / "services" / "__init__.py")
+    assert client_module.startswith("steploop.")

@@ -12,12 +12,12 @@ import openai
 import pytest
 import pytest_asyncio
 
-from services.common import model_path
-from services.gateway.app import create_app
-from services.gateway.config import GatewayConfig
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.server import bound_port, start_site
-from services.gateway.text.tokenizer import Tokenizer, load_tokenizer
+from steploop.common import model_path
+from steploop.gateway.app import create_app
+from steploop.gateway.config import GatewayConfig
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.server import bound_port, start_site
+from steploop.gateway.text.tokenizer import Tokenizer, load_tokenizer
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
 REPLY_TEXT = "Hello there! 你好，世界 🎉🚀 The end."

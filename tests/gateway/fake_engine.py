@@ -14,11 +14,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.common.errors import CODE_KEY, PARAM_KEY
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from services.common.sampling_params import SamplingParams
-from services.scheduler.request import RequestRejectedError
-from services.scheduler.request_outputs import resolve_max_tokens
+from steploop.common.errors import CODE_KEY, PARAM_KEY
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.request import RequestRejectedError
+from steploop.scheduler.request_outputs import resolve_max_tokens
 
 
 @dataclass

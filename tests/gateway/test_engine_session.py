@@ -10,11 +10,11 @@ import aiohttp
 import grpc
 import pytest
 
-from services.common.engine_contract import EngineRequest
-from services.common.sampling_params import SamplingParams
-from services.gateway import errors
-from services.gateway.app_keys import SERVING
-from services.gateway.engine.engine_client import EngineClient
+from steploop.common.engine_contract import EngineRequest
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway import errors
+from steploop.gateway.app_keys import SERVING
+from steploop.gateway.engine.engine_client import EngineClient
 from tests.gateway.conftest import REPLY_TEXT, SERVED_NAME, wait_for
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from services.gateway.embeddings_api.outputs import embeddings_body, encode
-from services.gateway.embeddings_api.protocol import parse_embeddings
-from services.gateway.errors import APIError
+from steploop.gateway.embeddings_api.outputs import embeddings_body, encode
+from steploop.gateway.embeddings_api.protocol import parse_embeddings
+from steploop.gateway.errors import APIError
 
 
 @pytest.mark.parametrize("value,want", [

@@ -11,10 +11,10 @@ import grpc
 import openai
 import pytest
 
-from services.gateway import errors
-from services.gateway.app import create_app
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.server import bound_port, start_site
+from steploop.gateway import errors
+from steploop.gateway.app import create_app
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.server import bound_port, start_site
 from tests.gateway.conftest import SERVED_NAME, serving_app, wait_for
 from tests.gateway.fake_engine import start_fake_engine
 

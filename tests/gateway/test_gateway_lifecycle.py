@@ -61,8 +61,8 @@ async def until_health(http, url: str, status: int, timeout: float = 10.0) -> No
 
 NO_TORCH = """
 import sys
-import services.gateway.server
-from services.gateway.text.tokenizer import load_tokenizer
+import steploop.gateway.server
+from steploop.gateway.text.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 assert tok.chat_sync([{"role": "user", "content": "hi"}])
 print(",".join(sorted(m for m in ("torch", "triton") if m in sys.modules)) or "clean")
@@ -90,7 +90,7 @@ async def gateway_process(gateway_model_dir, engine: FakeEngine, shutdown_timeou
     server, address, _ = await start_fake_engine(engine)
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.gateway", "--port", str(port), "--scheduler-address", address,
+        sys.executable, "-m", "steploop.gateway", "--port", str(port), "--scheduler-address", address,
         "--model", str(gateway_model_dir), "--served-model-name", SERVED_NAME,
         "--shutdown-timeout", str(shutdown_timeout), stderr=asyncio.subprocess.PIPE)
     try:
@@ -218,6 +218,6 @@ async def wait_for_http(http, url, proc, timeout=60.0) -> None:
 
 @pytest.mark.parametrize("address", ["127.0.0.1:1,127.0.0.1:1", "", ","])
 def test_a_bad_scheduler_address_is_a_usage_error(address):
-    out = subprocess.run([sys.executable, "-m", "services.gateway", "--scheduler-address", address],
+    out = subprocess.run([sys.executable, "-m", "steploop.gateway", "--scheduler-address", address],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and "--scheduler-address" in out.stderr and "Traceback" not in out.stderr

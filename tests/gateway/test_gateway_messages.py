@@ -12,7 +12,7 @@ import anthropic
 import grpc
 import pytest
 
-from services.gateway import errors
+from steploop.gateway import errors
 from tests.gateway.conftest import HERMES_CALL, REPLY_TEXT, SERVED_NAME, sent_prompt
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]

@@ -13,8 +13,8 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing.router import EngineRouter
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing.router import EngineRouter
 from tests.gateway.conftest import SERVED_NAME, serving_app
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
@@ -153,7 +153,7 @@ async def test_past_max_migrations_it_fails_as_before(pair):
 def test_the_flag(flag):
     import argparse
 
-    from services.gateway.config import GatewayConfig, add_cli_args
+    from steploop.gateway.config import GatewayConfig, add_cli_args
 
     args = add_cli_args(argparse.ArgumentParser()).parse_args(["--max-migrations", flag])
     if flag == "-1":

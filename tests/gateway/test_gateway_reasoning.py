@@ -8,8 +8,8 @@ from dataclasses import replace
 import anthropic
 import pytest
 
-from services.gateway.config import GatewayConfig
-from services.gateway.text.reasoning import ReasoningSplitter, get_reasoning_parser
+from steploop.gateway.config import GatewayConfig
+from steploop.gateway.text.reasoning import ReasoningSplitter, get_reasoning_parser
 from tests.gateway.conftest import SERVED_NAME
 
 REPLY = "<think>\nThe user greets me. 2 < 3.\n</think>\n\nHello! The end."

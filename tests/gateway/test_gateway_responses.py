@@ -11,8 +11,8 @@ import openai
 import pydantic
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.responses_api.store import ResponseStore
+from steploop.gateway.errors import APIError
+from steploop.gateway.responses_api.store import ResponseStore
 from tests.gateway.conftest import HERMES_CALL, REPLY_TEXT, SERVED_NAME, sent_prompt
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",

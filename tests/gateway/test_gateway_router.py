@@ -10,9 +10,9 @@ import aiohttp
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing.affinity import AffinityMap
-from services.gateway.routing.router import EngineRouter
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing.affinity import AffinityMap
+from steploop.gateway.routing.router import EngineRouter
 from tests.gateway.conftest import SERVED_NAME, serving_app
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 

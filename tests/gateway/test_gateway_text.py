@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.text.detokenizer import IncrementalDetokenizer
-from services.gateway.text.stop_strings import StopStringMatcher
+from steploop.gateway.text.detokenizer import IncrementalDetokenizer
+from steploop.gateway.text.stop_strings import StopStringMatcher
 
 MULTIBYTE = ["你好，世界", "emoji 🎉🚀👩‍👩‍👧 done", "naïve café ü", "混合 text 和 🙂 emoji"]
 

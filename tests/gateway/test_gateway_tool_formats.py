@@ -12,8 +12,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.text.tokenizer import load_tokenizer
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.text.tokenizer import load_tokenizer
 from tests.gateway.conftest import SERVED_NAME, serving_app
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 

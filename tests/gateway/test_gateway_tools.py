@@ -8,9 +8,9 @@ import json
 import openai
 import pytest
 
-from services.gateway.text.chat_template import for_template
-from services.gateway.tool_parsers import ContentSplitter, get_tool_parser
-from services.gateway.tool_parsers.tools import ToolRequest, parse_tools
+from steploop.gateway.text.chat_template import for_template
+from steploop.gateway.tool_parsers import ContentSplitter, get_tool_parser
+from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
 from tests.gateway.conftest import HERMES_CALL, SERVED_NAME, sent_prompt
 
 WEATHER = {"type": "function", "function": {

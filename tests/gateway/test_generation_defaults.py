@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.generation_defaults import GenerationDefaults
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.common.generation_defaults import GenerationDefaults
+from steploop.common.pb.steploop.v1 import engine_pb2
 from tests.gateway.conftest import SERVED_NAME
 from tests.gateway.fake_engine import FakeEngine
 from tests.gateway.test_gateway_errors import CHAT, post

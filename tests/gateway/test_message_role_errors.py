@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.openai_api.protocol import parse_chat_messages
-from services.gateway.responses_api.protocol import parse_input
+from steploop.gateway.errors import APIError
+from steploop.gateway.openai_api.protocol import parse_chat_messages
+from steploop.gateway.responses_api.protocol import parse_input
 
 
 def test_chat_message_without_role_says_missing():

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from services.common.block_hashing import block_hashes, get_block_hasher
-from services.common.engine_contract import EngineRequest
-from services.common.sampling_params import SamplingParams
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing.router import EngineRouter
-from services.scheduler.request import Request
+from steploop.common.block_hashing import block_hashes, get_block_hasher
+from steploop.common.engine_contract import EngineRequest
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing.router import EngineRouter
+from steploop.scheduler.request import Request
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 from tests.scheduler.sched_factories import FakeWorker, create_scheduler, run_until_idle
 

@@ -13,7 +13,7 @@ import sys
 import aiohttp
 import pytest
 
-from services.gateway.grammar_check import CHECKER, GrammarChecker
+from steploop.gateway.grammar_check import CHECKER, GrammarChecker
 from tests.gateway.conftest import SERVED_NAME
 from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 
@@ -135,7 +135,7 @@ async def test_without_the_helper_the_worker_decides(monkeypatch):
 def test_the_helper_never_imports_torch():
     ask = json.dumps({"kind": "json_schema", "text": json.dumps(LOOKAHEAD)}) + "\n"
     script = ("import sys, runpy\n"
-              "try:\n    runpy.run_module('services.gateway.grammar_helper', run_name='__main__')\n"
+              "try:\n    runpy.run_module('steploop.gateway.grammar_helper', run_name='__main__')\n"
               "finally:\n    print(sys.modules.get('torch') is not None, file=sys.__stdout__)")
     out = subprocess.run([sys.executable, "-c", script], input=ask, capture_output=True, text=True, check=True,
                          timeout=120)

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from services.gateway.config import GatewayConfig
-from services.gateway.text.chat_template import for_template
-from services.gateway.tool_parsers import TOOL_PARSERS, ContentSplitter, get_tool_parser
-from services.gateway.tool_parsers.tools import parse_tools
+from steploop.gateway.config import GatewayConfig
+from steploop.gateway.text.chat_template import for_template
+from steploop.gateway.tool_parsers import TOOL_PARSERS, ContentSplitter, get_tool_parser
+from steploop.gateway.tool_parsers.tools import parse_tools
 
 NAMES = {"get_weather", "get_time"}
 PARIS = {"city": "Paris"}
@@ -166,9 +166,9 @@ def test_the_flag_names_a_known_parser():
 
 def test_the_tokenizer_imports_no_tool_code():
     """The tokenizer renders messages it is given (chat_template.py prepares them): no tool module behind it."""
-    code = ("import sys, services.gateway.text.tokenizer; "
-            "print(' '.join(m for m in sys.modules if m.startswith('services.gateway.')))")
+    code = ("import sys, steploop.gateway.text.tokenizer; "
+            "print(' '.join(m for m in sys.modules if m.startswith('steploop.gateway.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     loaded = out.stdout.split()
-    assert "services.gateway.text.tokenizer" in loaded
+    assert "steploop.gateway.text.tokenizer" in loaded
     assert not [m for m in loaded if "tool" in m or "chat_template" in m], loaded

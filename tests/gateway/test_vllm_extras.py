@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from services.gateway.app_keys import SERVING
-from services.gateway.openai_api.vllm_extras import NOT_BUILT
+from steploop.gateway.app_keys import SERVING
+from steploop.gateway.openai_api.vllm_extras import NOT_BUILT
 from tests.gateway.conftest import SERVED_NAME
 from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 

@@ -1,6 +1,6 @@
 """Cluster: gateway, scheduler and worker as real processes on loopback, for integration tests.
 
-Each service runs as `python -m services.<name>` with explicit flags, its output in a log file under the test's
+Each service runs as `python -m steploop.<name>` with explicit flags, its output in a log file under the test's
 tmp dir (printed when start-up fails). Ports are picked free at start. `modules` runs a service from another
 module with the same flags (e.g. the worker from tests/integration/faulty_worker.py, which injects a failing forward).
 
@@ -35,7 +35,7 @@ def free_port() -> int:
 
 async def load_report_async(address: str):
     """The scheduler's Engine.GetLoadReport, through the project's own gRPC client."""
-    from services.client import EngineClient
+    from steploop.client import EngineClient
 
     engine = EngineClient(address)
     try:
@@ -61,14 +61,14 @@ class Cluster:
         }
         self.procs: dict[str, subprocess.Popen] = {}
         self.prefixes = prefixes or {}          # service -> argv prefix (e.g. `ip netns exec NAME`)
-        self.modules = modules or {}            # service -> module run instead of services.<name>
+        self.modules = modules or {}            # service -> module run instead of steploop.<name>
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start_service(self, name: str) -> subprocess.Popen:
-        module = self.modules.get(name) or "services." + {"worker": "gpu_worker"}.get(name, name)
+        module = self.modules.get(name) or "steploop." + {"worker": "gpu_worker"}.get(name, name)
         log = open(self.log_dir / f"{name}.log", "ab")
         argv = [*self.prefixes.get(name, []), sys.executable, "-m", module, *self.argv[name]]
         proc = subprocess.Popen(argv, cwd=ROOT,

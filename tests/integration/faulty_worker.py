@@ -1,4 +1,4 @@
-"""The real worker (`python -m services.gpu_worker`, same flags, same model) with a forward that raises on cue.
+"""The real worker (`python -m steploop.gpu_worker`, same flags, same model) with a forward that raises on cue.
 
     python -m tests.integration.faulty_worker --scheduler-address ... (any gpu_worker flag)
 
@@ -33,7 +33,7 @@ def _contains(seq: list[int], marker: list[int]) -> bool:
 
 def install(faults: list[dict]) -> None:
     # Imported here, not at the top: the test imports FAULT_MESSAGE from this module and needs no torch.
-    from services.gpu_worker.model_runner import ModelRunner
+    from steploop.gpu_worker.model_runner import ModelRunner
 
     original = ModelRunner._run
 
@@ -56,7 +56,7 @@ def install(faults: list[dict]) -> None:
 
 
 def main() -> int:
-    from services.gpu_worker import server
+    from steploop.gpu_worker import server
 
     install(json.loads(os.environ.get("STEPLOOP_TEST_FAULTS", "[]")))
     return server.main()

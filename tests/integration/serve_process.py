@@ -23,7 +23,7 @@ class ServeProcess:
     def __init__(self, tmp_path: pathlib.Path, *extra_args: str):
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.log_path = tmp_path / "serve.log"
-        argv = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.http_port), "--scheduler-port",
+        argv = [sys.executable, "-m", "steploop.cli", "serve", "--port", str(self.http_port), "--scheduler-port",
                 str(self.grpc_port), "--metrics-port", str(self.metrics_port), *extra_args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,

@@ -54,7 +54,7 @@ def test_chat_options_and_cached_tokens(cluster):
 
 
 def test_grpc_client_generate_and_abort(cluster, hf):
-    from services.client import EngineClient, EngineRequest, FinishReason, SamplingParams
+    from steploop.client import EngineClient, EngineRequest, FinishReason, SamplingParams
 
     async def run():
         engine = EngineClient(cluster.scheduler_address)

@@ -74,7 +74,7 @@ def test_compose_services_start_a_working_cluster(tmp_path, model_dir):
             command = svc.get("command", ["steploop", name])
             assert command[0] == "steploop"
             log = open(tmp_path / f"{name}.log", "wb")
-            procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", *command[1:]], cwd=ROOT, env=env,
+            procs.append(subprocess.Popen([sys.executable, "-m", "steploop.cli", *command[1:]], cwd=ROOT, env=env,
                                           stdout=log, stderr=subprocess.STDOUT))
         cluster = Cluster(tmp_path)
         cluster.http_port = http

@@ -8,8 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from services.common.tls import TlsConfig, open_channel
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from steploop.common.tls import TlsConfig, open_channel
 from tests.integration.certs import make_certs
 from tests.integration.cluster import Cluster
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from services.common import model_path
+from steploop.common import model_path
 from tests.integration import readme_examples
 from tests.integration.serve_process import ROOT, ServeProcess
 

@@ -44,7 +44,7 @@ def test_serve_starts_restarts_and_stops(tmp_path):
 
 
 def test_serve_refuses_a_bad_flag_before_starting_anything():
-    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--max-num-seqs", "0"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "steploop.cli", "serve", "--max-num-seqs", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2
     assert "--max-num-seqs" in out.stderr and "Traceback" not in out.stderr
@@ -54,7 +54,7 @@ def test_serve_refuses_a_bad_flag_before_starting_anything():
 def test_serve_stops_instead_of_restarting_a_service_with_an_impossible_config(tmp_path):
     """Too few KV blocks for one full-length sequence is known only once the worker loads: it exits 2 with the
     fix in its message, and the supervisor stops the cluster instead of restarting it in a loop."""
-    out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--num-kv-blocks", "3", "--port",
+    out = subprocess.run([sys.executable, "-m", "steploop.cli", "serve", "--num-kv-blocks", "3", "--port",
                           str(free_port()), "--scheduler-port", str(free_port()), "--metrics-port", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, check=False)   # the worker loads first: minutes when loaded
     assert out.returncode == 1

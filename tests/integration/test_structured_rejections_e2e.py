@@ -11,7 +11,7 @@ import json
 import grpc
 import pytest
 
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from tests.integration.api_helpers import MODEL
 from tests.integration.cluster import assert_healthy_and_no_leak
 

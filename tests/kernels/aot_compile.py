@@ -38,8 +38,8 @@ def signature(kernel, constexprs: dict, dtype: str, pointers: dict[str, str] | N
 
 def configs() -> list[tuple[str, object, dict, dict]]:
     """(label, kernel, signature, constexprs) for every configuration a launcher can pick."""
-    from services.gpu_worker.kernels import cache_write, fused
-    from services.gpu_worker.kernels import paged_attention as pa
+    from steploop.gpu_worker.kernels import cache_write, fused
+    from steploop.gpu_worker.kernels import paged_attention as pa
 
     out = []
     for dtype, t in DTYPES.items():
@@ -83,7 +83,7 @@ def configs() -> list[tuple[str, object, dict, dict]]:
 def moe_configs(dtype: torch.dtype, t: str) -> list[tuple[str, object, dict, dict]]:
     """The fused-MoE launches: both row blocks; the GLU up projection per activation, the routed down projection
     (the shapes are runtime arguments, so these cover every model)."""
-    from services.gpu_worker.kernels import fused_moe as fm
+    from steploop.gpu_worker.kernels import fused_moe as fm
 
     out = []
     for block_m in (fm.choose_block_m(2, 8), fm.choose_block_m(4096, 8)):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.gpu_worker.attention.metadata import CommonAttentionMetadata, build_common_metadata
+from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata, build_common_metadata
 
 
 @dataclass

@@ -4,7 +4,7 @@ Why the variable is set here, at conftest import: triton decides interpreted-vs-
 decorates a function, i.e. when a kernel module is first imported, so it must be in the environment before
 that. pytest runs the whole suite in one process, so this setting stays for the rest of the run (and for
 subprocesses started later). That is acceptable because nothing outside tests/kernels runs a triton kernel:
-the worker imports services.gpu_worker.kernels only for the triton attention backend, which `auto` never
+the worker imports steploop.gpu_worker.kernels only for the triton attention backend, which `auto` never
 picks on a CPU, and for the LoRA dispatch (lora_ops), which imports its triton modules only for CUDA tensors;
 gateway/scheduler never import triton at all. The guard below fails loudly if a kernel
 module was imported (compiled mode) before this conftest, which would make every test here fail on a CPU.
@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():
     # only modules that decorate kernels count: lora_ops / lora_meta (the CPU LoRA path) never import triton
     _early = [m for m, mod in list(sys.modules.items())
-              if m.startswith("services.gpu_worker.kernels.") and "triton" in vars(mod)]
+              if m.startswith("steploop.gpu_worker.kernels.") and "triton" in vars(mod)]
     if _early and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"{_early} were imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; "
                            "run tests/kernels in its own pytest process")

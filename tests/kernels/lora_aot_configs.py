@@ -17,7 +17,7 @@ LORA_POINTERS = {"scale_ptr": "*fp32", "z_ptr": "*fp32", "token_indices_ptr": "*
 
 
 def lora_configs(dtypes: dict, signature) -> list[tuple[str, object, dict, dict]]:
-    from services.gpu_worker.kernels import lora_expand, lora_shrink
+    from steploop.gpu_worker.kernels import lora_expand, lora_shrink
 
     out, seen = [], set()
     for dtype, t in dtypes.items():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.lora.segments import LoraSegments, build_lora_segments
+from steploop.gpu_worker.lora.segments import LoraSegments, build_lora_segments
 
 
 @dataclass

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.kernels.paged_attention import plan_attention, unified_attention
-from services.gpu_worker.kernels.reference import paged_attention_ref, write_kv_cache_ref
-from services.gpu_worker.model.windowed_attention import WindowedAttention
+from steploop.gpu_worker.kernels.paged_attention import plan_attention, unified_attention
+from steploop.gpu_worker.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from steploop.gpu_worker.model.windowed_attention import WindowedAttention
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import assert_close
 

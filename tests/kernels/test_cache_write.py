@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.kernels.cache_write import write_kv_cache
-from services.gpu_worker.kernels.reference import write_kv_cache_ref
+from steploop.gpu_worker.kernels.cache_write import write_kv_cache
+from steploop.gpu_worker.kernels.reference import write_kv_cache_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.attention.metadata import build_common_metadata
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cuda_graphs import DecodeBuffers, is_decode_only, pad_decode_step, pick_size
+from steploop.gpu_worker.attention.metadata import build_common_metadata
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.cuda_graphs import DecodeBuffers, is_decode_only, pad_decode_step, pick_size
 
 
 @pytest.mark.parametrize("n,size", [(1, 1), (2, 2), (3, 4), (33, 64), (256, 256), (257, None), (0, None)])

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.model import moe
-from services.gpu_worker.model_runner import ModelRunner
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.model import moe
+from steploop.gpu_worker.model_runner import ModelRunner
 from tests.kernels.conftest import DEVICE
 from tests.worker.family_models import build_family_model, load_oracle
 from tests.worker.test_families import oracle, prompts, serve
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow     # the interpreter: about 1-3 min per family on
 
 @pytest.fixture(autouse=True)
 def no_kernel_probe(monkeypatch):
-    from services.common import envs
+    from steploop.common import envs
     monkeypatch.setenv(envs.CPU_KERNEL_PROBE, "0")
 
 

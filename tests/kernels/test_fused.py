@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.kernels.fused import rms_norm, rotary_neox, silu_and_mul
-from services.gpu_worker.kernels.reference import (
+from steploop.gpu_worker.kernels.fused import rms_norm, rotary_neox, silu_and_mul
+from steploop.gpu_worker.kernels.reference import (
     fused_add_rms_norm_ref,
     rms_norm_ref,
     rotary_neox_ref,
     silu_and_mul_ref,
 )
-from services.gpu_worker.model.rotary import RotaryEmbedding
+from steploop.gpu_worker.model.rotary import RotaryEmbedding
 from tests.kernels.conftest import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

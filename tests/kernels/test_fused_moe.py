@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.kernels.fused_moe import choose_block_m, fused_experts, moe_align_block_size
-from services.gpu_worker.kernels.reference import fused_moe_ref
-from services.gpu_worker.model import moe
+from steploop.gpu_worker.kernels.fused_moe import choose_block_m, fused_experts, moe_align_block_size
+from steploop.gpu_worker.kernels.reference import fused_moe_ref
+from steploop.gpu_worker.model import moe
 from tests.kernels.conftest import assert_close
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.kernels.lora_expand import lora_expand_triton
-from services.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_expand_ref, lora_shrink_ref
-from services.gpu_worker.kernels.lora_shrink import lora_shrink_triton, shrink_constexprs
+from steploop.gpu_worker.kernels.lora_expand import lora_expand_triton
+from steploop.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_expand_ref, lora_shrink_ref
+from steploop.gpu_worker.kernels.lora_shrink import lora_shrink_triton, shrink_constexprs
 from tests.kernels.conftest import assert_close
 from tests.kernels.lora_cases import CHUNK, DECODE, MIXED, make_case
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from services.gpu_worker.kernels.lora_ops import lora_expand, lora_expand_slices, lora_shrink
-from services.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_shrink_ref
-from services.gpu_worker.lora.segments import build_lora_segments
+from steploop.gpu_worker.kernels.lora_ops import lora_expand, lora_expand_slices, lora_shrink
+from steploop.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_shrink_ref
+from steploop.gpu_worker.lora.segments import build_lora_segments
 from tests.kernels.conftest import assert_close
 from tests.kernels.lora_cases import CHUNK, DECODE, MIXED, WHOLE, make_case
 
@@ -94,8 +94,8 @@ def test_rejects_segments_without_host_segments(device):
 def test_cpu_path_imports_no_triton():
     """The `[worker-cpu]` install has no triton: the dispatch must import it only for CUDA tensors."""
     code = ("import sys, torch\n"
-            "from services.gpu_worker.kernels.lora_ops import lora_expand, lora_shrink\n"
-            "from services.gpu_worker.lora.segments import build_lora_segments\n"
+            "from steploop.gpu_worker.kernels.lora_ops import lora_expand, lora_shrink\n"
+            "from steploop.gpu_worker.lora.segments import build_lora_segments\n"
             "seg = build_lora_segments(torch.tensor([0, -1, 0], dtype=torch.int32))\n"
             "y = torch.zeros(3, 4)\n"
             "lora_expand(y, lora_shrink(torch.ones(3, 8), torch.ones(1, 2, 8), seg, torch.ones(1)), "

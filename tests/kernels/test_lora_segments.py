@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.lora.segments import build_lora_segments
+from steploop.gpu_worker.lora.segments import build_lora_segments
 
 
 def expected_groups(token_slots: list[int]) -> dict[int, list[int]]:

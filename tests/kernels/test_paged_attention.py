@@ -8,13 +8,13 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels.paged_attention import (
+from steploop.gpu_worker.kernels.paged_attention import (
     choose_num_splits,
     kv_token_offsets,
     plan_attention,
     unified_attention,
 )
-from services.gpu_worker.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from steploop.gpu_worker.kernels.reference import paged_attention_ref, write_kv_cache_ref
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import INTERPRETED, assert_close
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.attention.metadata import build_common_metadata
-from services.gpu_worker.attention.selector import create_backend
-from services.gpu_worker.cuda_graphs import DecodeGraphRunner
-from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.gpu_worker.attention.metadata import build_common_metadata
+from steploop.gpu_worker.attention.selector import create_backend
+from steploop.gpu_worker.cuda_graphs import DecodeGraphRunner
+from steploop.gpu_worker.model.llama import LlamaForCausalLM
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from tests.kernels.attention_cases import make_case
 from tests.kernels.conftest import assert_close
 
@@ -128,8 +128,8 @@ def test_decode_graph_padding_eager(device):
 def test_real_model_greedy_tokens_match(model_dir, monkeypatch):
     """The converted default model (30 layers) through ModelRunner: torch backend vs triton backend under the
     interpreter, 4 prompt tokens then 3 greedy tokens (prefill in two chunks, 4-token blocks: crossings). Slow (~1 min)."""
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.model_runner import ModelRunner
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.model_runner import ModelRunner
     from tests.worker.driver import Driver
 
     if not torch.cuda.is_available():

@@ -7,12 +7,12 @@ import os
 
 import cbor2
 
-from services.common.block_hashing import get_block_hasher, hasher_root
-from services.common.sampling_params import SamplingParams
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_events.config import KvEventsConfig
-from services.scheduler.kv_events.hub import KvEventHub
-from services.scheduler.request import Request
+from steploop.common.block_hashing import get_block_hasher, hasher_root
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.kv_events.config import KvEventsConfig
+from steploop.scheduler.kv_events.hub import KvEventHub
+from steploop.scheduler.request import Request
 
 SEED = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
 

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from services.scheduler.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
-from services.scheduler.kv_events.hub import CacheSnapshot, WatcherCutOff
+from steploop.scheduler.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch
+from steploop.scheduler.kv_events.hub import CacheSnapshot, WatcherCutOff
 from tests.kv_events.helpers import expected_chain, make_hub, run_prompt
 
 PROMPT = list(range(1000, 1009))          # 2 full blocks of 4, and 1 token

@@ -12,9 +12,9 @@ import signal
 import grpc
 import pytest
 
-from services.client import EngineClient, EngineRequest, SamplingParams
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from services.scheduler.kv_events.zmq_wire import BlockRemoved, BlockStored
+from steploop.client import EngineClient, EngineRequest, SamplingParams
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from steploop.scheduler.kv_events.zmq_wire import BlockRemoved, BlockStored
 from tests.integration.cluster import MODEL, Cluster, free_port, two_replicas
 from tests.kv_events.helpers import expected_chain, low64
 from tests.kv_events.test_zmq_vllm_wire import Subscriber
@@ -51,7 +51,7 @@ async def generate(address: str, ids: list[int], rid: str) -> int:
 
 def wait_serving(address: str, tries: int = 600) -> None:
     """Until the scheduler at `address` (just restarted) listens and its worker re-attached: a request runs."""
-    from services.gateway.errors import APIError
+    from steploop.gateway.errors import APIError
     for i in range(tries):
         try:
             asyncio.run(generate(address, [9, 9, 9], f"probe-{i}"))

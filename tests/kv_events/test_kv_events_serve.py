@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from services.scheduler.kv_events.zmq_wire import BlockStored, decode_batch
+from steploop.scheduler.kv_events.zmq_wire import BlockStored, decode_batch
 from tests.integration.cluster import MODEL
 from tests.integration.serve_process import ServeProcess, free_port
 

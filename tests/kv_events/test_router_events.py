@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import random
 
-from services.common.pb.steploop.v1 import engine_pb2
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing.router import EngineRouter
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing.router import EngineRouter
 from tests.kv_events.helpers import cbor_sha256, expected_chain
 
 BLOCK = 16

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from services.common.block_hashing import block_hashes, get_block_hasher, hasher_root
-from services.common.sampling_params import SamplingParams
-from services.scheduler.config import SchedulerConfig, SchedulerConfigError
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request
+from steploop.common.block_hashing import block_hashes, get_block_hasher, hasher_root
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.config import SchedulerConfig, SchedulerConfigError
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.request import Request
 from tests.integration.cluster import ROOT
 from tests.kv_events.helpers import SEED, cbor_sha256, expected_chain
 
@@ -41,7 +41,7 @@ def test_cache_salt_is_a_tagged_extra_key_of_the_first_block_only():
 
 def _keys_in_subprocess(env: dict) -> str:
     """NONE_HASH is derived once per process from its environment (as in vLLM), so each seed gets a process."""
-    code = ("from services.common.block_hashing import block_hashes, get_block_hasher\n"
+    code = ("from steploop.common.block_hashing import block_hashes, get_block_hasher\n"
             "print(''.join(h.hex() for h in block_hashes(list(range(100, 141)), 16, None, "
             "get_block_hasher('sha256_cbor'))))")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

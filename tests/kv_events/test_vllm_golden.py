@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import zmq
 
-from services.common.block_hashing import block_hashes, get_block_hasher, hasher_root, sha256_cbor
-from services.scheduler.kv_events import events as ev
-from services.scheduler.kv_events import zmq_wire
-from services.scheduler.kv_events.config import KvEventsConfig
-from services.scheduler.kv_events.zmq_publisher import ZmqEventPublisher
+from steploop.common.block_hashing import block_hashes, get_block_hasher, hasher_root, sha256_cbor
+from steploop.scheduler.kv_events import events as ev
+from steploop.scheduler.kv_events import zmq_wire
+from steploop.scheduler.kv_events.config import KvEventsConfig
+from steploop.scheduler.kv_events.zmq_publisher import ZmqEventPublisher
 
 GOLDEN = json.loads((pathlib.Path(__file__).with_name("golden") / "vllm_kv_events.json").read_text())
 KEYS = GOLDEN["block_keys"]

@@ -11,11 +11,11 @@ import types
 
 import grpc
 
-from services.common import grpc_options
-from services.common.pb.steploop.v1 import engine_pb2_grpc
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing.kv_index import KvEventWatcher, ReplicaCacheIndex
-from services.scheduler.servicers import EngineServicer
+from steploop.common import grpc_options
+from steploop.common.pb.steploop.v1 import engine_pb2_grpc
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing.kv_index import KvEventWatcher, ReplicaCacheIndex
+from steploop.scheduler.servicers import EngineServicer
 from tests.integration.cluster import free_port
 from tests.kv_events.helpers import expected_chain, make_hub, run_prompt
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from services.scheduler.kv_events.zmq_wire import BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from steploop.scheduler.kv_events.zmq_wire import BlockRemoved, BlockStored, KVEventBatch, decode_batch
 from tests.integration.cluster import free_port
 from tests.kv_events.helpers import expected_chain, low64, make_hub, run_prompt
 
@@ -173,7 +173,7 @@ def test_the_first_batch_reaches_a_subscriber_of_either_endpoint_form(form):
 
 
 def test_kv_events_config_is_vllms_json():
-    from services.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
+    from steploop.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
     config = KvEventsConfig.from_json('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
                                       '"replay_endpoint": "tcp://*:5558", "buffer_steps": 5, "hwm": 10, '
                                       '"max_queue_size": 7, "topic": "t"}')
@@ -188,8 +188,8 @@ def test_kv_events_config_is_vllms_json():
 def test_without_the_extra_a_zmq_config_or_sha256_cbor_is_a_startup_error(monkeypatch):
     import sys
 
-    from services.common.block_hashing import get_block_hasher
-    from services.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
+    from steploop.common.block_hashing import get_block_hasher
+    from steploop.scheduler.kv_events.config import KvEventsConfig, KvEventsConfigError
     monkeypatch.setitem(sys.modules, "zmq", None)          # as if pyzmq were not installed
     with pytest.raises(KvEventsConfigError, match=r"pyzmq.*steploop\[kv-events\]"):
         KvEventsConfig.from_json('{"enable_kv_cache_events": true}')

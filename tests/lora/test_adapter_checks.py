@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from services.common.lora_adapter import LoraAdapterError, LoraModelShapes, read_adapter
+from steploop.common.lora_adapter import LoraAdapterError, LoraModelShapes, read_adapter
 
 SHAPES = LoraModelShapes.for_llama(num_layers=2, hidden=8, q_size=8, kv_size=4, intermediate=12)
 PREFIX = "base_model.model.model.layers"

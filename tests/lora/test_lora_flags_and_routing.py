@@ -7,10 +7,10 @@ import argparse
 
 import pytest
 
-from services.common import envs, lora_config
-from services.common.block_hashing import block_hashes, first_block_extra
-from services.common.lora_config import LoraConfig, LoraModule
-from services.gateway.routing.lora_routing import LoraHomes
+from steploop.common import envs, lora_config
+from steploop.common.block_hashing import block_hashes, first_block_extra
+from steploop.common.lora_config import LoraConfig, LoraModule
+from steploop.gateway.routing.lora_routing import LoraHomes
 
 
 def parse(argv, monkeypatch=None):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from services.common.lora_adapter import LoraModelShapes
-from services.gpu_worker.lora.adapter_store import AdapterStore, LoadedAdapter
-from services.gpu_worker.lora.layers import PROJECTION_TARGETS, LoraLayers
-from services.gpu_worker.lora.segments import build_lora_segments
+from steploop.common.lora_adapter import LoraModelShapes
+from steploop.gpu_worker.lora.adapter_store import AdapterStore, LoadedAdapter
+from steploop.gpu_worker.lora.layers import PROJECTION_TARGETS, LoraLayers
+from steploop.gpu_worker.lora.segments import build_lora_segments
 
 HIDDEN, Q, KV, INTER, LAYERS, MAX_RANK = 32, 32, 8, 48, 2, 8
 SHAPES = LoraModelShapes.for_llama(LAYERS, HIDDEN, Q, KV, INTER)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.lora_config import LoraModule
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.lora_steps import LoraSteps
+from steploop.common.lora_config import LoraModule
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.lora_steps import LoraSteps
 from tests.scheduler.sched_factories import FakeWorker, Run, create_requests, expected_output, run_until_idle, step
 
 

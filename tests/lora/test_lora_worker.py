@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.lora_config import LoraConfig, LoraModule
+from steploop.common.lora_config import LoraConfig, LoraModule
 from tests.worker.driver import Driver
 
 EOS = 2
@@ -34,8 +34,8 @@ class LoraRunner:
 
 @pytest.fixture(scope="module")
 def lora_runner(model_dir):
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.model_runner import ModelRunner
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.model_runner import ModelRunner
 
     config = WorkerConfig(model=str(model_dir), num_kv_blocks=256, max_model_len=512, device="cpu",
                           lora=LoraConfig(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2))

@@ -8,16 +8,16 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.common.step_contract import WorkerInfo
-from services.gateway.app import create_app
-from services.gateway.config import GatewayConfig
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.server import bound_port, start_site
-from services.gpu_worker import server as worker_server
-from services.gpu_worker.config import WorkerConfig
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.server import SchedulerService
-from services.scheduler.server_config import ServerConfig
+from steploop.common.step_contract import WorkerInfo
+from steploop.gateway.app import create_app
+from steploop.gateway.config import GatewayConfig
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.server import bound_port, start_site
+from steploop.gpu_worker import server as worker_server
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.server import SchedulerService
+from steploop.scheduler.server_config import ServerConfig
 from tests.scheduler.sched_factories import EOS, FakeWorker
 
 MODEL = "test-model"

@@ -11,15 +11,15 @@ import logging
 import aiohttp
 import pytest
 
-from services.common import metrics, observability
-from services.gateway.config import add_cli_args as gateway_args
-from services.gpu_worker import metrics as worker_metrics
-from services.gpu_worker import server as worker_server
-from services.scheduler import server as scheduler_server
-from services.scheduler.metrics import EngineObserver, NullEngineObserver
-from services.scheduler.server import SchedulerService
-from services.serve import build_parser as serve_parser
-from services.serve import validate_configs
+from steploop.common import metrics, observability
+from steploop.gateway.config import add_cli_args as gateway_args
+from steploop.gpu_worker import metrics as worker_metrics
+from steploop.gpu_worker import server as worker_server
+from steploop.scheduler import server as scheduler_server
+from steploop.scheduler.metrics import EngineObserver, NullEngineObserver
+from steploop.scheduler.server import SchedulerService
+from steploop.serve import build_parser as serve_parser
+from steploop.serve import validate_configs
 from tests.observability.inprocess_cluster import MODEL, inprocess_cluster
 from tests.observability.scrape import parse
 

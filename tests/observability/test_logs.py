@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from services.common.log import JsonFormatter
+from steploop.common.log import JsonFormatter
 
 
 def test_json_lines_carry_fixed_keys_and_extras():

@@ -10,12 +10,12 @@ import aiohttp
 import grpc
 import pytest
 
-from services.common import grpc_options
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from services.common.sampling_params import SamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.server import SchedulerService
-from services.scheduler.server_config import ServerConfig
+from steploop.common import grpc_options
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.server import SchedulerService
+from steploop.scheduler.server_config import ServerConfig
 from tests.observability.scrape import parse, value
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 

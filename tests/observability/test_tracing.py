@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common import tracing
+from steploop.common import tracing
 from tests.observability.inprocess_cluster import MODEL, inprocess_cluster
 
 pytestmark = pytest.mark.asyncio

@@ -6,13 +6,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import StepPlan, StepResult
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestOutput, RequestStatus
-from services.scheduler.scheduler import Scheduler
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.request import Request, RequestOutput, RequestStatus
+from steploop.scheduler.scheduler import Scheduler
 
 EOS = 2
 VOCAB = 1000

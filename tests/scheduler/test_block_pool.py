@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.block_pool import NULL_BLOCK_ID, BlockPool
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request
+from steploop.scheduler.block_pool import NULL_BLOCK_ID, BlockPool
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.request import Request
 
 
 def test_null_block_is_never_handed_out():

@@ -10,10 +10,10 @@ import itertools
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.scheduler import fastpath
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.stop_rule import stop_status
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler import fastpath
+from steploop.scheduler.request import Request, RequestStatus
+from steploop.scheduler.stop_rule import stop_status
 from tests.scheduler.sched_factories import EOS, FakeWorker, create_scheduler, run_until_idle
 from tests.scheduler.workload_hash import run_workload
 

@@ -7,8 +7,8 @@ import gc
 
 import pytest
 
-from services.common import envs
-from services.scheduler import gc_tuning
+from steploop.common import envs
+from steploop.scheduler import gc_tuning
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from services.common.pooling_params import PoolingConfig, PoolingParams
-from services.common.step_contract import StepPlan, StepResult
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request, RequestRejectedError, RequestStatus
+from steploop.common.pooling_params import PoolingConfig, PoolingParams
+from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.request import Request, RequestRejectedError, RequestStatus
 from tests.scheduler.sched_factories import create_requests, create_scheduler
 
 LAST = PoolingConfig("LAST", True, 8)

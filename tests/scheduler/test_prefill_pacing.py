@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from services.common.step_contract import StepPlan, StepResult
-from services.scheduler.step_cost import StepCostModel, attention_pairs
+from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler.step_cost import StepCostModel, attention_pairs
 from tests.scheduler.sched_factories import (
     AsyncDriver,
     FakeWorker,

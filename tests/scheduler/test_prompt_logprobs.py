@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from services.common.step_contract import StepResult, TokenLogprob
-from services.scheduler.request_outputs import add_prompt_logprobs
+from steploop.common.step_contract import StepResult, TokenLogprob
+from steploop.scheduler.request_outputs import add_prompt_logprobs
 from tests.scheduler.sched_factories import create_requests, create_scheduler
 
 

@@ -20,8 +20,8 @@ from sched_factories import (
     expected_output,
 )
 
-from services.common.sampling_params import SamplingParams
-from services.scheduler.request import Request, RequestRejectedError, RequestStatus
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.request import Request, RequestRejectedError, RequestStatus
 
 
 def loopy_model(tokens: list[int]) -> int:

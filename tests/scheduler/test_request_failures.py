@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.common.step_contract import RequestFailure, StepPlan, StepResult
-from services.scheduler.request import RequestStatus
+from steploop.common.step_contract import RequestFailure, StepPlan, StepResult
+from steploop.scheduler.request import RequestStatus
 from tests.scheduler.sched_factories import (
     FakeWorker,
     Run,
@@ -100,11 +100,11 @@ def test_failures_of_requests_already_finished_are_dropped():
 
 def test_the_last_chunk_carries_the_error_on_both_engine_paths():
     """Generate streams merge(); Session sends the same chunk inside a SessionChunk."""
-    from services.common.engine_contract import FinishReason
-    from services.common.pb.steploop.v1 import engine_pb2
-    from services.scheduler.request_failures import RejectedOutput
-    from services.scheduler.request_stream import merge
-    from services.scheduler.session import outputs_messages
+    from steploop.common.engine_contract import FinishReason
+    from steploop.common.pb.steploop.v1 import engine_pb2
+    from steploop.scheduler.request_failures import RejectedOutput
+    from steploop.scheduler.request_stream import merge
+    from steploop.scheduler.session import outputs_messages
 
     out = RejectedOutput("r1", [], None, RequestStatus.FINISHED_REJECTED, None, 6, 0, 0, FAILURE.message,
                          error_code=FAILURE.code, error_param=FAILURE.param)

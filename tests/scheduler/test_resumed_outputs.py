@@ -17,8 +17,8 @@ from sched_factories import (
     run_until_idle,
 )
 
-from services.common.sampling_params import SamplingParams
-from services.scheduler.request import Request, RequestRejectedError, RequestStatus
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler.request import Request, RequestRejectedError, RequestStatus
 
 
 def resumed(request: Request, delivered: list[int], request_id: str = "resumed") -> Request:

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig, SchedulerConfigError
+from steploop.scheduler.config import SchedulerConfig, SchedulerConfigError
 
 
 def test_defaults():

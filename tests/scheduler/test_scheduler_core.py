@@ -15,9 +15,9 @@ from sched_factories import (
     step,
 )
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import StepResult
-from services.scheduler.request import Request, RequestRejectedError, RequestStatus
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import StepResult
+from steploop.scheduler.request import Request, RequestRejectedError, RequestStatus
 
 
 def test_chunked_prefill_of_a_long_prompt_with_budget_16():

@@ -18,15 +18,15 @@ from sched_factories import (
 )
 from test_properties import loopy_model
 
-from services.common.block_hashing import block_hashes as prompt_block_hashes
-from services.common.sampling_params import SamplingParams
-from services.scheduler import policy
-from services.scheduler.block_pool import BlockPool
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.ngram_proposer import NgramProposer
-from services.scheduler.request import Request, RequestStatus
-from services.scheduler.scheduler import Scheduler
+from steploop.common.block_hashing import block_hashes as prompt_block_hashes
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler import policy
+from steploop.scheduler.block_pool import BlockPool
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.ngram_proposer import NgramProposer
+from steploop.scheduler.request import Request, RequestStatus
+from steploop.scheduler.scheduler import Scheduler
 
 
 # ---------------------------------------------------------------------------------------------- prefix caching

@@ -13,7 +13,7 @@ CHECK = f"""
 import sys
 from pathlib import Path
 for name in {CORE!r}:
-    __import__("services.scheduler." + name)
+    __import__("steploop.scheduler." + name)
 print(",".join(sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "torch", "triton", "asyncio"))))
 """
 

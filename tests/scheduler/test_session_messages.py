@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.errors import InvalidRequestError, OverloadedError
-from services.common.pb.steploop.v1 import engine_pb2
-from services.common.step_contract import TokenLogprob
-from services.scheduler.request import RequestOutput, RequestStatus
-from services.scheduler.request_stream import FailedOutput
-from services.scheduler.session import outputs_messages
+from steploop.common.errors import InvalidRequestError, OverloadedError
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.common.step_contract import TokenLogprob
+from steploop.scheduler.request import RequestOutput, RequestStatus
+from steploop.scheduler.request_stream import FailedOutput
+from steploop.scheduler.session import outputs_messages
 
 
 def output(rid: str, tokens: list[int], finish=None, prompt_logprobs=None, num_output: int = 1) -> RequestOutput:

@@ -19,13 +19,13 @@ import hashlib
 import random
 import sys
 
-from services.common.sampling_params import SamplingParams
-from services.scheduler import fastpath
-from services.scheduler.async_scheduler import make_scheduler
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.lora_steps import LoraSteps
-from services.scheduler.request import Request, RequestRejectedError
+from steploop.common.sampling_params import SamplingParams
+from steploop.scheduler import fastpath
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.lora_steps import LoraSteps
+from steploop.scheduler.request import Request, RequestRejectedError
 from tests.scheduler.sched_factories import EOS, FakeWorker, fake_model
 
 ADAPTERS = ("a", "b", "c")

@@ -6,11 +6,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2_grpc
 
-from services.common import grpc_options
-from services.common.pb.steploop.v1 import engine_pb2_grpc
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.server import SchedulerService
-from services.scheduler.server_config import ServerConfig
+from steploop.common import grpc_options
+from steploop.common.pb.steploop.v1 import engine_pb2_grpc
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.server import SchedulerService
+from steploop.scheduler.server_config import ServerConfig
 
 
 @pytest.fixture

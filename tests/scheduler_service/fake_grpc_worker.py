@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 
-from services.common import grpc_options
-from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
-from services.common.step_contract import StepPlan, WorkerInfo
+from steploop.common import grpc_options
+from steploop.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
+from steploop.common.step_contract import StepPlan, WorkerInfo
 from tests.scheduler.sched_factories import EOS, FakeWorker
 
 

@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from services.common.engine_contract import EngineRequest
-from services.common.pb.steploop.v1 import worker_pb2
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import StepPlan, StepResult, WorkerInfo
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.server_config import ServerConfig
-from services.scheduler.worker_link import WorkerLost
+from steploop.common.engine_contract import EngineRequest
+from steploop.common.pb.steploop.v1 import worker_pb2
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.engine_loop import EngineLoop
+from steploop.scheduler.server_config import ServerConfig
+from steploop.scheduler.worker_link import WorkerLost
 from tests.scheduler.sched_factories import EOS, FakeWorker
 from tests.scheduler_service.test_engine_service import expected
 

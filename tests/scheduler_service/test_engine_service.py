@@ -9,8 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services.common.pb.steploop.v1 import engine_pb2
-from services.common.sampling_params import SamplingParams
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.common.sampling_params import SamplingParams
 from tests.scheduler.sched_factories import fake_model
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 

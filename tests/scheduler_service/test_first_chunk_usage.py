@@ -4,7 +4,7 @@ until the last. Over real gRPC, on both the per-request Generate call and the mu
 
 from __future__ import annotations
 
-from services.client import EngineClient, EngineRequest, SamplingParams
+from steploop.client import EngineClient, EngineRequest, SamplingParams
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]   # two full blocks of 4, and two tokens more

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.engine_contract import EngineRequest
-from services.common.errors import InvalidRequestError
-from services.common.pb.steploop.v1 import worker_pb2
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import StepPlan, StepResult
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.server_config import ServerConfig
-from services.scheduler.worker_group import GroupAssembler
-from services.scheduler.worker_link import WorkerLink, WorkerLost
+from steploop.common.engine_contract import EngineRequest
+from steploop.common.errors import InvalidRequestError
+from steploop.common.pb.steploop.v1 import worker_pb2
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.engine_loop import EngineLoop
+from steploop.scheduler.server_config import ServerConfig
+from steploop.scheduler.worker_group import GroupAssembler
+from steploop.scheduler.worker_link import WorkerLink, WorkerLost
 from tests.tp.test_worker_group import FakeStream, info
 
 pytestmark = pytest.mark.asyncio

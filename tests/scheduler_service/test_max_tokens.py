@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.client import APIError, EngineClient, EngineRequest, FinishReason, SamplingParams
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.client import APIError, EngineClient, EngineRequest, FinishReason, SamplingParams
+from steploop.common.pb.steploop.v1 import engine_pb2
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 
 

@@ -17,10 +17,10 @@ import pytest
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services.common.tls import TlsConfig
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.server import SchedulerService
-from services.scheduler.server_config import ServerConfig
+from steploop.common.tls import TlsConfig
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.server import SchedulerService
+from steploop.scheduler.server_config import ServerConfig
 from tests.integration.certs import make_certs
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 from tests.scheduler_service.test_engine_service import expected

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.common.pb.steploop.v1 import engine_pb2
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 from tests.scheduler_service.test_engine_service import collect, expected, request
 

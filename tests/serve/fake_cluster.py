@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from services.supervisor import ServiceSpec, Supervisor
+from steploop.supervisor import ServiceSpec, Supervisor
 
 
 def main() -> None:

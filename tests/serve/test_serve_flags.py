@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from services import serve
-from services.serve_ports import ServicePort, check_ports_free, serve_ports
+from steploop import serve
+from steploop.serve_ports import ServicePort, check_ports_free, serve_ports
 from tests.integration.cluster import ROOT
 
 
@@ -74,7 +74,7 @@ def test_serve_exits_2_before_starting_anything_when_a_port_is_taken():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        out = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--port", str(taken.getsockname()[1]),
+        out = subprocess.run([sys.executable, "-m", "steploop.cli", "serve", "--port", str(taken.getsockname()[1]),
                               "--metrics-port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                              check=False)
     assert out.returncode == 2, out.stderr

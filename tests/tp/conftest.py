@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import envs
+from steploop.common import envs
 
 
 @pytest.fixture(autouse=True)

@@ -7,15 +7,15 @@ import dataclasses
 import pytest
 import torch
 
-from services.gpu_worker.distributed.shapes import (
+from steploop.gpu_worker.distributed.shapes import (
     TensorParallelShapeError,
     check_splittable,
     local_config,
     rank_share,
     sizes_that_work,
 )
-from services.gpu_worker.distributed.sharding import CheckpointSharder
-from services.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.distributed.sharding import CheckpointSharder
+from steploop.gpu_worker.model.model_config import ModelConfig
 
 SMOLLM = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,

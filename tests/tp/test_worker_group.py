@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from services.common.errors import InvalidRequestError
-from services.common.pb.steploop.v1 import worker_pb2
-from services.common.step_contract import StepPlan, StepResult, WorkerInfo
-from services.scheduler.worker_group import GroupAssembler
-from services.scheduler.worker_link import WorkerLink, WorkerLost
+from steploop.common.errors import InvalidRequestError
+from steploop.common.pb.steploop.v1 import worker_pb2
+from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.scheduler.worker_group import GroupAssembler
+from steploop.scheduler.worker_link import WorkerLink, WorkerLost
 
 
 class FakeStream:
@@ -92,9 +92,9 @@ def test_one_rank_lost_closes_every_link():
 def test_engine_serves_only_while_the_group_is_whole():
     """EngineLoop: NOT_SERVING until every rank attached; one rank's stream ending detaches the whole group
     (every link closed, so the other ranks' Attach calls end too) and the KV pool is the smallest rank's."""
-    from services.scheduler.config import SchedulerConfig
-    from services.scheduler.engine_loop import EngineLoop
-    from services.scheduler.server_config import ServerConfig
+    from steploop.scheduler.config import SchedulerConfig
+    from steploop.scheduler.engine_loop import EngineLoop
+    from steploop.scheduler.server_config import ServerConfig
 
     async def scenario():
         loop = EngineLoop(SchedulerConfig(), ServerConfig(tensor_parallel_size=2))

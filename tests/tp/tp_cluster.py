@@ -1,6 +1,6 @@
 """TpCluster: gateway, scheduler and N worker ranks (`worker-0` .. `worker-{N-1}`) as real processes on loopback.
 
-Each rank is `python -m services.gpu_worker -tp N --rank R` with one CPU thread (the machine has 2 cores); the
+Each rank is `python -m steploop.gpu_worker -tp N --rank R` with one CPU thread (the machine has 2 cores); the
 scheduler runs `-tp N`. Ranks start in reverse order on purpose: the group must not depend on who comes first.
 """
 
@@ -23,7 +23,7 @@ class TpCluster(Cluster):
         for rank in range(world_size):
             self.argv[f"worker-{rank}"] = [*base, "-tp", str(world_size), "--rank", str(rank), "--num-threads",
                                            "1", *worker_args]
-        self.modules.update({f"worker-{r}": self.modules.get("worker", "services.gpu_worker")
+        self.modules.update({f"worker-{r}": self.modules.get("worker", "steploop.gpu_worker")
                              for r in range(world_size)})
 
     @property

@@ -38,9 +38,9 @@ def run_ranks(model_dir: pathlib.Path, world_size: int, prompts: list[list[int]]
               chunk: int = 7, device: str = "cpu") -> list[dict[int, list[int]]]:
     """Each rank's greedy outputs (handle -> tokens), every rank a ModelRunner in its own thread (fp32; on
     device "cuda" rank R uses cuda:R and NCCL)."""
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.distributed.process_group import GroupStore, form_group
-    from services.gpu_worker.model_runner import ModelRunner
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.distributed.process_group import GroupStore, form_group
+    from steploop.gpu_worker.model_runner import ModelRunner
     from tests.worker.driver import Driver
 
     store = GroupStore("127.0.0.1", world_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gpu_worker.cpu_kernels import build
+from steploop.gpu_worker.cpu_kernels import build
 
 
 def needs_c_kernels(isas: list[str] | None = None) -> pytest.MarkDecorator:

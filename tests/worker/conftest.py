@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import envs
+from steploop.common import envs
 
 
 @pytest.fixture(autouse=True)
@@ -17,8 +17,8 @@ def no_kernel_probe(monkeypatch):
 
 @pytest.fixture(scope="session")
 def runner(model_dir):
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.model_runner import ModelRunner
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.model_runner import ModelRunner
 
     config = WorkerConfig(model=str(model_dir), num_kv_blocks=256, max_model_len=1024, device="cpu")
     return ModelRunner.from_config(config, model_dir)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import NewRequestData, StepPlan, StepResult
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import NewRequestData, StepPlan, StepResult
 
 
 @dataclass

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.gpu_worker.distributed import process_group
-from services.gpu_worker.distributed.comm import CollectiveError, TensorParallelComm
+from steploop.gpu_worker.distributed import process_group
+from steploop.gpu_worker.distributed.comm import CollectiveError, TensorParallelComm
 
 
 class FakeWork:

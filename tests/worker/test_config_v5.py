@@ -13,9 +13,9 @@ import json
 import pytest
 import transformers
 
-from services.gpu_worker.model.families import parse_config, read_fields
-from services.gpu_worker.model.model_config import ModelConfig
-from services.gpu_worker.model.rotary import RopeSpec, inverse_frequencies
+from steploop.gpu_worker.model.families import parse_config, read_fields
+from steploop.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.model.rotary import RopeSpec, inverse_frequencies
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from services.common.lora_config import LoraConfig
-from services.gpu_worker import kv_cache
-from services.gpu_worker.config import WorkerConfig, add_cli_args
-from services.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.common.lora_config import LoraConfig
+from steploop.gpu_worker import kv_cache
+from steploop.gpu_worker.config import WorkerConfig, add_cli_args
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
 
 
 def test_converted_tokenizer(model_dir):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.attention.torch_backend import KERNEL_MAX_CHUNK_WORK
-from services.gpu_worker.cpu_kernels.decoder import why_not
+from steploop.gpu_worker.attention.torch_backend import KERNEL_MAX_CHUNK_WORK
+from steploop.gpu_worker.cpu_kernels.decoder import why_not
 from tests.worker.test_forward import run_flat
 
 
@@ -78,9 +78,9 @@ def test_bad_slot_is_an_error_not_a_write(decoder_runner):
 
 
 def test_switch_and_unsupported_models_keep_the_python_path(decoder_runner, monkeypatch):
-    from services.common import envs
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.kernel_plan import resolve_kernel_plan
+    from steploop.common import envs
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
     model, kv = decoder_runner.model, decoder_runner.kv_caches
     assert why_not(model, kv) is None and model.plan.cpu_decoder
     monkeypatch.setenv(envs.CPU_DECODER, "0")

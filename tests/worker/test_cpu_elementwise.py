@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common import envs
-from services.gpu_worker.cpu_kernels import elementwise as kernel
-from services.gpu_worker.model.cpu_ops import CpuOps
-from services.gpu_worker.model.ops import TorchOps
-from services.gpu_worker.model.rotary import RotaryEmbedding
+from steploop.common import envs
+from steploop.gpu_worker.cpu_kernels import elementwise as kernel
+from steploop.gpu_worker.model.cpu_ops import CpuOps
+from steploop.gpu_worker.model.ops import TorchOps
+from steploop.gpu_worker.model.rotary import RotaryEmbedding
 from tests.worker.c_kernels import needs_c_kernels
 
 pytestmark = needs_c_kernels()
@@ -88,10 +88,10 @@ def test_other_dtypes_fall_back_to_torch():
 def test_the_plan_picks_the_c_ops_and_obeys_the_switch(monkeypatch):
     """A model built from a CPU fp32 plan has CpuOps in every layer from the start; STEPLOOP_CPU_KERNELS=0 gives
     a plan (and a model) of TorchOps."""
-    from services.gpu_worker.attention.selector import create_backend
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.kernel_plan import resolve_kernel_plan
-    from services.gpu_worker.model.llama import LlamaForCausalLM
+    from steploop.gpu_worker.attention.selector import create_backend
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
+    from steploop.gpu_worker.model.llama import LlamaForCausalLM
     from tests.worker.test_cpu_paged_attention import TINY
 
     def built(ops):

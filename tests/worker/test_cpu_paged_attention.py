@@ -9,22 +9,22 @@ import numpy as np
 import pytest
 import torch
 
-from services.common import envs
-from services.gpu_worker.attention.metadata import build_common_metadata
-from services.gpu_worker.attention.selector import create_backend
-from services.gpu_worker.attention.torch_backend import (
+from steploop.common import envs
+from steploop.gpu_worker.attention.metadata import build_common_metadata
+from steploop.gpu_worker.attention.selector import create_backend
+from steploop.gpu_worker.attention.torch_backend import (
     KERNEL_MAX_CHUNK_WORK,
     KERNEL_MAX_QUERY_LEN,
     _Group,
     _KernelGroup,
     kernel_eligible,
 )
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cpu_kernels import build
-from services.gpu_worker.cpu_kernels import paged_attention as cpu_pa
-from services.gpu_worker.kernel_plan import resolve_kernel_plan
-from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.cpu_kernels import build
+from steploop.gpu_worker.cpu_kernels import paged_attention as cpu_pa
+from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
+from steploop.gpu_worker.model.llama import LlamaForCausalLM
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from tests.kernels.attention_cases import make_case
 from tests.worker.c_kernels import needs_c_kernels
 

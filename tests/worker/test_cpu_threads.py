@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from services.gpu_worker.cpu_kernels import threads
+from steploop.gpu_worker.cpu_kernels import threads
 
 
 def cgroup_v2(tmp_path, limits: dict[str, str]):
@@ -73,7 +73,7 @@ def test_openmp_spin_is_bounded_unless_chosen():
 
 def test_worker_processes_get_the_bound_before_torch_loads():
     """Importing the worker package sets it before any torch import, so libgomp starts with it."""
-    code = ("import sys, os; import services.gpu_worker.server; "
+    code = ("import sys, os; import steploop.gpu_worker.server; "
             "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.model_runner import ModelRunner
+from steploop.common.sampling_params import SamplingParams
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker.driver import Driver
 from tests.worker.family_models import FAMILY_CONFIGS, WINDOW, build_family_model, load_oracle
 

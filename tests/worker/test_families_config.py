@@ -14,9 +14,9 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from services.gpu_worker.model.families import FAMILIES, INERT_FIELDS, read_fields
-from services.gpu_worker.model.model_config import ModelConfig
-from services.gpu_worker.model.rotary import RopeSpec, inverse_frequencies
+from steploop.gpu_worker.model.families import FAMILIES, INERT_FIELDS, read_fields
+from steploop.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.model.rotary import RopeSpec, inverse_frequencies
 from tests.worker.family_models import TOKENIZER_FILES
 
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral": "MinistralConfig",
@@ -131,7 +131,7 @@ def test_refused_config_exits_2_before_loading_weights(tmp_path, model_dir, chan
             shutil.copy(model_dir / name, tmp_path / name)
     (tmp_path / "config.json").write_text(json.dumps({**transformers.LlamaConfig(num_hidden_layers=2).to_dict(),
                                                       **change}))
-    proc = subprocess.run([sys.executable, "-m", "services.gpu_worker", "--model", str(tmp_path), "--device", "cpu"],
+    proc = subprocess.run([sys.executable, "-m", "steploop.gpu_worker", "--model", str(tmp_path), "--device", "cpu"],
                           check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "safetensors" not in proc.stderr
@@ -140,8 +140,8 @@ def test_refused_config_exits_2_before_loading_weights(tmp_path, model_dir, chan
 def test_kernel_plan_routes_family_differences_to_torch():
     """The C whole-step decoder is plain Llama's, and the plan says why; on CUDA the triton kernel serves windowed /
     soft-capped layers, so they keep CUDA graphs."""
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.kernel_plan import resolve_kernel_plan
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
 
     def parse(cls, **kw):
         return ModelConfig(**read_fields(getattr(transformers, cls)(**kw).to_dict())[0])

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.model_path import ModelNotFoundError, gguf_model_dir, resolve_model, served_model_name
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.gguf_convert import convert_gguf
-from services.gpu_worker.model_runner import ModelRunner
+from steploop.common.model_path import ModelNotFoundError, gguf_model_dir, resolve_model, served_model_name
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.gguf_convert import convert_gguf
+from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker.family_models import _COMMON
 from tests.worker.gguf_files import write_gguf
 from tests.worker.test_families import oracle, prompts, serve

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.gpu_worker.attention.metadata import build_common_metadata
+from steploop.gpu_worker.attention.metadata import build_common_metadata
 
 pytestmark = pytest.mark.slow
 

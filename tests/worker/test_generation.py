@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import CachedRequestData, NewRequestData, StepPlan
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import CachedRequestData, NewRequestData, StepPlan
 from tests.worker.driver import Driver
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def test_logprobs_and_errors(fresh_runner, prompts, hf_model):
 def test_profile_forward_is_a_real_forward(fresh_runner, hf_model):
     """The CUDA memory profile's dummy forward (run here on the CPU with a short length) computes the model on its
     max-length prompt of token 0: its logits are transformers' for that prompt, and it leaves the KV cache alone."""
-    from services.gpu_worker.model_runner import _profile_forward
+    from steploop.gpu_worker.model_runner import _profile_forward
 
     model, n = fresh_runner.model, 40
     before = [c.clone() for c in fresh_runner.kv_caches]

@@ -9,11 +9,11 @@ import logging
 
 import pytest
 
-from services.common.generation_defaults import GenerationDefaults
-from services.common.step_contract import WorkerInfo
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
-from services.gpu_worker.model_runner import ModelRunner
+from steploop.common.generation_defaults import GenerationDefaults
+from steploop.common.step_contract import WorkerInfo
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
+from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker.family_models import build_family_model
 
 RECOMMENDED = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,

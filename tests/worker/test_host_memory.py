@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.common import envs
-from services.gpu_worker import host_memory, kv_cache
+from steploop.common import envs
+from steploop.gpu_worker import host_memory, kv_cache
 
 THP_MODE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -57,8 +57,8 @@ def test_zeros_faults_every_page_in_at_once():
 
 
 def test_switched_off_gives_plain_torch(monkeypatch):
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.kernel_plan import resolve_kernel_plan
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
     from tests.worker.test_cpu_paged_attention import TINY
     monkeypatch.setenv(envs.CPU_HUGEPAGES, "0")
     plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, TINY)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import CachedRequestData, NewRequestData, StepPlan
-from services.gpu_worker.input_batch import InputBatch
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import CachedRequestData, NewRequestData, StepPlan
+from steploop.gpu_worker.input_batch import InputBatch
 
 
 def new(handle, prompt, blocks, computed=0, output=()):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from services.common import envs
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.kernel_plan import KernelPlan, resolve_kernel_plan
-from services.gpu_worker.model.cpu_ops import CpuOps
-from services.gpu_worker.model.ops import TorchOps, TritonOps
-from services.gpu_worker.model.packed_linear_layer import PackedLinear
+from steploop.common import envs
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.kernel_plan import KernelPlan, resolve_kernel_plan
+from steploop.gpu_worker.model.cpu_ops import CpuOps
+from steploop.gpu_worker.model.ops import TorchOps, TritonOps
+from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.test_cpu_paged_attention import TINY
 

@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from services.common import envs
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cpu_kernels import probe
-from services.gpu_worker.cpu_kernels.build import load
-from services.gpu_worker.kernel_plan import resolve_kernel_plan
-from services.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.common import envs
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.cpu_kernels import probe
+from steploop.gpu_worker.cpu_kernels.build import load
+from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.test_cpu_paged_attention import TINY
 

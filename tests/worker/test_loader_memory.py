@@ -19,9 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # clear_refs 5, then the load's peak resident set over the resident set before it.
 PEAK_SCRIPT = """
 import gc, json, pathlib, sys, torch
-from services.gpu_worker.attention.selector import create_backend
-from services.gpu_worker.model.loader import load_model
-from services.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.attention.selector import create_backend
+from steploop.gpu_worker.model.loader import load_model
+from steploop.gpu_worker.model.model_config import ModelConfig
 
 def status(key):
     line = next(l for l in open('/proc/self/status') if l.startswith(key + ':'))
@@ -72,9 +72,9 @@ def test_bf16_peak_is_checkpoint_plus_one_shard(bf16_checkpoint):
 def test_weights_arrive_exactly(bf16_checkpoint, dtype):
     from safetensors.torch import load_file
 
-    from services.gpu_worker.attention.selector import create_backend
-    from services.gpu_worker.model.loader import load_model
-    from services.gpu_worker.model.model_config import ModelConfig
+    from steploop.gpu_worker.attention.selector import create_backend
+    from steploop.gpu_worker.model.loader import load_model
+    from steploop.gpu_worker.model.model_config import ModelConfig
 
     cfg = ModelConfig.from_dir(bf16_checkpoint)
     backend = create_backend("torch", cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.scale)
@@ -94,9 +94,9 @@ def test_no_tensor_of_another_float_dtype_is_allocated(bf16_checkpoint):
     """Every sizeable float tensor the load allocates is bf16 (the old path allocated the model in fp32 first)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from services.gpu_worker.attention.selector import create_backend
-    from services.gpu_worker.model.loader import load_model
-    from services.gpu_worker.model.model_config import ModelConfig
+    from steploop.gpu_worker.attention.selector import create_backend
+    from steploop.gpu_worker.model.loader import load_model
+    from steploop.gpu_worker.model.model_config import ModelConfig
 
     class Allocations(TorchDispatchMode):
         def __init__(self):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.gpu_worker.logits_processors import LogitsEdits, apply_bitmask, apply_logits_edits
-from services.gpu_worker.sampler import Sampler, SamplingMetadata
+from steploop.common.sampling_params import SamplingParams
+from steploop.gpu_worker.logits_processors import LogitsEdits, apply_bitmask, apply_logits_edits
+from steploop.gpu_worker.sampler import Sampler, SamplingMetadata
 
 EOS = 2
 

@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from services.gpu_worker.cpu_kernels import build
-from services.gpu_worker.cpu_kernels import packed_linear as kernel
-from services.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q8_0, pack, unpack
-from services.gpu_worker.model.packed_linear_layer import PackedLinear, pack_linear_weights
+from steploop.gpu_worker.cpu_kernels import build
+from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q8_0, pack, unpack
+from steploop.gpu_worker.model.packed_linear_layer import PackedLinear, pack_linear_weights
 from tests.worker.c_kernels import needs_c_kernels
 
 pytestmark = needs_c_kernels(build.runnable_isas())
@@ -167,6 +167,6 @@ def test_worker_packs_the_default_model(runner):
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(isinstance(m, PackedLinear) and m.packed is not None for m in linears)
     assert model.lm_head.packed.kind == Q8_0 and model.model.layers[0].mlp.down_proj.packed.kind == Q4_1
-    from services.gpu_worker.model.cpu_ops import CpuOps
+    from steploop.gpu_worker.model.cpu_ops import CpuOps
     assert model.model.layers[3].mlp.ops is CpuOps and model.rotary.ops is CpuOps    # and the C elementwise ops
     assert runner.sampler.argmax_rows is CpuOps.argmax_rows     # greedy rows: the C argmax

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.gpu_worker import packed_weight_cache
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.cpu_kernels.packed_weights import unpack
-from services.gpu_worker.model import packed_linear_layer
-from services.gpu_worker.model_runner import ModelRunner
+from steploop.gpu_worker import packed_weight_cache
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.cpu_kernels.packed_weights import unpack
+from steploop.gpu_worker.model import packed_linear_layer
+from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.test_forward import run_flat
 from tests.worker.test_packed_linear import gguf_q4_1, gguf_q8_0

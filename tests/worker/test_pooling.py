@@ -10,10 +10,10 @@ import shutil
 import pytest
 import torch
 
-from services.common.pooling_params import PoolingConfig, PoolingParams
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import NewRequestData, StepPlan
-from services.gpu_worker.pooling import has_sentence_transformers_config, load_pooling_config
+from steploop.common.pooling_params import PoolingConfig, PoolingParams
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import NewRequestData, StepPlan
+from steploop.gpu_worker.pooling import has_sentence_transformers_config, load_pooling_config
 from tests.worker.family_models import build_family_model
 
 BLOCK = 16
@@ -63,8 +63,8 @@ def random_model(tmp_path_factory, model_dir):
 
 
 def make_runner(folder):
-    from services.gpu_worker.config import WorkerConfig
-    from services.gpu_worker.model_runner import ModelRunner
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.model_runner import ModelRunner
     return ModelRunner.from_config(WorkerConfig(model=str(folder), num_kv_blocks=64, max_model_len=256,
                                                 device="cpu", runner="pooling"), folder)
 

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from services.common.sampling_params import SamplingParams
-from services.gpu_worker.penalties import PenaltyInputs, apply_penalties
-from services.gpu_worker.sampler import (
+from steploop.common.sampling_params import SamplingParams
+from steploop.gpu_worker.penalties import PenaltyInputs, apply_penalties
+from steploop.gpu_worker.sampler import (
     Sampler,
     SamplingMetadata,
     apply_min_p,

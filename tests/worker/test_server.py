@@ -8,16 +8,16 @@ import logging
 import grpc
 import pytest
 
-from services.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import (
+from steploop.common.pb.steploop.v1 import worker_pb2, worker_pb2_grpc
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import (
     NewRequestData,
     StepPlan,
     StepResult,
     WorkerInfo,
 )
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.server import serve
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.server import serve
 
 pytestmark = pytest.mark.slow
 

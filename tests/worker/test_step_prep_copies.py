@@ -47,9 +47,9 @@ def _is_device(a) -> bool:
 
 def count_decode_prep(runner) -> Counter:
     """Run prompts to their first token, then count one 4-request decode step's preparation."""
-    from services.common.step_contract import StepPlan
-    from services.gpu_worker.attention.triton_backend import TritonAttentionBackend
-    from services.gpu_worker.step_inputs import prepare_step_inputs
+    from steploop.common.step_contract import StepPlan
+    from steploop.gpu_worker.attention.triton_backend import TritonAttentionBackend
+    from steploop.gpu_worker.step_inputs import prepare_step_inputs
 
     driver = Driver(runner)
     for i in range(4):

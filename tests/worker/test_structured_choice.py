@@ -8,9 +8,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from services.common.sampling_params import SamplingParams
-from services.gateway.openai_api.vllm_extras import choice_regex
-from services.gpu_worker.structured_output import GrammarRefused
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway.openai_api.vllm_extras import choice_regex
+from steploop.gpu_worker.structured_output import GrammarRefused
 
 CHOICES = ["yes", "no", "a.b (c)|d*", "x\\y", "naïve café", "line\nbreak", "tab\tx", "[{json}]", "$^+?", "/slash",
            "-dash-", "quote\"s'", "日本語", "  spaced  "]
@@ -20,7 +20,7 @@ CHOICES = ["yes", "no", "a.b (c)|d*", "x\\y", "naïve café", "line\nbreak", "ta
 def structured(model_dir):
     from transformers import AutoTokenizer
 
-    from services.gpu_worker.structured_output import StructuredOutput
+    from steploop.gpu_worker.structured_output import StructuredOutput
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return StructuredOutput(model_dir, len(tokenizer)), tokenizer
 

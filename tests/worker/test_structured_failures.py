@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from services.common.sampling_params import SamplingParams
-from services.common.step_contract import CachedRequestData, NewRequestData, StepPlan
-from services.gpu_worker.structured_output import GRAMMAR_ERROR, GrammarRefused, StructuredOutput
+from steploop.common.sampling_params import SamplingParams
+from steploop.common.step_contract import CachedRequestData, NewRequestData, StepPlan
+from steploop.gpu_worker.structured_output import GRAMMAR_ERROR, GrammarRefused, StructuredOutput
 
 LOOKAHEAD = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^(?=.*[0-9])[a-z0-9]{4}$"}},
              "required": ["code"]}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.gpu_worker.cpu_kernels import thread_governor
-from services.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
-from services.gpu_worker.kernel_plan import KernelPlan
+from steploop.gpu_worker.cpu_kernels import thread_governor
+from steploop.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
+from steploop.gpu_worker.kernel_plan import KernelPlan
 
 
 @pytest.fixture

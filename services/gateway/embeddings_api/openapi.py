@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.embeddings_api.protocol import ENCODING_FORMATS, MAX_INPUTS
+from steploop.gateway.embeddings_api.protocol import ENCODING_FORMATS, MAX_INPUTS
 
 _TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 EMBEDDINGS_REQUEST = {"type": "object", "required": ["input"], "properties": {

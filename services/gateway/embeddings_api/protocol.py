@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import bad_request
-from services.gateway.http_io import validation as v
+from steploop.gateway.errors import bad_request
+from steploop.gateway.http_io import validation as v
 
 MAX_INPUTS = 2048                        # OpenAI's limit on the number of inputs per request
 ENCODING_FORMATS = ("float", "base64")

@@ -11,15 +11,15 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from services.common.engine_contract import EngineRequest, FinishReason
-from services.common.pooling_params import PoolingParams
-from services.common.sampling_params import SamplingParams
-from services.gateway.app_keys import SERVING
-from services.gateway.embeddings_api.outputs import embeddings_body
-from services.gateway.embeddings_api.protocol import parse_embeddings
-from services.gateway.errors import APIError, bad_request
-from services.gateway.http_io.request_body import read_json
-from services.gateway.serving import Serving
+from steploop.common.engine_contract import EngineRequest, FinishReason
+from steploop.common.pooling_params import PoolingParams
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway.app_keys import SERVING
+from steploop.gateway.embeddings_api.outputs import embeddings_body
+from steploop.gateway.embeddings_api.protocol import parse_embeddings
+from steploop.gateway.errors import APIError, bad_request
+from steploop.gateway.http_io.request_body import read_json
+from steploop.gateway.serving import Serving
 
 
 def _too_long(max_model_len: int, n: int, index: int) -> APIError:

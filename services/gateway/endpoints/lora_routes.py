@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.gateway.app_keys import SERVING
-from services.gateway.errors import bad_request
-from services.gateway.http_io import validation as v
-from services.gateway.http_io.request_body import read_json
+from steploop.gateway.app_keys import SERVING
+from steploop.gateway.errors import bad_request
+from steploop.gateway.http_io import validation as v
+from steploop.gateway.http_io.request_body import read_json
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:

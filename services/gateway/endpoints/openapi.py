@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.embeddings_api import openapi as embeddings_openapi
-from services.gateway.http_io.validation import MAX_INT32, MAX_UINT32
-from services.gateway.messages_api import openapi as messages_openapi
-from services.gateway.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
-from services.gateway.openai_api.vllm_extras import MAX_CHOICES
-from services.gateway.responses_api import openapi as responses_openapi
+from steploop.gateway.embeddings_api import openapi as embeddings_openapi
+from steploop.gateway.http_io.validation import MAX_INT32, MAX_UINT32
+from steploop.gateway.messages_api import openapi as messages_openapi
+from steploop.gateway.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
+from steploop.gateway.openai_api.vllm_extras import MAX_CHOICES
+from steploop.gateway.responses_api import openapi as responses_openapi
 
 _NUM = {"type": "number"}
 _CHOICES = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES}

@@ -10,19 +10,19 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.app_keys import CHAT_TEMPLATE, HEALTH, REASONING_PARSER, SERVING, TOOL_PARSER
-from services.gateway.embeddings_api import routes as embeddings_routes
-from services.gateway.endpoints import lora_routes, utility_routes
-from services.gateway.http_io.request_body import read_json
-from services.gateway.http_io.sse import stream_sse
-from services.gateway.messages_api import routes as messages_routes
-from services.gateway.openai_api import outputs
-from services.gateway.openai_api.protocol import parse_chat, parse_completion
-from services.gateway.openai_api.responses import Meta, new_id
-from services.gateway.openai_api.structured_length import log_length_finishes, structured_kind
-from services.gateway.responses_api import routes as responses_routes
-from services.gateway.serving import Serving, model_not_found
-from services.gateway.text.reasoning import split_reasoning
+from steploop.gateway.app_keys import CHAT_TEMPLATE, HEALTH, REASONING_PARSER, SERVING, TOOL_PARSER
+from steploop.gateway.embeddings_api import routes as embeddings_routes
+from steploop.gateway.endpoints import lora_routes, utility_routes
+from steploop.gateway.http_io.request_body import read_json
+from steploop.gateway.http_io.sse import stream_sse
+from steploop.gateway.messages_api import routes as messages_routes
+from steploop.gateway.openai_api import outputs
+from steploop.gateway.openai_api.protocol import parse_chat, parse_completion
+from steploop.gateway.openai_api.responses import Meta, new_id
+from steploop.gateway.openai_api.structured_length import log_length_finishes, structured_kind
+from steploop.gateway.responses_api import routes as responses_routes
+from steploop.gateway.serving import Serving, model_not_found
+from steploop.gateway.text.reasoning import split_reasoning
 
 STARTED_AT = int(time.time())
 

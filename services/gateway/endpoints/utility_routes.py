@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.gateway.app_keys import CHAT_TEMPLATE, SERVING, TOOL_PARSER
-from services.gateway.endpoints.openapi import openapi_spec
-from services.gateway.errors import bad_request
-from services.gateway.http_io import validation as v
-from services.gateway.http_io.request_body import read_json
-from services.gateway.openai_api.protocol import parse_chat_messages, parse_template_kwargs
-from services.gateway.tool_parsers.tools import parse_tools
+from steploop.gateway.app_keys import CHAT_TEMPLATE, SERVING, TOOL_PARSER
+from steploop.gateway.endpoints.openapi import openapi_spec
+from steploop.gateway.errors import bad_request
+from steploop.gateway.http_io import validation as v
+from steploop.gateway.http_io.request_body import read_json
+from steploop.gateway.openai_api.protocol import parse_chat_messages, parse_template_kwargs
+from steploop.gateway.tool_parsers.tools import parse_tools
 
 
 async def tokenize(request: web.Request) -> web.Response:

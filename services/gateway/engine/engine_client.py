@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import grpc_options, tracing
-from services.common.engine_contract import EngineChunk, EngineRequest, LoadReport, ModelInfo
-from services.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
-from services.common.tls import TlsConfig, open_channel
-from services.gateway import errors
-from services.gateway import tracing as gateway_tracing
-from services.gateway.engine.engine_session import SessionStream
+from steploop.common import grpc_options, tracing
+from steploop.common.engine_contract import EngineChunk, EngineRequest, LoadReport, ModelInfo
+from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
+from steploop.common.tls import TlsConfig, open_channel
+from steploop.gateway import errors
+from steploop.gateway import tracing as gateway_tracing
+from steploop.gateway.engine.engine_session import SessionStream
 
 logger = logging.getLogger(__name__)
 

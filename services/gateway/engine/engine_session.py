@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import grpc
 
-from services.common.pb.steploop.v1 import engine_pb2
-from services.gateway import errors
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.gateway import errors
 
 logger = logging.getLogger(__name__)
 

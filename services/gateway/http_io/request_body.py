@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.errors import bad_request
+from steploop.gateway.errors import bad_request
 
 
 async def read_json(request: web.Request) -> Any:

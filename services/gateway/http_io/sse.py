@@ -17,8 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.drain import cut_by_drain
-from services.gateway.errors import APIError, internal_error
+from steploop.gateway.drain import cut_by_drain
+from steploop.gateway.errors import APIError, internal_error
 
 logger = logging.getLogger(__name__)
 

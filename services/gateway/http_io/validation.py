@@ -7,7 +7,7 @@ import math
 from typing import Any
 from urllib.parse import unquote
 
-from services.gateway.errors import bad_request
+from steploop.gateway.errors import bad_request
 
 _MISSING = object()
 # The Engine API's integer fields (engine.proto): token counts are uint32, top_k and logprobs int32. A larger

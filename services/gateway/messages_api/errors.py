@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.errors import APIError
+from steploop.gateway.errors import APIError
 
 PATH_PREFIX = "/v1/messages"
 

@@ -15,12 +15,12 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.common.engine_contract import Usage
-from services.gateway.openai_api.outputs import ToolCallStream, chat_deltas
-from services.gateway.openai_api.responses import Meta
-from services.gateway.text.generation import TextEvent
-from services.gateway.tool_parsers import ToolCall
-from services.gateway.tool_parsers.tools import ToolRequest
+from steploop.common.engine_contract import Usage
+from steploop.gateway.openai_api.outputs import ToolCallStream, chat_deltas
+from steploop.gateway.openai_api.responses import Meta
+from steploop.gateway.text.generation import TextEvent
+from steploop.gateway.tool_parsers import ToolCall
+from steploop.gateway.tool_parsers.tools import ToolRequest
 
 
 def usage_dict(usage: Usage) -> dict[str, int]:

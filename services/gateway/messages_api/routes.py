@@ -8,14 +8,14 @@ import uuid
 
 from aiohttp import web
 
-from services.gateway.app_keys import CHAT_TEMPLATE, REASONING_PARSER, SERVING, TOOL_PARSER
-from services.gateway.http_io import validation as v
-from services.gateway.http_io.request_body import read_json
-from services.gateway.http_io.sse import stream_typed_sse
-from services.gateway.messages_api import errors, outputs
-from services.gateway.messages_api.protocol import parse_conversation, parse_messages, parse_tool_request
-from services.gateway.openai_api.responses import Meta
-from services.gateway.text.reasoning import split_reasoning
+from steploop.gateway.app_keys import CHAT_TEMPLATE, REASONING_PARSER, SERVING, TOOL_PARSER
+from steploop.gateway.http_io import validation as v
+from steploop.gateway.http_io.request_body import read_json
+from steploop.gateway.http_io.sse import stream_typed_sse
+from steploop.gateway.messages_api import errors, outputs
+from steploop.gateway.messages_api.protocol import parse_conversation, parse_messages, parse_tool_request
+from steploop.gateway.openai_api.responses import Meta
+from steploop.gateway.text.reasoning import split_reasoning
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

@@ -7,13 +7,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.engine_contract import Usage
-from services.gateway.openai_api import responses
-from services.gateway.openai_api.responses import Meta
-from services.gateway.text.generation import TextEvent, total_usage
-from services.gateway.text.logprobs import TokenInfo, chat_logprobs, completion_logprobs
-from services.gateway.tool_parsers import ContentSplitter, ToolCall
-from services.gateway.tool_parsers.tools import ToolRequest
+from steploop.common.engine_contract import Usage
+from steploop.gateway.openai_api import responses
+from steploop.gateway.openai_api.responses import Meta
+from steploop.gateway.text.generation import TextEvent, total_usage
+from steploop.gateway.text.logprobs import TokenInfo, chat_logprobs, completion_logprobs
+from steploop.gateway.tool_parsers import ContentSplitter, ToolCall
+from steploop.gateway.tool_parsers.tools import ToolRequest
 
 
 @dataclass

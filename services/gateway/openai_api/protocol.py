@@ -13,13 +13,13 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from services.common.sampling_params import SamplingParams
-from services.gateway.errors import bad_request
-from services.gateway.http_io import validation as v
-from services.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
-from services.gateway.tool_parsers import ToolParser
-from services.gateway.tool_parsers.tools import ToolRequest, parse_tools
+from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway.errors import bad_request
+from steploop.gateway.http_io import validation as v
+from steploop.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
+from steploop.gateway.tool_parsers import ToolParser
+from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
 
 MAX_N = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

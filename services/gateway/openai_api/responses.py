@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.engine_contract import Usage
+from steploop.common.engine_contract import Usage
 
 
 @dataclass(frozen=True)

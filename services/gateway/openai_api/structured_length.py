@@ -9,9 +9,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from services.gateway.openai_api.protocol import SamplingFields
-from services.gateway.text.generation import TextEvent
-from services.gateway.tool_parsers.tools import ToolRequest
+from steploop.gateway.openai_api.protocol import SamplingFields
+from steploop.gateway.text.generation import TextEvent
+from steploop.gateway.tool_parsers.tools import ToolRequest
 
 logger = logging.getLogger("steploop.gateway")
 

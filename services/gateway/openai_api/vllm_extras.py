@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import bad_request
-from services.gateway.http_io import validation as v
+from steploop.gateway.errors import bad_request
+from steploop.gateway.http_io import validation as v
 
 # field -> the values that mean "not used" (sent by clients that fill every field)
 NOT_BUILT: dict[str, tuple[Any, ...]] = {

@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.engine_contract import Usage
-from services.gateway.openai_api.outputs import ToolCallStream, chat_deltas
-from services.gateway.text.generation import TextEvent
-from services.gateway.tool_parsers import ToolCall
-from services.gateway.tool_parsers.tools import ToolRequest
+from steploop.common.engine_contract import Usage
+from steploop.gateway.openai_api.outputs import ToolCallStream, chat_deltas
+from steploop.gateway.text.generation import TextEvent
+from steploop.gateway.tool_parsers import ToolCall
+from steploop.gateway.tool_parsers.tools import ToolRequest
 
 
 def item_id(prefix: str) -> str:

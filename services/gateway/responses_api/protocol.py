@@ -16,12 +16,12 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
-from services.gateway.errors import bad_request
-from services.gateway.http_io import validation as v
-from services.gateway.openai_api.protocol import SamplingFields
-from services.gateway.tool_parsers import ToolParser
-from services.gateway.tool_parsers.tools import ToolRequest, parse_tools
+from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.gateway.errors import bad_request
+from steploop.gateway.http_io import validation as v
+from steploop.gateway.openai_api.protocol import SamplingFields
+from steploop.gateway.tool_parsers import ToolParser
+from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

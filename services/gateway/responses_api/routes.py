@@ -8,14 +8,14 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.app_keys import CHAT_TEMPLATE, REASONING_PARSER, RESPONSE_STORE, SERVING, TOOL_PARSER
-from services.gateway.errors import APIError
-from services.gateway.http_io.request_body import read_json
-from services.gateway.http_io.sse import stream_typed_sse
-from services.gateway.responses_api import outputs
-from services.gateway.responses_api.protocol import parse_input, parse_responses
-from services.gateway.responses_api.store import ResponseStore
-from services.gateway.text.reasoning import split_reasoning
+from steploop.gateway.app_keys import CHAT_TEMPLATE, REASONING_PARSER, RESPONSE_STORE, SERVING, TOOL_PARSER
+from steploop.gateway.errors import APIError
+from steploop.gateway.http_io.request_body import read_json
+from steploop.gateway.http_io.sse import stream_typed_sse
+from steploop.gateway.responses_api import outputs
+from steploop.gateway.responses_api.protocol import parse_input, parse_responses
+from steploop.gateway.responses_api.store import ResponseStore
+from steploop.gateway.text.reasoning import split_reasoning
 
 
 def error_event(err: APIError) -> dict[str, Any]:

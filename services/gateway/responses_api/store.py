@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import APIError
+from steploop.gateway.errors import APIError
 
 MAX_STORED = 1024
 TTL_S = 3600.0

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
+from steploop.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
 
 
 @dataclass

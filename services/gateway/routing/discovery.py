@@ -18,9 +18,9 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from services.common.tls import TlsConfig, open_channel
-from services.gateway.engine.engine_client import CHANNEL_OPTIONS, EngineClient
-from services.gateway.routing.router import EngineRouter
+from steploop.common.tls import TlsConfig, open_channel
+from steploop.gateway.engine.engine_client import CHANNEL_OPTIONS, EngineClient
+from steploop.gateway.routing.router import EngineRouter
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
-from services.common.engine_contract import KV_EVENTS_RESUMED_METADATA
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.common.block_hashing import BlockHasher, block_hashes, get_block_hasher
+from steploop.common.engine_contract import KV_EVENTS_RESUMED_METADATA
+from steploop.common.pb.steploop.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.common.engine_contract import EngineChunk, EngineRequest
-from services.common.sampling_params import SamplingParams
-from services.gateway import errors
+from steploop.common.engine_contract import EngineChunk, EngineRequest
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway import errors
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing.kv_index import KvEventWatcher, ReplicaCacheIndex
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing.kv_index import KvEventWatcher, ReplicaCacheIndex
 
 
 @dataclass

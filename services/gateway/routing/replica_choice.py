@@ -25,10 +25,10 @@ import struct
 import time
 from collections.abc import Sequence
 
-from services.common.block_hashing import first_block_extra
-from services.gateway.routing.affinity import AffinityMap
-from services.gateway.routing.lora_routing import LoraHomes
-from services.gateway.routing.replica import Replica
+from steploop.common.block_hashing import first_block_extra
+from steploop.gateway.routing.affinity import AffinityMap
+from steploop.gateway.routing.lora_routing import LoraHomes
+from steploop.gateway.routing.replica import Replica
 
 
 class ReplicaChooser:

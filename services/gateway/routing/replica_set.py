@@ -14,10 +14,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing.kv_index import KvEventWatcher
-from services.gateway.routing.migration import draining_error
-from services.gateway.routing.replica import Replica
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing.kv_index import KvEventWatcher
+from steploop.gateway.routing.migration import draining_error
+from steploop.gateway.routing.replica import Replica
 
 logger = logging.getLogger(__name__)
 

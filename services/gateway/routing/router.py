@@ -21,16 +21,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from services.common.block_hashing import first_block_extra
-from services.common.engine_contract import EngineChunk, EngineRequest, ModelInfo
-from services.gateway import errors
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.routing import route_header
-from services.gateway.routing.affinity import AffinityMap
-from services.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement
-from services.gateway.routing.replica import Replica
-from services.gateway.routing.replica_choice import ReplicaChooser
-from services.gateway.routing.replica_set import ReplicaSet
+from steploop.common.block_hashing import first_block_extra
+from steploop.common.engine_contract import EngineChunk, EngineRequest, ModelInfo
+from steploop.gateway import errors
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.routing import route_header
+from steploop.gateway.routing.affinity import AffinityMap
+from steploop.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement
+from steploop.gateway.routing.replica import Replica
+from steploop.gateway.routing.replica_choice import ReplicaChooser
+from steploop.gateway.routing.replica_set import ReplicaSet
 
 logger = logging.getLogger(__name__)
 

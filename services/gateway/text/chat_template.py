@@ -14,10 +14,10 @@ from typing import Any
 
 import jinja2
 
-from services.gateway.errors import bad_request
-from services.gateway.text.tokenizer import Tokenizer
-from services.gateway.tool_parsers import ToolParser
-from services.gateway.tool_parsers.tools import ToolRequest
+from steploop.gateway.errors import bad_request
+from steploop.gateway.text.tokenizer import Tokenizer
+from steploop.gateway.tool_parsers import ToolParser
+from steploop.gateway.tool_parsers.tools import ToolRequest
 
 
 class ChatTemplate:

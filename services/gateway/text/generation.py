@@ -11,14 +11,14 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from services.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
-from services.common.sampling_params import SamplingParams
-from services.gateway.engine.engine_client import EngineClient
-from services.gateway.errors import APIError
-from services.gateway.grammar_check import rejected
-from services.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
-from services.gateway.text.logprobs import TokenInfo, TokenNamer
-from services.gateway.text.stop_strings import StopStringMatcher
+from steploop.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
+from steploop.common.sampling_params import SamplingParams
+from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.errors import APIError
+from steploop.gateway.grammar_check import rejected
+from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
+from steploop.gateway.text.logprobs import TokenInfo, TokenNamer
+from steploop.gateway.text.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 

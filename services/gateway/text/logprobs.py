@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.text.detokenizer import Decoder
+from steploop.gateway.text.detokenizer import Decoder
 
 _NEG_INF_STANDIN = -9999.0   # JSON has no -inf; OpenAI clients expect a number
 

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from services.gateway.text.stop_strings import held_suffix_len
+from steploop.gateway.text.stop_strings import held_suffix_len
 
 if TYPE_CHECKING:   # config.py imports this module; it stays free of the engine's types at run time
-    from services.gateway.text.generation import TextEvent
+    from steploop.gateway.text.generation import TextEvent
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

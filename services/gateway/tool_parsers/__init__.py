@@ -7,11 +7,11 @@ A new format is a `ToolParser` subclass in its own module, listed in `_PARSERS`.
 
 from __future__ import annotations
 
-from services.gateway.tool_parsers.base import ToolCall, ToolParser
-from services.gateway.tool_parsers.hermes import HermesParser
-from services.gateway.tool_parsers.llama3_json import Llama3JsonParser
-from services.gateway.tool_parsers.mistral import MistralParser
-from services.gateway.tool_parsers.stream import ContentSplitter
+from steploop.gateway.tool_parsers.base import ToolCall, ToolParser
+from steploop.gateway.tool_parsers.hermes import HermesParser
+from steploop.gateway.tool_parsers.llama3_json import Llama3JsonParser
+from steploop.gateway.tool_parsers.mistral import MistralParser
+from steploop.gateway.tool_parsers.stream import ContentSplitter
 
 __all__ = ["DEFAULT_TOOL_PARSER", "TOOL_PARSERS", "ContentSplitter", "ToolCall", "ToolParser", "get_tool_parser"]
 

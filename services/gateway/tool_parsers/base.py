@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from services.gateway.text.stop_strings import held_suffix_len
+from steploop.gateway.text.stop_strings import held_suffix_len
 
 
 @dataclass(frozen=True)

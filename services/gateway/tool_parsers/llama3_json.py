@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from services.gateway.tool_parsers.base import ToolParser, listing
+from steploop.gateway.tool_parsers.base import ToolParser, listing
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()

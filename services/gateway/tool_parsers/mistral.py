@@ -17,7 +17,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from services.gateway.tool_parsers.base import ToolParser, listing
+from steploop.gateway.tool_parsers.base import ToolParser, listing
 
 TOOL_CALLS = "[TOOL_CALLS]"
 _ALPHANUMERIC = string.ascii_letters + string.digits

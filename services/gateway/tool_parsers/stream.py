@@ -4,7 +4,7 @@ waits for the next delta, as stop strings do."""
 
 from __future__ import annotations
 
-from services.gateway.tool_parsers.base import ToolParser
+from steploop.gateway.tool_parsers.base import ToolParser
 
 
 class ContentSplitter:

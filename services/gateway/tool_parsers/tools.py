@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import bad_request
-from services.gateway.http_io import validation as v
-from services.gateway.tool_parsers import ToolCall, ToolParser
-from services.gateway.tool_parsers.base import NewId, calls_from_values, loads
+from steploop.gateway.errors import bad_request
+from steploop.gateway.http_io import validation as v
+from steploop.gateway.tool_parsers import ToolCall, ToolParser
+from steploop.gateway.tool_parsers.base import NewId, calls_from_values, loads
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

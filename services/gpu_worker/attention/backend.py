@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from services.gpu_worker.attention.metadata import CommonAttentionMetadata
+from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 
 
 class AttentionBackend(ABC):

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.attention.backend import AttentionBackend
-from services.gpu_worker.attention.metadata import CommonAttentionMetadata
+from steploop.gpu_worker.attention.backend import AttentionBackend
+from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 
 KERNEL_MAX_QUERY_LEN = 8        # decodes, draft verification: always the kernel
 # Longer chunks too while query_len x seq_len stays under this: measured on 2 cores (9 query / 3 KV heads), the
@@ -86,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.cpu_kernel = None       # the C kernel's entry point, used for fp32 steps on the CPU
         if cpu_kernel:
-            from services.gpu_worker.cpu_kernels import paged_attention
+            from steploop.gpu_worker.cpu_kernels import paged_attention
             if not paged_attention.supports(num_heads, num_kv_heads, head_dim):
                 raise ValueError(f"{num_heads} heads / {num_kv_heads} KV heads of size {head_dim} are past the C "
                                  "paged-attention kernel's limits")

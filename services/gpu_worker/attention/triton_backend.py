@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.attention.backend import AttentionBackend
-from services.gpu_worker.attention.metadata import CommonAttentionMetadata
-from services.gpu_worker.kernels.cache_write import write_kv_cache
-from services.gpu_worker.kernels.paged_attention import AttentionPlan, plan_attention, unified_attention
+from steploop.gpu_worker.attention.backend import AttentionBackend
+from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
+from steploop.gpu_worker.kernels.cache_write import write_kv_cache
+from steploop.gpu_worker.kernels.paged_attention import AttentionPlan, plan_attention, unified_attention
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Compile the plain-C CPU kernels of this package into one shared library, once per (sources, flags, compiler,
 CPU, instruction set).
 
-    python -m services.gpu_worker.cpu_kernels.build [--isa avx2]   # builds (or finds) it and prints the path
+    python -m steploop.gpu_worker.cpu_kernels.build [--isa avx2]   # builds (or finds) it and prints the path
 
 Each .c file is compiled with its own flags (SOURCES) into an object, then all are linked together, so decoder.c
 calls the other kernels directly. The kernels' vector width follows the instruction set they are compiled for
@@ -32,8 +32,8 @@ import subprocess
 import sys
 import tempfile
 
-from services.common import envs
-from services.common.model_path import cache_dir
+from steploop.common import envs
+from steploop.common.model_path import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import function
+from steploop.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -61,7 +61,7 @@ def _matrix(linear) -> _Matrix:
 
 def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:
     """None when every layer can run in decoder.c, else the reason (for the log)."""
-    from services.gpu_worker.model.cpu_ops import CpuOps
+    from steploop.gpu_worker.model.cpu_ops import CpuOps
     if _kernels() is None:
         return "the CPU kernels did not build"
     if getattr(model.backend, "cpu_kernel", None) is None:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import function
+from steploop.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

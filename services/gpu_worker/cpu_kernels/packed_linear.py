@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import function
-from services.gpu_worker.cpu_kernels.packed_weights import PackedWeight
+from steploop.gpu_worker.cpu_kernels.build import function
+from steploop.gpu_worker.cpu_kernels.packed_weights import PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from services.gpu_worker.cpu_kernels.build import function
+from steploop.gpu_worker.cpu_kernels.build import function
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.gpu_worker.cpu_kernels import packed_linear as kernel
-from services.gpu_worker.cpu_kernels.packed_weights import GROUP, Q4_1, QK, PackedWeight, packable_shape
+from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
+from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, Q4_1, QK, PackedWeight, packable_shape
 
 ROWS = (1, 64)             # batch sizes timed: one decode stream, a full batch of 64
 ROUNDS = 3                 # alternating rounds per batch size (best of each)

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from services.common import envs
+from steploop.common import envs
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.gpu_worker.distributed.comm import TensorParallelComm
-from services.gpu_worker.distributed.shapes import RankShare
+from steploop.gpu_worker.distributed.comm import TensorParallelComm
+from steploop.gpu_worker.distributed.shapes import RankShare
 
 
 class RowParallelReduce(nn.Module):

@@ -14,11 +14,11 @@ import dataclasses
 import logging
 from datetime import timedelta
 
-from services.common.pb.steploop.v1 import worker_pb2
-from services.common.step_contract import StepResult, WorkerInfo
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.distributed.comm import CollectiveError, TensorParallelComm
-from services.gpu_worker.distributed.process_group import GroupStore, form_group
+from steploop.common.pb.steploop.v1 import worker_pb2
+from steploop.common.step_contract import StepResult, WorkerInfo
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.distributed.comm import CollectiveError, TensorParallelComm
+from steploop.gpu_worker.distributed.process_group import GroupStore, form_group
 
 log = logging.getLogger(__name__)
 LOG_EVERY = 100

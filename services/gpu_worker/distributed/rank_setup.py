@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.distributed.comm import TensorParallelComm
-from services.gpu_worker.distributed.shapes import RankShare, check_splittable, local_config, rank_share
-from services.gpu_worker.kernel_plan import KernelPlan
-from services.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.distributed.comm import TensorParallelComm
+from steploop.gpu_worker.distributed.shapes import RankShare, check_splittable, local_config, rank_share
+from steploop.gpu_worker.kernel_plan import KernelPlan
+from steploop.gpu_worker.model.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.model.model_config import ModelConfig
 
 
 class TensorParallelShapeError(ValueError):

@@ -15,8 +15,8 @@ import re
 
 import torch
 
-from services.gpu_worker.distributed.shapes import RankShare
-from services.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.distributed.shapes import RankShare
+from steploop.gpu_worker.model.model_config import ModelConfig
 
 _COLUMN = re.compile(r"\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")

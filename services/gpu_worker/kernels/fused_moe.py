@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels.activations import activate
+from steploop.gpu_worker.kernels.activations import activate
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from services.gpu_worker.lora.segments import LoraSegments
+from steploop.gpu_worker.lora.segments import LoraSegments
 
 MAX_KERNEL_RANK = 64          # BLOCK_R covers the whole rank: 16, 32 or 64 (tl.dot needs >= 16)
 SHRINK_BLOCK_K = 64           # hidden columns per step of the shrink's reduction

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
-from services.gpu_worker.kernels import lora_meta
-from services.gpu_worker.lora.segments import LoraSegments
+from steploop.gpu_worker.kernels import lora_meta
+from steploop.gpu_worker.lora.segments import LoraSegments
 
 
 @contextmanager
@@ -51,7 +51,7 @@ def _whole_batch(seg: LoraSegments, num_rows: int) -> bool:
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg: LoraSegments, scale: torch.Tensor) -> torch.Tensor:
     """x [T, H], lora_a [L, R, H], scale [L] fp32 -> z [T', R] (fp32 on CUDA, x's dtype on the CPU)."""
     if x.is_cuda:
-        from services.gpu_worker.kernels.lora_shrink import lora_shrink_triton
+        from steploop.gpu_worker.kernels.lora_shrink import lora_shrink_triton
         return lora_shrink_triton(x, lora_a, seg, scale)
     lora_meta.check_shrink(x, lora_a, scale)
     lora_meta.check_segments(seg, x.shape[0], lora_a.shape[0], x.device)
@@ -79,7 +79,7 @@ def lora_expand_slices(y: torch.Tensor, z: torch.Tensor, lora_bs: Sequence[torch
                          f"{[tuple(b.shape) for b in lora_bs]} at offsets {list(n_offsets)}")
     cols = [sum(b.shape[2] for b in lora_bs[:i]) for i in range(len(lora_bs))]
     if y.is_cuda:
-        from services.gpu_worker.kernels.lora_expand import lora_expand_triton
+        from steploop.gpu_worker.kernels.lora_expand import lora_expand_triton
         for b, col, offset in zip(lora_bs, cols, n_offsets):
             lora_expand_triton(y, z[:, col:col + b.shape[2]], b, seg, offset)
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.gpu_worker.lora.segments import LoraSegments
+from steploop.gpu_worker.lora.segments import LoraSegments
 
 
 def _row_slots(seg: LoraSegments) -> list[int]:

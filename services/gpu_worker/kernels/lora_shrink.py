@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels import lora_meta
-from services.gpu_worker.kernels.lora_rows import segment_rows
-from services.gpu_worker.lora.segments import LoraSegments
+from steploop.gpu_worker.kernels import lora_meta
+from steploop.gpu_worker.kernels.lora_rows import segment_rows
+from steploop.gpu_worker.lora.segments import LoraSegments
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.gpu_worker.kernels.activations import tanh
+from steploop.gpu_worker.kernels.activations import tanh
 
 
 @triton.jit

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.lora_adapter import LoraAdapterError, LoraModelShapes, read_adapter
+from steploop.common.lora_adapter import LoraAdapterError, LoraModelShapes, read_adapter
 
 log = logging.getLogger(__name__)
 

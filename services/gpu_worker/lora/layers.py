@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.gpu_worker.kernels.lora_ops import lora_expand_slices, lora_shrink
-from services.gpu_worker.lora.adapter_store import AdapterStore, StackedA
-from services.gpu_worker.lora.segments import LoraSegments
+from steploop.gpu_worker.kernels.lora_ops import lora_expand_slices, lora_shrink
+from steploop.gpu_worker.lora.adapter_store import AdapterStore, StackedA
+from steploop.gpu_worker.lora.segments import LoraSegments
 
 # the model's linears -> the PEFT targets they compute, in column order (the stacking groups of the store)
 PROJECTION_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),

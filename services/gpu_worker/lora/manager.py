@@ -15,13 +15,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.common.lora_adapter import LoraModelShapes
-from services.common.lora_config import LoraConfig
-from services.common.step_contract import StepPlan
-from services.gpu_worker.kernels.lora_meta import MAX_KERNEL_RANK
-from services.gpu_worker.lora.adapter_store import AdapterStore
-from services.gpu_worker.lora.layers import PROJECTION_TARGETS, LoraLayers
-from services.gpu_worker.lora.segments import build_lora_segments
+from steploop.common.lora_adapter import LoraModelShapes
+from steploop.common.lora_config import LoraConfig
+from steploop.common.step_contract import StepPlan
+from steploop.gpu_worker.kernels.lora_meta import MAX_KERNEL_RANK
+from steploop.gpu_worker.lora.adapter_store import AdapterStore
+from steploop.gpu_worker.lora.layers import PROJECTION_TARGETS, LoraLayers
+from steploop.gpu_worker.lora.segments import build_lora_segments
 
 
 def model_shapes(cfg) -> LoraModelShapes:

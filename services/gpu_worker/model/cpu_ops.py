@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from services.gpu_worker.cpu_kernels import elementwise as kernel
-from services.gpu_worker.model.ops import TorchOps
+from steploop.gpu_worker.cpu_kernels import elementwise as kernel
+from steploop.gpu_worker.model.ops import TorchOps
 
 
 class CpuOps:

@@ -16,9 +16,9 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
-from services.gpu_worker.model.config_compat import to_v4_rope
-from services.gpu_worker.model.moe import MoESpec
-from services.gpu_worker.model.rotary import ROPE_TYPES, rope_type
+from steploop.gpu_worker.model.config_compat import to_v4_rope
+from steploop.gpu_worker.model.moe import MoESpec
+from steploop.gpu_worker.model.rotary import ROPE_TYPES, rope_type
 
 # Fields that do not change the forward's output, with the reason.
 INERT_FIELDS: dict[str, str] = {

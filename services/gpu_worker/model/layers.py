@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.gpu_worker.model.ops import TorchOps
+from steploop.gpu_worker.model.ops import TorchOps
 
 
 class RMSNorm(nn.Module):

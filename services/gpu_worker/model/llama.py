@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.gpu_worker.attention.backend import AttentionBackend
-from services.gpu_worker.kernel_plan import KernelPlan
-from services.gpu_worker.model.layers import LlamaMLP, RMSNorm
-from services.gpu_worker.model.model_config import ModelConfig
-from services.gpu_worker.model.moe import SparseMoE
-from services.gpu_worker.model.rotary import RotaryEmbedding
-from services.gpu_worker.model.windowed_attention import WindowedAttention
+from steploop.gpu_worker.attention.backend import AttentionBackend
+from steploop.gpu_worker.kernel_plan import KernelPlan
+from steploop.gpu_worker.model.layers import LlamaMLP, RMSNorm
+from steploop.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.model.moe import SparseMoE
+from steploop.gpu_worker.model.rotary import RotaryEmbedding
+from steploop.gpu_worker.model.windowed_attention import WindowedAttention
 
 
 class LlamaAttention(nn.Module):
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         weights. Returns how decode steps run, for the log."""
         if not self.plan.cpu_decoder:
             return "layer by layer (the kernel plan has no C decoder)"
-        from services.gpu_worker.cpu_kernels.decoder import CpuDecoder
+        from steploop.gpu_worker.cpu_kernels.decoder import CpuDecoder
         self.cpu_decoder, how = CpuDecoder.build(self, kv_caches)
         return how
 

@@ -16,18 +16,18 @@ import re
 import torch
 from safetensors import safe_open
 
-from services.gpu_worker.attention.backend import AttentionBackend
-from services.gpu_worker.distributed.comm import TensorParallelComm
-from services.gpu_worker.distributed.parallel_layers import make_tensor_parallel
-from services.gpu_worker.distributed.shapes import RankShare, local_config
-from services.gpu_worker.distributed.sharding import CheckpointSharder
-from services.gpu_worker.kernel_plan import KernelPlan
-from services.gpu_worker.model.layers import RMSNorm
-from services.gpu_worker.model.llama import LlamaForCausalLM
-from services.gpu_worker.model.model_config import LlamaModelConfig
-from services.gpu_worker.model.moe import expert_target
-from services.gpu_worker.model.packed_linear_layer import pack_linear_weights
-from services.gpu_worker.packed_weight_cache import PackedWeightCache
+from steploop.gpu_worker.attention.backend import AttentionBackend
+from steploop.gpu_worker.distributed.comm import TensorParallelComm
+from steploop.gpu_worker.distributed.parallel_layers import make_tensor_parallel
+from steploop.gpu_worker.distributed.shapes import RankShare, local_config
+from steploop.gpu_worker.distributed.sharding import CheckpointSharder
+from steploop.gpu_worker.kernel_plan import KernelPlan
+from steploop.gpu_worker.model.layers import RMSNorm
+from steploop.gpu_worker.model.llama import LlamaForCausalLM
+from steploop.gpu_worker.model.model_config import LlamaModelConfig
+from steploop.gpu_worker.model.moe import expert_target
+from steploop.gpu_worker.model.packed_linear_layer import pack_linear_weights
+from steploop.gpu_worker.packed_weight_cache import PackedWeightCache
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gpu_worker.model.moe import MoESpec
+from steploop.gpu_worker.model.moe import MoESpec
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")   # pre: Llama; sandwich: Gemma 2/3 (pre and post); post: OLMo2
 
@@ -53,7 +53,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: pathlib.Path) -> ModelConfig:
-        from services.gpu_worker.model.families import parse_config
+        from steploop.gpu_worker.model.families import parse_config
         return cls(**parse_config(path), eos_token_ids=_eos_ids(path))
 
     @property

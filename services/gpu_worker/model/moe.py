@@ -62,7 +62,7 @@ class SparseMoE(nn.Module):
         """The routed experts' weighted sum, weights/experts [T, k] -> [T, hidden]: on CUDA the Triton fused-MoE
         kernel (kernels/fused_moe.py, two grouped GEMMs); elsewhere each expert in turn over its tokens."""
         if fused_kernel_serves(x):
-            from services.gpu_worker.kernels.fused_moe import fused_experts
+            from steploop.gpu_worker.kernels.fused_moe import fused_experts
             return fused_experts(x, self.w13, self.w2, weights, experts, self.act)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():

@@ -47,18 +47,18 @@ class TritonOps:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-        from services.gpu_worker.kernels.fused import rms_norm
+        from steploop.gpu_worker.kernels.fused import rms_norm
         return rms_norm(x, weight, eps, residual)
 
     @staticmethod
     def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from services.gpu_worker.kernels.fused import rotary_neox
+        from steploop.gpu_worker.kernels.fused import rotary_neox
         return rotary_neox(positions, q, k, cos, sin)
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        from services.gpu_worker.kernels.fused import silu_and_mul
+        from steploop.gpu_worker.kernels.fused import silu_and_mul
         return silu_and_mul(x)
 
     argmax_rows = TorchOps.argmax_rows

@@ -17,8 +17,8 @@ import time
 import torch
 from torch import nn
 
-from services.gpu_worker.cpu_kernels import packed_linear as kernel
-from services.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, PackedWeight, pack
+from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
+from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, PackedWeight, pack
 
 
 class PackedLinear(nn.Linear):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.gpu_worker.model.ops import TorchOps
+from steploop.gpu_worker.model.ops import TorchOps
 
 log = logging.getLogger(__name__)
 

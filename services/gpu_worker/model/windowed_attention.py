@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.attention.metadata import CommonAttentionMetadata
-from services.gpu_worker.attention.torch_backend import write_kv
+from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
+from steploop.gpu_worker.attention.torch_backend import write_kv
 
 QUERY_CHUNK = 256   # soft-capped logits are materialised per this many query rows (bounded memory)
 

@@ -29,8 +29,8 @@ import sysconfig
 import tempfile
 from types import ModuleType
 
-from services.common import envs
-from services.common.model_path import cache_dir
+from steploop.common import envs
+from steploop.common.model_path import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def load() -> ModuleType | None:
     path = build()
     if path is None:
         return None
-    from services.scheduler.request import Request, RequestOutput, RequestStatus
+    from steploop.scheduler.request import Request, RequestOutput, RequestStatus
 
     try:
         loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))

@@ -1,10 +1,10 @@
-"""python -m services.scheduler.fastpath: build the scheduler's C loops into the cache and print the path (image
+"""python -m steploop.scheduler.fastpath: build the scheduler's C loops into the cache and print the path (image
 build stages run it; exit 1 when it cannot be built)."""
 
 import logging
 import sys
 
-from services.scheduler.fastpath import build
+from steploop.scheduler.fastpath import build
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 path = build()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.pb.steploop.v1 import engine_pb2
+from steploop.common.pb.steploop.v1 import engine_pb2
 
 MEDIUM_GPU = "GPU"   # vLLM's MEDIUM_GPU: the worker's KV cache (steploop has no other tier)
 

@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.common.pb.steploop.v1 import engine_pb2
-from services.scheduler.kv_events.config import KvEventsConfig
-from services.scheduler.kv_events.events import KvEventBatch
-from services.scheduler.kv_events.recorder import KvEventRecorder
+from steploop.common.pb.steploop.v1 import engine_pb2
+from steploop.scheduler.kv_events.config import KvEventsConfig
+from steploop.scheduler.kv_events.events import KvEventBatch
+from steploop.scheduler.kv_events.recorder import KvEventRecorder
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class KvEventHub:
         self._cache_keys: Callable[[], tuple[list[bytes], int]] = lambda: ([], 0)
         self.publisher = None
         if config.zmq:
-            from services.scheduler.kv_events.zmq_publisher import ZmqEventPublisher  # optional extra
+            from steploop.scheduler.kv_events.zmq_publisher import ZmqEventPublisher  # optional extra
             self.publisher = ZmqEventPublisher(config)
 
     def watch_cache(self, cache_keys: Callable[[], tuple[list[bytes], int]]) -> None:

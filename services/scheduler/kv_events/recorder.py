@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.scheduler.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from services.scheduler.prefix_cache import block_tokens
+from steploop.scheduler.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from steploop.scheduler.prefix_cache import block_tokens
 
 
 class KvEventRecorder:

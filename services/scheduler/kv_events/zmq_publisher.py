@@ -30,9 +30,9 @@ from collections import deque
 import msgspec
 import zmq
 
-from services.scheduler.kv_events.config import KvEventsConfig
-from services.scheduler.kv_events.events import KvEventBatch
-from services.scheduler.kv_events.zmq_wire import encode_batch
+from steploop.scheduler.kv_events.config import KvEventsConfig
+from steploop.scheduler.kv_events.events import KvEventBatch
+from steploop.scheduler.kv_events.zmq_wire import encode_batch
 
 log = logging.getLogger(__name__)
 

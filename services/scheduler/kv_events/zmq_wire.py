@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from services.common import envs
-from services.scheduler.kv_events import events as ev
+from steploop.common import envs
+from steploop.scheduler.kv_events import events as ev
 
 INT_BLOCK_HASHES = os.environ.get(envs.KV_EVENTS_INT_BLOCK_HASHES, "1").lower() not in ("0", "false", "no", "off")
 
