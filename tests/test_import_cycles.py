@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
 # a folder whose import name differs: services/ installs as the package `steploop` (setup.py's package_dir)
 IMPORT_NAME = {"services": "steploop"}
+ROOTS = {IMPORT_NAME.get(p, p) for p in PACKAGES}   # the top-level import names of those folders
 
 
 def module_names() -> dict[str, pathlib.Path]:
@@ -69,7 +70,7 @@ def imports_of(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) 
     for node in _import_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] in PACKAGES:
+                if alias.name.split(".")[0] in ROOTS:
                     add(alias.name)
             continue
         if node.level:   # relative: from the module's package, one level up per extra dot
@@ -77,7 +78,7 @@ def imports_of(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) 
             source = ".".join(base + ([node.module] if node.module else []))
         else:
             source = node.module or ""
-        if source.split(".")[0] not in PACKAGES:
+        if source.split(".")[0] not in ROOTS:
             continue
         for alias in node.names:
             submodule = f"{source}.{alias.name}"
