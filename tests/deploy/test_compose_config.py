@@ -77,7 +77,7 @@ def test_host_networking_covers_every_service(certs, files, profiles):
     services = resolved["services"]
     assert not resolved.get("networks"), f"{files}: compose would create networks {list(resolved['networks'])}"
     ports = []
-    for name, svc in steploop.items():
+    for name, svc in services.items():
         assert svc.get("network_mode") == "host", f"{files}: {name} is not on the host network"
         assert svc["build"].get("network") == "host", f"{files}: {name} builds on the default network"
         env = svc.get("environment") or {}
