@@ -26,10 +26,11 @@ class FakeGrpcWorker:
         self.paused.set()                       # cleared = hung (steps stall)
         self.steps = 0
         self.task: asyncio.Task | None = None
+        self.call = None
 
     async def _run(self) -> None:
         async with grpc.aio.insecure_channel(self.address, options=grpc_options.CLIENT) as channel:
-            call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
+            call = self.call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
             await call.write(worker_pb2.WorkerMessage(hello=self.info.to_pb()))
             async for msg in call:
                 await self.paused.wait()
@@ -44,6 +45,10 @@ class FakeGrpcWorker:
         return self
 
     async def kill(self) -> None:
+        # Cancel the call itself (RST_STREAM, as a dead process's closed socket is seen at once); cancelling the
+        # task alone can leave the scheduler to find the stream dead by keepalive, 5-10 s later.
+        if self.call is not None:
+            self.call.cancel()
         self.task.cancel()
         try:
             await self.task
