@@ -123,7 +123,8 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
         return
     from steploop.gpu_worker.distributed.shapes import check_splittable
     from steploop.gpu_worker.model.model_config import ModelConfig
-    check_splittable(ModelConfig.from_dir(model_path.resolve_model(args.model)), args.tensor_parallel_size)
+    check_splittable(ModelConfig.from_dir(model_path.resolve_model(args.model)), args.tensor_parallel_size,
+                     args.enable_expert_parallel)
 
 
 def worker_specs(args: argparse.Namespace, env: dict[str, str]) -> list[ServiceSpec]:

@@ -45,6 +45,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1            # ranks in this worker's group (1: no tensor parallelism)
     rank: int = 0                            # this worker's rank in the group
     tp_host: str = "127.0.0.1"               # address the other ranks reach this one at (process-group traffic)
+    enable_expert_parallel: bool = False     # MoE: each rank holds E / N whole experts instead of 1/N of every one
     lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora: the slot table and host LRU sizes
 
     def __post_init__(self) -> None:
@@ -60,7 +61,7 @@ class WorkerConfig:
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
                    generation_config=args.generation_config, tls=TlsConfig.from_args(args),
                    tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host,
-                   lora=LoraConfig.from_args(args))
+                   enable_expert_parallel=args.enable_expert_parallel, lora=LoraConfig.from_args(args))
 
     @property
     def resolved_worker_id(self) -> str:
@@ -122,6 +123,8 @@ def _validate(c: WorkerConfig) -> None:
           f"--enable-lora with -tp {c.tensor_parallel_size}: LoRA adapters run on unsharded workers only (-tp 1)")
     check(c.tensor_parallel_size == 1 or c.runner == "generate",
           f"--runner {c.runner} with -tp {c.tensor_parallel_size}: the pooling runner serves with -tp 1 only")
+    check(c.tensor_parallel_size > 1 or not c.enable_expert_parallel,
+          "--enable-expert-parallel needs -tp 2 or more: the experts are placed across the group's ranks")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
 
 
@@ -158,5 +161,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its tensor-parallel group")
     add_flag(parser, "--tp-host", default="127.0.0.1",
              help="address the group's other ranks reach this worker at (rank 0 also serves the group's store)")
+    add_flag(parser, "--enable-expert-parallel", type=bool, default=False,
+             help="mixture-of-experts models with -tp N: place E / N whole experts on each rank (contiguous) "
+                  "instead of sharding every expert N ways; the attention stays sharded")
     lora_config.add_cli_args(parser)
     return parser

@@ -1,6 +1,8 @@
 """The layers that talk across ranks, wrapped around a rank's locally sized modules after its weights load.
 
-    RowParallelReduce        o_proj / down_proj: the partial sums of this rank's input columns, all-reduced
+    RowParallelReduce        o_proj / down_proj: the partial sums of this rank's input columns, all-reduced;
+                             a mixture-of-experts block whole: its sharded experts' (or, expert parallel, its own
+                             experts') partial sum plus its shared expert's, all-reduced once
     VocabParallelEmbedding   each rank looks up the ids in its vocabulary rows (zeros elsewhere), all-reduced
     GatheredLMHead           each rank's logits over its vocabulary rows, all-gathered, the padding dropped
 
@@ -17,6 +19,7 @@ from torch import nn
 
 from steploop.gpu_worker.distributed.comm import TensorParallelComm
 from steploop.gpu_worker.distributed.shapes import RankShare
+from steploop.gpu_worker.model.moe import SparseMoE
 
 
 class RowParallelReduce(nn.Module):
@@ -63,7 +66,10 @@ def make_tensor_parallel(model: nn.Module, share: RankShare, comm: TensorParalle
     """Wraps a loaded rank-local model's cross-rank layers in place."""
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallelReduce(layer.self_attn.o_proj, comm)
-        layer.mlp.down_proj = RowParallelReduce(layer.mlp.down_proj, comm)
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp = RowParallelReduce(layer.mlp, comm)
+        else:
+            layer.mlp.down_proj = RowParallelReduce(layer.mlp.down_proj, comm)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, share.first_vocab_row, comm)
     model.lm_head = GatheredLMHead(model.lm_head, full_vocab, comm)
     model.tp_comm = comm

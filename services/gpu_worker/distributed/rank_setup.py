@@ -10,12 +10,21 @@ a group that may have been re-formed since.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.distributed.comm import TensorParallelComm
-from steploop.gpu_worker.distributed.shapes import RankShare, check_splittable, local_config, rank_share
+from steploop.gpu_worker.distributed.shapes import (
+    RankShare,
+    check_splittable,
+    expert_placement,
+    local_config,
+    rank_share,
+)
 from steploop.gpu_worker.kernel_plan import KernelPlan
 from steploop.gpu_worker.model.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +36,18 @@ class RankSetup:
     @classmethod
     def for_worker(cls, config: WorkerConfig, cfg: ModelConfig) -> RankSetup:
         """Checks the shapes split (raises TensorParallelShapeError, before any weight loads)."""
-        size = config.tensor_parallel_size
-        check_splittable(cfg, size)
+        size, expert_parallel = config.tensor_parallel_size, config.enable_expert_parallel
+        check_splittable(cfg, size, expert_parallel)
         comm = TensorParallelComm(config.rank, size)
         if size == 1:
             return cls(None, comm, cfg)
-        share = rank_share(cfg, config.rank, size)
+        share = rank_share(cfg, config.rank, size, expert_parallel)
+        if expert_parallel:
+            log.info("expert parallel over %d ranks, %d experts each: %s", size, share.local_experts,
+                     expert_placement(cfg, size))
+        elif cfg.moe is not None:
+            log.info("mixture of experts sharded over %d ranks: every expert's %d intermediate rows split %d per "
+                     "rank", size, cfg.moe.intermediate_size, share.moe_intermediate)
         return cls(share, comm, local_config(cfg, share))
 
     def kernel_plan(self, plan: KernelPlan) -> KernelPlan:

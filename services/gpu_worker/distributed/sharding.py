@@ -2,7 +2,10 @@
 
     column-parallel (output rows split)   q/k/v_proj, gate/up_proj (weights and biases), embed_tokens, lm_head
     row-parallel (input columns split)    o_proj, down_proj; their bias is added once, on rank 0
-    replicated                            norms (per-head q/k norms included), everything else
+    replicated                            norms (per-head q/k norms included), MoE routers, everything else
+    mixture of experts                    each expert's gate/up (w1/w3) rows and down (w2) columns, as the dense
+                                          MLP's, and the shared expert's; expert parallel: routed experts whole
+                                          (the loader skips the ones another rank holds)
 
 A rank's q heads are [first_head, first_head + num_heads); its KV heads [first_kv_head, + num_kv_heads), one
 replicated head when N > num_kv_heads. The vocabulary is padded to a multiple of N with zero rows (their logits
@@ -22,6 +25,7 @@ _COLUMN = re.compile(r"\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|
 _FUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_EXPERT = re.compile(r"\.(experts\.\d+|shared_expert)\.(w1|w3|gate_proj|up_proj|w2|down_proj)\.weight$")
 
 
 class CheckpointSharder:
@@ -42,6 +46,8 @@ class CheckpointSharder:
         if m := _COLUMN.search(name):
             start, size = self._rows[m.group(2) or m.group(3)]
             return tensor[start:start + size]
+        if m := _EXPERT.search(name):
+            return self._expert_part(m.group(1) == "shared_expert", m.group(2) in ("w2", "down_proj"), tensor)
         if m := _FUSED.search(name):
             return self._split_fused(m.group(1), tensor)
         if m := _ROW.search(name):
@@ -51,6 +57,13 @@ class CheckpointSharder:
             start, size = self._rows[part]
             return tensor[:, start:start + size]
         return tensor
+
+    def _expert_part(self, shared: bool, down: bool, tensor: torch.Tensor) -> torch.Tensor:
+        if not shared and self.share.expert_parallel:
+            return tensor
+        size = self.share.shared_intermediate if shared else self.share.moe_intermediate
+        start = self.share.rank * size
+        return tensor[:, start:start + size] if down else tensor[start:start + size]
 
     def _split_fused(self, which: str, tensor: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

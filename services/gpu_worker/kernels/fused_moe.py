@@ -105,22 +105,27 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
     """topk_ids [T, k] -> sorted_ids [EM] int32, block_expert [EM / block_m] int32, num_padded [1] int32.
 
     sorted_ids lists the pair indices of expert 0, then expert 1, ..., each run padded with T * k to a multiple
-    of block_m; EM = the padded length when every expert holding a pair has a partial block (fixed given T)."""
+    of block_m; EM = the padded length when every expert holding a pair has a partial block (fixed given T).
+    An id equal to num_experts is a pair no expert here takes (expert parallel: another rank's expert): it is in
+    no run, so the kernel never touches its rows."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     em = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))                                        # [E] (bincount syncs on CUDA)
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))                                        # [E + 1] (bincount syncs on CUDA)
+    counts = counts_all[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     run_end = torch.cumsum(padded, 0)                                          # end of each expert's run
     order = torch.argsort(flat, stable=True)                                   # pairs by expert, in token order
     sorted_expert = flat[order]
-    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
-    sorted_ids = torch.full((em,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[(run_end - padded)[sorted_expert] + rank] = order.to(torch.int32)
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts_all, 0) - counts_all)[sorted_expert]
+    run_start = torch.cat([run_end - padded, run_end.new_full((1,), em)])     # the skipped pairs: slot em, dropped
+    dest = torch.where(sorted_expert < num_experts, run_start[sorted_expert] + rank, em)
+    sorted_ids = torch.full((em + 1,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[dest] = order.to(torch.int32)
     block_start = torch.arange(0, em, block_m, device=flat.device)
     block_expert = torch.searchsorted(run_end, block_start, right=True).clamp_(max=num_experts - 1)
-    return sorted_ids, block_expert.to(torch.int32), run_end[-1:].to(torch.int32)
+    return sorted_ids[:em], block_expert.to(torch.int32), run_end[-1:].to(torch.int32)
 
 
 def _launch(a, b, c, weights, align, block_m: int, n: int, k: int, top_k: int, activation: str | None):
@@ -134,9 +139,13 @@ def _launch(a, b, c, weights, align, block_m: int, n: int, k: int, top_k: int, a
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str, first_expert: int | None = None) -> torch.Tensor:
     """x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I], topk_weights/topk_ids [T, k] -> [T, hidden]:
-    sum over slots of weight * w2_e(act(gate_e x) * up_e x). Two grouped-GEMM launches (see the module doc)."""
+    sum over slots of weight * w2_e(act(gate_e x) * up_e x). Two grouped-GEMM launches (see the module doc).
+
+    A tensor-parallel rank passes its shards (I / N rows and columns of every expert): the result is its partial
+    sum. first_expert (expert parallel): w13 / w2 hold experts [first_expert, first_expert + E) of the router's;
+    pairs routed elsewhere add nothing here."""
     t, hidden = x.shape
     e, two_i, _ = w13.shape
     top_k = topk_ids.shape[-1]
@@ -151,12 +160,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if t == 0:
         return torch.empty_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    if first_expert is not None:
+        local = topk_ids - first_expert
+        topk_ids = torch.where((local >= 0) & (local < e), local, e)     # e: held by another rank, skipped
     inter_size = two_i // 2
     block_m = choose_block_m(t * top_k, e)
     align = moe_align_block_size(topk_ids, block_m, e)
     weights = topk_weights.reshape(-1).to(torch.float32)
     inter = torch.empty((t * top_k, inter_size), dtype=x.dtype, device=x.device)
     _launch(x, w13, inter, weights, align, block_m, inter_size, hidden, top_k, activation)
-    down = torch.empty((t * top_k, hidden), dtype=x.dtype, device=x.device)
+    # a skipped pair's row is never written: zero it for the sum
+    down = (torch.empty if first_expert is None else torch.zeros)((t * top_k, hidden), dtype=x.dtype, device=x.device)
     _launch(inter, w2, down, weights, align, block_m, hidden, inter_size, 1, None)
     return down.view(t, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)

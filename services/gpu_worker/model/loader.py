@@ -25,7 +25,7 @@ from steploop.gpu_worker.kernel_plan import KernelPlan
 from steploop.gpu_worker.model.layers import RMSNorm
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
-from steploop.gpu_worker.model.moe import expert_target
+from steploop.gpu_worker.model.moe import NOT_HELD, expert_target
 from steploop.gpu_worker.model.packed_linear_layer import pack_linear_weights
 from steploop.gpu_worker.packed_weight_cache import PackedWeightCache
 
@@ -93,6 +93,8 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 target, expert, rows = _target(name, cfg)
+                if (target, expert, rows) == NOT_HELD:      # expert parallel: another rank's expert
+                    continue
                 if target not in params:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a weight of this model_type)")
                 dest = params[target].data if expert is None else params[target].data[expert]
@@ -127,7 +129,7 @@ def _target(name: str, cfg: LlamaModelConfig) -> tuple[str, int | None, tuple[in
 
 def _check_complete(params: dict, filled: set[str], cfg: LlamaModelConfig) -> None:
     """Every parameter filled whole, or by all of its parts (q/k/v, gate/up, each expert's pieces)."""
-    experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    experts = cfg.moe.held_experts if cfg.moe is not None else 0
     parts = {"qkv_proj": 3, "gate_up_proj": 2, "mlp.w13": 2 * experts, "mlp.w2": experts, "shared_w13": 2}
     covered = {n.split("[")[0] for n in filled}
     missing = [n for n in params if n not in covered]

@@ -7,6 +7,13 @@ routed experts run in the Triton fused-MoE kernel instead (tokens sorted by expe
 Weights: w13 [E, 2I, hidden] (each expert's gate rows, then up rows), w2 [E, hidden, I]; the loader copies
 Mixtral's experts.N.w1/w3/w2 and Qwen3-MoE's experts.N.gate_proj/up_proj/down_proj into them; Qwen2-MoE's
 shared_expert.gate_proj/up_proj/down_proj go into shared_w13 / shared_w2, shared_expert_gate into shared_gate.
+
+On a rank of a tensor-parallel group (distributed/shapes.py: local_moe_spec) the block holds the rank's share and
+returns its partial sum, which the layer's one all-reduce completes (distributed/parallel_layers.py):
+    sharded (-tp N)            every expert, I / N of its gate/up rows and down columns; E stays E
+    expert parallel (--enable-expert-parallel)   experts [first_expert, first_expert + local_experts) whole;
+                               the other experts' tokens are skipped here and computed on their owner's rank
+The router is replicated; the shared expert is sharded by rows / columns in both modes.
 """
 
 from __future__ import annotations
@@ -28,6 +35,15 @@ class MoESpec:
     module: str                         # the checkpoint's name of the MoE block: "block_sparse_moe" or "mlp"
     sparse_layers: tuple[int, ...]      # the layers that are MoE; the others keep the dense MLP
     shared_intermediate_size: int = 0   # Qwen2-MoE's shared expert (sigmoid-gated); 0: none
+    first_expert: int = 0               # expert parallel: the first expert this rank holds
+    local_experts: int = 0              # expert parallel: how many it holds (0: all num_experts)
+
+    @property
+    def held_experts(self) -> int:
+        return self.local_experts or self.num_experts
+
+    def holds(self, expert: int) -> bool:
+        return self.first_expert <= expert < self.first_expert + self.held_experts
 
 
 def fused_kernel_serves(x: torch.Tensor) -> bool:
@@ -40,8 +56,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.spec, self.act = spec, act
         self.gate = nn.Linear(hidden_size, spec.num_experts, bias=False)            # the router
-        self.w13 = nn.Parameter(torch.empty(spec.num_experts, 2 * spec.intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden_size, spec.intermediate_size))
+        held = spec.held_experts
+        self.w13 = nn.Parameter(torch.empty(held, 2 * spec.intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(held, hidden_size, spec.intermediate_size))
         if spec.shared_intermediate_size:
             self.shared_w13 = nn.Parameter(torch.empty(2 * spec.shared_intermediate_size, hidden_size))
             self.shared_w2 = nn.Parameter(torch.empty(hidden_size, spec.shared_intermediate_size))
@@ -60,14 +77,20 @@ class SparseMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, weights/experts [T, k] -> [T, hidden]: on CUDA the Triton fused-MoE
-        kernel (kernels/fused_moe.py, two grouped GEMMs); elsewhere each expert in turn over its tokens."""
+        kernel (kernels/fused_moe.py, two grouped GEMMs); elsewhere each expert in turn over its tokens. Only the
+        experts this rank holds contribute (expert parallel: the others are zero here)."""
+        spec = self.spec
         if fused_kernel_serves(x):
             from steploop.gpu_worker.kernels.fused_moe import fused_experts
-            return fused_experts(x, self.w13, self.w2, weights, experts, self.act)
+            return fused_experts(x, self.w13, self.w2, weights, experts, self.act,
+                                 first_expert=spec.first_expert if spec.local_experts else None)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
+            if not spec.holds(e):
+                continue
             token, slot = torch.where(experts == e)
-            h = self._expert(x[token], self.w13[e], self.w2[e])
+            local = e - spec.first_expert
+            h = self._expert(x[token], self.w13[local], self.w2[local])
             out.index_add_(0, token, h * weights[token, slot, None])
         return out
 
@@ -86,8 +109,12 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.(?:(expe
 _ROWS = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 
+NOT_HELD = ("", None, None)     # expert_target's answer for an expert another rank holds (expert parallel)
+
+
 def expert_target(name: str, spec: MoESpec) -> tuple[str, int | None, tuple[int, int] | None] | None:
-    """A checkpoint's router / expert tensor -> (our parameter, expert, row slice); None for any other tensor."""
+    """A checkpoint's router / expert tensor -> (our parameter, local expert index, row slice); None for any other
+    tensor; NOT_HELD for an expert of another rank. Rows are in this rank's (possibly sharded) intermediate size."""
     m = _EXPERT.match(name)
     if not m or int(name.split(".")[2]) not in spec.sparse_layers:
         return None
@@ -97,6 +124,10 @@ def expert_target(name: str, spec: MoESpec) -> tuple[str, int | None, tuple[int,
     shared = owner == "shared_expert"
     expert, name, size = (None, "shared_", spec.shared_intermediate_size) if shared else \
         (int(owner.split(".")[1]), "", spec.intermediate_size)
+    if expert is not None:
+        if not spec.holds(expert):
+            return NOT_HELD
+        expert -= spec.first_expert
     if piece in ("w2", "down_proj"):
         return f"{prefix}mlp.{name}w2", expert, None
     start = _ROWS[piece] * size
