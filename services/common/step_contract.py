@@ -236,13 +236,15 @@ class WorkerInfo:
     dtype: str = ""                      # e.g. "float32"; the ranks of a group must agree
     tp_rendezvous: str = ""              # rank 0 of a group: host:port of its process-group store
     lora_shapes: LoraModelShapes | None = None   # with --enable-lora: what an adapter must fit
+    expert_parallel: bool = False        # --enable-expert-parallel; the ranks of a group must agree
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
             worker_id=self.worker_id, rank=self.rank, world_size=self.world_size, model_name=self.model_name,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), runner=self.runner,
-            generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous)
+            generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous,
+            expert_parallel=self.expert_parallel)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -266,4 +268,5 @@ class WorkerInfo:
                    runner=pb.runner or "generate",
                    pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    generation_defaults=GenerationDefaults.from_pb(pb.generation_defaults),
-                   dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous, lora_shapes=shapes)
+                   dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous, lora_shapes=shapes,
+                   expert_parallel=pb.expert_parallel)

@@ -107,7 +107,7 @@ class ModelRunner:
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=eos_ids, generation_defaults=defaults,
                           rank=config.rank, world_size=config.tensor_parallel_size,
-                          dtype=str(dtype).removeprefix("torch."),
+                          dtype=str(dtype).removeprefix("torch."), expert_parallel=config.enable_expert_parallel,
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None)
         if pooling is not None:

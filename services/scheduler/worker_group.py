@@ -1,10 +1,10 @@
 """The worker group the step loop drives: N rank links as one worker. A single worker is a group of one rank.
 
     GroupAssembler.add(link)  collects ranks as they attach, in any order; refuses a rank whose world size, model,
-                              block size or dtype differs (naming both values); once all N are in (at once for a
-                              single worker), returns a WorkerGroup. A group of several ranks first sends every rank
-                              TpGroupForm (rank 0's store address and a new generation number) so they form their
-                              process group; a group of one has nothing to form.
+                              block size, dtype or --enable-expert-parallel differs (naming both values); once
+                              all N are in (at once for a single worker), returns a WorkerGroup. A group of several
+                              ranks first sends every rank TpGroupForm (rank 0's store address and a new generation
+                              number) so they form their process group; a group of one has nothing to form.
     WorkerGroup.send(plan)    serializes the plan ONCE and writes the same bytes to every rank
     WorkerGroup.recv(plan)    every rank's answer to it; rank 0's carries the tokens, the others' that they kept up
 
@@ -131,7 +131,7 @@ class GroupAssembler:
 
 def _check_same(info: WorkerInfo, other: WorkerInfo) -> None:
     for field, what in (("model_name", "model"), ("block_size", "block size"), ("dtype", "dtype"),
-                        ("max_model_len", "max model length")):
+                        ("max_model_len", "max model length"), ("expert_parallel", "--enable-expert-parallel")):
         mine, theirs = getattr(info, field), getattr(other, field)
         if mine != theirs:
             raise InvalidRequestError(f"rank {info.rank} ({info.worker_id}) has {what} {mine!r}, rank "

@@ -101,3 +101,63 @@ def test_launcher_rejects_bad_inputs(device):
         fused_experts(x, w13, w2[:, :, :16], weights, ids, "silu")
     with pytest.raises(ValueError, match="dtypes"):
         fused_experts(x, w13.half(), w2, weights, ids, "silu")
+
+
+def shard_w13(w13: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """A tensor-parallel rank's w13 as the loader builds it: its gate rows, then its up rows."""
+    inter = w13.shape[1] // 2
+    size = inter // ranks
+    gate, up = w13[:, rank * size:(rank + 1) * size], w13[:, inter + rank * size:inter + (rank + 1) * size]
+    return torch.cat([gate, up], dim=1).contiguous()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sharded_experts_sum_to_the_whole(ranks, device):
+    """-tp N: each rank's launch over its I / N rows of w13 and columns of w2 is a partial sum; the all-reduce's
+    sum of them is the whole layer."""
+    x, w13, w2, weights, ids = routed(23, 64, 64, 4, 2, device=device, seed=5)
+    size = 64 // ranks
+    parts = [fused_experts(x, shard_w13(w13, r, ranks), w2[:, :, r * size:(r + 1) * size].contiguous(), weights,
+                           ids, "silu") for r in range(ranks)]
+    assert_close(sum(parts), fused_moe_ref(x, w13, w2, weights, ids, "silu"), torch.float32)
+
+
+def test_align_skips_pairs_of_other_ranks():
+    """Id num_experts marks a pair another rank's expert takes: it is in no run."""
+    topk_ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    sorted_ids, block_expert, num_padded = moe_align_block_size(topk_ids, 16, 2)   # expert "2": elsewhere
+    used = sorted_ids[:num_padded.item()]
+    assert num_padded.item() == 32 and block_expert[:2].tolist() == [0, 1]
+    assert sorted(used[used < 6].tolist()) == [1, 3, 4]          # the pairs of experts 0 and 1, once each
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_ranks_sum_to_the_whole(ranks, device):
+    """--enable-expert-parallel: rank r holds experts [r E/N, (r+1) E/N) whole; pairs routed elsewhere add nothing
+    there, so the ranks' outputs sum to the whole layer."""
+    x, w13, w2, weights, ids = routed(29, 64, 32, 8, 3, device=device, seed=9)
+    held = 8 // ranks
+    parts = [fused_experts(x, w13[r * held:(r + 1) * held], w2[r * held:(r + 1) * held], weights, ids, "gelu",
+                           first_expert=r * held) for r in range(ranks)]
+    assert_close(sum(parts), fused_moe_ref(x, w13, w2, weights, ids, "gelu"), torch.float32)
+    none_here = fused_experts(x, w13[:held], w2[:held], weights, torch.full_like(ids, 7), "gelu", first_expert=0)
+    assert not none_here.any()
+
+
+def test_expert_parallel_sparse_moe_kernel_equals_torch_loop(monkeypatch, device):
+    """model/moe.py's SparseMoE holding experts 2-3 of 4 (a rank's local spec): the kernel path equals its loop."""
+    spec = moe.MoESpec(num_experts=4, top_k=2, intermediate_size=32, renormalize=True, module="mlp",
+                       sparse_layers=(0,), first_expert=2, local_experts=2)
+    layer = moe.SparseMoE(64, spec, "silu").to(device)
+    assert layer.w13.shape[0] == 2
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+    x = torch.randn((13, 64)).to(device)
+    with torch.no_grad():
+        want = layer(x)
+        monkeypatch.setattr(moe, "fused_kernel_serves", lambda _x: True)
+        got = layer(x)
+    assert want.abs().sum() > 0
+    assert_close(got, want, torch.float32)

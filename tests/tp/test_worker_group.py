@@ -42,6 +42,10 @@ def test_mismatched_rank_is_refused_naming_both_values():
         with pytest.raises(InvalidRequestError, match=r"rank 1 \(w1\) has dtype 'bfloat16', rank 0 \(w0\) has "
                                                       r"'float32'"):
             assembler.add(WorkerLink(FakeStream(), info(1, dtype="bfloat16")))
+        with pytest.raises(InvalidRequestError, match=r"rank 2 \(w2\) has --enable-expert-parallel True, rank 0 "
+                                                      r"\(w0\) has False"):   # its experts would count twice
+            assembler.add(WorkerLink(FakeStream(), info(2, expert_parallel=True)))
+        assert WorkerInfo.from_pb(info(2, expert_parallel=True).to_pb()).expert_parallel    # the hello carries it
         with pytest.raises(InvalidRequestError, match="started with -tp 2; this scheduler serves -tp 3"):
             assembler.add(WorkerLink(FakeStream(), info(1, world=2)))
     asyncio.run(scenario())
