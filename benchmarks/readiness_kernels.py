@@ -128,6 +128,31 @@ def moe_case(tokens, hidden, inter, experts, top_k, dtype, device) -> dict:
     return compare(got, fused_moe_ref(x, w13, w2, weights, ids, "silu"), dtype, scale=2.0)
 
 
+def moe_ranks_case(tokens, hidden, inter, experts, top_k, ranks, dtype, device) -> dict:
+    """The launches a -tp N rank makes, summed as the layer's all-reduce sums them: sharded (each rank's I / N gate,
+    up rows and down columns of every expert) and expert parallel (each rank's E / N experts whole, the others'
+    pairs skipped), both against the whole layer's reference."""
+    from steploop.gpu_worker.kernels.fused_moe import fused_experts
+    from steploop.gpu_worker.kernels.reference import fused_moe_ref
+
+    g = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn((tokens, hidden), generator=g, device=device).to(dtype)
+    w13 = (torch.randn((experts, 2 * inter, hidden), generator=g, device=device) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn((experts, hidden, inter), generator=g, device=device) * inter ** -0.5).to(dtype)
+    weights, ids = torch.randn((tokens, experts), generator=g, device=device).softmax(-1).topk(top_k, -1)
+    want = fused_moe_ref(x, w13, w2, weights, ids, "silu")
+    size, held = inter // ranks, experts // ranks
+    sharded = sum(fused_experts(x, torch.cat([w13[:, r * size:(r + 1) * size],
+                                              w13[:, inter + r * size:inter + (r + 1) * size]], 1).contiguous(),
+                                w2[:, :, r * size:(r + 1) * size].contiguous(), weights, ids, "silu").float()
+                  for r in range(ranks))
+    placed = sum(fused_experts(x, w13[r * held:(r + 1) * held], w2[r * held:(r + 1) * held], weights, ids, "silu",
+                               first_expert=r * held).float() for r in range(ranks))
+    # each rank's partial is rounded to dtype before the sum: twice the single launch's tolerance
+    return {"sharded": compare(sharded.to(dtype), want, dtype, scale=4.0),
+            "expert_parallel": compare(placed.to(dtype), want, dtype, scale=4.0)}
+
+
 def lora_case(token_slots, hidden, n, rank, dtype, device) -> dict:
     from steploop.gpu_worker.kernels.lora_expand import lora_expand_triton
     from steploop.gpu_worker.kernels.lora_reference import lora_delta_ref, lora_shrink_ref
@@ -175,6 +200,8 @@ def cases(dry: bool) -> dict[str, Callable[[], dict]]:
                                                    h, hk, d, dt, dev)
     out["fused_moe"] = lambda: moe_case(6 if dry else 96, 32 if dry else 4096, 48 if dry else 1408,
                                         4 if dry else 8, 2, dt, dev)
+    out["fused_moe_tp2_ranks"] = lambda: moe_ranks_case(6 if dry else 96, 32 if dry else 4096, 48 if dry else 1408,
+                                                        4 if dry else 8, 2, 2, dt, dev)
     decode_slots, mixed_slots = [0, 1, 0, -1, 2], [0] * 20 + [-1] * 3 + [1] * 9
     out["lora_decode"] = lambda: lora_case(decode_slots * (1 if dry else 16), 32 if dry else 4096,
                                            48 if dry else 4096, 8 if dry else 16, dt, dev)
