@@ -116,9 +116,9 @@ def rank_share(cfg: ModelConfig, rank: int, world_size: int, expert_parallel: bo
     experts = {}
     if cfg.moe is not None:
         held = cfg.moe.num_experts // world_size if expert_parallel else 0
-        experts = dict(moe_intermediate=cfg.moe.intermediate_size // (1 if expert_parallel else world_size),
-                       shared_intermediate=cfg.moe.shared_intermediate_size // world_size,
-                       first_expert=rank * held, local_experts=held)
+        experts = {"moe_intermediate": cfg.moe.intermediate_size // (1 if expert_parallel else world_size),
+                   "shared_intermediate": cfg.moe.shared_intermediate_size // world_size,
+                   "first_expert": rank * held, "local_experts": held}
     return RankShare(rank, world_size, heads, local_kv, rank * heads, first_kv,
                      cfg.intermediate_size // world_size, -(-cfg.vocab_size // world_size), **experts)
 
