@@ -17,6 +17,7 @@ from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
+from steploop.gateway.openai_api.token_controls import parse_allowed_token_ids, parse_bad_words
 from steploop.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
 from steploop.gateway.tool_parsers import ToolParser
 from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
@@ -59,10 +60,14 @@ class SamplingFields:
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
     truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
+    allowed_token_ids: tuple[int, ...] = ()     # vLLM's extra: only these may be sampled (token_controls.py)
+    bad_words: tuple[str, ...] = ()             # vLLM's extra: never generated (tokenized by Serving)
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None,
+                           bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         """max_tokens as the engine gets it (None: what fits; see Serving.engine_max_tokens). Echo with max_tokens
-        0 runs one token that the gateway drops, so min_tokens does not apply to it."""
+        0 runs one token that the gateway drops, so min_tokens does not apply to it. bad_words: the token ids of
+        self.bad_words (token_controls.bad_words_token_ids)."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=max_tokens, min_tokens=0 if self.max_tokens == 0 else self.min_tokens,
@@ -70,7 +75,8 @@ class SamplingFields:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs >= 0 else -1,
-            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex)
+            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex,
+            allowed_token_ids=self.allowed_token_ids, bad_words=bad_words)
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:
@@ -166,6 +172,8 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
         truncate_prompt_tokens=_parse_truncation(body),
+        allowed_token_ids=parse_allowed_token_ids(body, vocab_size),
+        bad_words=parse_bad_words(body),
     )
 
 

@@ -24,8 +24,6 @@ from steploop.gateway.http_io import validation as v
 
 # field -> the values that mean "not used" (sent by clients that fill every field)
 NOT_BUILT: dict[str, tuple[Any, ...]] = {
-    "allowed_token_ids": (None, []),
-    "bad_words": (None, []),
     "guided_grammar": (None,),
     "structural_tag": (None,),
     "use_beam_search": (None, False),
