@@ -43,6 +43,12 @@ class SamplingParams:
             or bool(self.structural_tag)
 
     @property
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields set (at most one may be: the engine refuses more)."""
+        return [name for name in ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+                if getattr(self, name)]
+
+    @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 

@@ -103,6 +103,10 @@ class EngineLoop:
         """Checks the prompt against the model; the scheduler resolves max_tokens and checks the context."""
         info = self.worker_info
         sampling = request.sampling
+        if len(sampling.constraint_fields) > 1:
+            names = sampling.constraint_fields
+            raise InvalidRequestError(f"{' and '.join(names)} are set: give one structured-output constraint",
+                                      param=names[1])
         if any(not word for word in sampling.bad_words):
             raise InvalidRequestError("each bad word must have at least one token", param="bad_words")
         for param, ids in (("prompt", request.prompt_token_ids), ("resume_output_token_ids", request.output_token_ids),

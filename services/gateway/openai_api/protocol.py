@@ -55,8 +55,10 @@ class SamplingFields:
     echo: bool = False       # completions: the prompt leads the text (with prompt logprobs when logprobs >= 0)
     json_schema: str = ""    # response_format json_schema: the schema as JSON text
     json_object: bool = False  # response_format json_object
-    regex: str = ""          # vLLM's guided_choice, as a regex of the escaped alternatives
-    constrained_by: str = ""   # the request field that set json_schema / json_object / regex ("" when none did)
+    regex: str = ""          # vLLM's guided_regex, or guided_choice as a regex of the escaped alternatives
+    grammar: str = ""        # vLLM's guided_grammar: EBNF / GBNF
+    structural_tag: str = ""   # vLLM's structural_tag: xgrammar's JSON
+    constrained_by: str = ""   # the request field that set the constraint above ("" when none did)
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
     truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
@@ -75,8 +77,8 @@ class SamplingFields:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs >= 0 else -1,
-            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex,
-            allowed_token_ids=self.allowed_token_ids, bad_words=bad_words)
+            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex, grammar=self.grammar,
+            structural_tag=self.structural_tag, allowed_token_ids=self.allowed_token_ids, bad_words=bad_words)
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:
@@ -168,6 +170,8 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         json_schema="" if constraint.schema is None else json.dumps(constraint.schema),
         json_object=constraint.json_object,
         regex=constraint.regex,
+        grammar=constraint.grammar,
+        structural_tag=constraint.structural_tag,
         constrained_by=constraint.field,
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
