@@ -62,6 +62,7 @@ class SamplingFields:
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
     truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
+    prompt_logprobs: int = -1   # vLLM's extra: -1 none; k >= 0 each prompt token's logprob and rank, plus the top k
     allowed_token_ids: tuple[int, ...] = ()     # vLLM's extra: only these may be sampled (token_controls.py)
     bad_words: tuple[str, ...] = ()             # vLLM's extra: never generated (tokenized by Serving)
 
@@ -76,7 +77,7 @@ class SamplingFields:
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs >= 0 else -1,
+            prompt_logprobs=max(self.logprobs if self.echo else -1, self.prompt_logprobs),   # both views, one run
             json_schema=self.json_schema, json_object=self.json_object, regex=self.regex, grammar=self.grammar,
             structural_tag=self.structural_tag, allowed_token_ids=self.allowed_token_ids, bad_words=bad_words)
 
@@ -176,9 +177,19 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
         truncate_prompt_tokens=_parse_truncation(body),
+        prompt_logprobs=_parse_prompt_logprobs(body, stream),
         allowed_token_ids=parse_allowed_token_ids(body, vocab_size),
         bad_words=parse_bad_words(body),
     )
+
+
+def _parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int:
+    """vLLM's prompt_logprobs: null = none, k in [0, 20]. As vLLM, not with stream (they would all come first) and
+    not -1 (the whole vocabulary: over the top-k limit)."""
+    k = v.get_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if k is not None and stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+    return -1 if k is None else k
 
 
 def _parse_truncation(body: dict[str, Any]) -> int | None:

@@ -30,7 +30,6 @@ from steploop.gateway.http_io import validation as v
 NOT_BUILT: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "logits_processors": (None, []),
-    "prompt_logprobs": (None,),              # completions' prompt logprobs come with echo + logprobs
     "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
     "mm_processor_kwargs": (None, {}),

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from steploop.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from steploop.common.sampling_params import SamplingParams
@@ -17,7 +18,7 @@ from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
 from steploop.gateway.grammar_check import rejected
 from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
-from steploop.gateway.text.logprobs import TokenInfo, TokenNamer
+from steploop.gateway.text.logprobs import TokenInfo, TokenNamer, vllm_prompt_logprobs
 from steploop.gateway.text.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
@@ -41,6 +42,7 @@ class Choice:
     prompt_param: str = "prompt"     # the request field an engine error about the prompt names ("messages": chat)
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
+    prompt_logprobs: int = -1        # vLLM's prompt_logprobs (k >= 0): they come in the choice's first event
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class TextEvent:
     logprobs: tuple[TokenInfo, ...] | None = None   # tokens behind this text, when logprobs were asked for
     stop_str: str | None = None       # the stop string that ended the choice (Anthropic's stop_sequence)
     reasoning: str = ""               # thinking split off `text` by --reasoning-parser (reasoning.py)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None   # vLLM's shape (logprobs.vllm_prompt_logprobs)
 
 
 async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choice) -> AsyncIterator[TextEvent]:
@@ -61,6 +64,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     namer = TokenNamer(tokenizer) if choice.params.logprobs >= 0 else None
     pending: list[TokenInfo] = []
     num_tokens, first, cached = 0, True, 0   # cached: from the usage on the first chunk with tokens
+    prompt_lps_due = choice.prompt_logprobs >= 0
     stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
                                            choice.cache_salt, lora_name=choice.lora_name))
     try:
@@ -68,6 +72,11 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
             async for chunk in stream:
                 if first and choice.echo:
                     yield echo_event(choice, tokenizer, namer, chunk)
+                if prompt_lps_due and chunk.token_ids:       # they ride on the first chunk with a token
+                    prompt_lps_due = False
+                    yield TextEvent(choice.index, "", prompt_logprobs=vllm_prompt_logprobs(
+                        namer or TokenNamer(tokenizer), choice.prompt_ids, chunk.prompt_logprobs,
+                        choice.prompt_logprobs))
                 first = False
                 if chunk.usage is not None:
                     cached = chunk.usage.cached_tokens
