@@ -33,8 +33,8 @@ def normalize_structural_tag(text: str) -> str:
         schema = item.get("schema", {})
         if isinstance(schema, str):
             schema = json.loads(schema)
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"structures[{i}].schema must be a JSON schema object")
+        if not isinstance(schema, (dict, bool)):   # a client's malformed tag: one error type for the caller
+            raise ValueError(f"structures[{i}].schema must be a JSON schema object")  # noqa: TRY004
         tags.append({"type": "tag", "begin": item["begin"], "end": item["end"],
                      "content": {"type": "json_schema", "json_schema": schema}})
     return json.dumps({"type": "structural_tag",

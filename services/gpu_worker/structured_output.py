@@ -21,6 +21,7 @@ request's grammar is compiled when the plan brings it (`check_new`), so a failur
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 import re
@@ -30,8 +31,8 @@ import torch
 
 from steploop.common.grammar_lint import regex_problem, schema_problem
 from steploop.common.sampling_params import SamplingParams
-from steploop.common.structural_tag import structural_tag_problem
 from steploop.common.step_contract import NewRequestData, RequestFailure
+from steploop.common.structural_tag import structural_tag_problem
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class StructuredOutput:
             build = compiler.compile_structural_tag
         elif params.json_schema:
             param, what, text, lint = "json_schema", "JSON schema", params.json_schema, schema_problem
-            build = lambda schema: compiler.compile_json_schema(schema, any_whitespace=False)  # noqa: E731
+            build = functools.partial(compiler.compile_json_schema, any_whitespace=False)
         else:
             return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
         problem = lint(text) if lint is not None else None

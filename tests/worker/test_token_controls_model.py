@@ -5,6 +5,7 @@ and a multi-token bad word bans only its last token after its prefix (its first 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 import pytest
 
@@ -59,7 +60,7 @@ def test_allowed_token_ids_are_never_left(runner, prompt, free_run):
 def test_bad_words_are_never_generated(runner, prompt, free_run):
     firsts = Counter(out[0] for out in free_run)
     single = firsts.most_common(1)[0][0]
-    bigrams = Counter((a, b) for out in free_run for a, b in zip(out, out[1:]) if single not in (a, b))
+    bigrams = Counter((a, b) for out in free_run for a, b in pairwise(out) if single not in (a, b))
     pair = bigrams.most_common(1)[0][0]
     assert sum(contains(out, pair) for out in free_run) >= 5          # the free run does say them
     outputs = sample_all(runner, prompt, bad_words=((single,), pair), logit_bias=((single, 100.0),))
