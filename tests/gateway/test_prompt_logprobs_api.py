@@ -4,6 +4,8 @@ and the top k; with echo + logprobs the engine computes the larger k once. Strea
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.gateway.conftest import SERVED_NAME
@@ -69,3 +71,16 @@ async def test_refused(gateway, path, base, extra):
     assert status == 400, body
     assert_error(body, param="prompt_logprobs")
     assert gateway.engine.requests == []
+
+
+class TestBehindAReasoningParser:
+    """The reasoning splitter passes only events with text: the prompt logprobs ride on one, never alone."""
+
+    @pytest.fixture
+    def gateway_config(self, gateway_config):
+        return dataclasses.replace(gateway_config, reasoning_parser="qwen3")
+
+    async def test_chat_keeps_them(self, gateway):
+        status, body, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "prompt_logprobs": 1})
+        assert status == 200, body
+        assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]

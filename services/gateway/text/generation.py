@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,18 +66,28 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     pending: list[TokenInfo] = []
     num_tokens, first, cached = 0, True, 0   # cached: from the usage on the first chunk with tokens
     prompt_lps_due = choice.prompt_logprobs >= 0
+    prompt_lps: list | None = None       # vLLM's prompt_logprobs, until the next event carries them
+
+    def carry(event: TextEvent) -> TextEvent:
+        """Puts the prompt logprobs on the first event that goes out after they came (an event of their own
+        would be dropped by filters that pass only events with text, e.g. the reasoning splitter)."""
+        nonlocal prompt_lps
+        if prompt_lps is None:
+            return event
+        event, prompt_lps = dataclasses.replace(event, prompt_logprobs=prompt_lps), None
+        return event
+
     stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
                                            choice.cache_salt, lora_name=choice.lora_name))
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:
-                if first and choice.echo:
-                    yield echo_event(choice, tokenizer, namer, chunk)
                 if prompt_lps_due and chunk.token_ids:       # they ride on the first chunk with a token
                     prompt_lps_due = False
-                    yield TextEvent(choice.index, "", prompt_logprobs=vllm_prompt_logprobs(
-                        namer or TokenNamer(tokenizer), choice.prompt_ids, chunk.prompt_logprobs,
-                        choice.prompt_logprobs))
+                    prompt_lps = vllm_prompt_logprobs(namer or TokenNamer(tokenizer), choice.prompt_ids,
+                                                      chunk.prompt_logprobs, choice.prompt_logprobs)
+                if first and choice.echo:
+                    yield carry(echo_event(choice, tokenizer, namer, chunk))
                 first = False
                 if chunk.usage is not None:
                     cached = chunk.usage.cached_tokens
@@ -96,11 +107,11 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                     pending = []
                 if stops.stopped:
                     usage = Usage(len(choice.prompt_ids), num_tokens, cached)
-                    yield TextEvent(choice.index, text, "stop", usage, lps, stops.matched)
+                    yield carry(TextEvent(choice.index, text, "stop", usage, lps, stops.matched))
                     return
                 if not finish:
                     if text:
-                        yield TextEvent(choice.index, text, logprobs=lps)
+                        yield carry(TextEvent(choice.index, text, logprobs=lps))
                     continue
                 if finish == FinishReason.REJECTED:    # the worker cannot serve it as asked: the client's error
                     raise rejected(chunk, choice.constraint_param)
@@ -111,7 +122,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                               num_tokens if choice.drop_output else chunk.usage.completion_tokens or num_tokens,
                               chunk.usage.cached_tokens)
                 finish_name = "length" if choice.drop_output else FINISH_REASONS[finish]
-                yield TextEvent(choice.index, text + stops.flush(), finish_name, usage, lps)
+                yield carry(TextEvent(choice.index, text + stops.flush(), finish_name, usage, lps))
                 return
     except APIError as err:
         if err.param == "prompt":   # the engine names its own field; chat's prompt is the messages
