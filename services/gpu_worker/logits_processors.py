@@ -15,6 +15,7 @@ stay those of the raw logits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class LogitsEdits:
     ban_cols: torch.Tensor | None = None      # [N] int64
     allowed_rows: torch.Tensor | None = None  # [A] int64 rows of allowed (row, token) pairs (allowed_token_ids)
     allowed_cols: torch.Tensor | None = None  # [A] int64
+    restricted_rows: torch.Tensor | None = None   # [R] int64 the distinct rows that have allowed_token_ids
     grammar_bitmask: torch.Tensor | None = None   # [S, ceil(vocab / 32)] int32, bit set = allowed
     grammar_rows: list[int] | None = None         # rows the bitmask applies to (others left alone)
 
@@ -46,7 +48,7 @@ class LogitsEdits:
                 for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)]
         bans += [(r, t) for r, p in enumerate(params) if p.bad_words
                  for t in bad_word_bans(p.bad_words, outputs[r] if outputs is not None else ())]
-        allowed = [(r, t) for r, p in enumerate(params) for t in p.allowed_token_ids]
+        allowed = [(r, p.allowed_token_ids) for r, p in enumerate(params) if p.allowed_token_ids]
         if not bias and not bans and not allowed and grammar is None:
             return None
         edits = cls()
@@ -59,13 +61,20 @@ class LogitsEdits:
             rows, cols = zip(*bans)
             edits.ban_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             edits.ban_cols = torch.tensor(cols, dtype=torch.int64, device=device)
-        if allowed:
-            rows, cols = zip(*allowed)
-            edits.allowed_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-            edits.allowed_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+        if allowed:   # a request's ids are the same every step: their tensor is made once (lists may be long)
+            cols = [_ids_tensor(ids) for _, ids in allowed]
+            edits.allowed_rows = torch.cat([torch.full((len(c),), r, dtype=torch.int64) for (r, _), c
+                                            in zip(allowed, cols)]).to(device)
+            edits.allowed_cols = torch.cat(cols).to(device)
+            edits.restricted_rows = torch.tensor([r for r, _ in allowed], dtype=torch.int64, device=device)
         if grammar is not None:
             edits.grammar_bitmask, edits.grammar_rows = grammar
         return edits
+
+
+@functools.lru_cache(maxsize=256)
+def _ids_tensor(ids: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def bad_word_bans(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
@@ -92,11 +101,11 @@ def apply_logits_edits(logits: torch.Tensor, edits: LogitsEdits) -> torch.Tensor
         ok = edits.ban_cols < vocab
         logits[edits.ban_rows[ok], edits.ban_cols[ok]] = float("-inf")
     if edits.allowed_rows is not None:
-        ok = edits.allowed_cols < vocab
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep[edits.allowed_rows[ok], edits.allowed_cols[ok]] = True
-        rows = edits.allowed_rows.unique()
-        logits[rows] = logits[rows].masked_fill(~keep[rows], float("-inf"))
+        ok = edits.allowed_cols < vocab    # keep the allowed values, -inf the rest of those rows (no [S, vocab] mask)
+        rows, cols = edits.allowed_rows[ok], edits.allowed_cols[ok]
+        kept = logits[rows, cols]
+        logits.index_fill_(0, edits.restricted_rows, float("-inf"))
+        logits[rows, cols] = kept
     if edits.grammar_bitmask is not None:
         apply_bitmask(logits, edits.grammar_bitmask, edits.grammar_rows)
     return logits
