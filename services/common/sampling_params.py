@@ -32,10 +32,21 @@ class SamplingParams:
     json_schema: str = ""               # structured output: a JSON schema (JSON text) the output must match
     json_object: bool = False           # structured output: any one JSON object
     regex: str = ""                     # structured output: a regular expression the output must match
+    grammar: str = ""                   # structured output: an EBNF / GBNF grammar (start rule `root`)
+    structural_tag: str = ""            # structured output: an xgrammar structural tag, as JSON text
+    allowed_token_ids: tuple[int, ...] = ()   # only these may be sampled; () = any
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each bad word (last banned after its prefix)
 
     @property
     def structured(self) -> bool:
-        return bool(self.json_schema) or self.json_object or bool(self.regex)
+        return bool(self.json_schema) or self.json_object or bool(self.regex) or bool(self.grammar) \
+            or bool(self.structural_tag)
+
+    @property
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields set (at most one may be: the engine refuses more)."""
+        return [name for name in ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+                if getattr(self, name)]
 
     @property
     def greedy(self) -> bool:
@@ -47,7 +58,9 @@ class SamplingParams:
             min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             min_p=self.min_p, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=dict(self.logit_bias),
-            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex)
+            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex, grammar=self.grammar,
+            structural_tag=self.structural_tag, allowed_token_ids=list(self.allowed_token_ids),
+            bad_words=[engine_pb2.BadWordTokenIds(token_ids=list(w)) for w in self.bad_words])
         if self.seed is not None:
             pb.seed = self.seed
         if self.prompt_logprobs >= 0:
@@ -75,4 +88,8 @@ class SamplingParams:
             json_schema=pb.json_schema,
             json_object=pb.json_object,
             regex=pb.regex,
+            grammar=pb.grammar,
+            structural_tag=pb.structural_tag,
+            allowed_token_ids=tuple(pb.allowed_token_ids),
+            bad_words=tuple(tuple(w.token_ids) for w in pb.bad_words),
         )

@@ -134,14 +134,15 @@ class TokenLogprob:
     logprob: float                       # of the sampled token
     top_token_ids: list[int] = field(default_factory=list)   # [k] most likely first
     top_logprobs: list[float] = field(default_factory=list)  # [k]
+    rank: int = 0                        # prompt logprobs: 1 + tokens more likely than this one; 0 = not computed
 
     def to_pb(self) -> engine_pb2.TokenLogprob:
         return engine_pb2.TokenLogprob(logprob=self.logprob, top_token_ids=self.top_token_ids,
-                                       top_logprobs=self.top_logprobs)
+                                       top_logprobs=self.top_logprobs, rank=self.rank)
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.TokenLogprob) -> "TokenLogprob":
-        return cls(pb.logprob, list(pb.top_token_ids), list(pb.top_logprobs))
+        return cls(pb.logprob, list(pb.top_token_ids), list(pb.top_logprobs), pb.rank)
 
 
 @dataclass(frozen=True)

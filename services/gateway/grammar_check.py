@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import steploop
 from steploop.common.engine_contract import EngineChunk
 from steploop.common.grammar_lint import regex_problem, schema_problem
+from steploop.common.structural_tag import structural_tag_problem
 from steploop.gateway.errors import APIError
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ TIMEOUT_S = 30.0                   # a compile that takes longer is refused (it 
 def constraint_field(sampling: SamplingFields) -> str:
     """The request field that holds the constraint, as a client wrote it ("" when nothing constrains the reply)."""
     source = sampling.constrained_by
-    if not (sampling.json_schema or sampling.regex or sampling.json_object):
+    if not (sampling.json_schema or sampling.regex or sampling.json_object or sampling.grammar
+            or sampling.structural_tag):
         return ""
     if source == "response_format":
         return "response_format.json_schema" if sampling.json_schema else "response_format"
@@ -63,9 +65,14 @@ def rejected(chunk: EngineChunk, field: str) -> APIError:
 
 
 async def check_constraint(sampling: SamplingFields) -> None:
-    """Raises a 400 APIError when the request's regex or JSON schema cannot be enforced as written."""
+    """Raises a 400 APIError when the request's regex, grammar, structural tag or JSON schema cannot be enforced as
+    written."""
     if sampling.regex:
         kind, text = "regex", sampling.regex
+    elif sampling.grammar:
+        kind, text = "grammar", sampling.grammar
+    elif sampling.structural_tag:
+        kind, text = "structural_tag", sampling.structural_tag
     elif sampling.json_schema:
         kind, text = "json_schema", sampling.json_schema
     else:
@@ -74,6 +81,10 @@ async def check_constraint(sampling: SamplingFields) -> None:
     if problem is not None:
         field = constraint_field(sampling)
         raise APIError(400, f"'{field}' {problem}", param=field, code=CODE)
+
+
+# What xgrammar would compile by ignoring part of it, found by name first (an EBNF grammar: compiled only).
+LINTS = {"regex": regex_problem, "json_schema": schema_problem, "structural_tag": structural_tag_problem}
 
 
 class GrammarChecker:
@@ -96,7 +107,7 @@ class GrammarChecker:
             if key in self.cache:
                 self.cache.move_to_end(key)
                 return self.cache[key]
-        lint = regex_problem(text) if kind == "regex" else schema_problem(text)
+        lint = LINTS[kind](text) if kind in LINTS else None
         if lint is not None:
             return self._remember(key, f"cannot be enforced: {lint} is ignored by the grammar engine (xgrammar); "
                                        "rewrite the constraint without it")

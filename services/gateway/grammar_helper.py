@@ -2,7 +2,7 @@
 
 The gateway never imports torch, and `import xgrammar` does (its package imports its torch kernels, and tvm_ffi,
 its binding layer, imports torch when installed). So the admission check (grammar_check.py) runs here: one JSON
-line in (`{"kind": "regex" | "json_schema", "text": ...}`), one JSON line out (`{"error": str | null,
+line in (`{"kind": "regex" | "json_schema" | "grammar" | "structural_tag", "text": ...}`), one JSON line out (`{"error": str | null,
 "warnings": [str]}`). Compiling to xgrammar's Grammar needs no tokenizer and gives the same errors the worker's
 compiler gives. xgrammar reports what it ignores ("Lookahead assertion is not supported and is ignored") only as
 log lines on fd 2, so fd 2 goes to a file that is read back after each compile.
@@ -63,6 +63,10 @@ def compile_one(grammar_cls: Any, kind: str, text: str, log: Any) -> dict[str, A
     try:
         if kind == "regex":
             grammar_cls.from_regex(text)
+        elif kind == "grammar":
+            grammar_cls.from_ebnf(text)
+        elif kind == "structural_tag":
+            grammar_cls.from_structural_tag(text)
         else:
             grammar_cls.from_json_schema(text, any_whitespace=False)   # as the worker compiles it
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own errors

@@ -12,6 +12,7 @@ from steploop.gateway.errors import APIError, bad_request
 from steploop.gateway.grammar_check import check_constraint, constraint_field
 from steploop.gateway.model_state import ModelState
 from steploop.gateway.openai_api.protocol import SamplingFields, choice_params
+from steploop.gateway.openai_api.token_controls import bad_words_token_ids
 from steploop.gateway.text.generation import Choice, TextEvent, generate_choice, merge
 from steploop.gateway.text.tokenizer import Tokenizer
 
@@ -64,12 +65,14 @@ class Serving:
         keep = sampling.truncate_prompt_tokens
         if keep == -1:                       # vLLM's "the model's context length" (unknown yet: nothing to cut)
             keep = await self.model.known_max_model_len()
+        bad_words = await bad_words_token_ids(self.tokenizer, sampling.bad_words, self.model.vocab_size or None) \
+            if sampling.bad_words else ()
         choices = []
         for p, prompt_ids in enumerate(prompts):
             prompt_text = prompt_texts[p] if prompt_texts else None
             if keep is not None and len(prompt_ids) > keep:      # left truncation: the last `keep` tokens stay
                 prompt_ids, prompt_text = list(prompt_ids)[-keep:], None   # echo shows what the model saw
-            params = sampling.to_sampling_params(self.engine_max_tokens(len(prompt_ids), sampling, param))
+            params = sampling.to_sampling_params(self.engine_max_tokens(len(prompt_ids), sampling, param), bad_words)
             for k in range(sampling.n):
                 index = p * sampling.n + k
                 choices.append(Choice(index=index, request_id=f"{request_id}-{index}", prompt_ids=prompt_ids,
@@ -79,7 +82,8 @@ class Serving:
                                       prompt_text=prompt_text,
                                       drop_output=sampling.max_tokens == 0, priority=sampling.priority,
                                       cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name,
-                                      constraint_param=constraint_field(sampling)))
+                                      constraint_param=constraint_field(sampling),
+                                      prompt_logprobs=sampling.prompt_logprobs))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:

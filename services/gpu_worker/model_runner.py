@@ -199,12 +199,13 @@ class ModelRunner:
         return result
 
     def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
-        params, index, prompts, outputs = [], [], [], []
+        params, index, prompts, outputs, histories = [], [], [], [], []
         for slot in inputs.sampling:
             state = self.batch.requests[slot.handle]
             for j in range(len(slot.drafts) + 1):
                 params.append(state.sampling)
                 index.append(state.num_output_tokens + j)
+                histories.append(_output_tail(state, slot.drafts[:j]) if state.sampling.bad_words else ())
                 if state.sampling.presence_penalty or state.sampling.frequency_penalty \
                         or state.sampling.repetition_penalty != 1.0:
                     prompts.append(state.token_ids[:state.num_prompt_tokens])
@@ -216,7 +217,7 @@ class ModelRunner:
         self.structured.drop_missing(self.batch.requests)
         grammar = self.structured.bitmask([(self.batch.requests[slot.handle], slot.drafts[:j])
                                            for slot in inputs.sampling for j in range(len(slot.drafts) + 1)])
-        edits = LogitsEdits.build(params, index, self.info.eos_token_ids, self.device, grammar)
+        edits = LogitsEdits.build(params, index, self.info.eos_token_ids, self.device, grammar, histories)
         return SamplingMetadata.from_rows(params, index, self.vocab_size, self.device, penalties, edits)
 
     def _record(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
@@ -235,6 +236,15 @@ class ModelRunner:
             if self.batch.requests[slot.handle].sampling.logprobs >= 0:
                 result.logprobs[slot.handle] = _logprobs(out, slot, accepted,
                                                          self.batch.requests[slot.handle].sampling.logprobs)
+
+
+def _output_tail(state, drafts: list[int]) -> list[int]:
+    """The output tokens before a row's token (drafts included), as far back as the longest bad word reaches."""
+    reach = max(len(w) for w in state.sampling.bad_words) - 1
+    if reach == 0:
+        return []
+    tail = state.token_ids[max(state.num_prompt_tokens, state.num_tokens - reach):] + drafts
+    return tail[-reach:]
 
 
 def _logprobs(out: SamplerOutput, slot: SamplingSlot, accepted: int, k: int) -> list[TokenLogprob]:

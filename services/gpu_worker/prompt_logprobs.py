@@ -36,24 +36,28 @@ class PromptLogprobRows:
 
     def compute(self, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]
                 ) -> dict[int, list[TokenLogprob]]:
-        """hidden [R, hidden] of self.rows -> handle -> [count] TokenLogprob (with top k when k > 0)."""
+        """hidden [R, hidden] of self.rows -> handle -> [count] TokenLogprob (with its rank, and the top k when
+        k > 0)."""
         max_k = max(k for _, _, k in self.spans)
         targets = torch.tensor(self.targets, dtype=torch.int64, device=hidden.device)
-        own, top_lp, top_ids = [], [], []
+        own, ranks, top_lp, top_ids = [], [], [], []
         for start in range(0, len(self.rows), SLICE_ROWS):
             logprobs = compute_logits(hidden[start:start + SLICE_ROWS]).log_softmax(dim=-1)
-            own.append(logprobs.gather(1, targets[start:start + SLICE_ROWS].unsqueeze(1)).squeeze(1))
+            mine = logprobs.gather(1, targets[start:start + SLICE_ROWS].unsqueeze(1))        # [rows, 1]
+            own.append(mine.squeeze(1))
+            ranks.append((logprobs > mine).sum(dim=1) + 1)        # vLLM's rank: 1 + strictly more likely tokens
             if max_k > 0:
                 lp, ids = logprobs.topk(max_k, dim=-1)
                 top_lp.append(lp)
                 top_ids.append(ids)
-        own_list = torch.cat(own).tolist()
+        own_list, rank_list = torch.cat(own).tolist(), torch.cat(ranks).tolist()
         top_lp_list = torch.cat(top_lp).tolist() if max_k > 0 else None
         top_ids_list = torch.cat(top_ids).tolist() if max_k > 0 else None
         out, pos = {}, 0
         for handle, count, k in self.spans:
             out[handle] = [TokenLogprob(own_list[r], top_ids_list[r][:k] if k else [],
-                                        top_lp_list[r][:k] if k else []) for r in range(pos, pos + count)]
+                                        top_lp_list[r][:k] if k else [], rank_list[r])
+                           for r in range(pos, pos + count)]
             pos += count
         return out
 

@@ -1,4 +1,5 @@
-"""Structured output: a grammar (JSON schema, any JSON object, or a regex) masks the tokens a request may sample.
+"""Structured output: a grammar (JSON schema, any JSON object, a regex, an EBNF grammar or a structural tag) masks
+the tokens a request may sample.
 
 One xgrammar GrammarCompiler per worker, built on first use from the model folder's tokenizer (so a worker that
 never sees a structured request never loads it); compiled grammars are cached by xgrammar. Each structured
@@ -20,6 +21,7 @@ request's grammar is compiled when the plan brings it (`check_new`), so a failur
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 import re
@@ -30,6 +32,7 @@ import torch
 from steploop.common.grammar_lint import regex_problem, schema_problem
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import NewRequestData, RequestFailure
+from steploop.common.structural_tag import structural_tag_problem
 
 log = logging.getLogger(__name__)
 
@@ -68,21 +71,30 @@ class StructuredOutput:
         return self._compiler
 
     def compile(self, params: SamplingParams) -> Any:
-        """The request's grammar (xgrammar caches compilations). Raises GrammarRefused for a regex or JSON schema
-        that does not compile or would be enforced only in part. json_object is an object, as OpenAI's JSON mode
-        promises (xgrammar's builtin JSON grammar also takes arrays and scalars)."""
+        """The request's grammar (xgrammar caches compilations). Raises GrammarRefused for a regex, EBNF grammar,
+        structural tag or JSON schema that does not compile or would be enforced only in part. json_object is an
+        object, as OpenAI's JSON mode promises (xgrammar's builtin JSON grammar also takes arrays and scalars)."""
         compiler = self._get_compiler()
-        if not (params.regex or params.json_schema):
+        if params.regex:
+            param, what, text, lint = "regex", "regex", params.regex, regex_problem
+            build = compiler.compile_regex
+        elif params.grammar:
+            param, what, text, lint = "grammar", "grammar", params.grammar, None
+            build = compiler.compile_grammar
+        elif params.structural_tag:
+            param, what, text, lint = "structural_tag", "structural tag", params.structural_tag, structural_tag_problem
+            build = compiler.compile_structural_tag
+        elif params.json_schema:
+            param, what, text, lint = "json_schema", "JSON schema", params.json_schema, schema_problem
+            build = functools.partial(compiler.compile_json_schema, any_whitespace=False)
+        else:
             return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=False)
-        param, what = ("regex", "regex") if params.regex else ("json_schema", "JSON schema")
-        problem = regex_problem(params.regex) if params.regex else schema_problem(params.json_schema)
+        problem = lint(text) if lint is not None else None
         if problem is not None:
             raise GrammarRefused(RequestFailure(GRAMMAR_ERROR, f"the {what} cannot be enforced: {problem} is not "
                                                                "supported by the grammar engine (xgrammar)", param))
         try:
-            if params.regex:
-                return compiler.compile_regex(params.regex)
-            return compiler.compile_json_schema(params.json_schema, any_whitespace=False)
+            return build(text)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError on what it cannot compile
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise GrammarRefused(RequestFailure(GRAMMAR_ERROR, f"the {what} does not compile: {_clean(reason)}",

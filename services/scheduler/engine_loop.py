@@ -102,7 +102,16 @@ class EngineLoop:
     def _admit(self, request: Request) -> None:
         """Checks the prompt against the model; the scheduler resolves max_tokens and checks the context."""
         info = self.worker_info
-        for param, ids in (("prompt", request.prompt_token_ids), ("resume_output_token_ids", request.output_token_ids)):
+        sampling = request.sampling
+        if len(sampling.constraint_fields) > 1:
+            names = sampling.constraint_fields
+            raise InvalidRequestError(f"{' and '.join(names)} are set: give one structured-output constraint",
+                                      param=names[1])
+        if any(not word for word in sampling.bad_words):
+            raise InvalidRequestError("each bad word must have at least one token", param="bad_words")
+        for param, ids in (("prompt", request.prompt_token_ids), ("resume_output_token_ids", request.output_token_ids),
+                           ("allowed_token_ids", sampling.allowed_token_ids),
+                           ("bad_words", [t for word in sampling.bad_words for t in word])):
             bad = [t for t in ids if t >= info.vocab_size]
             if bad:
                 raise InvalidRequestError(f"token id {bad[0]} is out of range for vocab size {info.vocab_size}",

@@ -165,8 +165,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                                                                   top_logprobs=[-1.0 - i for i in range(k)])
                                           for _ in part)
                 if start == 0 and request.sampling.HasField("prompt_logprobs"):
-                    chunk.prompt_logprobs.extend(engine_pb2.TokenLogprob(logprob=-0.25)
-                                                 for _ in request.prompt_token_ids[1:])
+                    pk = request.sampling.prompt_logprobs   # scripted: -0.25, rank 3, top ids 0..pk-1 at -1, -2..
+                    chunk.prompt_logprobs.extend(engine_pb2.TokenLogprob(
+                        logprob=-0.25, rank=3, top_token_ids=range(pk), top_logprobs=[-1.0 - i for i in range(pk)])
+                        for _ in request.prompt_token_ids[1:])
                 if start == 0 and not resumed:   # as the engine: usage so far with its first tokens, then at the end
                     chunk.usage.prompt_tokens = len(request.prompt_token_ids)
                     chunk.usage.completion_tokens = len(part)

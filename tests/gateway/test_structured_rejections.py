@@ -41,6 +41,15 @@ def json_schema(schema):
     ({"guided_json": {"type": "string", "pattern": "a\\Zb"}}, "guided_json", "Escape sequence"),
     (json_schema({"if": {"type": "integer"}, "then": {"minimum": 5}}), "response_format.json_schema",
      "keyword 'if' / 'then' / 'else' at /"),
+    ({"guided_grammar": "root ::= foo"}, "guided_grammar",
+     'does not compile: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
+    ({"structured_outputs": {"grammar": "start ::= \"a\""}}, "structured_outputs.grammar",
+     'The root rule with name "root" is not found'),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "bogus"}}}, "structural_tag",
+     "Format type not recognized: bogus"),
+    ({"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": LOOKAHEAD, "end": "</f>"}], "triggers": ["<f"]})}},
+     "structured_outputs.structural_tag", "lookahead (?=...)"),
 ])
 @pytest.mark.parametrize("path, base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
 async def test_a_constraint_that_cannot_be_enforced_is_400_naming_the_field(gateway, path, base, extra, field,

@@ -15,9 +15,8 @@ from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 
 COMPLETION = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-SET = {"allowed_token_ids": [5, 6], "bad_words": ["no"],
-       "guided_grammar": "root ::= 'a'", "structural_tag": "{}", "use_beam_search": True,
-       "logits_processors": ["x"], "prompt_logprobs": 1,
+SET = {"use_beam_search": True,
+       "logits_processors": ["x"],
        "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1},
        "chat_template": "{{ messages }}", "documents": [{"text": "d"}]}
 

@@ -28,8 +28,10 @@ class DriverRequest:
 
 
 class Driver:
-    def __init__(self, runner, num_blocks: int | None = None):
+    def __init__(self, runner, num_blocks: int | None = None, eos_token_id: int | None = None):
+        """eos_token_id: a request that samples it finishes there (None: requests run to max_tokens)."""
         self.runner = runner
+        self.eos_token_id = eos_token_id
         self.block_size = runner.block_size
         self.free = list(range(1, num_blocks or runner.info.num_kv_blocks))   # block 0 is the null block
         self.requests: dict[int, DriverRequest] = {}
@@ -94,7 +96,7 @@ class Driver:
             req.num_computed += n
             if handle in result.sampled:
                 req.output.extend(result.sampled[handle])
-                if len(req.output) >= req.max_tokens:
+                if len(req.output) >= req.max_tokens or self.eos_token_id in req.output:
                     self.outputs[handle] = req.output[:req.max_tokens]
                     self.free.extend(req.blocks)
                     del self.requests[handle]

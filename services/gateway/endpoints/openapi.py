@@ -10,12 +10,15 @@ from steploop.gateway.embeddings_api import openapi as embeddings_openapi
 from steploop.gateway.http_io.validation import MAX_INT32, MAX_UINT32
 from steploop.gateway.messages_api import openapi as messages_openapi
 from steploop.gateway.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
+from steploop.gateway.openai_api.token_controls import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
 from steploop.gateway.openai_api.vllm_extras import MAX_CHOICES
 from steploop.gateway.responses_api import openapi as responses_openapi
 
 _NUM = {"type": "number"}
 _CHOICES = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_GRAMMAR = {"type": "string", "minLength": 1}          # EBNF / GBNF with a `root` rule, as xgrammar reads it
+_STRUCTURAL_TAG = {"oneOf": [{"type": "object"}, {"type": "string", "minLength": 2}]}   # xgrammar's, or its JSON text
 _STOP = {"oneOf": [{"type": "string", "minLength": 1},
                    {"type": "array", "items": {"type": "string", "minLength": 1}}]}
 _RESPONSE_FORMAT = {"type": "object", "required": ["type"], "properties": {
@@ -54,8 +57,19 @@ _SAMPLING: dict[str, Any] = {
     "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}]},
     "guided_choice": _CHOICES,
     "guided_regex": {"type": "string", "minLength": 1},
+    "guided_grammar": _GRAMMAR,
+    "structural_tag": _STRUCTURAL_TAG,
+    # at most one key: json, json_object (true), choice, regex, grammar or structural_tag
     "structured_outputs": {"type": "object", "properties": {"json": {"type": "object"}, "json_object": {
-        "type": "boolean"}, "choice": _CHOICES, "regex": {"type": "string", "minLength": 1}}},
+        "type": "boolean"}, "choice": _CHOICES, "regex": {"type": "string", "minLength": 1}, "grammar": _GRAMMAR,
+        "structural_tag": _STRUCTURAL_TAG}},
+    # token controls (token_controls.py): ids must be < the model's vocabulary size
+    "allowed_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+    "bad_words": {"type": ["array", "null"], "items": {"type": "string", "minLength": 1,
+                                                       "maxLength": MAX_BAD_WORD_CHARS, "pattern": "\\S"},
+                  "maxItems": MAX_BAD_WORDS},
+    # logprob, rank and top k of each prompt token (not with stream)
+    "prompt_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
 }
 # Unset: what fits in the context. Prompt + max_tokens over the context is a 400 (context_length_exceeded).
 _MAX_TOKENS = {"type": "integer", "minimum": 1}

@@ -23,6 +23,7 @@ class Collected:
     usages: dict[int, Usage] = field(default_factory=dict)
     logprobs: dict[int, list[TokenInfo]] = field(default_factory=dict)   # only choices that asked
     reasoning: dict[int, str] = field(default_factory=dict)              # --reasoning-parser's split, if any
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)       # vLLM's, only choices that asked
 
 
 async def collect(events: AsyncIterator[TextEvent]) -> Collected:
@@ -34,6 +35,8 @@ async def collect(events: AsyncIterator[TextEvent]) -> Collected:
                 out.reasoning[event.index] = out.reasoning.get(event.index, "") + event.reasoning
             if event.logprobs is not None:
                 out.logprobs.setdefault(event.index, []).extend(event.logprobs)
+            if event.prompt_logprobs is not None:
+                out.prompt_logprobs[event.index] = event.prompt_logprobs
             if event.finish_reason is not None:
                 out.finish[event.index] = event.finish_reason
                 out.usages[event.index] = event.usage or Usage()
@@ -43,7 +46,7 @@ async def collect(events: AsyncIterator[TextEvent]) -> Collected:
 async def completion_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logprobs: bool) -> dict[str, Any]:
     got = await collect(events)
     lps = {i: completion_logprobs(got.logprobs.get(i, ())) for i in got.texts} if logprobs else {}
-    return responses.completion(meta, got.texts, got.finish, total_usage(got.usages, n), lps)
+    return responses.completion(meta, got.texts, got.finish, total_usage(got.usages, n), lps, got.prompt_logprobs)
 
 
 async def chat_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logprobs: bool,
@@ -60,7 +63,10 @@ async def chat_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logpro
                 got.finish[i] = tools.finish_reason(calls, got.finish.get(i))
         if i in got.reasoning:
             messages[i]["reasoning_content"] = got.reasoning[i]   # vLLM's field
-    return responses.chat_completion(meta, messages, got.finish, total_usage(got.usages, n), lps)
+    body = responses.chat_completion(meta, messages, got.finish, total_usage(got.usages, n), lps)
+    if got.prompt_logprobs:      # vLLM's: one list for the request (every choice has the same prompt)
+        body["prompt_logprobs"] = got.prompt_logprobs[min(got.prompt_logprobs)]
+    return body
 
 
 async def completion_chunks(meta: Meta, events: AsyncIterator[TextEvent], n: int, include_usage: bool,

@@ -17,6 +17,7 @@ from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
+from steploop.gateway.openai_api.token_controls import parse_allowed_token_ids, parse_bad_words
 from steploop.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
 from steploop.gateway.tool_parsers import ToolParser
 from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
@@ -54,23 +55,31 @@ class SamplingFields:
     echo: bool = False       # completions: the prompt leads the text (with prompt logprobs when logprobs >= 0)
     json_schema: str = ""    # response_format json_schema: the schema as JSON text
     json_object: bool = False  # response_format json_object
-    regex: str = ""          # vLLM's guided_choice, as a regex of the escaped alternatives
-    constrained_by: str = ""   # the request field that set json_schema / json_object / regex ("" when none did)
+    regex: str = ""          # vLLM's guided_regex, or guided_choice as a regex of the escaped alternatives
+    grammar: str = ""        # vLLM's guided_grammar: EBNF / GBNF
+    structural_tag: str = ""   # vLLM's structural_tag: xgrammar's JSON
+    constrained_by: str = ""   # the request field that set the constraint above ("" when none did)
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
     truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
+    prompt_logprobs: int = -1   # vLLM's extra: -1 none; k >= 0 each prompt token's logprob and rank, plus the top k
+    allowed_token_ids: tuple[int, ...] = ()     # vLLM's extra: only these may be sampled (token_controls.py)
+    bad_words: tuple[str, ...] = ()             # vLLM's extra: never generated (tokenized by Serving)
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None,
+                           bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
         """max_tokens as the engine gets it (None: what fits; see Serving.engine_max_tokens). Echo with max_tokens
-        0 runs one token that the gateway drops, so min_tokens does not apply to it."""
+        0 runs one token that the gateway drops, so min_tokens does not apply to it. bad_words: the token ids of
+        self.bad_words (token_controls.bad_words_token_ids)."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=max_tokens, min_tokens=0 if self.max_tokens == 0 else self.min_tokens,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logprobs=self.logprobs, logit_bias=self.logit_bias,
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs >= 0 else -1,
-            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex)
+            prompt_logprobs=max(self.logprobs if self.echo else -1, self.prompt_logprobs),   # both views, one run
+            json_schema=self.json_schema, json_object=self.json_object, regex=self.regex, grammar=self.grammar,
+            structural_tag=self.structural_tag, allowed_token_ids=self.allowed_token_ids, bad_words=bad_words)
 
 
 def choice_params(params: SamplingParams, k: int) -> SamplingParams:
@@ -162,11 +171,25 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         json_schema="" if constraint.schema is None else json.dumps(constraint.schema),
         json_object=constraint.json_object,
         regex=constraint.regex,
+        grammar=constraint.grammar,
+        structural_tag=constraint.structural_tag,
         constrained_by=constraint.field,
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
         truncate_prompt_tokens=_parse_truncation(body),
+        prompt_logprobs=_parse_prompt_logprobs(body, stream),
+        allowed_token_ids=parse_allowed_token_ids(body, vocab_size),
+        bad_words=parse_bad_words(body),
     )
+
+
+def _parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int:
+    """vLLM's prompt_logprobs: null = none, k in [0, 20]. As vLLM, not with stream (they would all come first) and
+    not -1 (the whole vocabulary: over the top-k limit)."""
+    k = v.get_int(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if k is not None and stream:
+        raise bad_request("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+    return -1 if k is None else k
 
 
 def _parse_truncation(body: dict[str, Any]) -> int | None:

@@ -37,10 +37,15 @@ def _envelope(meta: Meta, obj: str, choices: list[dict[str, Any]]) -> dict[str, 
 # /v1/completions
 
 def completion(meta: Meta, texts: dict[int, str], finish: dict[int, str | None], usage: Usage,
-               logprobs: dict[int, dict] | None = None) -> dict[str, Any]:
+               logprobs: dict[int, dict] | None = None,
+               prompt_logprobs: dict[int, list] | None = None) -> dict[str, Any]:
+    """prompt_logprobs: vLLM's, per choice index, for the choices of a request that asked."""
     logprobs = logprobs or {}
     choices = [{"index": i, "text": texts[i], "logprobs": logprobs.get(i), "finish_reason": finish.get(i)}
                for i in sorted(texts)]
+    if prompt_logprobs:
+        for choice in choices:
+            choice["prompt_logprobs"] = prompt_logprobs.get(choice["index"])
     return {**_envelope(meta, "text_completion", choices), "usage": usage_dict(usage)}
 
 

@@ -27,8 +27,8 @@ def structured_kind(sampling: SamplingFields, tools: ToolRequest | None = None) 
         return "response_format json_schema"
     if sampling.json_object:
         return "response_format json_object"
-    if sampling.regex:
-        return "guided_choice"
+    if sampling.regex or sampling.grammar or sampling.structural_tag:
+        return sampling.constrained_by or "guided_choice"
     return None
 
 

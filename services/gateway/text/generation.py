@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from steploop.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from steploop.common.sampling_params import SamplingParams
@@ -17,7 +19,7 @@ from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
 from steploop.gateway.grammar_check import rejected
 from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
-from steploop.gateway.text.logprobs import TokenInfo, TokenNamer
+from steploop.gateway.text.logprobs import TokenInfo, TokenNamer, vllm_prompt_logprobs
 from steploop.gateway.text.stop_strings import StopStringMatcher
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
@@ -41,6 +43,7 @@ class Choice:
     prompt_param: str = "prompt"     # the request field an engine error about the prompt names ("messages": chat)
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
+    prompt_logprobs: int = -1        # vLLM's prompt_logprobs (k >= 0): they come in the choice's first event
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class TextEvent:
     logprobs: tuple[TokenInfo, ...] | None = None   # tokens behind this text, when logprobs were asked for
     stop_str: str | None = None       # the stop string that ended the choice (Anthropic's stop_sequence)
     reasoning: str = ""               # thinking split off `text` by --reasoning-parser (reasoning.py)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None   # vLLM's shape (logprobs.vllm_prompt_logprobs)
 
 
 async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choice) -> AsyncIterator[TextEvent]:
@@ -61,13 +65,29 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     namer = TokenNamer(tokenizer) if choice.params.logprobs >= 0 else None
     pending: list[TokenInfo] = []
     num_tokens, first, cached = 0, True, 0   # cached: from the usage on the first chunk with tokens
+    prompt_lps_due = choice.prompt_logprobs >= 0
+    prompt_lps: list | None = None       # vLLM's prompt_logprobs, until the next event carries them
+
+    def carry(event: TextEvent) -> TextEvent:
+        """Puts the prompt logprobs on the first event that goes out after they came (an event of their own
+        would be dropped by filters that pass only events with text, e.g. the reasoning splitter)."""
+        nonlocal prompt_lps
+        if prompt_lps is None:
+            return event
+        event, prompt_lps = dataclasses.replace(event, prompt_logprobs=prompt_lps), None
+        return event
+
     stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
                                            choice.cache_salt, lora_name=choice.lora_name))
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:
+                if prompt_lps_due and chunk.token_ids:       # they ride on the first chunk with a token
+                    prompt_lps_due = False
+                    prompt_lps = vllm_prompt_logprobs(namer or TokenNamer(tokenizer), choice.prompt_ids,
+                                                      chunk.prompt_logprobs, choice.prompt_logprobs)
                 if first and choice.echo:
-                    yield echo_event(choice, tokenizer, namer, chunk)
+                    yield carry(echo_event(choice, tokenizer, namer, chunk))
                 first = False
                 if chunk.usage is not None:
                     cached = chunk.usage.cached_tokens
@@ -87,11 +107,11 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                     pending = []
                 if stops.stopped:
                     usage = Usage(len(choice.prompt_ids), num_tokens, cached)
-                    yield TextEvent(choice.index, text, "stop", usage, lps, stops.matched)
+                    yield carry(TextEvent(choice.index, text, "stop", usage, lps, stops.matched))
                     return
                 if not finish:
                     if text:
-                        yield TextEvent(choice.index, text, logprobs=lps)
+                        yield carry(TextEvent(choice.index, text, logprobs=lps))
                     continue
                 if finish == FinishReason.REJECTED:    # the worker cannot serve it as asked: the client's error
                     raise rejected(chunk, choice.constraint_param)
@@ -102,7 +122,7 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
                               num_tokens if choice.drop_output else chunk.usage.completion_tokens or num_tokens,
                               chunk.usage.cached_tokens)
                 finish_name = "length" if choice.drop_output else FINISH_REASONS[finish]
-                yield TextEvent(choice.index, text + stops.flush(), finish_name, usage, lps)
+                yield carry(TextEvent(choice.index, text + stops.flush(), finish_name, usage, lps))
                 return
     except APIError as err:
         if err.param == "prompt":   # the engine names its own field; chat's prompt is the messages

@@ -2,6 +2,7 @@
 
     chat:         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
     completions:  {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}], "text_offset": [...]}
+    vLLM's prompt_logprobs: [null, {"<id>": {"logprob", "rank", "decoded_token"}, ...}, ...] (one per prompt token)
 
 A token's text is `decode([id])` (special tokens kept), as vLLM reports it. The first prompt token of an echo
 has no logprob (null) and no top logprobs (null). Completions' top_logprobs dicts hold the top k and the token
@@ -78,3 +79,17 @@ def completion_logprobs(tokens: Sequence[TokenInfo], text_offset: int = 0) -> di
             top.append(entry)
     return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": top, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(namer: TokenNamer, prompt_ids: Sequence[int], lps: Sequence[Any],
+                         k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per token a dict keyed by token id holding
+    the token itself (its logprob and rank: 1 + tokens more likely) and the top k (ranks 1..k), as vLLM builds it
+    (a token in its own top k appears once). lps: the engine's TokenLogprob of prompt tokens 1 ..; top k >= k."""
+    out: list[dict[str, Any] | None] = [None]
+    for token, lp in zip(prompt_ids[1:], lps):
+        entry = {str(token): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": namer(token)}}
+        for rank, (t, x) in enumerate(zip(lp.top_token_ids[:k], lp.top_logprobs[:k]), start=1):
+            entry[str(t)] = {"logprob": _finite(x), "rank": rank, "decoded_token": namer(t)}
+        out.append(entry)
+    return out
