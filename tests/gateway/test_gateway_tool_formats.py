@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.text.tokenizer import load_tokenizer
-from tests.gateway.conftest import SERVED_NAME, serving_app
+from tests.gateway.conftest import SERVED_NAME, serving_app, streamed_calls
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
 
 WEATHER = {"type": "function", "function": {
@@ -75,8 +75,8 @@ async def call_both_ways(client, **kwargs):
     chunks = [c async for c in await client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=[WEATHER],
                                                                      stream=True, **kwargs)]
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
-    streamed = (content or None, [(c.function.name, json.loads(c.function.arguments)) for c in calls],
+    calls = streamed_calls(chunks)
+    streamed = (content or None, [(c["name"], json.loads(c["arguments"])) for c in calls],
                 chunks[-1].choices[0].finish_reason)
     return whole, streamed, [c.id for c in message.tool_calls or ()]
 
