@@ -96,7 +96,7 @@ def test_same_reading_at_every_delta_size(tokenizer, parser, reply, content, cal
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
 def test_long_arguments_stream_in_pieces(tokenizer, parser):
     """A long call is seen building up: its arguments arrive in many pieces, before the reply ends."""
-    reply, content, calls = next(case for case in CASES[parser] if any(n == "write_file" for n, _ in case[2]))
+    reply, _, _ = next(case for case in CASES[parser] if any(n == "write_file" for n, _ in case[2]))
     _, deltas = token_deltas(tokenizer, reply, 1)
     pieces = [d for d in stream(parser, deltas) if "tool_calls" in d and "id" not in d["tool_calls"][0]]
     assert len(pieces) > 10

@@ -3,7 +3,6 @@ to templates without tools (their replies, whole and streamed, are the conforman
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 

@@ -255,8 +255,10 @@ class JsonNormalizer:
             low = raw[self.pos + 6:self.pos + 12]
             if len(low) < 6 and "\\u".startswith(low[:2]) and _HEX4_RE.match(low[2:].ljust(4, "0")):
                 return False
-            if low.startswith("\\u") and _HEX4_RE.fullmatch(low[2:]) and 0xDC00 <= int(low[2:], 16) < 0xE000:
-                self.out.append(chr(0x10000 + ((code - 0xD800) << 10) + int(low[2:], 16) - 0xDC00))
+            hex2 = low[2:]
+            low_code = int(hex2, 16) if low.startswith("\\u") and _HEX4_RE.fullmatch(hex2) else -1
+            if 0xDC00 <= low_code < 0xE000:
+                self.out.append(chr(0x10000 + ((code - 0xD800) << 10) + low_code - 0xDC00))
                 self.pos += 12
                 return True
         if 0xD800 <= code < 0xE000:
