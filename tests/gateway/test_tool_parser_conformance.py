@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from steploop.gateway.text.detokenizer import IncrementalDetokenizer
 from steploop.gateway.tool_parsers import TOOL_PARSERS, CallSplitter, get_tool_parser, split_whole
-from tests.gateway.tool_format_cases import CASES, PLAIN, SCHEMAS
+from tests.gateway.tool_format_cases import CASES, COUNT, PARIS, PLAIN, SCHEMAS, WRITE
 
 DELTA_TOKENS = [1, 2, 3, 7]
 ALL = [(name, *case) for name, cases in CASES.items() for case in cases]
@@ -83,7 +83,7 @@ def test_same_reading_at_every_delta_size(tokenizer, parser, reply, content, cal
     assert whole_text == reply                     # the tokenizer round-trips the case
     want = (content, [(f"id{i}", name, json.dumps(args, ensure_ascii=False)) for i, (name, args) in enumerate(calls)])
     got_content, got_calls = split_whole(get_tool_parser(parser), reply, SCHEMAS, new_ids())
-    assert (got_content if calls else reply, [(c.id, c.name, c.arguments) for c in got_calls]) == want
+    assert (got_content, [(c.id, c.name, c.arguments) for c in got_calls]) == want
     for k in DELTA_TOKENS:
         _, deltas = token_deltas(tokenizer, reply, k)
         streamed = stream(parser, deltas)
@@ -100,3 +100,13 @@ def test_long_arguments_stream_in_pieces(tokenizer, parser):
     _, deltas = token_deltas(tokenizer, reply, 1)
     pieces = [d for d in stream(parser, deltas) if "tool_calls" in d and "id" not in d["tool_calls"][0]]
     assert len(pieces) > 10
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_earlier_calls_rendered_into_a_prompt_read_back_the_same(parser):
+    """A template without tool support gets the assistant's earlier calls written in the format (render_calls):
+    the format's own reader must read them back as the same calls."""
+    calls = [PARIS, WRITE, COUNT]
+    text = get_tool_parser(parser).render_calls([{"name": n, "arguments": a} for n, a in calls])
+    content, got = split_whole(get_tool_parser(parser), text, SCHEMAS, new_ids())
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in got] == calls

@@ -78,8 +78,9 @@ def test_native_mistral_templates_get_matching_nine_character_ids():
 
 def test_the_flag_names_a_known_parser():
     assert GatewayConfig().tool_call_parser == "hermes"
-    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, mistral, llama3_json"):
-        GatewayConfig(tool_call_parser="pythonic")
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, mistral, llama3_json, "
+                                         "qwen3_coder, pythonic, deepseek_v3, kimi_k2, glm45, granite, openai"):
+        GatewayConfig(tool_call_parser="xlam")
     with pytest.raises(ValueError, match="llama3_json"):
         get_tool_parser("nope")
 

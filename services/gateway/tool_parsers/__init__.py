@@ -9,15 +9,24 @@ called, and how) is tools.py.
 from __future__ import annotations
 
 from steploop.gateway.tool_parsers.base import ToolCall, ToolParser
+from steploop.gateway.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from steploop.gateway.tool_parsers.glm45 import Glm45Parser
+from steploop.gateway.tool_parsers.granite import GraniteParser
 from steploop.gateway.tool_parsers.hermes import HermesParser
+from steploop.gateway.tool_parsers.kimi_k2 import KimiK2Parser
 from steploop.gateway.tool_parsers.llama3_json import Llama3JsonParser
 from steploop.gateway.tool_parsers.mistral import MistralParser
+from steploop.gateway.tool_parsers.openai_harmony import OpenAIHarmonyParser
+from steploop.gateway.tool_parsers.pythonic import PythonicParser
+from steploop.gateway.tool_parsers.qwen3_coder import Qwen3CoderParser
 from steploop.gateway.tool_parsers.stream import CallSplitter, split_whole
 
 __all__ = ["DEFAULT_TOOL_PARSER", "TOOL_PARSERS", "CallSplitter", "ToolCall", "ToolParser", "get_tool_parser",
            "split_whole"]
 
-_PARSERS: tuple[type[ToolParser], ...] = (HermesParser, MistralParser, Llama3JsonParser)
+_PARSERS: tuple[type[ToolParser], ...] = (HermesParser, MistralParser, Llama3JsonParser, Qwen3CoderParser,
+                                          PythonicParser, DeepSeekV3Parser, KimiK2Parser, Glm45Parser,
+                                          GraniteParser, OpenAIHarmonyParser)
 TOOL_PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in _PARSERS}
 DEFAULT_TOOL_PARSER = HermesParser.name
 

@@ -65,6 +65,9 @@ class CallSplitter:
         if self._done[j]:
             return out
         norm = self._args[j]
+        if call.name != self.calls[j].name or not call.arguments.startswith(norm.raw):
+            raise AssertionError(f"{self.parser.name}: call {j} was read as {self.calls[j].name}({norm.raw!r}), the "
+                                 f"reply now reads {call.name}({call.arguments!r})")
         piece = norm.feed_to(call.arguments)
         if call.done or final:
             piece += norm.finish()

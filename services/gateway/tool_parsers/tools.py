@@ -80,7 +80,7 @@ class ToolRequest:
             calls = _calls_from_json(text, names, new_id)
             return (None, calls) if calls else (text, [])
         content, calls = split_whole(self.parser, text, self.schemas, new_id, self.max_calls)
-        return (content, calls) if calls else (text, [])
+        return (content, calls) if calls else (content or "", [])
 
     @property
     def schemas(self) -> Schemas:
