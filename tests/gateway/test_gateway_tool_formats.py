@@ -14,13 +14,16 @@ import pytest_asyncio
 
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.text.tokenizer import load_tokenizer
+from steploop.gateway.tool_parsers import TOOL_PARSERS
 from tests.gateway.conftest import SERVED_NAME, serving_app, streamed_calls
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
+from tests.gateway.tool_format_cases import CASES, TOOLS, WRITE
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 # The shape of Mistral's own templates: tools in [AVAILABLE_TOOLS], earlier calls after [TOOL_CALLS] with their
 # ids, results in [TOOL_RESULTS]; a call id that is not 9 characters is refused, as mistral-common refuses it.
@@ -131,3 +134,37 @@ async def test_tool_choice_none_keeps_skipping_special_tokens(serve, mistral_tok
     client, _ = await serve("mistral", tok, text_ids(tok, "Hi") + [marker] + text_ids(tok, "!") + [tok.eos_token_id])
     r = await client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=[WEATHER], tool_choice="none")
     assert r.choices[0].message.content == "Hi!"     # no tools in play: special tokens are skipped as usual
+
+
+def _case_with_calls(parser: str) -> tuple[str, str | None, list]:
+    """The parser's richest conformance case: the most calls, content if any."""
+    return max(CASES[parser], key=lambda case: (len(case[2]), case[1] is not None))
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+async def test_sdk_stream_assembles_to_the_unstreamed_reply(serve, tokenizer, parser):
+    """The openai SDK's own stream helper (chat.completions.stream) assembles the streamed deltas into the same
+    message as the unstreamed reply, for every format."""
+    reply, content, calls = _case_with_calls(parser)
+    client, _ = await serve(parser, tokenizer, text_ids(tokenizer, reply) + [tokenizer.eos_token_id])
+    r = await client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS)
+    async with client.chat.completions.stream(model=SERVED_NAME, messages=ASK, tools=TOOLS) as stream:
+        pieces = len([e async for e in stream if e.type == "tool_calls.function.arguments.delta"])
+        final = await stream.get_final_completion()
+    got = [(m.content, [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or ()],
+            choice.finish_reason) for choice in (r.choices[0], final.choices[0]) for m in [choice.message]]
+    assert got[0] == got[1] == (content, calls, "tool_calls")
+    assert pieces > len(calls)          # arguments arrived in pieces, not whole
+
+
+async def test_responses_stream_function_call_arguments_in_pieces(serve, tokenizer):
+    reply, _, calls = next(case for case in CASES["qwen3_coder"] if WRITE in case[2])
+    client, _ = await serve("qwen3_coder", tokenizer, text_ids(tokenizer, reply) + [tokenizer.eos_token_id])
+    whole = await client.responses.create(model=SERVED_NAME, input="Write it", tools=RESPONSES_TOOLS)
+    async with client.responses.stream(model=SERVED_NAME, input="Write it", tools=RESPONSES_TOOLS) as stream:
+        deltas = [e async for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = await stream.get_final_response()
+    expected = [(name, args) for name, args in calls]
+    for response in (whole, final):
+        assert [(o.name, json.loads(o.arguments)) for o in response.output if o.type == "function_call"] == expected
+    assert len(deltas) > 10

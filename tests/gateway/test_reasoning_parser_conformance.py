@@ -35,8 +35,8 @@ CASES = {
                 (f"Here's my thought process:{THINK}Here's my response:{ANSWER}", THINK, ANSWER)],
     "mistral": think_cases("[THINK]", "[/THINK]", False),
     "openai_gptoss": [
-        (f"<|channel|>analysis<|message|>{THINK}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
-         "<|return|>", THINK, ANSWER),
+        ((f"<|channel|>analysis<|message|>{THINK}<|end|><|start|>assistant<|channel|>final<|message|>{ANSWER}"
+         "<|return|>"), THINK, ANSWER),
         (f"<|channel|>analysis<|message|>{THINK}", THINK, ""),
         (f"<|channel|>final<|message|>{ANSWER}", "", ANSWER),
         (ANSWER, "", ANSWER),
