@@ -110,7 +110,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "address it resolves to (a Kubernetes headless Service: scheduler replicas join and leave "
                        "without a restart); 0: resolve once, at start, by gRPC")
     envs.add_flag(parser, "--reasoning-parser", default=None,
-                  help=f"split the model's <think> reasoning from its answer: one of {sorted(REASONING_PARSERS)} "
+                  help=f"split the model's reasoning from its answer, as vLLM's flag: one of {sorted(REASONING_PARSERS)} "
                        "(chat's reasoning_content, Messages' thinking blocks, Responses' reasoning items)")
     envs.add_flag(parser, "--kv-events-routing", type=bool, default=d.kv_events_routing,
                   help="with several scheduler replicas, route by the prefix each one's KV events say it caches "
