@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import re
 
-_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_STRUCTURE_RE = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]]', re.DOTALL)
+# Possessive: a string still being written fails in one pass instead of backtracking through it.
+_STRING_RE = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+# A string token, closed (group 1 set) or running to the end of the text; or a bracket.
+_STRUCTURE_RE = re.compile(r'"(?:[^"\\]++|\\.)*+(?:(")|\\?\Z)|[{}\[\]]', re.DOTALL)
 _SPACE_RE = re.compile(r"\s*")
 _SCALAR_RE = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
 _SCALAR_RUN_RE = re.compile(r"[-+.0-9A-Za-z]+")
@@ -42,6 +44,10 @@ def value_end(text: str, pos: int) -> int | None:
     depth = 0
     for match in _STRUCTURE_RE.finditer(text, pos):
         ch = match.group()
+        if ch[0] == '"':
+            if match.group(1) is None:
+                return None                    # a string still open at the end of the text
+            continue
         if ch in "{[":
             depth += 1
         elif ch in "}]":

@@ -24,7 +24,7 @@ _NAME = re.compile(r"\s*([A-Za-z_][\w.]*)\s*(\(?)")
 _KEY = re.compile(r"\s*([A-Za-z_]\w*)\s*(=?)")
 _SPACE = re.compile(r"\s*")
 # a Python literal's outline: strings (either quote, escapes), brackets, anything else up to a delimiter
-_TOKEN = re.compile(r"""'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*"|[\[\]{}()]|,|[^'"\[\]{}(),]+|['"]""", re.DOTALL)
+_TOKEN = re.compile(r"""'(?:[^'\\\n]++|\\.)*+'|"(?:[^"\\\n]++|\\.)*+"|[\[\]{}()]|,|[^'"\[\]{}(),]+|['"]""", re.DOTALL)
 _OPEN_STRING = re.compile(r"""(['"])((?:(?!\1)[^\\\n]|\\.)*\\?)(\1\s*)?\Z""", re.DOTALL)
 
 

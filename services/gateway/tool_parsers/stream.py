@@ -1,7 +1,13 @@
 """A reply under tool_choice "auto", read as it grows: `CallSplitter` rescans the reply after each delta (the
 format's `scan`) and returns what is new since the last scan as OpenAI's streaming deltas: content text, a call's
 first delta (index, id, type, name, empty arguments), then its arguments in pieces as they are written. Reading a
-whole reply is the same splitter fed once, so streamed and whole replies cannot differ."""
+whole reply is the same splitter fed once, so streamed and whole replies cannot differ.
+
+Each rescan reads the reply from its start, so while a call is being written (the long case: a file's content as
+an argument) a rescan waits until the reply has grown by 1/RESCAN_GROWTH since the last one: the cost of a call
+stays linear in its length, and its arguments still arrive every delta while short (below RESCAN_GROWTH * 4
+characters) and in pieces of a few tokens beyond. Skipping a scan changes no output, only when it is sent: a scan
+reports only what can no longer change. Content outside calls is scanned every delta."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 from steploop.gateway.tool_parsers.base import CallText, Schemas, ToolCall, ToolParser
 from steploop.gateway.tool_parsers.json_text import JsonNormalizer
 
+RESCAN_GROWTH = 64
 Delta = dict[str, Any]    # {"content": str} or {"tool_calls": [...]}, as in a chat.completion.chunk's delta
 
 
@@ -23,11 +30,19 @@ class CallSplitter:
         self.calls: list[ToolCall] = []      # calls begun (arguments: as sent so far)
         self._args: list[JsonNormalizer] = []
         self._done: list[bool] = []
+        self._scanned = 0                    # len(text) at the last scan
+        self._in_call = False                # the last scan ended inside a call's arguments
 
     def feed(self, delta: str) -> list[Delta]:
         """Adds a delta of the reply; returns the deltas it makes sendable."""
         self.text += delta
-        return self._advance(self.parser.scan(self.text, False, self.tools), final=False) if delta else []
+        if not delta or (self._in_call and len(self.text) - self._scanned < len(self.text) // RESCAN_GROWTH):
+            return []
+        self._scanned = len(self.text)
+        segments = self.parser.scan(self.text, False, self.tools)
+        last_call = segments[-2] if len(segments) > 1 else None
+        self._in_call = isinstance(last_call, CallText) and not last_call.done and segments[-1] == ""
+        return self._advance(segments, final=False)
 
     def finish(self) -> list[Delta]:
         """The reply has ended: everything it still holds."""
