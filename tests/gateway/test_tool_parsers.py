@@ -3,6 +3,7 @@ to templates without tools (their replies, whole and streamed, are the conforman
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from steploop.gateway.config import GatewayConfig
 from steploop.gateway.text.chat_template import for_template
 from steploop.gateway.tool_parsers import CallSplitter, get_tool_parser
+from steploop.gateway.tool_parsers.json_text import JsonNormalizer, normalized
 from steploop.gateway.tool_parsers.tools import parse_tools
 
 SCHEMAS = {"get_weather": {"type": "object"}, "get_time": {"type": "object"}}
@@ -93,3 +95,22 @@ def test_the_tokenizer_imports_no_tool_code():
     loaded = out.stdout.split()
     assert "steploop.gateway.text.tokenizer" in loaded
     assert not [m for m in loaded if "tool" in m or "chat_template" in m], loaded
+
+
+@pytest.mark.parametrize("raw", [
+    '{"city": "Paris"}', '{ "a" :1.50,"b":[1,2 , {"c":null}],"d":true, "e":"x\\"y\\n\\u00e9\\ud83d\\ude80z"}',
+    "{}", "[]", '{"a": []}', '{"n": -0.5e3, "m": 12, "big": 12345678901234567890}', '"str"', "42"])
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_arguments_are_written_as_json_dumps_writes_them_however_they_arrive(raw, step):
+    norm, out = JsonNormalizer(), ""
+    for i in range(0, len(raw), step):
+        out += norm.feed_to(raw[:i + step])
+    assert out + norm.finish() == json.dumps(json.loads(raw), ensure_ascii=False)
+
+
+def test_arguments_stop_where_they_stop_being_json():
+    assert normalized('{"a": 1.') == '{"a": ' and normalized('{"a": "x') == '{"a": "x'
+    assert normalized('{"a" 1}') == '{"a"' and normalized('{"k": "\\ud800x"}') == '{"k": "\\ud800x"}'
+    norm = JsonNormalizer()
+    assert norm.feed_to('{"n": 12') == '{"n": ' and norm.feed_to('{"n": 123') == ""   # a number waits for its end
+    assert norm.feed_to('{"n": 123}') == "123}"
