@@ -8,6 +8,7 @@ import contextlib
 import json
 from dataclasses import replace
 
+import anthropic
 import openai
 import pytest
 import pytest_asyncio
@@ -168,3 +169,17 @@ async def test_responses_stream_function_call_arguments_in_pieces(serve, tokeniz
     for response in (whole, final):
         assert [(o.name, json.loads(o.arguments)) for o in response.output if o.type == "function_call"] == expected
     assert len(deltas) > 10
+
+
+async def test_messages_stream_tool_input_in_pieces(serve, tokenizer):
+    """Anthropic's Messages stream carries the same call as input_json_delta pieces, assembled by its own SDK."""
+    reply, _, calls = next(case for case in CASES["glm45"] if WRITE in case[2])
+    client, _ = await serve("glm45", tokenizer, text_ids(tokenizer, reply) + [tokenizer.eos_token_id])
+    messages = anthropic.AsyncAnthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="none",
+                                        max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    async with messages.messages.stream(model=SERVED_NAME, max_tokens=1000, messages=ASK, tools=tools) as stream:
+        pieces = [e async for e in stream if e.type == "input_json"]
+        final = await stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == calls
+    assert len(pieces) > 10
