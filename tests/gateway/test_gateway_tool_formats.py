@@ -18,7 +18,7 @@ from steploop.gateway.text.tokenizer import load_tokenizer
 from steploop.gateway.tool_parsers import TOOL_PARSERS
 from tests.gateway.conftest import SERVED_NAME, serving_app, streamed_calls
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
-from tests.gateway.tool_format_cases import CASES, TOOLS, WRITE
+from tests.gateway.tool_format_cases import CASES, PARIS, TOOLS, WRITE, harmony
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -55,11 +55,11 @@ def mistral_tokenizer(gateway_model_dir, tokenizer):
 async def serve(gateway_config):
     """serve(parser, tokenizer, reply_ids) -> (openai client, fake engine), a gateway with that --tool-call-parser."""
     async with contextlib.AsyncExitStack() as stack:
-        async def start(parser, tokenizer, reply_ids):
+        async def start(parser, tokenizer, reply_ids, reasoning_parser=None):
             engine = FakeEngine(reply_ids=reply_ids, eos_token_id=tokenizer.eos_token_id)
             server, address, _ = await start_fake_engine(engine)
             stack.push_async_callback(server.stop, None)
-            config = replace(gateway_config, tool_call_parser=parser)
+            config = replace(gateway_config, tool_call_parser=parser, reasoning_parser=reasoning_parser)
             url, _ = await stack.enter_async_context(serving_app(EngineClient(address), tokenizer, config))
             return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), engine
 
@@ -183,3 +183,20 @@ async def test_messages_stream_tool_input_in_pieces(serve, tokenizer):
         final = await stream.get_final_message()
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == calls
     assert len(pieces) > 10
+
+
+async def test_gpt_oss_reasoning_and_calls_through_the_gateway(serve, tokenizer):
+    """--reasoning-parser openai_gptoss with --tool-call-parser openai: the analysis channel is reasoning_content,
+    the message to functions.get_weather a call, whole and streamed."""
+    reply = "<|channel|>analysis<|message|>Need the weather.<|end|>" + harmony(PARIS)
+    client, _ = await serve("openai", tokenizer, text_ids(tokenizer, reply) + [tokenizer.eos_token_id],
+                            reasoning_parser="openai_gptoss")
+    r = await client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] == "Need the weather." and message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [PARIS]
+    chunks = [c async for c in await client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS,
+                                                                     stream=True)]
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks)
+    assert reasoning == "Need the weather." and not any(c.choices[0].delta.content for c in chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls(chunks)] == [PARIS]
