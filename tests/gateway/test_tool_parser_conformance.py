@@ -81,7 +81,8 @@ def check_shape(deltas: list[dict]) -> None:
 def test_same_reading_at_every_delta_size(tokenizer, parser, reply, content, calls):
     whole_text, _ = token_deltas(tokenizer, reply, 1)
     assert whole_text == reply                     # the tokenizer round-trips the case
-    want = (content, [(f"id{i}", name, json.dumps(args, ensure_ascii=False)) for i, (name, args) in enumerate(calls)])
+    ids = [f"functions.{name}:{i}" if parser == "kimi_k2" else f"id{i}" for i, (name, _) in enumerate(calls)]
+    want = (content, [(ids[i], name, json.dumps(args, ensure_ascii=False)) for i, (name, args) in enumerate(calls)])
     got_content, got_calls = split_whole(get_tool_parser(parser), reply, SCHEMAS, new_ids())
     assert (got_content, [(c.id, c.name, c.arguments) for c in got_calls]) == want
     for k in DELTA_TOKENS:

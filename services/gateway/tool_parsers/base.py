@@ -48,6 +48,7 @@ class CallText:
     name: str
     arguments: str          # its arguments as JSON text so far (the model's own, or the format's rewritten as JSON)
     done: bool              # its text is complete
+    id: str = ""            # the id the format itself writes (Kimi K2's `functions.NAME:0`); "": the gateway makes one
 
 
 Segment = str | CallText

@@ -2,6 +2,9 @@
 
     <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
     {"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+
+As vLLM's parser, a call's id is the one the model wrote (`functions.get_weather:0`): Kimi's templates write earlier
+calls and their results back under that id.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class KimiK2Parser(SectionedParser):
         call_id = text[pos:at].strip()              # functions.get_weather:0
         name = call_id.rpartition(":")[0] if ":" in call_id else call_id
         return name.partition(".")[2] if "." in name else name, at + len(ARGUMENT_BEGIN)
+
+    def call_id(self, text: str, pos: int) -> str:
+        return text[pos:text.find(ARGUMENT_BEGIN, pos)].strip()
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou may call functions. The functions you can call, in JSON:\n"

@@ -33,6 +33,10 @@ class SectionedParser(ToolParser):
                 return Block("skip", start + len(marker))
         return self.read_call(text, start + len(self.call_begin), final, tools)
 
+    def call_id(self, text: str, pos: int) -> str:
+        """The call's id as the format writes it at `pos`, or "" (the gateway makes one)."""
+        return ""
+
     def read_call(self, text: str, pos: int, final: bool, tools: Schemas) -> Block:
         """One call from `pos` (after call_begin): the subclass finds its name and where its JSON arguments begin."""
         header = self.read_header(text, pos)
@@ -45,10 +49,10 @@ class SectionedParser(ToolParser):
         if name not in tools:
             end = text.find(self.call_end, pos)
             return Block("content", end + len(self.call_end) if end >= 0 else None)
-        args_end = json_text.value_end(text, args_at)
+        args_end, call_id = json_text.value_end(text, args_at), self.call_id(text, pos)
         if args_end is None:
-            return Block("calls", None, [CallText(name, text[args_at:], False)])
-        call = CallText(name, text[args_at:args_end], True)
+            return Block("calls", None, [CallText(name, text[args_at:], False, call_id)])
+        call = CallText(name, text[args_at:args_end], True, call_id)
         after = self.skip_trailer(text, args_end)
         if text.startswith(self.call_end, after):
             return Block("calls", after + len(self.call_end), [call])

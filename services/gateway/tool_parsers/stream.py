@@ -73,7 +73,7 @@ class CallSplitter:
     def _call(self, j: int, call: CallText, final: bool) -> list[Delta]:
         out: list[Delta] = []
         if j == len(self.calls):
-            self.calls.append(ToolCall(self.new_id(), call.name, ""))
+            self.calls.append(ToolCall(call.id or self.new_id(), call.name, ""))
             self._args.append(JsonNormalizer())
             self._done.append(False)
             out.append({"tool_calls": [{"index": j, **self.calls[j].to_dict()}]})
