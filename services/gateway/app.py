@@ -113,14 +113,16 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     path = model_path.model_dir_for(config.model)
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
-    app[SERVING] = Serving(engine_client, tokenizer, model, config.lora)
+    reasoning = get_reasoning_parser(config.reasoning_parser)
+    app[SERVING] = Serving(engine_client, tokenizer, model, config.lora,
+                           keep_special_tokens=reasoning is not None and reasoning.needs_special_tokens)
     app[TOOL_PARSER] = tool_parser = get_tool_parser(config.tool_call_parser)
     app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
     app[HEALTH] = HealthProbe(engine_client, drain)
     app[DRAIN] = drain
     app[MAX_BODY] = config.max_request_body_bytes
     app[RESPONSE_STORE] = ResponseStore()
-    app[REASONING_PARSER] = get_reasoning_parser(config.reasoning_parser)
+    app[REASONING_PARSER] = reasoning
     routes.add_routes(app)
     gateway_metrics.install(app, engine_client, model)   # /metrics, HTTP metrics, the request's span
 

@@ -19,5 +19,5 @@ TOOL_PARSER = web.AppKey("tool_parser", ToolParser)       # --tool-call-parser: 
 HEALTH = web.AppKey("health", HealthProbe)
 DRAIN = web.AppKey("drain", Drain)
 MAX_BODY = web.AppKey("max_body", int)                   # --max-request-body-bytes, for the 413's message
-RESPONSE_STORE = web.AppKey("response_store", ResponseStore)   # /v1/responses created with store: true
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)   # /v1/responses kept (store defaults to true)
 REASONING_PARSER = web.AppKey("reasoning_parser", ReasoningParser)   # --reasoning-parser; None: no split

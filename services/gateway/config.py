@@ -101,14 +101,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "step); --no-engine-session gives each request its own Generate call")
     envs.add_flag(parser, "--tool-call-parser", default=d.tool_call_parser,
                   help=f"how the model writes tool calls under tool_choice auto, as vLLM's flag: "
-                       f"{', '.join(TOOL_PARSERS)} (hermes: <tool_call> tags, Qwen and most tool-tuned models; "
-                       "mistral: [TOOL_CALLS]; llama3_json: a JSON object, Llama 3.x)")
+                       f"{', '.join(TOOL_PARSERS)} (hermes: <tool_call> JSON, Qwen 2.5/3 and most tool-tuned "
+                       "models; mistral: [TOOL_CALLS]; llama3_json: a JSON object, Llama 3.x; qwen3_coder: "
+                       "<function=...> XML, Qwen3-Coder; pythonic: [f(a=1)], Llama 3.2+/4; deepseek_v3, kimi_k2, "
+                       "glm45, granite: those families' own; openai: gpt-oss harmony messages)")
     envs.add_flag(parser, "--scheduler-discovery-interval", type=float, default=d.scheduler_discovery_interval,
                   help="every this many seconds, re-resolve each --scheduler-address name:port and route to every "
                        "address it resolves to (a Kubernetes headless Service: scheduler replicas join and leave "
                        "without a restart); 0: resolve once, at start, by gRPC")
     envs.add_flag(parser, "--reasoning-parser", default=None,
-                  help=f"split the model's <think> reasoning from its answer: one of {sorted(REASONING_PARSERS)} "
+                  help=f"split the model's reasoning from its answer, as vLLM's flag: one of {sorted(REASONING_PARSERS)} "
                        "(chat's reasoning_content, Messages' thinking blocks, Responses' reasoning items)")
     envs.add_flag(parser, "--kv-events-routing", type=bool, default=d.kv_events_routing,
                   help="with several scheduler replicas, route by the prefix each one's KV events say it caches "

@@ -22,8 +22,9 @@ API_BY_PARAM = {"prompt": "Completions", "messages": "Chat Completions", "input"
 
 class Serving:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelState,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, keep_special_tokens: bool = False) -> None:
         self.engine = engine
+        self.keep_special_tokens = keep_special_tokens   # the reasoning parser reads special tokens (harmony)
         self.tokenizer = tokenizer
         self.model = model
         self.lora = lora or LoraConfig()     # --enable-lora, --allow-runtime-lora-updating
@@ -78,7 +79,8 @@ class Serving:
                 choices.append(Choice(index=index, request_id=f"{request_id}-{index}", prompt_ids=prompt_ids,
                                       params=choice_params(params, k), stop=sampling.stop,
                                       include_stop_str_in_output=sampling.include_stop_str_in_output,
-                                      skip_special_tokens=sampling.skip_special_tokens, echo=sampling.echo,
+                                      skip_special_tokens=sampling.skip_special_tokens and not self.keep_special_tokens,
+                                      echo=sampling.echo,
                                       prompt_text=prompt_text,
                                       drop_output=sampling.max_tokens == 0, priority=sampling.priority,
                                       cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name,

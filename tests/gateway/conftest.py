@@ -118,3 +118,15 @@ def reply(fake_engine, tokenizer):
 def sent_prompt(gateway, tokenizer) -> str:
     """The text of the last prompt the fake engine received."""
     return tokenizer.decode(gateway.engine.requests[-1].prompt_token_ids, skip_special_tokens=False)
+
+
+def streamed_calls(chunks) -> list:
+    """The tool calls of streamed chat chunks (choice 0), assembled by index as a client does: the first delta of
+    a call brings its id and name, later ones pieces of its arguments."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for tc in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": "", "pieces": 0})
+            call["arguments"] += tc.function.arguments or ""
+            call["pieces"] += bool(tc.function.arguments)
+    return [calls[i] for i in sorted(calls)]

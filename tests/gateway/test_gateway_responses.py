@@ -28,7 +28,7 @@ async def test_create_text(gateway, tokenizer):
     assert r.output_text == REPLY_TEXT and r.output[0].type == "message" and r.output[0].role == "assistant"
     prompt_len = len(gateway.engine.requests[-1].prompt_token_ids)
     assert r.usage.input_tokens == prompt_len and r.usage.input_tokens_details.cached_tokens == 3
-    assert r.usage.output_tokens == len(gateway.engine.reply_ids) and r.store is False
+    assert r.usage.output_tokens == len(gateway.engine.reply_ids) and r.store is True
     assert r.instructions == "Be kind." and r.max_output_tokens == 100
     prompt = sent_prompt(gateway, tokenizer)
     assert "Be kind." in prompt and "Hi there" in prompt
@@ -108,35 +108,54 @@ async def test_parse_json_schema(gateway, reply):
 
 async def test_previous_response_id_chains_and_get_delete(gateway, tokenizer):
     c = gateway.openai()
-    first = await c.responses.create(model=SERVED_NAME, input="My name is Ada.", store=True)
-    second = await c.responses.create(model=SERVED_NAME, input="What is my name?", previous_response_id=first.id,
-                                      store=True)
+    first = await c.responses.create(model=SERVED_NAME, input="My name is Ada.")       # stored by default
+    second = await c.responses.create(model=SERVED_NAME, input="What is my name?", previous_response_id=first.id)
     prompt = sent_prompt(gateway, tokenizer)
     assert "My name is Ada." in prompt and REPLY_TEXT in prompt and "What is my name?" in prompt
-    assert second.previous_response_id == first.id
+    assert second.previous_response_id == first.id and second.store is True
     got = await c.responses.retrieve(second.id)
     assert got.id == second.id and got.output_text == REPLY_TEXT
     await c.responses.delete(second.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as caught:
         await c.responses.retrieve(second.id)
-    unstored = await c.responses.create(model=SERVED_NAME, input="Hi")
+    assert "was deleted" in caught.value.body["message"]
+    unstored = await c.responses.create(model=SERVED_NAME, input="Hi", store=False)
+    assert unstored.store is False
     with pytest.raises(openai.NotFoundError) as caught:
         await c.responses.create(model=SERVED_NAME, input="Again", previous_response_id=unstored.id)
     assert caught.value.body["param"] == "previous_response_id"
+    assert "'store': false" in caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as caught:
+        await c.responses.create(model=SERVED_NAME, input="Again", previous_response_id="resp_nope")
+    assert "never created by this gateway" in caught.value.body["message"]
 
 
-def test_store_evicts_oldest_and_expired():
+async def test_streamed_responses_are_stored_by_default(gateway):
+    c = gateway.openai()
+    async with c.responses.stream(model=SERVED_NAME, input="Hi") as stream:
+        final = await stream.get_final_response()
+    assert final.store is True and (await c.responses.retrieve(final.id)).output_text == REPLY_TEXT
+
+
+def _why_missing(store: ResponseStore, response_id: str) -> str:
+    with pytest.raises(APIError) as caught:
+        store.get(response_id, "previous_response_id")
+    assert caught.value.status == 404 and caught.value.param == "previous_response_id"
+    return caught.value.message
+
+
+def test_store_evicts_oldest_and_expired_and_says_so():
     now = [0.0]
-    store = ResponseStore(max_stored=2, ttl_s=10.0, clock=lambda: now[0])
+    store = ResponseStore(max_stored=2, ttl_s=10.0, clock=lambda: now[0], forgotten_kept=3)
     for name in ("a", "b", "c"):
         store.put({"id": name}, ())
-    with pytest.raises(APIError) as caught:
-        store.get("a")
-    assert caught.value.status == 404
+    assert "evicted" in _why_missing(store, "a") and "2 most recent" in _why_missing(store, "a")
     assert store.get("b").response == {"id": "b"}
     now[0] = 11.0
-    with pytest.raises(APIError):
-        store.get("c")
+    assert "expired" in _why_missing(store, "c") and "10 s" in _why_missing(store, "c")
+    store.not_stored("d")
+    assert "'store': false" in _why_missing(store, "d")
+    assert "never created" in _why_missing(store, "a")     # reasons are bounded too: the oldest is forgotten
 
 
 @pytest.mark.parametrize("body, param", [

@@ -9,9 +9,9 @@ import openai
 import pytest
 
 from steploop.gateway.text.chat_template import for_template
-from steploop.gateway.tool_parsers import ContentSplitter, get_tool_parser
-from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
-from tests.gateway.conftest import HERMES_CALL, SERVED_NAME, sent_prompt
+from steploop.gateway.tool_parsers import get_tool_parser
+from steploop.gateway.tool_parsers.tools import Tool, ToolRequest, parse_tools
+from tests.gateway.conftest import HERMES_CALL, SERVED_NAME, sent_prompt, streamed_calls
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -44,10 +44,10 @@ async def test_auto_call_streamed(gateway, reply):
                                                             stream=True)
     chunks = [c async for c in stream]
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or ()]
-    assert content.strip() == "Let me check." and "<tool" not in content
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id.startswith("call_")
-    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    calls = streamed_calls(chunks)
+    assert content == "Let me check." and "<tool" not in content
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_") and calls[0]["pieces"] > 1   # arguments stream
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -68,7 +68,7 @@ async def test_auto_plain_answer_stays_content(gateway, reply, stream):
 
 
 async def test_unparsable_call_is_returned_as_text(gateway, reply):
-    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    bad = '<tool_call>\n{"name": "launch", "arguments": {"city": \n</tool_call>'     # not a given tool
     reply(bad)
     r = await gateway.openai().chat.completions.create(model=SERVED_NAME, messages=ASK, tools=[WEATHER])
     assert r.choices[0].message.content == bad and not r.choices[0].message.tool_calls
@@ -76,6 +76,18 @@ async def test_unparsable_call_is_returned_as_text(gateway, reply):
     chunks = [c async for c in await gateway.openai().chat.completions.create(
         model=SERVED_NAME, messages=ASK, tools=[WEATHER], stream=True)]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == bad
+
+
+async def test_a_call_cut_short_keeps_its_arguments_as_far_as_written(gateway, reply):
+    """Once its name is known a call has begun (its arguments already stream), so malformed arguments end it where
+    they stop being JSON, as a call cut by max_tokens: the same streamed and whole."""
+    reply('<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>')
+    r = await gateway.openai().chat.completions.create(model=SERVED_NAME, messages=ASK, tools=[WEATHER])
+    [call] = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": ')
+    chunks = [c async for c in await gateway.openai().chat.completions.create(
+        model=SERVED_NAME, messages=ASK, tools=[WEATHER], stream=True)]
+    assert [(c["name"], c["arguments"]) for c in streamed_calls(chunks)] == [("get_weather", '{"city": ')]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -192,7 +204,8 @@ async def test_bad_tool_requests_are_400_naming_the_field(gateway, extra, param)
 
 
 def parse_hermes(text: str, names: set[str]):
-    return HERMES.parse(text, names, HERMES.new_call_id)
+    request = ToolRequest(tuple(Tool(n, "", {"type": "object"}) for n in sorted(names)), "auto", HERMES)
+    return request.parse(text)
 
 
 def test_hermes_parser_edge_cases():
@@ -207,14 +220,15 @@ def test_hermes_parser_edge_cases():
     assert ToolRequest((), "auto", HERMES).finish_reason([], "stop") == "stop"
 
 
-def test_content_splitter_holds_a_possible_tag_start():
-    s = ContentSplitter(HERMES)
-    assert [s.feed(d) for d in ["Hi <to", "ol_c", "all>", '{"x"', "}"]] == ["Hi ", "", "", "", ""]
-    assert s.in_calls and s.held() == '<tool_call>{"x"}'
-    s = ContentSplitter(HERMES)
-    assert s.feed("a <b") == "a <b" and s.feed(" <t") == " " and s.feed("able>") == "<table>" and s.held() == ""
-    s = ContentSplitter(HERMES)
-    assert s.feed("ends with <tool") == "ends with " and s.held() == "<tool"
+def test_streamed_content_holds_a_possible_tag_start():
+    s = parse_tools({"tools": [WEATHER]}, "", HERMES).splitter()
+    assert [s.feed(d) for d in ["Hi <to", "ol_c", "all>", '{"x"', "}"]] == [[{"content": "Hi"}], [], [], [], []]
+    assert s.finish() == [{"content": ' <tool_call>{"x"}'}]              # not a call after all: content
+    s = parse_tools({"tools": [WEATHER]}, "", HERMES).splitter()
+    assert s.feed("a <b") == [{"content": "a <b"}] and s.feed(" <t") == [] and s.feed("able>") == [
+        {"content": " <table>"}]
+    s = parse_tools({"tools": [WEATHER]}, "", HERMES).splitter()
+    assert s.feed("ends with <tool") == [{"content": "ends with"}] and s.finish() == [{"content": " <tool"}]
 
 
 def test_templates_that_know_tools_get_them_as_hf_expects():

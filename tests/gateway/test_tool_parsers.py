@@ -1,5 +1,5 @@
-"""Each --tool-call-parser format on its own: whole replies, the same replies streamed in small deltas (content
-until the format's marker, calls at the end), and malformed output staying content."""
+"""Each --tool-call-parser format on its own: markers held back while streaming, call ids, how each format is taught
+to templates without tools (their replies, whole and streamed, are the conformance suite's)."""
 
 from __future__ import annotations
 
@@ -11,105 +11,27 @@ import pytest
 
 from steploop.gateway.config import GatewayConfig
 from steploop.gateway.text.chat_template import for_template
-from steploop.gateway.tool_parsers import TOOL_PARSERS, ContentSplitter, get_tool_parser
+from steploop.gateway.tool_parsers import CallSplitter, get_tool_parser
+from steploop.gateway.tool_parsers.json_text import JsonNormalizer, normalized
 from steploop.gateway.tool_parsers.tools import parse_tools
 
-NAMES = {"get_weather", "get_time"}
+SCHEMAS = {"get_weather": {"type": "object"}, "get_time": {"type": "object"}}
 PARIS = {"city": "Paris"}
 
-# (parser, reply, expected content, expected calls as (name, arguments))
-WHOLE = [
-    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     "Sure.", [("get_weather", PARIS)]),
-    ("hermes", ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", '
-               '"arguments": {"city": "Paris"}}</tool_call>'), None, [("get_time", {}), ("get_weather", PARIS)]),
-    ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-     "Checking.", [("get_weather", PARIS)]),
-    ("mistral", ('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
-                '{"city": "Paris"}}]'), None, [("get_time", {}), ("get_weather", PARIS)]),
-    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_time{}',     # v11+ tokenizers' spelling
-     None, [("get_weather", PARIS), ("get_time", {})]),
-    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [("get_weather", PARIS)]),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", PARIS)]),
-    ("llama3_json", ('<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", '
-                    '"arguments": {"city": "Paris"}}'), None, [("get_time", {}), ("get_weather", PARIS)]),
-    ("llama3_json", ' \n{"name": "get_time", "parameters": {}};', None, [("get_time", {})]),
-    ("llama3_json", 'Let me look.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
-     "Let me look.", [("get_weather", PARIS)]),
-]
 
-# Replies that must come back as content, whole and streamed.
-MALFORMED = [
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'),
-    ("hermes", '<tool_call>{"name": "launch", "arguments": {}}</tool_call>'),            # not a given tool
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Par'),       # cut short
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": "not an object"}]'),
-    ("mistral", '[TOOL_CALLS]'),
-    ("mistral", 'I would call [TOOL_CALLS] here, but no.'),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}} and some prose'),
-    ("llama3_json", '{"answer": 42}'),                                                   # JSON, but not a call
-    ("llama3_json", '{"name": "get_weather", "parameters": {"ci'),
-    ("llama3_json", '<|python_tag|>print("hi")'),                                         # Llama's code tool
-]
-
-PLAIN = ["It is sunny in Paris.", "Use <b>bold</b> or [brackets] {like this} freely.", "ends on a brace {", ""]
-
-
-def new_ids():
-    counter = iter(range(1000))
-    return lambda: f"id{next(counter)}"
-
-
-def streamed(parser_name: str, text: str, step: int = 3) -> tuple[str, str, bool]:
-    """Feeds `text` in deltas of `step` characters: (content sent while streaming, held at the end, in_calls)."""
-    splitter = ContentSplitter(get_tool_parser(parser_name))
-    sent = "".join(splitter.feed(text[i:i + step]) for i in range(0, len(text), step))
-    return sent, splitter.held(), splitter.in_calls
-
-
-@pytest.mark.parametrize("name, text, content, calls", WHOLE)
-def test_whole_replies(name, text, content, calls):
-    got_content, got = get_tool_parser(name).parse(text, NAMES, new_ids())
-    assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    assert [c.id for c in got] == [f"id{i}" for i in range(len(calls))]
-
-
-@pytest.mark.parametrize("step", [1, 2, 7])
-@pytest.mark.parametrize("name, text, content, calls", WHOLE)
-def test_streamed_content_stops_at_the_marker(name, text, content, calls, step):
-    sent, held, in_calls = streamed(name, text, step)
-    assert in_calls and sent + held == text
-    assert sent.strip() == (content or "")       # no part of the marker or the calls leaked out as content
-    _, got = get_tool_parser(name).parse(sent + held, NAMES, new_ids())
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-
-
-@pytest.mark.parametrize("name, text", MALFORMED)
-def test_malformed_calls_stay_content(name, text):
-    assert get_tool_parser(name).parse(text, NAMES, new_ids()) == (text, [])
-    sent, held, _ = streamed(name, text)
-    assert sent + held == text                   # streamed: the held part goes out as content at the end
-
-
-@pytest.mark.parametrize("text", PLAIN)
-@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
-def test_plain_replies_stream_as_they_come(name, text):
-    assert get_tool_parser(name).parse(text, NAMES, new_ids()) == (text, [])
-    sent, held, in_calls = streamed(name, text)
-    assert not in_calls and sent + held == text
-    assert held == ""
+def feeds(parser_name: str, deltas: list[str]) -> list[list[dict]]:
+    splitter = CallSplitter(get_tool_parser(parser_name), SCHEMAS, lambda: "id")
+    return [splitter.feed(d) for d in deltas] + [splitter.finish()]
 
 
 def test_a_possible_marker_start_waits_for_the_next_delta():
-    splitter = ContentSplitter(get_tool_parser("mistral"))
-    assert splitter.feed("Hi [TOOL") == "Hi " and splitter.feed("_CALLS]") == "" and splitter.in_calls
-    splitter = ContentSplitter(get_tool_parser("mistral"))
-    assert splitter.feed("a [TO") == "a " and splitter.feed("P]") == "[TOP]"
-    splitter = ContentSplitter(get_tool_parser("llama3_json"))
-    assert splitter.feed("  \n") == "" and splitter.feed('{"name"') == "" and splitter.in_calls
-    splitter = ContentSplitter(get_tool_parser("llama3_json"))
-    assert splitter.feed(" Hi <|python") == " Hi " and splitter.feed("_tag|>{") == "" and splitter.in_calls
+    call = {"tool_calls": [{"index": 0, "id": "id", "type": "function",
+                            "function": {"name": "get_time", "arguments": ""}}]}
+    assert feeds("mistral", ["Hi [TOOL", "_CALLS]", 'get_time{}']) == [
+        [{"content": "Hi"}], [], [call, {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}], []]
+    assert feeds("mistral", ["a [TO", "P]"]) == [[{"content": "a"}], [{"content": " [TOP]"}], []]
+    assert feeds("llama3_json", ["  \n", '{"name"', ': "get_time"'])[:2] == [[], []]
+    assert feeds("llama3_json", [" Hi <|python", "_tag|>{"])[:2] == [[{"content": " Hi"}], []]
 
 
 def test_mistral_call_ids_are_what_its_templates_accept():
@@ -158,8 +80,9 @@ def test_native_mistral_templates_get_matching_nine_character_ids():
 
 def test_the_flag_names_a_known_parser():
     assert GatewayConfig().tool_call_parser == "hermes"
-    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, mistral, llama3_json"):
-        GatewayConfig(tool_call_parser="pythonic")
+    with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, mistral, llama3_json, "
+                                         "qwen3_coder, pythonic, deepseek_v3, kimi_k2, glm45, granite, openai"):
+        GatewayConfig(tool_call_parser="xlam")
     with pytest.raises(ValueError, match="llama3_json"):
         get_tool_parser("nope")
 
@@ -172,3 +95,22 @@ def test_the_tokenizer_imports_no_tool_code():
     loaded = out.stdout.split()
     assert "steploop.gateway.text.tokenizer" in loaded
     assert not [m for m in loaded if "tool" in m or "chat_template" in m], loaded
+
+
+@pytest.mark.parametrize("raw", [
+    '{"city": "Paris"}', '{ "a" :1.50,"b":[1,2 , {"c":null}],"d":true, "e":"x\\"y\\n\\u00e9\\ud83d\\ude80z"}',
+    "{}", "[]", '{"a": []}', '{"n": -0.5e3, "m": 12, "big": 12345678901234567890}', '"str"', "42"])
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_arguments_are_written_as_json_dumps_writes_them_however_they_arrive(raw, step):
+    norm, out = JsonNormalizer(), ""
+    for i in range(0, len(raw), step):
+        out += norm.feed_to(raw[:i + step])
+    assert out + norm.finish() == json.dumps(json.loads(raw), ensure_ascii=False)
+
+
+def test_arguments_stop_where_they_stop_being_json():
+    assert normalized('{"a": 1.') == '{"a": ' and normalized('{"a": "x') == '{"a": "x'
+    assert normalized('{"a" 1}') == '{"a"' and normalized('{"k": "\\ud800x"}') == '{"k": "\\ud800x"}'
+    norm = JsonNormalizer()
+    assert norm.feed_to('{"n": 12') == '{"n": ' and norm.feed_to('{"n": 123') == ""   # a number waits for its end
+    assert norm.feed_to('{"n": 123}') == "123}"

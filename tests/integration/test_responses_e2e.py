@@ -45,10 +45,9 @@ def test_create_and_stream_equal_chat_completions(cluster):
 
 def test_previous_response_id_equals_the_whole_conversation(cluster):
     c = client(cluster)
-    first = c.responses.create(model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=MAX_TOKENS,
-                               store=True)
+    first = c.responses.create(model=MODEL, input="My name is Ada.", temperature=0, max_output_tokens=MAX_TOKENS)   # stored by default
     second = c.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
-                                temperature=0, max_output_tokens=MAX_TOKENS, store=True)
+                                temperature=0, max_output_tokens=MAX_TOKENS)
     assert second.output_text == chat_text(cluster, [
         {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "What is my name?"}])

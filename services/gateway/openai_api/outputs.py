@@ -12,7 +12,7 @@ from steploop.gateway.openai_api import responses
 from steploop.gateway.openai_api.responses import Meta
 from steploop.gateway.text.generation import TextEvent, total_usage
 from steploop.gateway.text.logprobs import TokenInfo, chat_logprobs, completion_logprobs
-from steploop.gateway.tool_parsers import ContentSplitter, ToolCall
+from steploop.gateway.tool_parsers import ToolCall
 from steploop.gateway.tool_parsers.tools import ToolRequest
 
 
@@ -123,21 +123,22 @@ async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Seq
 class ToolCallStream:
     """One streamed choice of a request that may call tools: (delta, finish_reason, token infos) to send per event.
 
-    auto: content streams until the tool-call format's start marker; the rest is held and parsed at the end (calls,
-    or the held text as content if it does not parse). A named function: its arguments stream as they are written (the
-    grammar keeps them valid JSON). required: the JSON array is parsed at the end. Token logprobs ride on the next
-    delta sent."""
+    auto: the format's CallSplitter turns the reply into content deltas and calls as OpenAI streams them (a first
+    delta with index, id, type and name, then the arguments in pieces as they are written). A named function: its
+    arguments stream as they are written (the grammar keeps them valid JSON). required: the JSON array is parsed at
+    the end. Token logprobs ride on the next delta sent."""
 
     def __init__(self, tools: ToolRequest) -> None:
         self.tools = tools
-        self.splitter = ContentSplitter(tools.parser)   # keeps the whole reply; its content split is auto's
+        self.splitter = tools.splitter() if tools.choice == "auto" else None
+        self.text = ""                                  # required: the whole reply, parsed at its end
         self.pending: list[TokenInfo] = []
         self.named_call = ToolCall(tools.parser.new_call_id(), tools.named, "") if tools.choice == "named" else None
         self.named_started = False
 
     def feed(self, event: TextEvent) -> list[tuple[dict[str, Any], str | None, list[TokenInfo]]]:
         self.pending.extend(event.logprobs or ())
-        out = []
+        out: list[tuple[dict[str, Any], str | None, list[TokenInfo]]] = []
         if self.named_call is not None:
             if not self.named_started:
                 self.named_started = True
@@ -148,18 +149,23 @@ class ToolCallStream:
             if event.finish_reason:
                 out.append(({}, event.finish_reason, self._take()))
             return out
-        auto = self.tools.choice == "auto"
-        content = self.splitter.feed(event.text)
-        if content and auto:
-            out.append(({"content": content}, None, self._take()))
+        if self.splitter is not None:
+            deltas = self.splitter.feed(event.text)
+            if event.finish_reason:
+                deltas += self.splitter.finish()
+            out += [(delta, None, self._take()) for delta in deltas]
+            if event.finish_reason:
+                _, calls = self.splitter.result()
+                out.append(({}, self.tools.finish_reason(calls, event.finish_reason), self._take()))
+            return out
+        self.text += event.text
         if event.finish_reason:
-            _, calls = self.tools.parse(self.splitter.text)
+            _, calls = self.tools.parse(self.text)
             if calls:
                 out.append(self._calls_delta(calls))
                 out.append(({}, self.tools.finish_reason(calls, event.finish_reason), self._take()))
             else:
-                rest = self.splitter.held() if auto else self.splitter.text
-                out.append(({"content": rest} if rest else {}, event.finish_reason, self._take()))
+                out.append(({"content": self.text} if self.text else {}, event.finish_reason, self._take()))
         return out
 
     def _calls_delta(self, calls: list[ToolCall]) -> tuple[dict[str, Any], None, list[TokenInfo]]:

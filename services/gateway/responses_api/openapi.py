@@ -33,7 +33,7 @@ RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
     "top_k": {"type": "integer", "minimum": -1},
     "seed": {"type": "integer", "minimum": 0},
     "stream": {"type": "boolean"},
-    "store": {"type": "boolean", "default": False},
+    "store": {"type": "boolean", "default": True},
     "previous_response_id": {"type": "string"},
     "tools": {"type": "array", "items": _TOOL},
     "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},

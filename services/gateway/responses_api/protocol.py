@@ -4,7 +4,7 @@
                         output_text parts}, with or without "type": "message"), function_call, function_call_output;
                         reasoning items of earlier turns are dropped
     instructions        a system message before the input (not carried over by previous_response_id, as OpenAI)
-    max_output_tokens, temperature, top_p, top_k (vLLM's extra), stream, store (default false here: see store.py),
+    max_output_tokens, temperature, top_p, top_k (vLLM's extra), stream, store (default true, as OpenAI's: see store.py),
     previous_response_id, tools (function tools), tool_choice, parallel_tool_calls, text.format (text /
     json_object / json_schema), cache_salt (vLLM's extra); metadata and user are kept on the response.
 Built-in tools (web search, file search, computer use), images and files are refused with a 400 naming the field.
@@ -170,4 +170,4 @@ def parse_responses(body: Any, parser: ToolParser, defaults: GenerationDefaults 
             "parallel_tool_calls": v.get_bool(body, "parallel_tool_calls", True),
             "metadata": v.get_object(body, "metadata"), "user": v.get_str(body, "user")}
     return ResponsesRequest(v.get_str(body, "model"), tuple(items), instructions, sampling, tools,
-                            v.get_str(body, "previous_response_id"), v.get_bool(body, "store", False), echo)
+                            v.get_str(body, "previous_response_id"), v.get_bool(body, "store", True), echo)

@@ -1,6 +1,6 @@
 """The Responses handlers: parse, prepend the stored conversation of previous_response_id, render with the chat
 template (as chat completions do, so the same conversation is the same prompt), run through Serving, shape, and
-store the response when asked (`store: true`)."""
+store the response (`store` defaults to true, as OpenAI's)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     def on_done(response: dict[str, Any]) -> None:
         if req.store:
             _remember(store, conversation, response)
+        else:
+            store.not_stored(response["id"])
 
     if req.sampling.stream:
         return await stream_typed_sse(request, outputs.response_events(meta, events, req.tools, on_done), error_event)

@@ -11,23 +11,21 @@ Text before the first tag is the content; the last call may lack its closing tag
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
-from steploop.gateway.tool_parsers.base import ToolParser, listing, loads
+from steploop.gateway.tool_parsers import json_text
+from steploop.gateway.tool_parsers.base import Block, Schemas, ToolParser, held_prefix, listing, read_json_call
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class HermesParser(ToolParser):
     name = "hermes"
-    start = CALL_OPEN
+    markers = (CALL_OPEN, CALL_CLOSE)
 
-    def call_values(self, calls_text: str) -> list[Any] | None:
-        # One unreadable call (None here) makes the whole reply text, as vLLM does.
-        return [loads(match.group(1)) for match in _CALL_RE.finditer(calls_text)]
+    def read_block(self, text: str, start: int, final: bool, tools: Schemas) -> Block:
+        return read_tagged_json(text, start + len(CALL_OPEN), CALL_CLOSE, final, tools)
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou may call one or more functions to answer the user. The functions you can call are "
@@ -40,3 +38,21 @@ class HermesParser(ToolParser):
 
     def render_result(self, content: str) -> str:
         return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def read_tagged_json(text: str, pos: int, close: str, final: bool, tools: Schemas) -> Block:
+    """A {"name", "arguments"} object at `pos`, then `close` (which a reply may end without)."""
+    state, call, end = read_json_call(text, pos, tools)
+    if state == "content":
+        found = text.find(close, pos)
+        return Block("content", found + len(close) if found >= 0 else None)
+    if state == "pending" or call is None:
+        return Block("pending")
+    if end is None:
+        return Block("calls", None, [call])
+    after = json_text.skip_space(text, end)
+    if text.startswith(close, after):
+        return Block("calls", after + len(close), [call])
+    if held_prefix(text, after, close) and not final:
+        return Block("calls", None, [call])     # the close tag is arriving: nothing after the call is known yet
+    return Block("calls", end, [call])

@@ -17,21 +17,28 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from steploop.gateway.tool_parsers.base import ToolParser, listing
+from steploop.gateway.tool_parsers import json_text
+from steploop.gateway.tool_parsers.base import Block, CallText, Schemas, ToolParser, listing
+from steploop.gateway.tool_parsers.json_calls import read_call_list
 
-TOOL_CALLS = "[TOOL_CALLS]"
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _ALPHANUMERIC = string.ascii_letters + string.digits
-_NAMED_CALL_RE = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})(?:\[ARGS\])?(\{.*\})\s*$", re.DOTALL)
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ID_LENGTH = 9
 
 
 class MistralParser(ToolParser):
     name = "mistral"
-    start = TOOL_CALLS
+    markers = (TOOL_CALLS,)
     needs_special_tokens = True
 
-    def call_values(self, calls_text: str) -> list[Any] | None:
-        return _call_values(calls_text.split(TOOL_CALLS)[1:])
+    def read_block(self, text: str, start: int, final: bool, tools: Schemas) -> Block:
+        pos = json_text.skip_space(text, start + len(TOOL_CALLS))
+        if pos >= len(text):
+            return Block("pending")
+        if text[pos] in "[{":
+            return read_call_list(text, pos, final, tools, open_="[" if text[pos] == "[" else "")
+        return _read_named(text, pos, tools)
 
     def instructions(self, tools: Sequence[dict[str, Any]]) -> str:
         return ("# Tools\n\nYou may call one or more functions to answer the user. The functions you can call, in "
@@ -54,20 +61,21 @@ class MistralParser(ToolParser):
         return kept.rjust(_ID_LENGTH, "0")
 
 
-def _call_values(parts: list[str]) -> list[Any] | None:
-    """The text after each marker as call objects: a JSON array (or one object) of {"name", "arguments"}, or
-    `name{arguments}`; None if any part is neither."""
-    values: list[Any] = []
-    for part in parts:
-        try:
-            value = json.loads(part)
-        except ValueError:
-            named = _NAMED_CALL_RE.match(part)
-            if named is None:
-                return None
-            try:
-                value = {"name": named.group(1), "arguments": json.loads(named.group(2))}
-            except ValueError:
-                return None
-        values.extend(value if isinstance(value, list) else [value])
-    return values
+def _read_named(text: str, pos: int, tools: Schemas) -> Block:
+    """v11+: `name{arguments}` or `name[ARGS]{arguments}`."""
+    match = _NAME_RE.match(text, pos)
+    if match is None:
+        return Block("content", pos)
+    args = match.end()
+    if text.startswith(ARGS, args):
+        args += len(ARGS)
+    elif ARGS.startswith(text[args:]) and args < len(text) or args == len(text):
+        return Block("pending")                  # the name, or [ARGS], may still be growing
+    args = json_text.skip_space(text, args)
+    if args >= len(text):
+        return Block("pending")
+    if text[args] != "{" or match.group() not in tools:
+        return Block("content", args)
+    end = json_text.value_end(text, args)
+    call = CallText(match.group(), text[args:end if end is not None else len(text)], end is not None)
+    return Block("calls", end, [call])

@@ -21,7 +21,8 @@ from typing import Any
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
 from steploop.gateway.tool_parsers import ToolCall, ToolParser
-from steploop.gateway.tool_parsers.base import NewId, calls_from_values, loads
+from steploop.gateway.tool_parsers.base import NewId, Schemas, loads
+from steploop.gateway.tool_parsers.stream import CallSplitter, split_whole
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -78,8 +79,20 @@ class ToolRequest:
         if self.choice == "required":
             calls = _calls_from_json(text, names, new_id)
             return (None, calls) if calls else (text, [])
-        content, calls = self.parser.parse(text, names, new_id)
-        return content, calls if self.parallel else calls[:1]
+        content, calls = split_whole(self.parser, text, self.schemas, new_id, self.max_calls)
+        return (content, calls) if calls else (content or "", [])
+
+    @property
+    def schemas(self) -> Schemas:
+        return {t.name: t.parameters for t in self.tools}
+
+    @property
+    def max_calls(self) -> int | None:
+        return None if self.parallel else 1
+
+    def splitter(self) -> CallSplitter:
+        """The streaming reader of an "auto" reply (the same reader `parse` uses whole)."""
+        return CallSplitter(self.parser, self.schemas, self.parser.new_call_id, self.max_calls)
 
 
 def _rebase_refs(node: Any, base: str) -> Any:
@@ -164,6 +177,24 @@ def _parse_tool(tool: Any, i: int) -> Tool:
 
 
 # ---- a forced reply ---------------------------------------------------------------------------------------
+
+def _call_from_object(value: Any, names: set[str], new_id: NewId) -> ToolCall | None:
+    """{"name": one of `names`, "arguments": an object or its JSON text} -> a call."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = loads(arguments) if arguments.strip() else {}
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def calls_from_values(values: Any, names: set[str], new_id: NewId) -> list[ToolCall]:
+    """All of `values` as calls, or [] if any one is not a call to a known function (the reply is then text)."""
+    calls = [_call_from_object(value, names, new_id) for value in values]
+    return [] if not calls or None in calls else calls  # type: ignore[return-value]
+
 
 def _calls_from_json(text: str, names: set[str], new_id: NewId) -> list[ToolCall]:
     """A forced reply: a JSON array of calls. One cut short by max_tokens keeps the calls it wrote whole, then the
