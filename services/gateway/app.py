@@ -2,7 +2,7 @@
 
 Middlewares, outermost first: errors (every failure leaves as OpenAI's error shape, never a traceback), drain
 (503 once shutting down; counts requests in flight), auth (Bearer key on /v1 routes, constant-time compare),
-then the handlers in routes.py.
+admin auth (the admin key on the engine control routes, admin_auth.py), then the handlers in routes.py.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from aiohttp import web
 
 from steploop.common import model_path
 from steploop.gateway import metrics as gateway_metrics
+from steploop.gateway.admin_auth import admin_middleware
 from steploop.gateway.app_keys import (
     CHAT_TEMPLATE,
     DRAIN,
     HEALTH,
     MAX_BODY,
+    PAUSE_GATE,
     REASONING_PARSER,
     RESPONSE_STORE,
     SERVING,
@@ -26,12 +28,13 @@ from steploop.gateway.app_keys import (
 )
 from steploop.gateway.config import GatewayConfig
 from steploop.gateway.drain import Drain
-from steploop.gateway.endpoints import routes
+from steploop.gateway.endpoints import control_routes, routes
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError, internal_error
 from steploop.gateway.health import HealthProbe
 from steploop.gateway.messages_api import errors as anthropic_errors
 from steploop.gateway.model_state import ModelState
+from steploop.gateway.pause_gate import PauseGate
 from steploop.gateway.responses_api.store import ResponseStore
 from steploop.gateway.routing import route_header
 from steploop.gateway.serving import Serving
@@ -108,12 +111,15 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     middlewares = [error_middleware, drain.middleware, route_header.middleware]   # route: x-steploop-replica
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
+    if config.admin_api_key:
+        middlewares.append(admin_middleware(config.admin_api_key, config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_body_bytes)
     app.on_response_prepare.append(route_header.on_prepare)
     path = model_path.model_dir_for(config.model)
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
-    app[SERVING] = Serving(engine_client, tokenizer, model, config.lora)
+    app[PAUSE_GATE] = gate = PauseGate(config.paused_request_timeout)
+    app[SERVING] = Serving(engine_client, tokenizer, model, config.lora, gate)
     app[TOOL_PARSER] = tool_parser = get_tool_parser(config.tool_call_parser)
     app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
     app[HEALTH] = HealthProbe(engine_client, drain)
@@ -122,6 +128,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     app[RESPONSE_STORE] = ResponseStore()
     app[REASONING_PARSER] = get_reasoning_parser(config.reasoning_parser)
     routes.add_routes(app)
+    control_routes.add_routes(app, enabled=bool(config.admin_api_key))   # the admin routes, only with a key
     gateway_metrics.install(app, engine_client, model)   # /metrics, HTTP metrics, the request's span
 
     async def fetch_model_info(_: web.Application) -> None:

@@ -15,6 +15,7 @@ from steploop.gateway.text.reasoning import REASONING_PARSERS, get_reasoning_par
 from steploop.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_PAUSED_REQUEST_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class GatewayConfig:
     kv_events_routing: bool = True            # route by replicas' KV events where they publish them (kv_index.py)
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # times one request may move to another replica (migration.py)
     lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora, --allow-runtime-lora-updating (routes)
+    admin_api_key: str | None = None          # set: the engine control routes exist and need this key (admin_auth.py)
+    paused_request_timeout: float = DEFAULT_PAUSED_REQUEST_TIMEOUT   # s a new request waits for /resume; 0: 503
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -51,6 +54,11 @@ class GatewayConfig:
                              f"got {self.scheduler_discovery_interval}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0 (0: off), got {self.max_migrations}")
+        if self.paused_request_timeout < 0:
+            raise ValueError(f"--paused-request-timeout must be >= 0 seconds (0: 503 at once), "
+                             f"got {self.paused_request_timeout}")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("--admin-api-key must differ from --api-key (a user key must not control the engine)")
         get_reasoning_parser(self.reasoning_parser)   # an unknown name fails at start, listing the known ones
         addresses = self.scheduler_addresses   # any gRPC target: host:port, [::1]:port, unix:path, dns:///...
         if self.scheduler_discovery_interval > 0 and any(
@@ -75,7 +83,8 @@ class GatewayConfig:
                    tool_call_parser=args.tool_call_parser,
                    scheduler_discovery_interval=args.scheduler_discovery_interval,
                    reasoning_parser=args.reasoning_parser or None, kv_events_routing=args.kv_events_routing,
-                   max_migrations=args.max_migrations, lora=LoraConfig.from_args(args))
+                   max_migrations=args.max_migrations, lora=LoraConfig.from_args(args),
+                   admin_api_key=args.admin_api_key or None, paused_request_timeout=args.paused_request_timeout)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -92,6 +101,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # Not via add_flag: its help text prints the default, and this default is a secret.
     parser.add_argument("--api-key", default=os.environ.get(envs.env_name("--api-key")),
                         help=f"require `Authorization: Bearer <key>` on /v1 routes (env {envs.env_name('--api-key')})")
+    parser.add_argument("--admin-api-key", default=os.environ.get(envs.env_name("--admin-api-key")),
+                        help="turn on the engine control routes (/pause, /resume, /is_paused, "
+                             "/update_weights_from_disk, /get_weight_version) and require `Authorization: Bearer "
+                             f"<key>` on them; the --api-key gets 403 there (env {envs.env_name('--admin-api-key')})")
+    envs.add_flag(parser, "--paused-request-timeout", type=float, default=d.paused_request_timeout,
+                  help="while the engine is paused (POST /pause), a new generation request waits this many seconds "
+                       "for POST /resume, then gets 503; 0: 503 at once")
     envs.add_flag(parser, "--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                   help="larger request bodies are refused with 413")
     envs.add_flag(parser, "--shutdown-timeout", type=float, default=d.shutdown_timeout,

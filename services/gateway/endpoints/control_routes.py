@@ -1,0 +1,106 @@
+"""Engine control for training loops (vLLM's and SGLang's RL routes), behind the admin key (admin_auth.py) and
+registered only when --admin-api-key is set. Each acts on every scheduler replica the gateway routes to.
+
+    POST /pause?mode=abort|wait|keep   abort: live requests end (finish_reason "abort"); wait: they run to their
+                                       end first (the call returns then); keep: running ones are preempted and
+                                       recomputed on resume, the prefix cache is cleared. New requests wait at the
+                                       gateway (--paused-request-timeout) and in the scheduler until /resume.
+    POST /resume                       -> {"paused": false}
+    GET  /is_paused                    -> {"is_paused": bool}
+    POST /update_weights_from_disk     {"model_path": folder, "weight_version": optional str}: every worker rank
+                                       loads it between steps (all ranks or none), the prefix cache is cleared;
+                                       -> {"success", "message", "weight_version"}; a checkpoint of another shape
+                                       is a 400 and the old weights keep serving
+    GET  /get_weight_version           -> {"weight_version": str}
+
+Generation responses carry `x-steploop-weight-version` once the gateway knows the served version (after an update
+or a /get_weight_version through it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from steploop.common.engine_control import PAUSE_MODES, ControlState
+from steploop.gateway.app_keys import PAUSE_GATE, SERVING
+from steploop.gateway.errors import APIError, bad_request
+from steploop.gateway.http_io import validation as v
+from steploop.gateway.http_io.request_body import read_json
+
+logger = logging.getLogger(__name__)
+WEIGHT_VERSION_HEADER = "x-steploop-weight-version"
+
+
+def _state_body(state: ControlState) -> dict:
+    return {"paused": state.paused, "weight_version": state.weight_version, "num_aborted": state.num_aborted,
+            "num_preempted": state.num_preempted}
+
+
+async def pause(request: web.Request) -> web.Response:
+    mode = request.query.get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        raise bad_request(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+    gate = request.app[PAUSE_GATE]
+    gate.close()                       # new requests wait from now on, while the engine aborts/drains/preempts
+    try:
+        state = await request.app[SERVING].engine.pause(mode)
+    except APIError:
+        gate.open()                    # the engine did not pause: do not hold requests for nothing
+        raise
+    logger.info("engine paused (mode %s): %d aborted, %d preempted", mode, state.num_aborted, state.num_preempted)
+    return web.json_response({**_state_body(state), "mode": mode})
+
+
+async def resume(request: web.Request) -> web.Response:
+    state = await request.app[SERVING].engine.resume()
+    request.app[PAUSE_GATE].open()
+    logger.info("engine resumed")
+    return web.json_response(_state_body(state))
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    state = await request.app[SERVING].engine.control_state()
+    return web.json_response({"is_paused": state.paused})
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    body = v.require_object(await read_json(request))
+    path = v.get_str(body, "model_path")
+    if not path:
+        raise bad_request("'model_path' (a checkpoint folder the workers can read) is required", param="model_path",
+                          code="missing_required_parameter")
+    version = v.get_str(body, "weight_version") or ""
+    serving = request.app[SERVING]
+    state = await serving.engine.update_weights_from_disk(path, version)
+    serving.model.weight_version = state.weight_version
+    logger.info("weights updated from %s: version %s (%d running requests preempted)", path, state.weight_version,
+                state.num_preempted)
+    return web.json_response({"success": True, "message": f"weights loaded from {path}",
+                              "weight_version": state.weight_version, "num_preempted": state.num_preempted})
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    serving = request.app[SERVING]
+    state = await serving.engine.control_state()
+    serving.model.weight_version = state.weight_version
+    return web.json_response({"weight_version": state.weight_version})
+
+
+async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Generation responses say which weights served them (as far as this gateway knows)."""
+    version = request.app[SERVING].model.weight_version
+    if version is not None and request.path.startswith("/v1/"):
+        response.headers[WEIGHT_VERSION_HEADER] = version
+
+
+def add_routes(app: web.Application, enabled: bool) -> None:
+    if not enabled:
+        return
+    app.router.add_post("/pause", pause)
+    app.router.add_post("/resume", resume)
+    app.router.add_get("/is_paused", is_paused)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_get("/get_weight_version", get_weight_version)
+    app.on_response_prepare.append(on_prepare)
