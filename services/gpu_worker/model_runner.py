@@ -44,6 +44,7 @@ from steploop.gpu_worker.step_inputs import (
     prepare_step_inputs,
 )
 from steploop.gpu_worker.structured_output import StructuredOutput
+from steploop.gpu_worker.weight_update import WeightUpdater
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class ModelRunner:
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
         self.lora = lora                 # --enable-lora: adapters per request (lora/manager.py)
         self.threads: ThreadGovernor | None = None   # CPU: each step's thread count from measured step times
+        self.weights: WeightUpdater | None = None   # /update_weights_from_disk (weight_update.py); from_config sets it
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -121,11 +123,15 @@ class ModelRunner:
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
         runner.threads = make_thread_governor(config, device, plan)
+        runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
+                                                                       rank.share, rank.comm), cfg)
         return runner
 
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
         self.batch.reset()
+        if self.weights is not None:
+            self.weights.drop()
         if self.lora is not None:
             self.lora.reset()
 

@@ -1,0 +1,97 @@
+"""An RL-style loop through the real cluster (scheduler, worker, gateway processes): generate, pause, update the
+weights from a second checkpoint on disk, resume, generate again: each output equals transformers on the weights
+served at the time. Checkpoints of another architecture, or with a tensor of another shape, are refused with a
+400 and the weights before keep serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+
+import pytest
+import torch
+
+from tests.integration.cluster import Cluster
+from tests.worker.family_models import TOKENIZER_FILES, load_oracle
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "admin-key"
+NAME = "tiny"
+MAX_TOKENS = 8
+SHAPE = {"vocab_size": 49152, "max_position_embeddings": 256, "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2}
+
+
+def _checkpoint(out, tokenizer_dir, seed: int, **changes):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, **changes})).to(torch.float32)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def _greedy(hf_model, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _admin(cluster: Cluster, path: str, body=None) -> tuple[int, dict]:
+    return cluster.post(path, body or {}, headers={"Authorization": f"Bearer {ADMIN}"})
+
+
+def _generate(cluster: Cluster, prompt: list[int]) -> tuple[list[int], str]:
+    req = urllib.request.Request(cluster.base_url + "/v1/completions", method="POST",
+                                 data=json.dumps({"model": NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                  "temperature": 0, "logprobs": 0, "ignore_eos": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        body = json.loads(resp.read())
+        version = resp.headers.get("x-steploop-weight-version", "")
+    return body["choices"][0]["logprobs"]["tokens"], version
+
+
+def test_update_weights_from_disk_serves_the_new_checkpoint(tmp_path_factory, model_dir):
+    from transformers import AutoTokenizer
+    root = tmp_path_factory.mktemp("ckpts")
+    first = _checkpoint(root / "step-0", model_dir, seed=0)
+    second = _checkpoint(root / "step-1", model_dir, seed=1)
+    other = _checkpoint(root / "wider", model_dir, seed=2, intermediate_size=192)
+    bad_tensor = root / "bad-tensor"          # the served config.json, a tensor of another shape
+    shutil.copytree(other, bad_tensor)
+    shutil.copy(first / "config.json", bad_tensor / "config.json")
+    tok = AutoTokenizer.from_pretrained(first)
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"),
+                      worker_args=["--model", str(first), "--device", "cpu", "--max-model-len", "256"],
+                      gateway_args=["--model", str(first), "--served-model-name", NAME, "--admin-api-key", ADMIN],
+                      num_kv_blocks=64).start()
+    try:
+        prompt = torch.randint(3, 49152, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+        decode = lambda ids: [tok.decode([t]) for t in ids]     # the API's logprobs tokens, one text each
+        want_first = decode(_greedy(load_oracle(first), prompt))
+        assert _generate(cluster, prompt)[0] == want_first
+        assert _admin(cluster, "/pause?mode=keep")[0] == 200
+        status, body = _admin(cluster, "/update_weights_from_disk", {"model_path": str(second),
+                                                                     "weight_version": "step-1"})
+        assert status == 200 and body["weight_version"] == "step-1", body
+        assert _admin(cluster, "/resume")[0] == 200
+        want_second = decode(_greedy(load_oracle(second), prompt))
+        assert want_second != want_first
+        assert _generate(cluster, prompt) == (want_second, "step-1")   # prefix cache cleared: no stale KV reused
+        for path, words in ((other, "not the served architecture"), (bad_tensor, "checkpoint shape")):
+            status, body = _admin(cluster, "/update_weights_from_disk", {"model_path": str(path)})
+            assert status == 400 and words in body["error"]["message"], body
+            assert _generate(cluster, prompt)[0] == want_second
+        status, body = cluster.post("/update_weights_from_disk", {"model_path": str(second)})
+        assert status == 401
+        with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=30) as resp:
+            lines = [ln for ln in resp.read().decode().splitlines() if ln.startswith("steploop:weight_updates_total")]
+        assert lines and lines[0].endswith(" 1.0"), lines
+    finally:
+        cluster.stop()
