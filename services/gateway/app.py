@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import pathlib
 
 from aiohttp import web
 
@@ -16,6 +17,7 @@ from steploop.common import model_path
 from steploop.gateway import metrics as gateway_metrics
 from steploop.gateway.admin_auth import admin_middleware
 from steploop.gateway.app_keys import (
+    BATCHES,
     CHAT_TEMPLATE,
     DRAIN,
     HEALTH,
@@ -26,6 +28,7 @@ from steploop.gateway.app_keys import (
     SERVING,
     TOOL_PARSER,
 )
+from steploop.gateway.batch_api.service import BatchService
 from steploop.gateway.config import GatewayConfig
 from steploop.gateway.drain import Drain
 from steploop.gateway.endpoints import control_routes, routes
@@ -127,6 +130,10 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     app[MAX_BODY] = config.max_request_body_bytes
     app[RESPONSE_STORE] = ResponseStore()
     app[REASONING_PARSER] = get_reasoning_parser(config.reasoning_parser)
+    app[BATCHES] = batches = BatchService(
+        pathlib.Path(config.batch_dir) if config.batch_dir else model_path.cache_dir() / "batches",
+        max_file_bytes=config.batch_max_file_bytes, max_lines=config.batch_max_lines,
+        max_jobs=config.batch_max_jobs, concurrency=config.batch_concurrency, api_key=config.api_key)
     routes.add_routes(app)
     control_routes.add_routes(app, enabled=bool(config.admin_api_key))   # the admin routes, only with a key
     gateway_metrics.install(app, engine_client, model)   # /metrics, HTTP metrics, the request's span
@@ -134,5 +141,13 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     async def fetch_model_info(_: web.Application) -> None:
         await model.try_refresh()
 
+    async def open_batches(_: web.Application) -> None:
+        batches.open()       # the runner starts once the site listens (server.start_batches)
+
+    async def close_batches(_: web.Application) -> None:
+        await batches.close()
+
     app.on_startup.append(fetch_model_info)
+    app.on_startup.append(open_batches)
+    app.on_cleanup.append(close_batches)
     return app

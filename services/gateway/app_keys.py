@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from steploop.gateway.batch_api.service import BatchService
 from steploop.gateway.drain import Drain
 from steploop.gateway.health import HealthProbe
 from steploop.gateway.pause_gate import PauseGate
@@ -23,3 +24,4 @@ MAX_BODY = web.AppKey("max_body", int)                   # --max-request-body-by
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)   # /v1/responses created with store: true
 REASONING_PARSER = web.AppKey("reasoning_parser", ReasoningParser)   # --reasoning-parser; None: no split
 PAUSE_GATE = web.AppKey("pause_gate", PauseGate)          # POST /pause holds new generation requests here
+BATCHES = web.AppKey("batches", BatchService)           # the Batch API's stores and runner (batch_api/)
