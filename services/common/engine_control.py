@@ -18,13 +18,17 @@ class ControlState:
     weight_updates: int = 0          # updates applied since start
     num_aborted: int = 0             # by this Pause (abort mode)
     num_preempted: int = 0           # by this Pause (keep mode) or weight update
+    sleep_level: int = 0             # 0 awake; 1 KV cache freed; 2 weights freed too
+    worker_rss_bytes: tuple[int, ...] = ()   # Sleep / WakeUp: each rank's resident memory after it
 
     def to_pb(self) -> engine_pb2.EngineControlState:
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                              weight_updates=self.weight_updates, num_aborted=self.num_aborted,
-                                             num_preempted=self.num_preempted)
+                                             num_preempted=self.num_preempted, sleep_level=self.sleep_level,
+                                             worker_rss_bytes=list(self.worker_rss_bytes))
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.EngineControlState) -> ControlState:
         return cls(paused=pb.paused, weight_version=pb.weight_version or "0", weight_updates=pb.weight_updates,
-                   num_aborted=pb.num_aborted, num_preempted=pb.num_preempted)
+                   num_aborted=pb.num_aborted, num_preempted=pb.num_preempted, sleep_level=pb.sleep_level,
+                   worker_rss_bytes=tuple(pb.worker_rss_bytes))

@@ -117,7 +117,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"require `Authorization: Bearer <key>` on /v1 routes (env {envs.env_name('--api-key')})")
     parser.add_argument("--admin-api-key", default=os.environ.get(envs.env_name("--admin-api-key")),
                         help="turn on the engine control routes (/pause, /resume, /is_paused, "
-                             "/update_weights_from_disk, /get_weight_version) and require `Authorization: Bearer "
+                             "/update_weights_from_disk, /get_weight_version, /sleep, /wake_up, /is_sleeping) and "
+                             "require `Authorization: Bearer "
                              f"<key>` on them; the --api-key gets 403 there (env {envs.env_name('--admin-api-key')})")
     envs.add_flag(parser, "--paused-request-timeout", type=float, default=d.paused_request_timeout,
                   help="while the engine is paused (POST /pause), a new generation request waits this many seconds "

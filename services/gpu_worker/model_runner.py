@@ -43,6 +43,7 @@ from steploop.gpu_worker.step_inputs import (
     StepInputs,
     prepare_step_inputs,
 )
+from steploop.gpu_worker.sleep_mode import SleepMode
 from steploop.gpu_worker.structured_output import StructuredOutput
 from steploop.gpu_worker.weight_update import WeightUpdater
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self.lora = lora                 # --enable-lora: adapters per request (lora/manager.py)
         self.threads: ThreadGovernor | None = None   # CPU: each step's thread count from measured step times
         self.weights: WeightUpdater | None = None   # /update_weights_from_disk (weight_update.py); from_config sets it
+        self.sleep_mode: SleepMode | None = None     # /sleep, /wake_up (sleep_mode.py); from_config sets it
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -124,7 +126,9 @@ class ModelRunner:
         runner.tp_comm = rank.comm
         runner.threads = make_thread_governor(config, device, plan)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
-                                                                       rank.share, rank.comm), cfg)
+                                                                       rank.share, rank.comm), cfg, model_path)
+        runner.sleep_mode = SleepMode(runner, lambda: kv_cache.allocate_kv_caches(
+            local, num_blocks, config.block_size, dtype, device, plan.hugepages))
         return runner
 
     def reset(self) -> None:
@@ -132,6 +136,8 @@ class ModelRunner:
         self.batch.reset()
         if self.weights is not None:
             self.weights.drop()
+        if self.sleep_mode is not None:
+            self.sleep_mode.wake()       # the next scheduler gets a worker that can serve what its hello says
         if self.lora is not None:
             self.lora.reset()
 

@@ -190,7 +190,7 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
             elif msg.HasField("tp_group"):
                 plans.put(rank.former(msg.tp_group))
             elif msg.HasField("control"):
-                plans.put(control_op(runner.weights, msg.control))
+                plans.put(control_op(runner, msg.control))
     finally:
         plans.put(None)                            # the forward thread ends after the step it is on
         writer.cancel()

@@ -15,7 +15,6 @@ first, so no block computed with the old weights is read again.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import pathlib
 import time
@@ -23,6 +22,7 @@ from collections.abc import Callable
 
 from steploop.common.pb.steploop.v1 import worker_pb2
 from steploop.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.sleep_mode import give_back_memory, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,14 @@ def architecture_differences(served: ModelConfig, other: ModelConfig) -> list[st
 
 
 class WeightUpdater:
-    def __init__(self, runner, load: Callable[[pathlib.Path], object], config: ModelConfig) -> None:
+    def __init__(self, runner, load: Callable[[pathlib.Path], object], config: ModelConfig,
+                 path: pathlib.Path | None = None) -> None:
         self.runner = runner          # its .model is replaced at a committed swap
         self._load = load             # path -> a model built and loaded like the serving one
         self.config = config          # the served architecture (the whole model's, not a rank's share)
+        self.path = path              # the served weights' folder (sleep level 2 reloads from it)
         self.staged = None
+        self._staged_path: pathlib.Path | None = None
 
     def load(self, path: str) -> str:
         """'' when the checkpoint is loaded and staged; else why not (nothing staged)."""
@@ -58,6 +61,7 @@ class WeightUpdater:
             if diff:
                 return f"{path} is not the served architecture ({'; '.join(diff[:4])})"
             self.staged = self._load(folder)
+            self._staged_path = folder
         except Exception as exc:  # noqa: BLE001 - a bad checkpoint is the caller's error, said in its words
             log.warning("weights from %s refused: %s", path, exc)
             return f"{type(exc).__name__}: {exc}"
@@ -79,24 +83,35 @@ class WeightUpdater:
             graphs.capture_all()
             runner.graphs = graphs
         runner.model = staged
-        gc.collect()                  # the old model's tensors go now, not at some later collection
+        self.path = self._staged_path
+        give_back_memory()            # the old model's tensors go now, and the heap pages they held
         return ""
 
     def drop(self) -> None:
         self.staged = None
 
+    def reload(self):
+        """The served weights again, from their folder (after sleep level 2 freed them)."""
+        return self._load(self.path)
 
-def control_op(updater: WeightUpdater | None, control: worker_pb2.EngineControl) -> Callable[[], object]:
+
+def control_op(runner, control: worker_pb2.EngineControl) -> Callable[[], object]:
     """The forward thread's work for one EngineControl message (run in order with the plans): its answer."""
     def run() -> worker_pb2.ControlResult:
-        kind = control.WhichOneof("op")
-        if updater is None:
+        kind, updater, sleep = control.WhichOneof("op"), runner.weights, runner.sleep_mode
+        if kind in ("weights_load", "weights_swap") and updater is None:
             error = "this worker cannot update its weights (it was built without a checkpoint loader)"
+        elif kind in ("sleep", "wake_up") and sleep is None:
+            error = "this worker has no sleep mode (it was built without a KV cache allocator)"
         elif kind == "weights_load":
             error = updater.load(control.weights_load.model_path)
         elif kind == "weights_swap":
             error = updater.swap(control.weights_swap.commit)
+        elif kind == "sleep":
+            error = sleep.sleep(control.sleep.level)
+        elif kind == "wake_up":
+            error = sleep.wake()
         else:
             error = f"unknown engine control operation {kind!r}"
-        return worker_pb2.ControlResult(control_id=control.control_id, error=error)
+        return worker_pb2.ControlResult(control_id=control.control_id, error=error, rss_bytes=rss_bytes())
     return run

@@ -6,6 +6,8 @@
                   recomputed on resume, its outputs kept) and the prefix cache is cleared (KV event
                   AllBlocksCleared); nothing runs until resume
     resume()      held requests join the queue; stepping goes on
+    sleep(level)  as pause(keep), then every rank frees its KV cache (level 1) and its weights too (level 2);
+    wake_up()     every rank allocates again (reloads its weights after level 2), then resume()
     update_weights_from_disk(path)   at a step boundary: every rank loads the checkpoint beside its weights
                   (shapes checked); if any rank refuses, all drop it and the old weights keep serving; else running
                   requests are preempted, the prefix cache cleared, and every rank switches
@@ -18,6 +20,7 @@ need a step boundary are queued; the loop stops sending plans, waits for those i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -45,6 +48,7 @@ class EngineControl:
         self.held: list[Request] = []
         self.weight_version = "0"
         self.weight_updates = 0
+        self.sleep_level = 0       # 1 or 2 while the workers' memory is freed (sleep)
         self._ops: deque[tuple[Op, asyncio.Future]] = deque()
         self._changed = asyncio.Event()   # a live request ended (pause(wait) re-checks)
 
@@ -66,7 +70,7 @@ class EngineControl:
 
     def state(self, **counts: int) -> ControlState:
         return ControlState(paused=self.paused, weight_version=self.weight_version,
-                            weight_updates=self.weight_updates, **counts)
+                            weight_updates=self.weight_updates, sleep_level=self.sleep_level, **counts)
 
     # ---- the RPCs ----------------------------------------------------------------------------------------------
     async def pause(self, mode: str) -> ControlState:
@@ -91,6 +95,9 @@ class EngineControl:
         return await self._at_boundary(self._keep)
 
     async def resume(self) -> ControlState:
+        if self.sleep_level:
+            raise InvalidRequestError(f"the engine is asleep (level {self.sleep_level}): POST /wake_up resumes it",
+                                      code="engine_asleep")
         self.paused = self.frozen = False
         held, self.held = self.held, []
         for request in held:
@@ -100,16 +107,23 @@ class EngineControl:
         return self.state()
 
     async def update_weights_from_disk(self, path: str, version: str) -> ControlState:
+        if self.sleep_level:
+            raise InvalidRequestError("the engine is asleep: POST /wake_up first", param="model_path",
+                                      code="engine_asleep")
+
         async def update(group: WorkerGroup | None) -> ControlState:
             if group is None:
                 raise UnavailableError("no worker is attached to load the weights; retry once one is")
-            errors = await group.control(worker_pb2.EngineControl(weights_load=worker_pb2.WeightsLoad(model_path=path)))
+            errors = await self._on_ranks(group, worker_pb2.EngineControl(
+                weights_load=worker_pb2.WeightsLoad(model_path=path)))
             if errors:
-                await group.control(worker_pb2.EngineControl(weights_swap=worker_pb2.WeightsSwap(commit=False)))
+                await self._on_ranks(group, worker_pb2.EngineControl(
+                    weights_swap=worker_pb2.WeightsSwap(commit=False)))
                 raise InvalidRequestError(f"weights from {path} refused, the old weights keep serving: {errors[0]}",
                                           param="model_path", code="invalid_checkpoint")
             preempted = await self._preempt_running(group)
-            errors = await group.control(worker_pb2.EngineControl(weights_swap=worker_pb2.WeightsSwap(commit=True)))
+            errors = await self._on_ranks(group, worker_pb2.EngineControl(
+                weights_swap=worker_pb2.WeightsSwap(commit=True)))
             if errors:      # a rank could not switch: the group's ranks differ now, so it must not serve on
                 group.close(f"weight switch failed on a rank: {errors[0]}")
                 raise WorkerLost(group.close_reason)
@@ -119,6 +133,53 @@ class EngineControl:
                      self.weight_version, preempted)
             return self.state(num_preempted=preempted)
         return await self._at_boundary(update)
+
+    async def sleep(self, level: int) -> ControlState:
+        """Pauses as keep does, then every rank frees memory (level 1: its KV cache; 2: its weights too)."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level}", param="level")
+        if self.sleep_level:
+            if self.sleep_level != level:
+                raise InvalidRequestError(f"the engine is asleep at level {self.sleep_level}; POST /wake_up first",
+                                          param="level", code="engine_asleep")
+            return self.state()
+        self.paused = self.frozen = True
+
+        async def sleep(group: WorkerGroup | None) -> ControlState:
+            if group is None:
+                raise UnavailableError("no worker is attached to put to sleep; retry once one is")
+            preempted = await self._preempt_running(group)
+            answers = await group.control(worker_pb2.EngineControl(sleep=worker_pb2.Sleep(level=level)))
+            errors = group.control_errors(answers)
+            if errors:                    # whoever slept wakes again: the group stays whole and paused
+                await group.control(worker_pb2.EngineControl(wake_up=worker_pb2.WakeUp()))
+                raise InvalidRequestError(f"sleep refused: {errors[0]}", param="level")
+            self.sleep_level = level
+            log.info("asleep (level %d): %d running requests preempted; worker RSS %s MiB", level, preempted,
+                     [a.rss_bytes >> 20 for a in answers])
+            return self.state(num_preempted=preempted, worker_rss_bytes=tuple(a.rss_bytes for a in answers))
+        return await self._at_boundary(sleep)
+
+    async def wake_up(self) -> ControlState:
+        """Every rank allocates again (and reloads its weights after level 2); then generation resumes."""
+        if not self.sleep_level:
+            return self.state()
+
+        async def wake(group: WorkerGroup | None) -> ControlState:
+            rss: tuple[int, ...] = ()
+            if group is not None:         # none: the next group attaches awake
+                answers = await group.control(worker_pb2.EngineControl(wake_up=worker_pb2.WakeUp()))
+                errors = group.control_errors(answers)
+                if errors:                # a rank that cannot wake must not serve: its restart recovers it
+                    group.close(f"a rank could not wake up: {errors[0]}")
+                    raise WorkerLost(group.close_reason)
+                rss = tuple(a.rss_bytes for a in answers)
+            self.sleep_level = 0
+            log.info("awake; worker RSS %s MiB", [r >> 20 for r in rss])
+            return self.state(worker_rss_bytes=rss)
+        woke = await self._at_boundary(wake)
+        await self.resume()
+        return dataclasses.replace(woke, paused=False)
 
     # ---- between steps -----------------------------------------------------------------------------------------
     async def _at_boundary(self, op: Op) -> ControlState:
@@ -162,6 +223,9 @@ class EngineControl:
         elif self.loop.kv_events is not None:
             self.loop.kv_events.flush()
         return count
+
+    async def _on_ranks(self, group: WorkerGroup, message: worker_pb2.EngineControl) -> list[str]:
+        return group.control_errors(await group.control(message))
 
     def _live_unheld(self) -> bool:
         held = {r.request_id for r in self.held}

@@ -106,6 +106,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return await self._control(context, self.loop.control.update_weights_from_disk(request.model_path,
                                                                                       request.weight_version))
 
+    async def Sleep(self, request, context):
+        return await self._control(context, self.loop.control.sleep(request.level))
+
+    async def WakeUp(self, request, context):
+        return await self._control(context, self.loop.control.wake_up())
+
     async def GetMetrics(self, request, context):
         return engine_pb2.MetricsText(text=metrics.exposition(self.loop.observer.registry).decode())
 

@@ -80,9 +80,9 @@ class WorkerGroup:
             raise WorkerLost(self.close_reason)
         return result
 
-    async def control(self, message: worker_pb2.EngineControl) -> list[str]:
+    async def control(self, message: worker_pb2.EngineControl) -> list[worker_pb2.ControlResult]:
         """Sends an engine-control operation to every rank (no plan outstanding) and waits for every rank's
-        answer; returns the errors, each prefixed by its rank (empty: every rank did it)."""
+        answer (rank order)."""
         self._control_id += 1
         message.control_id = self._control_id
         await self._send_all(worker_pb2.SchedulerMessage(control=message))
@@ -91,6 +91,10 @@ class WorkerGroup:
         except WorkerLost as exc:
             self.close(str(exc))
             raise WorkerLost(self.close_reason) from exc
+        return answers
+
+    def control_errors(self, answers: list[worker_pb2.ControlResult]) -> list[str]:
+        """The ranks' errors, each prefixed by its rank in a group of several (empty: every rank did it)."""
         return [f"rank {rank}: {a.error}" if self.world_size > 1 else a.error
                 for rank, a in enumerate(answers) if a.error]
 

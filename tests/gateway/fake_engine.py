@@ -222,6 +222,16 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                              weight_updates=1)
 
+    async def Sleep(self, request, context):
+        self.controls.append(("sleep", request.level))
+        self.paused = True
+        return engine_pb2.EngineControlState(paused=True, sleep_level=request.level, worker_rss_bytes=[1 << 20])
+
+    async def WakeUp(self, request, context):
+        self.controls.append(("wake_up",))
+        self.paused = False
+        return engine_pb2.EngineControlState(paused=False, worker_rss_bytes=[2 << 20])
+
     async def GetLoadReport(self, request, context):
         return engine_pb2.LoadReport()
 

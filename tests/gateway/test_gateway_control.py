@@ -45,7 +45,8 @@ async def _call(method: str, url: str, key: str | None = ADMIN, **kwargs) -> tup
 
 async def test_control_routes_are_404_without_an_admin_key(gateway):
     for method, path in (("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
-                         ("POST", "/update_weights_from_disk"), ("GET", "/get_weight_version")):
+                         ("POST", "/update_weights_from_disk"), ("GET", "/get_weight_version"),
+                         ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
         status, body = await _call(method, gateway.url + path, key=None)
         assert status == 404, (path, body)
     assert gateway.engine.controls == []
@@ -129,3 +130,19 @@ async def test_refused_weight_update_is_a_400(admin_gateway):
     assert status == 400 and "checkpoint shape" in body["error"]["message"]
     status, body = await _call("POST", admin_gateway.url + "/update_weights_from_disk", json={})
     assert (status, body["error"]["param"]) == (400, "model_path")
+
+
+async def test_sleep_holds_requests_and_wake_up_serves_them(admin_gateway):
+    url = admin_gateway.url
+    assert (await _call("POST", url + "/sleep?level=3"))[0] == 400
+    status, body = await _call("POST", url + "/sleep?level=2")
+    assert status == 200 and body["sleep_level"] == 2 and body["worker_rss_bytes"] == [1 << 20]
+    held = asyncio.ensure_future(_call("POST", url + "/v1/completions", key=USER, json=COMPLETION))
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    status, body = await _call("POST", url + "/wake_up")
+    assert status == 200 and body["paused"] is False and body["worker_rss_bytes"] == [2 << 20]
+    assert (await asyncio.wait_for(held, 5))[0] == 200
+    assert admin_gateway.engine.controls == [("sleep", 2), ("wake_up",)]
+    assert (await _call("GET", url + "/is_sleeping"))[1] == {"is_sleeping": False}
+    assert (await _call("POST", url + "/sleep", key=USER))[0] == 403

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.integration.cluster import Cluster
+from tests.tp.tp_cluster import TpCluster
 from tests.worker.family_models import TOKENIZER_FILES, load_oracle
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,21 @@ def _generate(cluster: Cluster, prompt: list[int]) -> tuple[list[int], str]:
     return body["choices"][0]["logprobs"]["tokens"], version
 
 
-def test_update_weights_from_disk_serves_the_new_checkpoint(tmp_path_factory, model_dir):
+def _start(tmp_path_factory, model, tp: int) -> Cluster:
+    worker = ["--device", "cpu", "--max-model-len", "256"]
+    gateway = ["--served-model-name", NAME, "--admin-api-key", ADMIN]
+    if tp == 1:
+        cluster = Cluster(tmp_path_factory.mktemp("cluster"), worker_args=["--model", str(model), *worker],
+                          gateway_args=["--model", str(model), *gateway], num_kv_blocks=64)
+    else:       # every rank loads its shard of the new checkpoint; the group switches on all of them or none
+        cluster = TpCluster(tmp_path_factory.mktemp("tp-cluster"), tp, model=str(model), worker_args=worker,
+                            num_kv_blocks=64)
+        cluster.argv["gateway"] += gateway
+    return cluster.start()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_update_weights_from_disk_serves_the_new_checkpoint(tmp_path_factory, model_dir, tp):
     from transformers import AutoTokenizer
     root = tmp_path_factory.mktemp("ckpts")
     first = _checkpoint(root / "step-0", model_dir, seed=0)
@@ -67,10 +82,7 @@ def test_update_weights_from_disk_serves_the_new_checkpoint(tmp_path_factory, mo
     shutil.copytree(other, bad_tensor)
     shutil.copy(first / "config.json", bad_tensor / "config.json")
     tok = AutoTokenizer.from_pretrained(first)
-    cluster = Cluster(tmp_path_factory.mktemp("cluster"),
-                      worker_args=["--model", str(first), "--device", "cpu", "--max-model-len", "256"],
-                      gateway_args=["--model", str(first), "--served-model-name", NAME, "--admin-api-key", ADMIN],
-                      num_kv_blocks=64).start()
+    cluster = _start(tmp_path_factory, first, tp)
     try:
         prompt = torch.randint(3, 49152, (20,), generator=torch.Generator().manual_seed(5)).tolist()
         decode = lambda ids: [tok.decode([t]) for t in ids]     # the API's logprobs tokens, one text each

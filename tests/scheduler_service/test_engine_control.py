@@ -195,3 +195,28 @@ async def test_pause_keep_publishes_all_blocks_cleared(events_service):
             await stub.Resume(engine_pb2.ResumeRequest())
         finally:
             await worker.kill()
+
+
+async def test_sleep_preempts_holds_and_wake_up_resumes(service, engine):
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address, step_delay=0.02).start()
+    try:
+        task, got = await _started(stub, "sleeper", 30)
+        state = await stub.Sleep(engine_pb2.SleepRequest(level=1))
+        assert (state.paused, state.sleep_level, state.num_preempted) == (True, 1, 1)
+        assert [c.WhichOneof("op") for c in worker.controls] == ["sleep"] and worker.controls[0].sleep.level == 1
+        with pytest.raises(grpc.aio.AioRpcError) as info:      # resuming would step on a worker with no KV cache
+            await stub.Resume(engine_pb2.ResumeRequest())
+        assert "asleep" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Sleep(engine_pb2.SleepRequest(level=2))
+        steps = worker.steps
+        await asyncio.sleep(0.2)
+        assert worker.steps == steps and not task.done()
+        state = await stub.WakeUp(engine_pb2.WakeUpRequest())
+        assert (state.paused, state.sleep_level) == (False, 0)
+        assert [c.WhichOneof("op") for c in worker.controls] == ["sleep", "wake_up"]
+        await asyncio.wait_for(task, 20)
+        assert got == expected(PROMPT, 30)
+    finally:
+        await worker.kill()

@@ -12,6 +12,10 @@ registered only when --admin-api-key is set. Each acts on every scheduler replic
                                        -> {"success", "message", "weight_version"}; a checkpoint of another shape
                                        is a 400 and the old weights keep serving
     GET  /get_weight_version           -> {"weight_version": str}
+    POST /sleep?level=1|2              pause as keep, then every worker rank frees its KV cache (1) and its weights
+                                       too (2); -> {"sleep_level", "worker_rss_bytes": [per rank]}
+    POST /wake_up                      allocate again (reload the weights after level 2), then resume
+    GET  /is_sleeping                  -> {"is_sleeping": bool}
 
 Generation responses carry `x-steploop-weight-version` once the gateway knows the served version (after an update
 or a /get_weight_version through it).
@@ -35,7 +39,8 @@ WEIGHT_VERSION_HEADER = "x-steploop-weight-version"
 
 def _state_body(state: ControlState) -> dict:
     return {"paused": state.paused, "weight_version": state.weight_version, "num_aborted": state.num_aborted,
-            "num_preempted": state.num_preempted}
+            "num_preempted": state.num_preempted, "sleep_level": state.sleep_level,
+            "worker_rss_bytes": list(state.worker_rss_bytes)}
 
 
 async def pause(request: web.Request) -> web.Response:
@@ -88,6 +93,34 @@ async def get_weight_version(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": state.weight_version})
 
 
+async def sleep(request: web.Request) -> web.Response:
+    level = request.query.get("level", "1")
+    if level not in ("1", "2"):
+        raise bad_request(f"level must be 1 or 2, got {level!r}", param="level")
+    gate = request.app[PAUSE_GATE]
+    gate.close()
+    try:
+        state = await request.app[SERVING].engine.sleep(int(level))
+    except APIError:
+        if not (await request.app[SERVING].engine.control_state()).paused:
+            gate.open()
+        raise
+    logger.info("engine asleep (level %s): worker RSS %s", level, list(state.worker_rss_bytes))
+    return web.json_response(_state_body(state))
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    state = await request.app[SERVING].engine.wake_up()
+    request.app[PAUSE_GATE].open()
+    logger.info("engine awake: worker RSS %s", list(state.worker_rss_bytes))
+    return web.json_response(_state_body(state))
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    state = await request.app[SERVING].engine.control_state()
+    return web.json_response({"is_sleeping": state.sleep_level > 0})
+
+
 async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
     """Generation responses say which weights served them (as far as this gateway knows)."""
     version = request.app[SERVING].model.weight_version
@@ -103,4 +136,7 @@ def add_routes(app: web.Application, enabled: bool) -> None:
     app.router.add_get("/is_paused", is_paused)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
     app.on_response_prepare.append(on_prepare)

@@ -184,6 +184,12 @@ class EngineClient:
         return await self._control("UpdateWeightsFromDisk", engine_pb2.UpdateWeightsFromDiskRequest(
             model_path=model_path, weight_version=weight_version))
 
+    async def sleep(self, level: int) -> ControlState:
+        return await self._control("Sleep", engine_pb2.SleepRequest(level=level))
+
+    async def wake_up(self) -> ControlState:
+        return await self._control("WakeUp", engine_pb2.WakeUpRequest())
+
     async def health(self) -> bool:
         """True when the engine's grpc.health.v1 service reports SERVING for the server as a whole ("")."""
         try:

@@ -195,6 +195,12 @@ class EngineRouter:
         the versions in the merged state then disagree, which control_routes reports)."""
         return _merge(await self._on_all("update_weights_from_disk", model_path, weight_version))
 
+    async def sleep(self, level: int) -> ControlState:
+        return _merge(await self._on_all("sleep", level))
+
+    async def wake_up(self) -> ControlState:
+        return _merge(await self._on_all("wake_up"))
+
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""
         self.pool.start()
@@ -221,4 +227,6 @@ def _merge(states: list[ControlState]) -> ControlState:
     return ControlState(paused=any(s.paused for s in states), weight_version=",".join(versions),
                         weight_updates=min(s.weight_updates for s in states),
                         num_aborted=sum(s.num_aborted for s in states),
-                        num_preempted=sum(s.num_preempted for s in states))
+                        num_preempted=sum(s.num_preempted for s in states),
+                        sleep_level=max(s.sleep_level for s in states),
+                        worker_rss_bytes=tuple(r for s in states for r in s.worker_rss_bytes))
