@@ -13,7 +13,8 @@ from steploop.gateway.errors import APIError
 
 # The routes behind the admin key (control_routes.py registers them; this list is what the middleware guards).
 ADMIN_PATHS = frozenset({"/pause", "/resume", "/is_paused", "/update_weights_from_disk", "/get_weight_version",
-                         "/sleep", "/wake_up", "/is_sleeping"})
+                         "/sleep", "/wake_up", "/is_sleeping", "/init_weights_update_group",
+                         "/update_weights_from_distributed"})
 
 
 def _bearer(request: web.Request) -> bytes:

@@ -38,12 +38,12 @@ from steploop.gpu_worker.penalties import PenaltyInputs
 from steploop.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
 from steploop.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
 from steploop.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from steploop.gpu_worker.sleep_mode import SleepMode
 from steploop.gpu_worker.step_inputs import (
     SamplingSlot,
     StepInputs,
     prepare_step_inputs,
 )
-from steploop.gpu_worker.sleep_mode import SleepMode
 from steploop.gpu_worker.structured_output import StructuredOutput
 from steploop.gpu_worker.weight_update import WeightUpdater
 
@@ -70,6 +70,7 @@ class ModelRunner:
         self.threads: ThreadGovernor | None = None   # CPU: each step's thread count from measured step times
         self.weights: WeightUpdater | None = None   # /update_weights_from_disk (weight_update.py); from_config sets it
         self.sleep_mode: SleepMode | None = None     # /sleep, /wake_up (sleep_mode.py); from_config sets it
+        self.receiver = None     # update_weights_from_distributed (weight_receiver.py); from_config sets it
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -127,6 +128,8 @@ class ModelRunner:
         runner.threads = make_thread_governor(config, device, plan)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
                                                                        rank.share, rank.comm), cfg, model_path)
+        from steploop.gpu_worker.weight_receiver import WeightReceiver
+        runner.receiver = WeightReceiver(runner, config.tp_host)
         runner.sleep_mode = SleepMode(runner, lambda: kv_cache.allocate_kv_caches(
             local, num_blocks, config.block_size, dtype, device, plan.hugepages))
         return runner

@@ -111,6 +111,9 @@ def control_op(runner, control: worker_pb2.EngineControl) -> Callable[[], object
             error = sleep.sleep(control.sleep.level)
         elif kind == "wake_up":
             error = sleep.wake()
+        elif kind in ("weights_group_join", "weights_receive"):
+            from steploop.gpu_worker.weight_receiver import join_or_receive
+            error = join_or_receive(runner, runner.receiver, control)
         else:
             error = f"unknown engine control operation {kind!r}"
         return worker_pb2.ControlResult(control_id=control.control_id, error=error, rss_bytes=rss_bytes())

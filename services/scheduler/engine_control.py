@@ -107,20 +107,44 @@ class EngineControl:
         return self.state()
 
     async def update_weights_from_disk(self, path: str, version: str) -> ControlState:
+        load = worker_pb2.EngineControl(weights_load=worker_pb2.WeightsLoad(model_path=path))
+        return await self._update(load, version, f"from {path}", "model_path")
+
+    async def init_weights_update_group(self, request) -> ControlState:
+        """Every rank joins the trainer's gloo group (blocks, at a step boundary, until the trainer formed it)."""
+        async def join(group: WorkerGroup | None) -> ControlState:
+            if group is None:
+                raise UnavailableError("no worker is attached to join the group; retry once one is")
+            errors = await self._on_ranks(group, worker_pb2.EngineControl(
+                weights_group_join=worker_pb2.WeightsGroupJoin(group=request)))
+            if errors:
+                raise InvalidRequestError(f"joining the weight-update group failed: {errors[0]}",
+                                          param="master_address")
+            return self.state()
+        return await self._at_boundary(join)
+
+    async def update_weights_from_distributed(self, buckets, version: str) -> ControlState:
+        receive = worker_pb2.EngineControl(weights_receive=worker_pb2.WeightsReceive(buckets=buckets))
+        return await self._update(receive, version, "from the weight-update group", "buckets")
+
+    async def _update(self, prepare: worker_pb2.EngineControl, version: str, source: str,
+                      param: str) -> ControlState:
+        """Two phases on every rank: `prepare` (load or receive, staged beside the served weights), then commit on
+        all ranks, or drop on all if any rank refused."""
         if self.sleep_level:
-            raise InvalidRequestError("the engine is asleep: POST /wake_up first", param="model_path",
+            raise InvalidRequestError("the engine is asleep: POST /wake_up first", param=param,
                                       code="engine_asleep")
+        path = source
 
         async def update(group: WorkerGroup | None) -> ControlState:
             if group is None:
                 raise UnavailableError("no worker is attached to load the weights; retry once one is")
-            errors = await self._on_ranks(group, worker_pb2.EngineControl(
-                weights_load=worker_pb2.WeightsLoad(model_path=path)))
+            errors = await self._on_ranks(group, prepare)
             if errors:
                 await self._on_ranks(group, worker_pb2.EngineControl(
                     weights_swap=worker_pb2.WeightsSwap(commit=False)))
-                raise InvalidRequestError(f"weights from {path} refused, the old weights keep serving: {errors[0]}",
-                                          param="model_path", code="invalid_checkpoint")
+                raise InvalidRequestError(f"weights {source} refused, the old weights keep serving: {errors[0]}",
+                                          param=param, code="invalid_checkpoint")
             preempted = await self._preempt_running(group)
             errors = await self._on_ranks(group, worker_pb2.EngineControl(
                 weights_swap=worker_pb2.WeightsSwap(commit=True)))
@@ -129,7 +153,7 @@ class EngineControl:
                 raise WorkerLost(group.close_reason)
             self.weight_updates += 1
             self.weight_version = version or str(self.weight_updates)
-            log.info("weights updated from %s: version %s, %d running requests preempted", path,
+            log.info("weights updated %s: version %s, %d running requests preempted", path,
                      self.weight_version, preempted)
             return self.state(num_preempted=preempted)
         return await self._at_boundary(update)

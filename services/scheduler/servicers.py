@@ -106,6 +106,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return await self._control(context, self.loop.control.update_weights_from_disk(request.model_path,
                                                                                       request.weight_version))
 
+    async def InitWeightsUpdateGroup(self, request, context):
+        if not request.master_address or not request.master_port or request.world_size < 2:
+            await abort_with(context, InvalidRequestError("master_address, master_port and a world_size of at least "
+                                                          "2 are required", param="master_address"))
+        return await self._control(context, self.loop.control.init_weights_update_group(request))
+
+    async def UpdateWeightsFromDistributed(self, request, context):
+        if not request.buckets:
+            await abort_with(context, InvalidRequestError("buckets is required", param="buckets"))
+        return await self._control(context, self.loop.control.update_weights_from_distributed(
+            request.buckets, request.weight_version))
+
     async def Sleep(self, request, context):
         return await self._control(context, self.loop.control.sleep(request.level))
 

@@ -222,6 +222,17 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                              weight_updates=1)
 
+    async def InitWeightsUpdateGroup(self, request, context):
+        self.controls.append(("init_group", request.master_address, request.master_port, request.rank_offset,
+                              request.world_size))
+        return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
+
+    async def UpdateWeightsFromDistributed(self, request, context):
+        self.controls.append(("update_distributed", [(t.name, t.dtype, list(t.shape)) for b in request.buckets
+                                                     for t in b.tensors], [b.sha256 for b in request.buckets]))
+        self.weight_version = request.weight_version or str(int(self.weight_version) + 1)
+        return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
+
     async def Sleep(self, request, context):
         self.controls.append(("sleep", request.level))
         self.paused = True

@@ -38,15 +38,16 @@ def _auth(key: str) -> dict[str, str]:
 
 
 async def _call(method: str, url: str, key: str | None = ADMIN, **kwargs) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as session:
-        async with session.request(method, url, headers=_auth(key) if key else {}, **kwargs) as resp:
-            return resp.status, await resp.json(content_type=None)
+    async with aiohttp.ClientSession() as session, \
+            session.request(method, url, headers=_auth(key) if key else {}, **kwargs) as resp:
+        return resp.status, await resp.json(content_type=None)
 
 
 async def test_control_routes_are_404_without_an_admin_key(gateway):
     for method, path in (("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
                          ("POST", "/update_weights_from_disk"), ("GET", "/get_weight_version"),
-                         ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+                         ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                         ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed")):
         status, body = await _call(method, gateway.url + path, key=None)
         assert status == 404, (path, body)
     assert gateway.engine.controls == []
@@ -115,9 +116,9 @@ async def test_update_weights_reports_the_version(admin_gateway):
     status, body = await _call("POST", url + "/update_weights_from_disk", json={"model_path": "/ckpt/step-7"})
     assert status == 200 and body["success"] is True and body["weight_version"] == "1"
     assert admin_gateway.engine.controls == [("update_weights", "/ckpt/step-7", "")]
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", headers=_auth(USER), json=COMPLETION) as resp:
-            assert resp.status == 200 and resp.headers["x-steploop-weight-version"] == "1"
+    async with aiohttp.ClientSession() as session, \
+            session.post(url + "/v1/completions", headers=_auth(USER), json=COMPLETION) as resp:
+        assert resp.status == 200 and resp.headers["x-steploop-weight-version"] == "1"
     status, body = await _call("POST", url + "/update_weights_from_disk",
                                json={"model_path": "/ckpt/step-8", "weight_version": "step-8"})
     assert body["weight_version"] == "step-8"
@@ -146,3 +147,24 @@ async def test_sleep_holds_requests_and_wake_up_serves_them(admin_gateway):
     assert admin_gateway.engine.controls == [("sleep", 2), ("wake_up",)]
     assert (await _call("GET", url + "/is_sleeping"))[1] == {"is_sleeping": False}
     assert (await _call("POST", url + "/sleep", key=USER))[0] == 403
+
+
+async def test_distributed_weight_routes_validate_and_reach_the_engine(admin_gateway):
+    url = admin_gateway.url
+    group = {"master_address": "10.0.0.5", "master_port": 29500, "world_size": 3}
+    status, body = await _call("POST", url + "/init_weights_update_group", json=group)
+    assert status == 200 and body["success"] is True
+    assert admin_gateway.engine.controls == [("init_group", "10.0.0.5", 29500, 1, 3)]
+    for bad, param in (({**group, "world_size": 1}, "world_size"), ({**group, "backend": "nccl"}, "backend"),
+                       ({"master_port": 1, "world_size": 2}, "master_address")):
+        status, body = await _call("POST", url + "/init_weights_update_group", json=bad)
+        assert (status, body["error"]["param"]) == (400, param), body
+    bucket = {"tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [128]}], "sha256": "ab" * 32}
+    status, body = await _call("POST", url + "/update_weights_from_distributed",
+                               json={"buckets": [bucket], "weight_version": "rl-3"})
+    assert status == 200 and body["weight_version"] == "rl-3"
+    assert admin_gateway.engine.controls[-1] == ("update_distributed", [("model.norm.weight", "float32", [128])],
+                                                 ["ab" * 32])
+    status, body = await _call("POST", url + "/update_weights_from_distributed",
+                               json={"buckets": [{"tensors": [{"name": "x", "shape": [-1]}]}]})
+    assert (status, body["error"]["param"]) == (400, "buckets")

@@ -5,6 +5,7 @@ served at the time. Checkpoints of another architecture, or with a tensor of ano
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import urllib.request
@@ -105,5 +106,41 @@ def test_update_weights_from_disk_serves_the_new_checkpoint(tmp_path_factory, mo
         with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=30) as resp:
             lines = [ln for ln in resp.read().decode().splitlines() if ln.startswith("steploop:weight_updates_total")]
         assert lines and lines[0].endswith(" 1.0"), lines
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_update_weights_from_distributed_checks_every_bucket(tmp_path_factory, model_dir, tp):
+    """A trainer (this test process, rank 0 of a gloo group) broadcasts the second checkpoint's tensors in buckets:
+    one bucket with a wrong sha256 refuses the whole update (the first weights keep serving); then the real
+    update serves the second checkpoint, equal to transformers on it."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from steploop.weight_sync import WeightSender, make_buckets
+    root = tmp_path_factory.mktemp("dist-ckpts")
+    first = _checkpoint(root / "step-0", model_dir, seed=0)
+    second = _checkpoint(root / "step-1", model_dir, seed=1)
+    tok = AutoTokenizer.from_pretrained(first)
+    cluster = _start(tmp_path_factory, first, tp)
+    try:
+        prompt = torch.randint(3, 49152, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+        decode = lambda ids: [tok.decode([t]) for t in ids]
+        want_first = decode(_greedy(load_oracle(first), prompt))
+        want_second = decode(_greedy(load_oracle(second), prompt))
+        sender = WeightSender(cluster.base_url, ADMIN, timeout_s=60)
+        sender.init_group(world_size=1 + tp)
+        state = load_file(str(second / "model.safetensors"))
+        buckets = make_buckets(state, max_bytes=16 << 20)
+        assert len(buckets) >= 3
+        corrupt = list(buckets)
+        corrupt[1] = dataclasses.replace(buckets[1], sha256="0" * 64)
+        status, body = sender.update(buckets=corrupt, weight_version="bad")
+        assert status == 400 and "sha256" in body["error"]["message"], body
+        assert _generate(cluster, prompt)[0] == want_first
+        status, body = sender.update(state, weight_version="rl-1")
+        assert status == 200 and body["weight_version"] == "rl-1", body
+        assert _generate(cluster, prompt) == (want_second, "rl-1")
     finally:
         cluster.stop()

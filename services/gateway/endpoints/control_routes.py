@@ -16,6 +16,11 @@ registered only when --admin-api-key is set. Each acts on every scheduler replic
                                        too (2); -> {"sleep_level", "worker_rss_bytes": [per rank]}
     POST /wake_up                      allocate again (reload the weights after level 2), then resume
     GET  /is_sleeping                  -> {"is_sleeping": bool}
+    POST /init_weights_update_group    {master_address, master_port, rank_offset, world_size, group_name, backend}:
+                                       every worker rank joins the trainer's gloo group (steploop.weight_sync)
+    POST /update_weights_from_distributed   {buckets: [{tensors: [{name, dtype, shape}], sha256}], weight_version}:
+                                       every rank receives the broadcast buckets, checks each sha256, then the
+                                       update goes as from disk (all ranks or none)
 
 Generation responses carry `x-steploop-weight-version` once the gateway knows the served version (after an update
 or a /get_weight_version through it).
@@ -93,6 +98,41 @@ async def get_weight_version(request: web.Request) -> web.Response:
     return web.json_response({"weight_version": state.weight_version})
 
 
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    body = v.require_object(await read_json(request))
+    group = {"master_address": v.get_str(body, "master_address") or "",
+             "master_port": v.get_int(body, "master_port", 0, lo=1, hi=65535),
+             "rank_offset": v.get_int(body, "rank_offset", 1, lo=1, hi=65535),
+             "world_size": v.get_int(body, "world_size", 0, lo=2, hi=65536),
+             "group_name": v.get_str(body, "group_name") or "steploop-weights",
+             "backend": v.get_str(body, "backend") or "gloo",
+             "timeout_s": float(v.get_number(body, "timeout_s", 60.0, lo=1.0, hi=3600.0))}
+    for name in ("master_address", "master_port", "world_size"):
+        if not group[name]:
+            raise bad_request(f"'{name}' is required", param=name, code="missing_required_parameter")
+    if group["backend"] != "gloo":
+        raise bad_request(f"backend must be 'gloo' (the CPU collective), got {group['backend']!r}", param="backend")
+    await request.app[SERVING].engine.init_weights_update_group(group)
+    return web.json_response({"success": True, "message": "joined the weight-update group"})
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    body = v.require_object(await read_json(request))
+    buckets = body.get("buckets")
+    if not isinstance(buckets, list) or not buckets or not all(
+            isinstance(b, dict) and isinstance(b.get("sha256"), str) and isinstance(b.get("tensors"), list) and all(
+                isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+                and isinstance(t.get("shape"), list) and all(isinstance(d, int) and d >= 0 for d in t["shape"])
+                for t in b["tensors"]) for b in buckets):
+        raise bad_request("'buckets' must be a list of {tensors: [{name, dtype, shape}], sha256}", param="buckets")
+    serving = request.app[SERVING]
+    state = await serving.engine.update_weights_from_distributed(
+        buckets, v.get_str(body, "weight_version") or "", v.get_str(body, "group_name") or "")
+    serving.model.weight_version = state.weight_version
+    return web.json_response({"success": True, "message": "weights received", "weight_version": state.weight_version,
+                              "num_preempted": state.num_preempted})
+
+
 async def sleep(request: web.Request) -> web.Response:
     level = request.query.get("level", "1")
     if level not in ("1", "2"):
@@ -137,6 +177,8 @@ def add_routes(app: web.Application, enabled: bool) -> None:
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_get("/get_weight_version", get_weight_version)
     app.router.add_post("/sleep", sleep)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)
     app.on_response_prepare.append(on_prepare)

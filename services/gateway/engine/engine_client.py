@@ -184,6 +184,19 @@ class EngineClient:
         return await self._control("UpdateWeightsFromDisk", engine_pb2.UpdateWeightsFromDiskRequest(
             model_path=model_path, weight_version=weight_version))
 
+    async def init_weights_update_group(self, group: dict) -> ControlState:
+        """group: the request's fields (engine.proto InitWeightsUpdateGroupRequest), already validated."""
+        return await self._control("InitWeightsUpdateGroup", engine_pb2.InitWeightsUpdateGroupRequest(**group))
+
+    async def update_weights_from_distributed(self, buckets: list[dict], weight_version: str = "",
+                                              group_name: str = "") -> ControlState:
+        request = engine_pb2.UpdateWeightsFromDistributedRequest(weight_version=weight_version, group_name=group_name)
+        for bucket in buckets:
+            pb = request.buckets.add(sha256=bucket["sha256"])
+            for t in bucket["tensors"]:
+                pb.tensors.add(name=t["name"], dtype=t["dtype"], shape=t["shape"])
+        return await self._control("UpdateWeightsFromDistributed", request)
+
     async def sleep(self, level: int) -> ControlState:
         return await self._control("Sleep", engine_pb2.SleepRequest(level=level))
 

@@ -195,6 +195,20 @@ class EngineRouter:
         the versions in the merged state then disagree, which control_routes reports)."""
         return _merge(await self._on_all("update_weights_from_disk", model_path, weight_version))
 
+    async def init_weights_update_group(self, group: dict) -> ControlState:
+        """Replica after replica takes the next ranks: each joins from rank_offset + the worker ranks before it."""
+        self.pool.start()
+        offset, states = group["rank_offset"], []
+        infos = await asyncio.gather(*(r.client.model_info() for r in self.live))
+        for replica, info in zip(self.live, infos):
+            states.append(replica.client.init_weights_update_group({**group, "rank_offset": offset}))
+            offset += max(info.num_workers, 1)
+        return _merge(await asyncio.gather(*states))
+
+    async def update_weights_from_distributed(self, buckets: list[dict], weight_version: str = "",
+                                              group_name: str = "") -> ControlState:
+        return _merge(await self._on_all("update_weights_from_distributed", buckets, weight_version, group_name))
+
     async def sleep(self, level: int) -> ControlState:
         return _merge(await self._on_all("sleep", level))
 
