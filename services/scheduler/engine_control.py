@@ -85,9 +85,13 @@ class EngineControl:
             log.info("paused (abort): %d requests aborted", len(live))
             return self.state(num_aborted=len(live))
         if mode == "wait":
+            if self.frozen:               # already paused (abort/keep): what is live stays as it is
+                return self.state()
             while self._live_unheld():
                 self._changed.clear()
                 await self._changed.wait()
+                if not self.paused:       # resumed meanwhile: nothing to freeze
+                    return self.state()
             self.frozen = True
             log.info("paused (wait): every request live at the pause has ended")
             return self.state()
@@ -99,6 +103,7 @@ class EngineControl:
             raise InvalidRequestError(f"the engine is asleep (level {self.sleep_level}): POST /wake_up resumes it",
                                       code="engine_asleep")
         self.paused = self.frozen = False
+        self._changed.set()               # a pause(wait) still waiting returns
         held, self.held = self.held, []
         for request in held:
             self.loop.admit_held(request)

@@ -220,3 +220,24 @@ async def test_sleep_preempts_holds_and_wake_up_resumes(service, engine):
         assert got == expected(PROMPT, 30)
     finally:
         await worker.kill()
+
+
+async def test_resume_during_pause_wait_and_wait_after_keep(service, engine):
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address, step_delay=0.02).start()
+    try:
+        task, got = await _started(stub, "slow", 60)
+        waiting = asyncio.ensure_future(stub.Pause(_pause("wait")))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        await stub.Resume(engine_pb2.ResumeRequest())
+        state = await asyncio.wait_for(waiting, 5)            # returned, and nothing is left frozen
+        assert not state.paused and not service.loop.control.frozen
+        await stub.Pause(_pause("keep"))
+        state = await asyncio.wait_for(stub.Pause(_pause("wait")), 5)   # kept requests do not block it
+        assert state.paused
+        await stub.Resume(engine_pb2.ResumeRequest())
+        await asyncio.wait_for(task, 20)
+        assert got == expected(PROMPT, 60)
+    finally:
+        await worker.kill()
