@@ -139,3 +139,17 @@ async def test_file_size_and_job_limits(batch_gateway):
     await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.RateLimitError):
         await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+async def test_a_line_that_cannot_be_recorded_fails_the_batch(batch_gateway, monkeypatch):
+    from steploop.gateway.batch_api import durable
+
+    def disk_full(self, record):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(durable.Journal, "append", disk_full)
+    client = batch_gateway.openai(KEY)
+    file = await client.files.create(file=_jsonl([_chat_line(i) for i in range(3)]), purpose="batch")
+    batch = await client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+    batch = await _until_done(client, batch.id)
+    assert batch.status == "failed" and batch.errors.data[0].code == "internal_error"

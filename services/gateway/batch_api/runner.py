@@ -138,6 +138,7 @@ class BatchRunner:
                 slots.release()
 
         tasks: set[asyncio.Task] = set()
+        started: list[asyncio.Task] = []
         try:
             for line in todo:
                 await slots.acquire()
@@ -147,6 +148,7 @@ class BatchRunner:
                 task = asyncio.ensure_future(run(line))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                started.append(task)
                 self.lines_sent += 1
             while tasks and not self._cancel.is_set():
                 cancelled = asyncio.ensure_future(self._cancel.wait())
@@ -157,6 +159,9 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             journal.close()
+        failures = [t.exception() for t in started if not t.cancelled() and t.exception() is not None]
+        if failures:                      # a line that could not be recorded (disk full...) fails the batch
+            raise failures[0]
         if self._cancel.is_set():
             return "cancelled"
         return "done" if finished == len(todo) else "expired"
