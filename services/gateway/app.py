@@ -140,6 +140,11 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
 
     async def fetch_model_info(_: web.Application) -> None:
         await model.try_refresh()
+        try:      # started while the engine is paused (a gateway restart): new requests wait from the start
+            if (await engine_client.control_state()).paused:
+                gate.close()
+        except APIError as err:
+            logger.debug("engine control state not available (%s)", err.message)
 
     async def open_batches(_: web.Application) -> None:
         batches.open()       # the runner starts once the site listens (server.start_batches)

@@ -168,3 +168,15 @@ async def test_distributed_weight_routes_validate_and_reach_the_engine(admin_gat
     status, body = await _call("POST", url + "/update_weights_from_distributed",
                                json={"buckets": [{"tensors": [{"name": "x", "shape": [-1]}]}]})
     assert (status, body["error"]["param"]) == (400, "buckets")
+
+
+async def test_a_gateway_started_while_the_engine_is_paused_holds_requests(fake_engine, tokenizer):
+    fake_engine.paused = True
+    config = GatewayConfig(port=0, served_model_name=SERVED_NAME, paused_request_timeout=0.0)
+    server, address, _ = await start_fake_engine(fake_engine)
+    try:
+        async with serving_app(EngineClient(address), tokenizer, config) as (url, _):
+            status, body = await _call("POST", url + "/v1/completions", key=None, json=COMPLETION)
+            assert (status, body["error"]["code"]) == (503, "engine_paused")
+    finally:
+        await server.stop(None)
