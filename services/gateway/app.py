@@ -2,36 +2,42 @@
 
 Middlewares, outermost first: errors (every failure leaves as OpenAI's error shape, never a traceback), drain
 (503 once shutting down; counts requests in flight), auth (Bearer key on /v1 routes, constant-time compare),
-then the handlers in routes.py.
+admin auth (the admin key on the engine control routes, admin_auth.py), then the handlers in routes.py.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import pathlib
 
 from aiohttp import web
 
 from steploop.common import model_path
 from steploop.gateway import metrics as gateway_metrics
+from steploop.gateway.admin_auth import admin_middleware
 from steploop.gateway.app_keys import (
+    BATCHES,
     CHAT_TEMPLATE,
     DRAIN,
     HEALTH,
     MAX_BODY,
+    PAUSE_GATE,
     REASONING_PARSER,
     RESPONSE_STORE,
     SERVING,
     TOOL_PARSER,
 )
+from steploop.gateway.batch_api.service import BatchService
 from steploop.gateway.config import GatewayConfig
 from steploop.gateway.drain import Drain
-from steploop.gateway.endpoints import routes
+from steploop.gateway.endpoints import control_routes, routes
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError, internal_error
 from steploop.gateway.health import HealthProbe
 from steploop.gateway.messages_api import errors as anthropic_errors
 from steploop.gateway.model_state import ModelState
+from steploop.gateway.pause_gate import PauseGate
 from steploop.gateway.responses_api.store import ResponseStore
 from steploop.gateway.routing import route_header
 from steploop.gateway.serving import Serving
@@ -108,13 +114,16 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     middlewares = [error_middleware, drain.middleware, route_header.middleware]   # route: x-steploop-replica
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
+    if config.admin_api_key:
+        middlewares.append(admin_middleware(config.admin_api_key, config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_body_bytes)
     app.on_response_prepare.append(route_header.on_prepare)
     path = model_path.model_dir_for(config.model)
     name = config.served_model_name or model_path.served_model_name(config.model, path)
     model = ModelState(engine_client, name, str(path))
     reasoning = get_reasoning_parser(config.reasoning_parser)
-    app[SERVING] = Serving(engine_client, tokenizer, model, config.lora,
+    app[PAUSE_GATE] = gate = PauseGate(config.paused_request_timeout)
+    app[SERVING] = Serving(engine_client, tokenizer, model, config.lora, gate,
                            keep_special_tokens=reasoning is not None and reasoning.needs_special_tokens)
     app[TOOL_PARSER] = tool_parser = get_tool_parser(config.tool_call_parser)
     app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
@@ -123,11 +132,29 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     app[MAX_BODY] = config.max_request_body_bytes
     app[RESPONSE_STORE] = ResponseStore()
     app[REASONING_PARSER] = reasoning
+    app[BATCHES] = batches = BatchService(
+        pathlib.Path(config.batch_dir) if config.batch_dir else model_path.cache_dir() / "batches",
+        max_file_bytes=config.batch_max_file_bytes, max_lines=config.batch_max_lines,
+        max_jobs=config.batch_max_jobs, concurrency=config.batch_concurrency, api_key=config.api_key)
     routes.add_routes(app)
+    control_routes.add_routes(app, enabled=bool(config.admin_api_key))   # the admin routes, only with a key
     gateway_metrics.install(app, engine_client, model)   # /metrics, HTTP metrics, the request's span
 
     async def fetch_model_info(_: web.Application) -> None:
         await model.try_refresh()
+        try:      # started while the engine is paused (a gateway restart): new requests wait from the start
+            if (await engine_client.control_state()).paused:
+                gate.close()
+        except APIError as err:
+            logger.debug("engine control state not available (%s)", err.message)
+
+    async def open_batches(_: web.Application) -> None:
+        batches.open()       # the runner starts once the site listens (server.start_batches)
+
+    async def close_batches(_: web.Application) -> None:
+        await batches.close()
 
     app.on_startup.append(fetch_model_info)
+    app.on_startup.append(open_batches)
+    app.on_cleanup.append(close_batches)
     return app

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from steploop.gateway.batch_api.service import BatchService
 from steploop.gateway.drain import Drain
 from steploop.gateway.health import HealthProbe
+from steploop.gateway.pause_gate import PauseGate
 from steploop.gateway.responses_api.store import ResponseStore
 from steploop.gateway.serving import Serving
 from steploop.gateway.text.chat_template import ChatTemplate
@@ -21,3 +23,5 @@ DRAIN = web.AppKey("drain", Drain)
 MAX_BODY = web.AppKey("max_body", int)                   # --max-request-body-bytes, for the 413's message
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)   # /v1/responses kept (store defaults to true)
 REASONING_PARSER = web.AppKey("reasoning_parser", ReasoningParser)   # --reasoning-parser; None: no split
+PAUSE_GATE = web.AppKey("pause_gate", PauseGate)          # POST /pause holds new generation requests here
+BATCHES = web.AppKey("batches", BatchService)           # the Batch API's stores and runner (batch_api/)

@@ -15,6 +15,10 @@ from steploop.gateway.text.reasoning import REASONING_PARSERS, get_reasoning_par
 from steploop.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_PAUSED_REQUEST_TIMEOUT = 30.0
+# Batch API limits: OpenAI's own per-file limits (200 MB, 50,000 requests)
+DEFAULT_BATCH_MAX_FILE_BYTES = 200 * 1024 * 1024
+DEFAULT_BATCH_MAX_LINES = 50_000
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,13 @@ class GatewayConfig:
     kv_events_routing: bool = True            # route by replicas' KV events where they publish them (kv_index.py)
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # times one request may move to another replica (migration.py)
     lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora, --allow-runtime-lora-updating (routes)
+    admin_api_key: str | None = None          # set: the engine control routes exist and need this key (admin_auth.py)
+    paused_request_timeout: float = DEFAULT_PAUSED_REQUEST_TIMEOUT   # s a new request waits for /resume; 0: 503
+    batch_dir: str | None = None              # Batch API files and jobs; None = <cache dir>/batches (batch_api/)
+    batch_max_file_bytes: int = DEFAULT_BATCH_MAX_FILE_BYTES   # a larger upload is 413
+    batch_max_lines: int = DEFAULT_BATCH_MAX_LINES             # requests in one input file at most
+    batch_max_jobs: int = 16                  # batches queued or running at once; more is 429
+    batch_concurrency: int = 8                # lines of the running batch in flight at once
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -51,6 +62,14 @@ class GatewayConfig:
                              f"got {self.scheduler_discovery_interval}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0 (0: off), got {self.max_migrations}")
+        if self.paused_request_timeout < 0:
+            raise ValueError(f"--paused-request-timeout must be >= 0 seconds (0: 503 at once), "
+                             f"got {self.paused_request_timeout}")
+        for name in ("batch_max_file_bytes", "batch_max_lines", "batch_max_jobs", "batch_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("--admin-api-key must differ from --api-key (a user key must not control the engine)")
         get_reasoning_parser(self.reasoning_parser)   # an unknown name fails at start, listing the known ones
         addresses = self.scheduler_addresses   # any gRPC target: host:port, [::1]:port, unix:path, dns:///...
         if self.scheduler_discovery_interval > 0 and any(
@@ -75,7 +94,11 @@ class GatewayConfig:
                    tool_call_parser=args.tool_call_parser,
                    scheduler_discovery_interval=args.scheduler_discovery_interval,
                    reasoning_parser=args.reasoning_parser or None, kv_events_routing=args.kv_events_routing,
-                   max_migrations=args.max_migrations, lora=LoraConfig.from_args(args))
+                   max_migrations=args.max_migrations, lora=LoraConfig.from_args(args),
+                   admin_api_key=args.admin_api_key or None, paused_request_timeout=args.paused_request_timeout,
+                   batch_dir=args.batch_dir or None, batch_max_file_bytes=args.batch_max_file_bytes,
+                   batch_max_lines=args.batch_max_lines, batch_max_jobs=args.batch_max_jobs,
+                   batch_concurrency=args.batch_concurrency)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -92,6 +115,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # Not via add_flag: its help text prints the default, and this default is a secret.
     parser.add_argument("--api-key", default=os.environ.get(envs.env_name("--api-key")),
                         help=f"require `Authorization: Bearer <key>` on /v1 routes (env {envs.env_name('--api-key')})")
+    parser.add_argument("--admin-api-key", default=os.environ.get(envs.env_name("--admin-api-key")),
+                        help="turn on the engine control routes (/pause, /resume, /is_paused, "
+                             "/update_weights_from_disk, /get_weight_version, /sleep, /wake_up, /is_sleeping) and "
+                             "require `Authorization: Bearer "
+                             f"<key>` on them; the --api-key gets 403 there (env {envs.env_name('--admin-api-key')})")
+    envs.add_flag(parser, "--paused-request-timeout", type=float, default=d.paused_request_timeout,
+                  help="while the engine is paused (POST /pause), a new generation request waits this many seconds "
+                       "for POST /resume, then gets 503; 0: 503 at once")
+    envs.add_flag(parser, "--batch-dir", default=None,
+                  help="where the Batch API (/v1/files, /v1/batches) keeps uploaded files, jobs and their progress; "
+                       "one gateway per folder (default: <cache dir>/batches)")
+    envs.add_flag(parser, "--batch-max-file-bytes", type=int, default=d.batch_max_file_bytes,
+                  help="a larger /v1/files upload is refused (413)")
+    envs.add_flag(parser, "--batch-max-lines", type=int, default=d.batch_max_lines,
+                  help="requests one batch input file may hold")
+    envs.add_flag(parser, "--batch-max-jobs", type=int, default=d.batch_max_jobs,
+                  help="batches queued or running at once; one more is refused (429)")
+    envs.add_flag(parser, "--batch-concurrency", type=int, default=d.batch_concurrency,
+                  help="requests of the running batch in flight at once (each at the lowest priority)")
     envs.add_flag(parser, "--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                   help="larger request bodies are refused with 413")
     envs.add_flag(parser, "--shutdown-timeout", type=float, default=d.shutdown_timeout,

@@ -23,6 +23,7 @@ class ModelState:
         self.pooling: PoolingConfig | None = None
         self.generation_defaults = NO_DEFAULTS   # the model's sampling defaults, once a worker has said them
         self.lora_adapters: dict[str, str] = {}   # LoRA adapters the engine serves: name -> folder
+        self.weight_version: str | None = None    # the served weights' version, once an admin route learned it
 
     async def refresh(self) -> None:
         info = await self.engine.model_info()

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from steploop.common import event_loop, model_path, observability
 from steploop.gateway.app import create_app
-from steploop.gateway.app_keys import DRAIN, SERVING
+from steploop.gateway.app_keys import BATCHES, DRAIN, SERVING
 from steploop.gateway.config import GatewayConfig, add_cli_args
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.routing import discovery as discovery_mod
@@ -43,6 +43,12 @@ def bound_port(runner: web.AppRunner) -> int:
     return runner.addresses[0][1]
 
 
+def start_batches(app: web.Application, host: str, port: int) -> None:
+    """The Batch API's runner sends each line to this gateway's own endpoint, so it starts once the site listens."""
+    loopback = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+    app[BATCHES].start(f"http://{loopback}:{port}")
+
+
 async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     path = model_path.resolve_model(config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
@@ -64,6 +70,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     app = create_app(config, engine, tokenizer)
     # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
     runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)
+    start_batches(app, config.host, bound_port(runner))
     logger.info("gateway serving %s on http://%s:%d (engine %s)", app[SERVING].model.served_model_name,
                 config.host, bound_port(runner), config.scheduler_address)
     stop = stop or asyncio.Event()
@@ -72,6 +79,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        await app[BATCHES].close()    # no new batch line; those in flight run again at the next start
         logger.info("shutting down: draining %d in-flight requests for up to %.0f s (new ones get 503)",
                     app[DRAIN].in_flight, config.shutdown_timeout)
         left = await app[DRAIN].drain(config.shutdown_timeout)

@@ -13,6 +13,7 @@ from steploop.gateway.grammar_check import check_constraint, constraint_field
 from steploop.gateway.model_state import ModelState
 from steploop.gateway.openai_api.protocol import SamplingFields, choice_params
 from steploop.gateway.openai_api.token_controls import bad_words_token_ids
+from steploop.gateway.pause_gate import PauseGate
 from steploop.gateway.text.generation import Choice, TextEvent, generate_choice, merge
 from steploop.gateway.text.tokenizer import Tokenizer
 
@@ -22,12 +23,14 @@ API_BY_PARAM = {"prompt": "Completions", "messages": "Chat Completions", "input"
 
 class Serving:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model: ModelState,
-                 lora: LoraConfig | None = None, keep_special_tokens: bool = False) -> None:
+                 lora: LoraConfig | None = None, gate: PauseGate | None = None,
+                 keep_special_tokens: bool = False) -> None:
         self.engine = engine
         self.keep_special_tokens = keep_special_tokens   # the reasoning parser reads special tokens (harmony)
         self.tokenizer = tokenizer
         self.model = model
         self.lora = lora or LoraConfig()     # --enable-lora, --allow-runtime-lora-updating
+        self.gate = gate or PauseGate(0.0)   # POST /pause: new requests wait here (pause_gate.py)
 
     def check_model(self, name: str | None) -> str:
         """The LoRA adapter a request's `model` names ("" = the base model), or 404 model_not_found. With
@@ -61,6 +64,7 @@ class Serving:
         """n choices per prompt, indexed prompt-major: prompt i's choices are i*n .. i*n+n-1. Seeded choices get
         seeds seed, seed+1, ... so the n samples differ (and repeat across runs). A pooling model (embeddings
         only) refuses them: a 400 naming `api` (by default the API whose prompt field is `param`)."""
+        await self.gate.wait_open()
         await self.model.check_serves("generate", api or API_BY_PARAM.get(param, "Completions"))
         await check_constraint(sampling)     # a grammar that cannot be enforced as written: 400 before any work
         keep = sampling.truncate_prompt_tokens

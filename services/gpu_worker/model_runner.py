@@ -38,12 +38,14 @@ from steploop.gpu_worker.penalties import PenaltyInputs
 from steploop.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
 from steploop.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
 from steploop.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from steploop.gpu_worker.sleep_mode import SleepMode
 from steploop.gpu_worker.step_inputs import (
     SamplingSlot,
     StepInputs,
     prepare_step_inputs,
 )
 from steploop.gpu_worker.structured_output import StructuredOutput
+from steploop.gpu_worker.weight_update import WeightUpdater
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ class ModelRunner:
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
         self.lora = lora                 # --enable-lora: adapters per request (lora/manager.py)
         self.threads: ThreadGovernor | None = None   # CPU: each step's thread count from measured step times
+        self.weights: WeightUpdater | None = None   # /update_weights_from_disk (weight_update.py); from_config sets it
+        self.sleep_mode: SleepMode | None = None     # /sleep, /wake_up (sleep_mode.py); from_config sets it
+        self.receiver = None     # update_weights_from_distributed (weight_receiver.py); from_config sets it
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -121,11 +126,21 @@ class ModelRunner:
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
         runner.threads = make_thread_governor(config, device, plan)
+        runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
+                                                                       rank.share, rank.comm), cfg, model_path)
+        from steploop.gpu_worker.weight_receiver import WeightReceiver
+        runner.receiver = WeightReceiver(runner, config.tp_host)
+        runner.sleep_mode = SleepMode(runner, lambda: kv_cache.allocate_kv_caches(
+            local, num_blocks, config.block_size, dtype, device, plan.hugepages))
         return runner
 
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
         self.batch.reset()
+        if self.weights is not None:
+            self.weights.drop()
+        if self.sleep_mode is not None:
+            self.sleep_mode.wake()       # the next scheduler gets a worker that can serve what its hello says
         if self.lora is not None:
             self.lora.reset()
 

@@ -40,6 +40,7 @@ from steploop.gpu_worker.distributed.comm import CollectiveError
 from steploop.gpu_worker.distributed.rank_link import RankLink
 from steploop.gpu_worker.metrics import WorkerObserver, make_observer
 from steploop.gpu_worker.model_runner import ModelRunner
+from steploop.gpu_worker.weight_update import control_op
 
 log = logging.getLogger("steploop.worker")
 
@@ -144,8 +145,10 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
 
     def forward_loop() -> None:
         while (plan := plans.get()) is not None:
-            if callable(plan):                     # form the tensor-parallel group, in order with the plans
-                plan()
+            if callable(plan):                     # form the group, or an engine control (weight_update.py),
+                answer = plan()                    # in order with the plans
+                if answer is not None:
+                    loop.call_soon_threadsafe(results.put_nowait, (None, answer))
                 continue
             result = runner.execute(plan)          # a failed step comes back as an error result; a broken
             loop.call_soon_threadsafe(results.put_nowait, (plan, result))   # group raises CollectiveError
@@ -153,6 +156,9 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
     async def write_results() -> None:
         while True:
             plan, result = await results.get()
+            if plan is None:                       # an engine control's answer
+                await call.write(worker_pb2.WorkerMessage(control_result=result))
+                continue
             await call.write(worker_pb2.WorkerMessage(result=rank.answer(result).to_pb()))
             obs.after(plan, result)
 
@@ -183,6 +189,8 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
                 plans.put(plan)
             elif msg.HasField("tp_group"):
                 plans.put(rank.former(msg.tp_group))
+            elif msg.HasField("control"):
+                plans.put(control_op(runner, msg.control))
     finally:
         plans.put(None)                            # the forward thread ends after the step it is on
         writer.cancel()

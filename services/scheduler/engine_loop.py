@@ -24,6 +24,7 @@ from steploop.common.errors import EngineError, InvalidRequestError, OverloadedE
 from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.engine_control import EngineControl
 from steploop.scheduler.kv_cache_manager import KVCacheManager
 from steploop.scheduler.kv_events.hub import KvEventHub
 from steploop.scheduler.lora_registry import LoraRegistry
@@ -62,6 +63,7 @@ class EngineLoop:
         algo = sched_config.prefix_caching_hash_algo
         self.kv_events = (KvEventHub(sched_config.kv_events, algo, hasher_root(algo))
                           if sched_config.kv_events.enable_kv_cache_events else None)
+        self.control = EngineControl(self)          # pause / resume / weight updates (engine_control.py)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest,
@@ -70,7 +72,7 @@ class EngineLoop:
         make_sink(request_id), made only once the request is accepted."""
         if not self.accepting:
             raise UnavailableError("the scheduler is shutting down")
-        num_waiting = len(self._pending) + (self.scheduler.num_waiting if self.scheduler is not None else 0)
+        num_waiting = self._num_waiting()
         if num_waiting >= self.server_config.max_waiting:
             raise OverloadedError(f"{num_waiting} requests are waiting (--max-waiting "
                                   f"{self.server_config.max_waiting}); retry shortly")
@@ -90,7 +92,9 @@ class EngineLoop:
                           priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling,
                           output_token_ids=list(req.resume_output_token_ids),   # migrated: outputs, not prompt
                           lora_name=req.lora_name or None, lora_path=lora_path)
-        if self.scheduler is None:
+        if self.control.hold(request):      # paused: validated and queued on resume (admit_held)
+            pass
+        elif self.scheduler is None:
             self._pending.append(request)
         else:
             self._admit(request)
@@ -121,12 +125,32 @@ class EngineLoop:
         except RequestRejectedError as exc:
             raise InvalidRequestError(str(exc), param=exc.param, code=exc.code) from exc
 
+    def admit_held(self, request: Request) -> None:
+        """A request held while paused joins the queue (resume); one that cannot run ends with its error."""
+        if self.scheduler is None:
+            self._pending.append(request)
+            return
+        try:
+            self._admit(request)
+        except InvalidRequestError as exc:
+            self.observer.on_abort(request.request_id, "rejected", "error")
+            self._fail(request.request_id, exc)
+
+    def _num_waiting(self) -> int:
+        queued = self.scheduler.num_waiting if self.scheduler is not None else 0
+        return len(self._pending) + len(self.control.held) + queued
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
     def abort(self, request_id: str, reason: str = "cancelled") -> None:
         """Drop the request at once (its blocks come back before the next step). A caller still listening (an
         Abort RPC from elsewhere) gets a last chunk with FINISH_REASON_ABORT."""
         self.observer.on_abort(request_id, reason)
         stream = self.streams.pop(request_id, None)
         self._pending = [r for r in self._pending if r.request_id != request_id]
+        self.control.drop(request_id)
+        self.control.request_ended()
         outputs = self.scheduler.abort_requests([request_id]) if self.scheduler is not None else []
         if stream is not None:
             stream.put(outputs[0] if outputs else RequestOutput(request_id, [], None, RequestStatus.FINISHED_ABORTED,
@@ -141,6 +165,7 @@ class EngineLoop:
             stream.put(out)
             if out.finish_reason is not None:
                 del self.streams[out.request_id]
+                self.control.request_ended()
 
     # ---- workers --------------------------------------------------------------------------------------------
     def attach(self, link: WorkerLink) -> None:
@@ -218,6 +243,11 @@ class EngineLoop:
     def has_work(self) -> bool:
         return bool(self._pending) or (self.scheduler is not None and self.scheduler.has_unfinished_requests())
 
+    def can_step(self) -> bool:
+        """Work that may run now: not while paused (engine_control.py) or while a control operation waits for the
+        step boundary."""
+        return self.has_work() and not self.control.frozen and not self.control.has_pending
+
     async def run(self) -> None:
         """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied."""
         outstanding: deque[tuple[StepPlan, int]] = deque()   # plans sent, with their size in bytes
@@ -228,7 +258,10 @@ class EngineLoop:
                 group = await self._wait_for_work()
             sent = False
             try:
-                if len(outstanding) < window and self.has_work():
+                if not outstanding and self.control.has_pending:   # a step boundary: pause / weight updates
+                    await self.control.run_pending(group)
+                    continue
+                if len(outstanding) < window and self.can_step():
                     plan = self.scheduler.schedule()
                     if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
                         self.observer.on_plan(plan, self.scheduler.new_request_ids(plan))
@@ -249,6 +282,14 @@ class EngineLoop:
                     # The Attach handler detached this group first (and a new worker may be attached by now): the
                     # plans this loop scheduled on it since then died with it, so preempt those requests too.
                     self.scheduler.preempt_all()
+
+    async def step_now(self, group: WorkerGroup, plan: StepPlan) -> None:
+        """Sends one plan built outside schedule() (engine_control.py: a plan that only preempts) and applies its
+        result; called with no plan outstanding."""
+        self.observer.on_plan(plan, [])
+        bytes_before = group.bytes_sent
+        await group.send(plan)
+        self._apply(plan, await group.recv(plan), group.bytes_sent - bytes_before)
 
     def _apply(self, plan: StepPlan, result: StepResult, plan_bytes: int) -> None:
         self.num_steps += 1
@@ -277,7 +318,9 @@ class EngineLoop:
     async def _wait_for_work(self) -> WorkerGroup:
         self.check_idle()
         while True:
-            if self.group is not None and self.has_work():
+            if self.control.has_pending:
+                return self.group
+            if self.group is not None and self.can_step():
                 return self.group
             if self.group is None and self.has_work():
                 self._fail_if_no_worker()
@@ -307,6 +350,7 @@ class EngineLoop:
     def _fail(self, request_id: str, error: EngineError) -> None:
         """Ends a caller's stream with a gRPC error (the request never ran, or lost its worker for good)."""
         stream = self.streams.pop(request_id, None)
+        self.control.request_ended()
         if stream is not None:
             stream.put(FailedOutput(request_id, error))
 
@@ -315,20 +359,22 @@ class EngineLoop:
         """A worker is attached and, whenever work is pending, a step finished recently (busy ≠ hung)."""
         if self.group is None or self.group.is_closed:
             return False
-        return not self.has_work() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
+        return not self.can_step() or time.monotonic() - self.last_progress < self.server_config.hang_timeout
 
     def load_report(self) -> EngineLoad:
         """What the engine holds now (Engine.GetLoadReport, the vllm:* gauges, the stats line)."""
         sched = self.scheduler
         attached = 0 if self.group is None else self.group.world_size
         if sched is None:
-            return EngineLoad(num_waiting=len(self._pending), num_steps=self.num_steps,
-                              counters=self._retired_counters, workers_attached=attached)
+            return EngineLoad(num_waiting=self._num_waiting(), num_steps=self.num_steps,
+                              counters=self._retired_counters, workers_attached=attached,
+                              paused=self.control.paused, weight_updates=self.control.weight_updates)
         kv = sched.kv
         return EngineLoad(
-            num_running=sched.num_running, num_waiting=sched.num_waiting + len(self._pending),
+            num_running=sched.num_running, num_waiting=self._num_waiting(),
             num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.num_blocks, kv_cache_usage=kv.usage,
             num_steps=self.num_steps, counters=self._retired_counters + sched.counters(),
             step_cost=sched.step_cost(), workers_attached=attached,
             running_lora_adapters=tuple(sched.lora.running), waiting_lora_adapters=tuple({r.lora_name: None for r in sched.waiting if r.lora_name}),
-            max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0)
+            max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0,
+            paused=self.control.paused, weight_updates=self.control.weight_updates)

@@ -130,10 +130,14 @@ def _steploop(obs: Any, load: EngineLoad, labels: list[str]) -> Iterator:
     yield _hist("steploop:plan_size_bytes", "Size of one StepPlan message.", labels, obs.plan_size)
     aborts = CounterMetricFamily("steploop:request_aborts", "Requests ended before finishing, by reason.",
                                  labels=MODEL + ["reason"])
-    for reason in ("cancelled", "abort_rpc", "no_worker", "rejected"):
+    for reason in ("cancelled", "abort_rpc", "no_worker", "rejected", "paused"):
         aborts.add_metric(labels + [reason], obs.aborts[reason])
     yield aborts
     yield _counter("steploop:worker_attaches", "Workers that attached.", labels, obs.attaches)
     yield _counter("steploop:worker_detaches", "Workers that detached (stream broke or replaced).", labels,
                    obs.detaches)
     yield _gauge("steploop:workers_attached", "Workers attached now.", labels, load.workers_attached)
+    yield _gauge("steploop:engine_paused", "1 while generation is paused (POST /pause), else 0.", labels,
+                 float(load.paused))
+    yield _counter("steploop:weight_updates", "Weight updates applied since start (the served weight version "
+                   "is GET /get_weight_version).", labels, load.weight_updates)

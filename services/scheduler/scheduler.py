@@ -311,6 +311,19 @@ class Scheduler:
             self.pacer.forget_in_flight()
         self._first_live_step = self._next_step_id
 
+    def preempt_running(self) -> StepPlan:
+        """Every running request preempted (kept, recomputed later) and every prefix-cache key dropped, with the
+        worker still attached: returns the plan that tells it (preempted and finished handles, nothing scheduled).
+        For pause(keep) and weight updates (engine_control.py), called with no plan in flight."""
+        plan = StepPlan(step_id=self._next_step_id)
+        self._next_step_id += 1
+        plan.finished_handles = self.handles.take_finished()
+        for request in reversed(list(self.running)):        # worst first: the best ends up at the front
+            self._preempt(request, plan)
+        self.kv.reset_prefix_cache()
+        self.handles.recycle()
+        return plan
+
     def drain_requests(self) -> list[Request]:
         """Take every unfinished request out (blocks freed, to be recomputed), best first, for a new scheduler.
 

@@ -10,7 +10,8 @@ import grpc
 
 from steploop.common import metrics, tracing
 from steploop.common.engine_contract import KV_EVENTS_RESUMED_METADATA, EngineRequest
-from steploop.common.errors import EngineError, abort_with
+from steploop.common.engine_control import PAUSE_MODES
+from steploop.common.errors import EngineError, InvalidRequestError, abort_with
 from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from steploop.common.step_contract import SCHEDULER_STOPPING_METADATA, WorkerInfo
 from steploop.scheduler.engine_loop import EngineLoop
@@ -82,6 +83,46 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await abort_with(context, err)
         return engine_pb2.LoraAdapterReply()
 
+
+    # ---- engine control (the gateway's admin routes; engine_control.py) ----
+    async def _control(self, context, call):
+        try:
+            return (await call).to_pb()
+        except EngineError as err:
+            await abort_with(context, err)
+
+    async def Pause(self, request, context):
+        return await self._control(context, self.loop.control.pause(PAUSE_MODES[request.mode]))
+
+    async def Resume(self, request, context):
+        return await self._control(context, self.loop.control.resume())
+
+    async def GetEngineControlState(self, request, context):
+        return self.loop.control.state().to_pb()
+
+    async def UpdateWeightsFromDisk(self, request, context):
+        if not request.model_path:
+            await abort_with(context, InvalidRequestError("model_path is required", param="model_path"))
+        return await self._control(context, self.loop.control.update_weights_from_disk(request.model_path,
+                                                                                      request.weight_version))
+
+    async def InitWeightsUpdateGroup(self, request, context):
+        if not request.master_address or not request.master_port or request.world_size < 2:
+            await abort_with(context, InvalidRequestError("master_address, master_port and a world_size of at least "
+                                                          "2 are required", param="master_address"))
+        return await self._control(context, self.loop.control.init_weights_update_group(request))
+
+    async def UpdateWeightsFromDistributed(self, request, context):
+        if not request.buckets:
+            await abort_with(context, InvalidRequestError("buckets is required", param="buckets"))
+        return await self._control(context, self.loop.control.update_weights_from_distributed(
+            request.buckets, request.weight_version))
+
+    async def Sleep(self, request, context):
+        return await self._control(context, self.loop.control.sleep(request.level))
+
+    async def WakeUp(self, request, context):
+        return await self._control(context, self.loop.control.wake_up())
 
     async def GetMetrics(self, request, context):
         return engine_pb2.MetricsText(text=metrics.exposition(self.loop.observer.registry).decode())

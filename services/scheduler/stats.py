@@ -53,6 +53,8 @@ class EngineLoad(LoadReport):
     step_cost: tuple[float, float] | None = None   # prefill pacing's learned step time: (base s, s per token)
     workers_attached: int = 0
     max_loras: int = 0                             # --max-loras with --enable-lora; 0 = LoRA off
+    paused: bool = False                           # POST /pause (engine_control.py)
+    weight_updates: int = 0                        # weight updates applied since start
 
 
 @dataclass

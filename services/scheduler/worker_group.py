@@ -32,6 +32,7 @@ class WorkerGroup:
         self.close_reason = ""
         self.bytes_sent = 0           # plan bytes, counted once per plan (each rank gets the same bytes)
         self.bytes_written = 0        # all ranks together
+        self._control_id = 0          # engine-control operations sent (engine_control.py)
         rank0 = links[0].info
         self.info, self._formed = rank0, None
         if self.world_size > 1:       # the ranks' process group; one rank computes alone
@@ -78,6 +79,24 @@ class WorkerGroup:
             self.close(f"rank answered step {plan.step_id} with an error rank 0 did not have: {errors[0]}")
             raise WorkerLost(self.close_reason)
         return result
+
+    async def control(self, message: worker_pb2.EngineControl) -> list[worker_pb2.ControlResult]:
+        """Sends an engine-control operation to every rank (no plan outstanding) and waits for every rank's
+        answer (rank order)."""
+        self._control_id += 1
+        message.control_id = self._control_id
+        await self._send_all(worker_pb2.SchedulerMessage(control=message))
+        try:
+            answers = [await link.recv_control(self._control_id) for link in self.links]
+        except WorkerLost as exc:
+            self.close(str(exc))
+            raise WorkerLost(self.close_reason) from exc
+        return answers
+
+    def control_errors(self, answers: list[worker_pb2.ControlResult]) -> list[str]:
+        """The ranks' errors, each prefixed by its rank in a group of several (empty: every rank did it)."""
+        return [f"rank {rank}: {a.error}" if self.world_size > 1 else a.error
+                for rank, a in enumerate(answers) if a.error]
 
     def close(self, reason: str = "closed") -> None:
         """Closes every rank's link (their Attach calls end). A group of one keeps its worker's own words."""

@@ -57,6 +57,7 @@ class WorkerLink:
         self.ended_by_stop = False          # closed by the scheduler's own stop: an ordered stop, not a fault
         self.bytes_sent = 0
         self._results: asyncio.Queue[worker_pb2.StepResult] = asyncio.Queue()
+        self._controls: asyncio.Queue[worker_pb2.ControlResult] = asyncio.Queue()   # engine_control.py's answers
 
     async def read_loop(self) -> None:
         """Reads results until the stream ends; run by the Attach handler for the stream's whole life."""
@@ -73,6 +74,8 @@ class WorkerLink:
                     self.close("the worker closed its stream")
                 elif msg.HasField("result"):
                     self._results.put_nowait(msg.result)
+                elif msg.HasField("control_result"):
+                    self._controls.put_nowait(msg.control_result)
                 else:
                     log.warning("worker %s sent an unexpected %s", self.info.worker_id, msg.WhichOneof("kind"))
         except asyncio.CancelledError:
@@ -98,10 +101,18 @@ class WorkerLink:
         """The result of `plan`, the oldest plan sent and not yet answered (the worker answers in order)."""
         return StepResult.from_pb(await self.recv_raw(plan))
 
-    async def recv_raw(self, plan: StepPlan) -> worker_pb2.StepResult:
-        """recv without decoding: a group's other ranks only confirm the step id (and report errors)."""
-        if self._results.empty():
-            get = asyncio.ensure_future(self._results.get())
+    async def recv_control(self, control_id: int) -> worker_pb2.ControlResult:
+        """The worker's answer to EngineControl `control_id` (sent with no plan outstanding)."""
+        result = await self._next(self._controls)
+        if result.control_id != control_id:
+            self.close(f"worker answered control {result.control_id} to control {control_id}")
+            raise WorkerLost(self.close_reason)
+        return result
+
+    async def _next(self, queue: asyncio.Queue):
+        """The next message of `queue`, or WorkerLost once the stream is known broken."""
+        if queue.empty():
+            get = asyncio.ensure_future(queue.get())
             closed = asyncio.ensure_future(self.closed.wait())
             try:
                 await asyncio.wait([get, closed], return_when=asyncio.FIRST_COMPLETED)
@@ -111,9 +122,12 @@ class WorkerLink:
                     get.cancel()
             if not get.done() or get.cancelled():
                 raise WorkerLost(self.close_reason)
-            result = get.result()
-        else:
-            result = self._results.get_nowait()
+            return get.result()
+        return queue.get_nowait()
+
+    async def recv_raw(self, plan: StepPlan) -> worker_pb2.StepResult:
+        """recv without decoding: a group's other ranks only confirm the step id (and report errors)."""
+        result = await self._next(self._results)
         if result.step_id != plan.step_id:
             self.close(f"worker answered step {result.step_id} to plan {plan.step_id}")
             raise WorkerLost(self.close_reason)

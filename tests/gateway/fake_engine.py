@@ -44,6 +44,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     aborted: list = field(default_factory=list)    # ids sent to the Abort RPC
 
     sessions: int = 0                              # Session streams opened
+    controls: list = field(default_factory=list)   # engine control calls: ("pause", mode), ("resume",), ...
+    paused: bool = False
+    weight_version: str = "0"
+    weights_error: str = ""                        # if set, UpdateWeightsFromDisk is INVALID_ARGUMENT with it
     _drop: asyncio.Event = field(default_factory=asyncio.Event)
     _drops: int = 0                                # drop_sessions calls so far
 
@@ -198,6 +202,48 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                                     eos_token_ids=[self.eos_token_id], num_workers=self.num_workers,
                                     runner="generate" if self.num_workers else "",
                                     generation_defaults=engine_pb2.GenerationDefaults(**self.generation_defaults))
+
+    async def Pause(self, request, context):
+        self.controls.append(("pause", engine_pb2.PauseMode.Name(request.mode)))
+        self.paused = True
+        return engine_pb2.EngineControlState(paused=True, weight_version=self.weight_version)
+
+    async def Resume(self, request, context):
+        self.controls.append(("resume",))
+        self.paused = False
+        return engine_pb2.EngineControlState(paused=False, weight_version=self.weight_version)
+
+    async def GetEngineControlState(self, request, context):
+        return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
+
+    async def UpdateWeightsFromDisk(self, request, context):
+        self.controls.append(("update_weights", request.model_path, request.weight_version))
+        if self.weights_error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.weights_error)
+        self.weight_version = request.weight_version or str(int(self.weight_version) + 1)
+        return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
+                                             weight_updates=1)
+
+    async def InitWeightsUpdateGroup(self, request, context):
+        self.controls.append(("init_group", request.master_address, request.master_port, request.rank_offset,
+                              request.world_size))
+        return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
+
+    async def UpdateWeightsFromDistributed(self, request, context):
+        self.controls.append(("update_distributed", [(t.name, t.dtype, list(t.shape)) for b in request.buckets
+                                                     for t in b.tensors], [b.sha256 for b in request.buckets]))
+        self.weight_version = request.weight_version or str(int(self.weight_version) + 1)
+        return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
+
+    async def Sleep(self, request, context):
+        self.controls.append(("sleep", request.level))
+        self.paused = True
+        return engine_pb2.EngineControlState(paused=True, sleep_level=request.level, worker_rss_bytes=[1 << 20])
+
+    async def WakeUp(self, request, context):
+        self.controls.append(("wake_up",))
+        self.paused = False
+        return engine_pb2.EngineControlState(paused=False, worker_rss_bytes=[2 << 20])
 
     async def GetLoadReport(self, request, context):
         return engine_pb2.LoadReport()

@@ -27,18 +27,31 @@ class FakeGrpcWorker:
         self.steps = 0
         self.task: asyncio.Task | None = None
         self.call = None
+        self.controls: list = []                # EngineControl messages received (weights_load, weights_swap)
+        self.load_error = ""                    # set: weights_load answers with this error
+        self.plans: list[StepPlan] = []
 
     async def _run(self) -> None:
         async with grpc.aio.insecure_channel(self.address, options=grpc_options.CLIENT) as channel:
             call = self.call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
             await call.write(worker_pb2.WorkerMessage(hello=self.info.to_pb()))
             async for msg in call:
+                if msg.HasField("control"):
+                    await call.write(worker_pb2.WorkerMessage(control_result=self._control(msg.control)))
+                    continue
                 await self.paused.wait()
                 if self.step_delay:
                     await asyncio.sleep(self.step_delay)
-                result = self.worker.execute(StepPlan.from_pb(msg.plan))
+                plan = StepPlan.from_pb(msg.plan)
+                self.plans.append(plan)
+                result = self.worker.execute(plan)
                 self.steps += 1
                 await call.write(worker_pb2.WorkerMessage(result=result.to_pb()))
+
+    def _control(self, control: worker_pb2.EngineControl) -> worker_pb2.ControlResult:
+        self.controls.append(control)
+        error = self.load_error if control.HasField("weights_load") else ""
+        return worker_pb2.ControlResult(control_id=control.control_id, error=error)
 
     def start(self) -> "FakeGrpcWorker":
         self.task = asyncio.create_task(self._run())

@@ -57,6 +57,7 @@ async def create(request: web.Request) -> web.Response:
     if serving.check_model(req.model):       # a LoRA adapter's name: adapters serve generation only
         raise bad_request(f"The model '{req.model}' is a LoRA adapter; embeddings use the base model",
                           param="model", code="model_not_supported")
+    await serving.gate.wait_open()
     await model.check_serves("pooling", "Embeddings")
     if req.dimensions is not None and model.pooling is not None:
         try:

@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from steploop.gateway.app_keys import CHAT_TEMPLATE, HEALTH, REASONING_PARSER, SERVING, TOOL_PARSER
+from steploop.gateway.batch_api import routes as batch_routes
 from steploop.gateway.embeddings_api import routes as embeddings_routes
 from steploop.gateway.endpoints import lora_routes, utility_routes
 from steploop.gateway.http_io.request_body import read_json
@@ -120,6 +121,7 @@ def add_routes(app: web.Application) -> None:
     responses_routes.add_routes(app)  # OpenAI's Responses API
     embeddings_routes.add_routes(app)  # OpenAI's Embeddings API (a --runner pooling worker)
     lora_routes.add_routes(app)       # /v1/load_lora_adapter, /v1/unload_lora_adapter (when allowed)
+    batch_routes.add_routes(app)      # OpenAI's Batch API: /v1/files, /v1/batches
 
 
 def route_list(app: web.Application) -> list[str]:

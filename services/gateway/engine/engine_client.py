@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from steploop.common import grpc_options, tracing
 from steploop.common.engine_contract import EngineChunk, EngineRequest, LoadReport, ModelInfo
+from steploop.common.engine_control import PAUSE_MODES, ControlState
 from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from steploop.common.tls import TlsConfig, open_channel
 from steploop.gateway import errors
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 # Message limits and keepalive (a dead scheduler or a silent NAT drop is noticed during long generations).
 CHANNEL_OPTIONS = grpc_options.CLIENT
 UNARY_TIMEOUT_S = 5.0   # model info, health, abort: cheap calls that must not hang a handler
+CONTROL_TIMEOUT_S = 600.0   # pause (wait mode: until live requests end), weight updates (a checkpoint loads)
 
 
 class EngineClient:
@@ -161,6 +163,45 @@ class EngineClient:
                                                timeout=UNARY_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
             raise errors.from_grpc_error(err) from None
+
+    # ---- engine control (the gateway's admin routes) ----
+    async def _control(self, method: str, request, timeout: float = CONTROL_TIMEOUT_S) -> ControlState:
+        try:
+            return ControlState.from_pb(await getattr(self._stub, method)(request, timeout=timeout))
+        except grpc.aio.AioRpcError as err:
+            raise errors.from_grpc_error(err) from None
+
+    async def pause(self, mode: str) -> ControlState:
+        return await self._control("Pause", engine_pb2.PauseRequest(mode=PAUSE_MODES.index(mode)))
+
+    async def resume(self) -> ControlState:
+        return await self._control("Resume", engine_pb2.ResumeRequest())
+
+    async def control_state(self) -> ControlState:
+        return await self._control("GetEngineControlState", engine_pb2.EngineControlStateRequest(), UNARY_TIMEOUT_S)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str = "") -> ControlState:
+        return await self._control("UpdateWeightsFromDisk", engine_pb2.UpdateWeightsFromDiskRequest(
+            model_path=model_path, weight_version=weight_version))
+
+    async def init_weights_update_group(self, group: dict) -> ControlState:
+        """group: the request's fields (engine.proto InitWeightsUpdateGroupRequest), already validated."""
+        return await self._control("InitWeightsUpdateGroup", engine_pb2.InitWeightsUpdateGroupRequest(**group))
+
+    async def update_weights_from_distributed(self, buckets: list[dict], weight_version: str = "",
+                                              group_name: str = "") -> ControlState:
+        request = engine_pb2.UpdateWeightsFromDistributedRequest(weight_version=weight_version, group_name=group_name)
+        for bucket in buckets:
+            pb = request.buckets.add(sha256=bucket["sha256"])
+            for t in bucket["tensors"]:
+                pb.tensors.add(name=t["name"], dtype=t["dtype"], shape=t["shape"])
+        return await self._control("UpdateWeightsFromDistributed", request)
+
+    async def sleep(self, level: int) -> ControlState:
+        return await self._control("Sleep", engine_pb2.SleepRequest(level=level))
+
+    async def wake_up(self) -> ControlState:
+        return await self._control("WakeUp", engine_pb2.WakeUpRequest())
 
     async def health(self) -> bool:
         """True when the engine's grpc.health.v1 service reports SERVING for the server as a whole ("")."""

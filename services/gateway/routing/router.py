@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from steploop.common.block_hashing import first_block_extra
 from steploop.common.engine_contract import EngineChunk, EngineRequest, ModelInfo
+from steploop.common.engine_control import ControlState
 from steploop.gateway import errors
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.routing import route_header
@@ -172,6 +173,48 @@ class EngineRouter:
         await asyncio.gather(*(r.client.unload_lora_adapter(name) for r in self.live))
         self.chooser.lora_homes.forget(name)
 
+    # ---- engine control: every replica, so the whole deployment pauses, resumes and updates together ----
+    async def _on_all(self, call: str, *args) -> list:
+        self.pool.start()
+        live = self.live
+        if not live:
+            raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none)")
+        return await asyncio.gather(*(getattr(r.client, call)(*args) for r in live))
+
+    async def pause(self, mode: str) -> ControlState:
+        return _merge(await self._on_all("pause", mode))
+
+    async def resume(self) -> ControlState:
+        return _merge(await self._on_all("resume"))
+
+    async def control_state(self) -> ControlState:
+        return _merge(await self._on_all("control_state"))
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str = "") -> ControlState:
+        """Every replica loads it (each checks it; the first refusal is the answer, the others may have switched:
+        the versions in the merged state then disagree, which control_routes reports)."""
+        return _merge(await self._on_all("update_weights_from_disk", model_path, weight_version))
+
+    async def init_weights_update_group(self, group: dict) -> ControlState:
+        """Replica after replica takes the next ranks: each joins from rank_offset + the worker ranks before it."""
+        self.pool.start()
+        offset, states = group["rank_offset"], []
+        infos = await asyncio.gather(*(r.client.model_info() for r in self.live))
+        for replica, info in zip(self.live, infos):
+            states.append(replica.client.init_weights_update_group({**group, "rank_offset": offset}))
+            offset += max(info.num_workers, 1)
+        return _merge(await asyncio.gather(*states))
+
+    async def update_weights_from_distributed(self, buckets: list[dict], weight_version: str = "",
+                                              group_name: str = "") -> ControlState:
+        return _merge(await self._on_all("update_weights_from_distributed", buckets, weight_version, group_name))
+
+    async def sleep(self, level: int) -> ControlState:
+        return _merge(await self._on_all("sleep", level))
+
+    async def wake_up(self) -> ControlState:
+        return _merge(await self._on_all("wake_up"))
+
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""
         self.pool.start()
@@ -189,3 +232,15 @@ class EngineRouter:
 
     async def close(self) -> None:
         await self.pool.close()
+
+
+def _merge(states: list[ControlState]) -> ControlState:
+    """The replicas' states as one: paused if any is, counts summed, the version when all agree (else each
+    replica's, comma-separated, so a caller sees the split)."""
+    versions = list(dict.fromkeys(s.weight_version for s in states))
+    return ControlState(paused=any(s.paused for s in states), weight_version=",".join(versions),
+                        weight_updates=min(s.weight_updates for s in states),
+                        num_aborted=sum(s.num_aborted for s in states),
+                        num_preempted=sum(s.num_preempted for s in states),
+                        sleep_level=max(s.sleep_level for s in states),
+                        worker_rss_bytes=tuple(r for s in states for r in s.worker_rss_bytes))
