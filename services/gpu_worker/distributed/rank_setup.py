@@ -32,6 +32,9 @@ class RankSetup:
         comm = TensorParallelComm(config.rank, size)
         if size == 1:
             return cls(None, comm, cfg)
+        if cfg.quant is not None:
+            raise ValueError(f"-tp {size} with a quantized checkpoint ({cfg.quant.describe()}): tensor parallel "
+                             "quantized weights are not supported yet; run -tp 1")
         share = rank_share(cfg, config.rank, size)
         return cls(share, comm, local_config(cfg, share))
 
