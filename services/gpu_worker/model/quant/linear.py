@@ -70,6 +70,15 @@ class _TorchSegment:
             return y.to(x.dtype).view(*lead, -1)
         return F.linear(x, dequantize(w).to(x.dtype))
 
+    def joins(self, other: _TorchSegment) -> bool:
+        """FP8 parts stack (each token's activation scale is the same for all of them); int parts stay apart."""
+        return isinstance(self.weight, Fp8Weight) and isinstance(other.weight, Fp8Weight)
+
+    def join(self, other: _TorchSegment) -> _TorchSegment:
+        a, b = self.weight, other.weight
+        rows = lambda w: w.scale.expand(w.weight.shape[0], 1)      # noqa: E731  a per-tensor scale, per row
+        return _TorchSegment(Fp8Weight(torch.cat([a.weight, b.weight]), torch.cat([rows(a), rows(b)])))
+
     @property
     def nbytes(self) -> int:
         w = self.weight
@@ -104,6 +113,8 @@ class QuantLinear(nn.Module):
             last = self.segments[-1] if self.segments else None
             if isinstance(segment, _PackedSegment) and isinstance(last, _PackedSegment) and last.joins(segment):
                 self.segments[-1] = _PackedSegment(concat([last.packed, segment.packed]), last.perm)
+            elif isinstance(segment, _TorchSegment) and isinstance(last, _TorchSegment) and last.joins(segment):
+                self.segments[-1] = last.join(segment)
             else:
                 self.segments.append(segment)
         if len(self.segments) == 1 and isinstance(self.segments[0], _PackedSegment) and self.segments[0].perm is None:
