@@ -39,7 +39,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 class _PackedSegment:
     def __init__(self, packed: PackedWeight, perm: torch.Tensor | None):
-        self.packed, self.perm = packed, perm        # perm [K] int64: input column of each packed column
+        self.packed, self.perm = packed, perm        # perm [K] int32: input column of each packed column
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x if self.perm is None else x.index_select(-1, self.perm)
@@ -51,7 +51,7 @@ class _PackedSegment:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + (0 if self.perm is None else self.perm.numel() * 8)
+        return self.packed.nbytes + (0 if self.perm is None else self.perm.numel() * 4)
 
     def describe(self) -> str:
         return KIND_NAMES[self.packed.kind] + (" act-order" if self.perm is not None else "")

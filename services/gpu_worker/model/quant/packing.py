@@ -23,7 +23,7 @@ def contiguous_groups(w: IntWeight) -> tuple[IntWeight, torch.Tensor | None]:
     if w.g_idx is None:
         return w, None
     perm = torch.argsort(w.g_idx, stable=True)        # column j of the result is input column perm[j]
-    return IntWeight(w.q[:, perm].contiguous(), w.scale, w.zero, None, w.group_size, w.bits), perm
+    return IntWeight(w.q[:, perm].contiguous(), w.scale, w.zero, None, w.group_size, w.bits), perm.to(torch.int32)
 
 
 def packable(w: IntWeight) -> bool:
