@@ -6,8 +6,9 @@ checkpoint linear; after loading, consecutive parts that can share one computati
     C packed    int4 groups -> Q4_1, symmetric int8 -> Q8_0 (packing.py), run by packed_linear.c on the CPU in fp32;
                 act-order parts permute their input first. A layer that is one unpermuted packed segment exposes it
                 as `.packed`, so the C whole-step decoder (decoder.c) reads it as it reads GGUF weights.
-    torch int   the reference formula per call (one layer's weight dequantized at a time): CUDA, asymmetric int8,
-                shapes off the C layout
+    triton int4 CUDA: int4 groups in the W4A16 Triton GEMM (kernels/w4a16.py), act-order input permuted first
+    torch int   the reference formula per call (one layer's weight dequantized at a time): int8 on CUDA, asymmetric
+                int8, shapes off the C layout
     torch fp8   FP8 W8A8: activations quantized to e4m3 per token (scale = amax / 448, as compressed-tensors'
                 dynamic token quantization and vLLM's per-token scaled_fp8_quant), e4m3 x e4m3 products in fp32,
                 times both scales
@@ -55,6 +56,29 @@ class _PackedSegment:
 
     def describe(self) -> str:
         return KIND_NAMES[self.packed.kind] + (" act-order" if self.perm is not None else "")
+
+
+class _TritonInt4Segment:
+    """CUDA: the W4A16 Triton GEMM (kernels/w4a16.py) on the stored nibbles, group scales and zeros."""
+
+    def __init__(self, w: IntWeight, perm: torch.Tensor | None, device: torch.device):
+        from steploop.gpu_worker.kernels.w4a16 import Int4Gpu
+        self.weight = Int4Gpu(w).to(device)
+        self.perm = None if perm is None else perm.to(device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from steploop.gpu_worker.kernels.w4a16 import w4a16_linear
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if self.perm is None else x2.index_select(-1, self.perm)
+        return w4a16_linear(x2, self.weight).view(*lead, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.perm is None else self.perm.numel() * 4)
+
+    def describe(self) -> str:
+        return "int4 triton" + (" act-order" if self.perm is not None else "")
 
 
 class _TorchSegment:
@@ -140,7 +164,10 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
-def _segment(w: IntWeight | Fp8Weight, device: torch.device, use_c: bool) -> _PackedSegment | _TorchSegment:
+def _segment(w: IntWeight | Fp8Weight, device: torch.device, use_c: bool):
+    if device.type == "cuda" and isinstance(w, IntWeight) and w.bits == 4 and w.q.shape[1] % 8 == 0:
+        plain, perm = contiguous_groups(w)
+        return _TritonInt4Segment(plain, perm, device)
     if use_c and isinstance(w, IntWeight):
         plain, perm = contiguous_groups(w)
         if packable(plain):
