@@ -9,9 +9,9 @@ checkpoint linear; after loading, consecutive parts that can share one computati
     triton int4 CUDA: int4 groups in the W4A16 Triton GEMM (kernels/w4a16.py), act-order input permuted first
     torch int   the reference formula per call (one layer's weight dequantized at a time): int8 on CUDA, asymmetric
                 int8, shapes off the C layout
-    torch fp8   FP8 W8A8: activations quantized to e4m3 per token (scale = amax / 448, as compressed-tensors'
-                dynamic token quantization and vLLM's per-token scaled_fp8_quant), e4m3 x e4m3 products in fp32,
-                times both scales
+    fp8         FP8 W8A8, torch on the CPU, kernels/fp8_w8a8.py's Triton GEMM on CUDA: activations quantized to
+                e4m3 per token (scale = amax / 448, as compressed-tensors' dynamic token quantization and vLLM's
+                per-token scaled_fp8_quant), e4m3 x e4m3 products summed in fp32, times both scales
 """
 
 from __future__ import annotations
@@ -90,6 +90,9 @@ class _TorchSegment:
         if isinstance(w, Fp8Weight):
             lead = x.shape[:-1]
             q, scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+            if x.is_cuda:        # the Triton GEMM on the e4m3 bytes (kernels/fp8_w8a8.py)
+                from steploop.gpu_worker.kernels.fp8_w8a8 import fp8_w8a8_linear
+                return fp8_w8a8_linear(q, scale, w.weight, w.scale, x.dtype).view(*lead, -1)
             y = (q.float() @ w.weight.float().T) * scale * w.scale.T
             return y.to(x.dtype).view(*lead, -1)
         return F.linear(x, dequantize(w).to(x.dtype))
