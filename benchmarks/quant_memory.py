@@ -54,8 +54,8 @@ def measure(spec: Spec) -> dict:
         del dense
         held, fp32 = held + layer.nbytes, fp32 + weight.numel() * 4
         x = torch.randn(32, k)
-        quant_s += _timed(lambda: layer(x))
-        torch_s += _timed(lambda: x @ weight.T)
+        quant_s += _timed(lambda layer=layer, x=x: layer(x))
+        torch_s += _timed(lambda x=x, weight=weight: x @ weight.T)
     return {"format": spec.id, "scheme": scheme.describe(), "in_memory_bytes": held, "stored_bytes": stored,
             "fp32_bytes": fp32, "in_memory_vs_fp32": round(held / fp32, 4),
             "matmul_32_rows_ms": round(quant_s * 1e3, 2), "torch_fp32_ms": round(torch_s * 1e3, 2)}

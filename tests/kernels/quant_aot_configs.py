@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 W4A16_POINTERS = {"qweight_ptr": "*i32", "scale_ptr": "*fp32", "zero_ptr": "*fp32"}
 FP8_POINTERS = {"xq_ptr": "*u8", "xs_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*fp32"}
 GROUPS = (32, 64, 128, 14336)

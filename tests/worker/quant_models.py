@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
-from tests.worker.family_models import FAMILY_CONFIGS, TOKENIZER_FILES, _COMMON
+from tests.worker.family_models import _COMMON, FAMILY_CONFIGS, TOKENIZER_FILES
 
 QUANT_FAMILIES = {
     # plain Llama (the C whole-step decoder's layer), GQA 4/2, MLP 256 so down_proj has K = 256

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from steploop.common import envs
 from steploop.gpu_worker.config import WorkerConfig
@@ -53,7 +52,7 @@ def served(request, tmp_path_factory, model_dir):
 
 @pytest.mark.parametrize("chunk, preempt_after", [({0: 7, 1: 64, 2: 5}, None), (16, 8)])
 def test_greedy_tokens_and_logprobs_equal_transformers(served, chunk, preempt_after):
-    (family, spec, kernels), runner, expected = served
+    (family, spec, _), runner, expected = served
     got = serve(runner, chunk, preempt_after)
     for handle, (want_tokens, want_logprobs) in enumerate(expected):
         tokens, logprobs = got[handle]

@@ -43,6 +43,7 @@ def test_reader_equals_reference_dequantization(spec):
 def test_ct_packing_is_compressed_tensors_own(bits):
     """The test writer's pack_cols is compressed-tensors' pack_to_int32 (weights along K, zero points along N)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
     from tests.worker.quant_models import pack_cols, pack_rows
     signed = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (N, K), dtype=torch.int8)
     assert torch.equal(pack_to_int32(signed, bits), pack_cols(signed.long() + 2 ** (bits - 1), bits))
@@ -52,7 +53,7 @@ def test_ct_packing_is_compressed_tensors_own(bits):
 @pytest.mark.parametrize("spec", [s for s in SPECS if s.method != "ct_fp8"], ids=lambda s: s.id)
 def test_packed_form_is_the_reference_weight(spec):
     """Q4_1 (d * q + m, m = -scale * zero: one more fp32 rounding) and Q8_0 (bit for bit) hold the reference."""
-    w, stored = _stored(spec)
+    _, stored = _stored(spec)
     scheme = read_quant_config(quantization_config(spec))
     weight = read_linear(scheme, "layer", stored, N, K)
     plain, perm = contiguous_groups(weight)

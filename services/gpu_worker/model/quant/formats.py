@@ -19,8 +19,8 @@ value i of a word at bits [b*i, b*i + b)):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -187,6 +187,6 @@ def dequantize(w: IntWeight | Fp8Weight) -> torch.Tensor:
     """The format's reference dequantization in fp32 -> [N, K] (the oracle, and the torch path of linear.py)."""
     if isinstance(w, Fp8Weight):
         return w.weight.float() * w.scale
-    n, k = w.q.shape
+    k = w.q.shape[1]
     g = w.g_idx if w.g_idx is not None else torch.arange(k) // w.group_size
     return w.scale[:, g] * (w.q.float() - w.zero[:, g])

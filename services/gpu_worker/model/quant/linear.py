@@ -103,7 +103,7 @@ class _TorchSegment:
 
     def join(self, other: _TorchSegment) -> _TorchSegment:
         a, b = self.weight, other.weight
-        rows = lambda w: w.scale.expand(w.weight.shape[0], 1)      # noqa: E731  a per-tensor scale, per row
+        rows = lambda w: w.scale.expand(w.weight.shape[0], 1)
         return _TorchSegment(Fp8Weight(torch.cat([a.weight, b.weight]), torch.cat([rows(a), rows(b)])))
 
     @property
@@ -181,5 +181,5 @@ def _segment(w: IntWeight | Fp8Weight, device: torch.device, use_c: bool):
 def _to(w: IntWeight | Fp8Weight, device: torch.device) -> IntWeight | Fp8Weight:
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight.to(device), w.scale.to(device))
-    move = lambda t: None if t is None else t.to(device)     # noqa: E731
+    move = lambda t: None if t is None else t.to(device)
     return IntWeight(move(w.q), move(w.scale), move(w.zero), move(w.g_idx), w.group_size, w.bits)

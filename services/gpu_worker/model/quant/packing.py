@@ -60,7 +60,7 @@ def concat(parts: list[PackedWeight]) -> PackedWeight:
     first = parts[0]
     if len(parts) == 1:
         return first
-    cat = lambda ts: torch.cat(ts, dim=0)   # noqa: E731
+    cat = lambda ts: torch.cat(ts, dim=0)
     return PackedWeight(first.kind, cat([p.qs for p in parts]), cat([p.d for p in parts]),
                         None if first.m is None else cat([p.m for p in parts]),
                         sum(p.out_features for p in parts), first.in_features)
