@@ -60,7 +60,8 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, plan)
         if cfg.quant is not None:     # before to_empty: the quantized linears never get an fp32 weight
-            quant = QuantLoader.prepare(model, cfg, safetensors_files(path), device, _use_c(plan, device, dtype))
+            quant = QuantLoader.prepare(model, cfg, safetensors_files(path), device, _use_c(plan, device, dtype),
+                                        _target)
     # cast while still on meta, so the device holds only the target dtype (building fp32 first and casting made an
     # 8B model peak at 32 GB); each checkpoint tensor is then read in its stored dtype and cast by copy_ on the device
     model = model.to(dtype).to_empty(device=device)

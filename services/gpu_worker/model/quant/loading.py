@@ -1,7 +1,7 @@
 """QuantLoader: the loader's side for a quantized checkpoint (model/loader.py calls it).
 
-    quant = QuantLoader.prepare(model, cfg, files, device, use_c)   # on meta: reads headers, checks every quantized
-                                                                    # tensor's shape, swaps linears for QuantLinear
+    quant = QuantLoader.prepare(model, cfg, files, device, use_c, loader._target)
+        # on meta: reads the headers, checks every quantized tensor's shape, swaps linears for QuantLinear
     ... model.to_empty(); for each tensor of each shard: quant.take(name, tensor) or the dense path ...
     quant.check_done()
 
@@ -14,6 +14,7 @@ boundary are held unpacked.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -49,8 +50,8 @@ class QuantLoader:
 
     @classmethod
     def prepare(cls, model: nn.Module, cfg: ModelConfig, files: list[pathlib.Path], device: torch.device,
-                use_c: bool) -> QuantLoader:
-        from steploop.gpu_worker.model.loader import _target
+                use_c: bool, target_of: Callable) -> QuantLoader:
+        """target_of: the loader's checkpoint-name -> (our parameter, expert, row slice) map (loader._target)."""
         self = cls(cfg.quant, device, use_c)
         kind = tensor_kind(cfg.quant)
         required, optional = TENSORS[kind]
@@ -59,7 +60,7 @@ class QuantLoader:
         for module, shapes in modules.items():
             if _MARKER[kind] not in shapes:
                 continue
-            target, expert, rows = _target(module + ".weight", cfg)
+            target, expert, rows = target_of(module + ".weight", cfg)
             ours = target.removesuffix(".weight")
             if expert is not None or not ours.startswith("model.layers.") or not ours.endswith(_LINEARS):
                 raise ValueError(f"{module} is quantized ({cfg.quant.describe()}): steploop runs quantized weights "
