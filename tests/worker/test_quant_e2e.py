@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from steploop.common import envs
 from steploop.gpu_worker.config import WorkerConfig
@@ -76,3 +77,35 @@ def test_weights_stay_quantized(served):
     assert bool(c_served) == (kernels == "c" and spec.method != "ct_fp8" and (spec.bits == 4 or spec.sym))
     if c_served and family == "llama" and not spec.desc_act:      # plain Llama, every layer packed, no permutation
         assert runner.model.cpu_decoder is not None
+
+
+def test_layer_split_across_shards_loads_the_same(tmp_path, model_dir):
+    """A layer's tensors in two shards (qweight in one, scales and zeros in the other, as an index.json maps them):
+    held unpacked only until its last tensor arrives, then the same layer as from one file."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    spec = Spec("gptq", 4, 32, False, desc_act=True)
+    one, _ = build_quant_model("llama", spec, tmp_path / "one", model_dir)
+    tensors = load_file(one / "model.safetensors")
+    split = tmp_path / "split"
+    split.mkdir()
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for i, (name, t) in enumerate(sorted(tensors.items())):
+        first = name.endswith(".qweight") or (not name.endswith((".scales", ".qzeros", ".g_idx")) and i % 2)
+        shards[f"model-0000{1 if first else 2}-of-00002.safetensors"][name] = t
+    for file, part in shards.items():
+        save_file(part, split / file, metadata={"format": "pt"})
+    (split / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}))
+    for file in one.iterdir():
+        if file.suffix != ".safetensors":
+            (split / file.name).symlink_to(file)
+    runners = [ModelRunner.from_config(WorkerConfig(model=str(p), num_kv_blocks=64, max_model_len=256, device="cpu"),
+                                       p) for p in (one, split)]
+    gen = torch.Generator().manual_seed(0)
+    layers = [(n, m) for n, m in runners[0].model.named_modules() if isinstance(m, QuantLinear)]
+    assert layers
+    for name, layer in layers:
+        x = torch.randn(3, layer.in_features, generator=gen)
+        assert torch.equal(layer(x), runners[1].model.get_submodule(name)(x)), name

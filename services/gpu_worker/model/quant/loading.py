@@ -2,7 +2,7 @@
 
     quant = QuantLoader.prepare(model, cfg, files, device, use_c, loader._target)
         # on meta: reads the headers, checks every quantized tensor's shape, swaps linears for QuantLinear
-    ... model.to_empty(); for each tensor of each shard: quant.take(name, tensor) or the dense path ...
+    ... model.to_empty(); each tensor of each shard: quant.put(name, tensor) if quant.take(name), else dense ...
     quant.check_done()
 
 prepare() refuses (ValueError) before any weight is read: a quantized tensor outside the decoder layers' linears,
