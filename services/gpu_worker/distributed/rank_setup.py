@@ -41,6 +41,9 @@ class RankSetup:
         comm = TensorParallelComm(config.rank, size)
         if size == 1:
             return cls(None, comm, cfg)
+        if cfg.quant is not None:
+            raise ValueError(f"-tp {size} with a quantized checkpoint ({cfg.quant.describe()}): tensor parallel "
+                             "quantized weights are not supported yet; run -tp 1")
         share = rank_share(cfg, config.rank, size, expert_parallel)
         if expert_parallel:
             log.info("expert parallel over %d ranks, %d experts each: %s", size, share.local_experts,

@@ -254,8 +254,13 @@ def parse_config(path: pathlib.Path) -> dict[str, Any]:
         config = AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError, AttributeError, TypeError) as exc:
         raise ValueError(f"{path}: config.json cannot be read by transformers: {exc}") from exc
-    quant = getattr(config, "quantization_config", None)
+    values = config.to_dict()
+    quant = values.pop("quantization_config", None)
+    kwargs = read_fields(values)[0]
     if quant:
-        raise ValueError(f"config.json quantization_config={quant!r}: quantized safetensors checkpoints are not "
-                         "supported (GGUF files are: --model FILE.gguf)")
-    return read_fields(config.to_dict())[0]
+        from steploop.gpu_worker.model.quant.config import read_quant_config
+        kwargs["quant"] = read_quant_config(quant if isinstance(quant, dict) else quant.to_dict())
+        if kwargs.get("moe") is not None:
+            raise ValueError(f"config.json quantization_config ({kwargs['quant'].method}) on a mixture-of-experts "
+                             f"model ({raw_type}): quantized experts are not supported yet")
+    return kwargs

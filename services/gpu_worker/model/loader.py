@@ -16,6 +16,7 @@ import re
 import torch
 from safetensors import safe_open
 
+from steploop.common import envs
 from steploop.gpu_worker.attention.backend import AttentionBackend
 from steploop.gpu_worker.distributed.comm import TensorParallelComm
 from steploop.gpu_worker.distributed.parallel_layers import make_tensor_parallel
@@ -27,6 +28,7 @@ from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from steploop.gpu_worker.model.moe import NOT_HELD, expert_target
 from steploop.gpu_worker.model.packed_linear_layer import pack_linear_weights
+from steploop.gpu_worker.model.quant.loading import QuantLoader
 from steploop.gpu_worker.packed_weight_cache import PackedWeightCache
 
 log = logging.getLogger(__name__)
@@ -54,13 +56,19 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     (its heads, MLP rows and vocabulary rows), wired to all-reduce / all-gather through tp_comm."""
     full_cfg = LlamaModelConfig.from_dir(path)
     cfg = full_cfg if tp_share is None else local_config(full_cfg, tp_share)
+    quant = None
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, plan)
+        if cfg.quant is not None:     # before to_empty: the quantized linears never get an fp32 weight
+            quant = QuantLoader.prepare(model, cfg, safetensors_files(path), device, _use_c(plan, device, dtype),
+                                        _target)
     # cast while still on meta, so the device holds only the target dtype (building fp32 first and casting made an
     # 8B model peak at 32 GB); each checkpoint tensor is then read in its stored dtype and cast by copy_ on the device
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
-    _load_weights(model, cfg, path, None if tp_share is None else CheckpointSharder(full_cfg, tp_share))
+    _load_weights(model, cfg, path, None if tp_share is None else CheckpointSharder(full_cfg, tp_share), quant)
+    if quant is not None:
+        log.info("%s", quant.check_done())
     if tp_share is not None:
         make_tensor_parallel(model, tp_share, tp_comm, full_cfg.vocab_size)
         model.config = full_cfg      # the runner samples over the whole vocabulary
@@ -73,6 +81,17 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     return model.eval()
 
 
+def _use_c(plan: KernelPlan | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether quantized linears run packed_linear.c: fp32 on the CPU with the C kernels allowed and built (plan None
+    is the reference: torch only). Not the plan's packed_linears, whose probe weighs fp32 against packed weights:
+    a quantized weight has no fp32 copy, and dequantizing it per call is the slow path."""
+    if plan is None or device.type != "cpu" or dtype != torch.float32 or \
+            envs.switched_off(envs.CPU_KERNELS, envs.CPU_PACKED_WEIGHTS):
+        return False
+    from steploop.gpu_worker.cpu_kernels import packed_linear
+    return packed_linear.available()
+
+
 def _fold_norm_offset(model: LlamaForCausalLM, offset: float) -> None:
     """Gemma's norms scale by (offset + w): store offset + w so every rms_norm implementation applies it."""
     with torch.no_grad():
@@ -82,7 +101,7 @@ def _fold_norm_offset(model: LlamaForCausalLM, offset: float) -> None:
 
 
 def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path,
-                  sharder: CheckpointSharder | None = None) -> None:
+                  sharder: CheckpointSharder | None = None, quant: QuantLoader | None = None) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     files = safetensors_files(path)
@@ -91,6 +110,9 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if quant is not None and quant.take(name):
+                    quant.put(name, f.get_tensor(name))
                     continue
                 target, expert, rows = _target(name, cfg)
                 if (target, expert, rows) == NOT_HELD:      # expert parallel: another rank's expert

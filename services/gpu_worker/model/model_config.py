@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from steploop.gpu_worker.model.moe import MoESpec
+from steploop.gpu_worker.model.quant.config import QuantScheme
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")   # pre: Llama; sandwich: Gemma 2/3 (pre and post); post: OLMo2
 
@@ -50,6 +51,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0      # Phi: rotate this fraction of each head
     original_max_position_embeddings: int | None = None   # Phi-3 longrope
     moe: MoESpec | None = None              # Mixtral, Qwen3-MoE: the sparse layers' experts and routing
+    quant: QuantScheme | None = None        # a quantized checkpoint's scheme (model/quant/config.py); None: dense
 
     @classmethod
     def from_dir(cls, path: pathlib.Path) -> ModelConfig:

@@ -1,0 +1,129 @@
+"""QuantLoader: the loader's side for a quantized checkpoint (model/loader.py calls it).
+
+    quant = QuantLoader.prepare(model, cfg, files, device, use_c, loader._target)
+        # on meta: reads the headers, checks every quantized tensor's shape, swaps linears for QuantLinear
+    ... model.to_empty(); each tensor of each shard: quant.put(name, tensor) if quant.take(name), else dense ...
+    quant.check_done()
+
+prepare() refuses (ValueError) before any weight is read: a quantized tensor outside the decoder layers' linears,
+a fused layer (q/k/v, gate/up) only partly quantized, a missing or misshapen tensor, a group size that does not
+divide a layer. A layer is packed as soon as its last tensor arrives, so at most the layers that straddle a shard
+boundary are held unpacked.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from steploop.gpu_worker.model.model_config import ModelConfig
+from steploop.gpu_worker.model.quant.config import QuantScheme
+from steploop.gpu_worker.model.quant.formats import TENSORS, Shapes, read_linear, tensor_kind
+from steploop.gpu_worker.model.quant.linear import QuantLinear
+
+_MARKER = {"gptq": "qweight", "awq": "qweight", "ct_int": "weight_packed", "ct_fp8": "weight_scale"}
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _headers(files: list[pathlib.Path]) -> dict[str, dict[str, tuple[int, ...]]]:
+    """checkpoint module -> {tensor suffix: shape}, from the safetensors headers only."""
+    modules: dict[str, dict[str, tuple[int, ...]]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                module, _, suffix = name.rpartition(".")
+                modules.setdefault(module, {})[suffix] = tuple(f.get_slice(name).get_shape())
+    return modules
+
+
+class QuantLoader:
+    def __init__(self, scheme: QuantScheme, device: torch.device, use_c: bool):
+        self.scheme, self.device, self.use_c = scheme, device, use_c
+        self.owner: dict[str, tuple[QuantLinear, int, int]] = {}   # checkpoint module -> (layer, rows N, K)
+        self.claimed: dict[str, tuple[str, ...]] = {}             # checkpoint module -> its quantized tensor suffixes
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.layers: dict[str, QuantLinear] = {}
+
+    @classmethod
+    def prepare(cls, model: nn.Module, cfg: ModelConfig, files: list[pathlib.Path], device: torch.device,
+                use_c: bool, target_of: Callable) -> QuantLoader:
+        """target_of: the loader's checkpoint-name -> (our parameter, expert, row slice) map (loader._target)."""
+        self = cls(cfg.quant, device, use_c)
+        kind = tensor_kind(cfg.quant)
+        required, optional = TENSORS[kind]
+        modules = _headers(files)
+        parts: dict[str, list[tuple[int, str, int]]] = {}          # our layer -> [(row start, checkpoint module, N)]
+        for module, shapes in modules.items():
+            if _MARKER[kind] not in shapes:
+                continue
+            target, expert, rows = target_of(module + ".weight", cfg)
+            ours = target.removesuffix(".weight")
+            if expert is not None or not ours.startswith("model.layers.") or not ours.endswith(_LINEARS):
+                raise ValueError(f"{module} is quantized ({cfg.quant.describe()}): steploop runs quantized weights "
+                                 "only in the decoder layers' attention and MLP linears")
+            linear = model.get_submodule(ours)
+            n = linear.out_features if rows is None else rows[1] - rows[0]
+            claimed = {s: shape for s, shape in shapes.items() if s in required + optional}
+            Shapes(cfg.quant, module, n, linear.in_features).check(claimed)
+            self.claimed[module] = tuple(claimed)
+            parts.setdefault(ours, []).append((0 if rows is None else rows[0], module, n))
+        if not parts:
+            raise ValueError(f"config.json declares {cfg.quant.describe()} but no tensor of the checkpoint is "
+                             f"quantized that way (no *.{_MARKER[kind]})")
+        for ours, found in parts.items():
+            self._install(model, ours, sorted(found), modules)
+        return self
+
+    def _install(self, model: nn.Module, ours: str, found: list[tuple[int, str, int]], modules: dict) -> None:
+        linear = model.get_submodule(ours)
+        if sum(n for _, _, n in found) != linear.out_features:
+            dense = sorted(m for m, shapes in modules.items() if "weight" in shapes and m not in self.claimed
+                           and m.startswith(ours.rsplit(".", 1)[0] + "."))
+            raise ValueError(f"{ours}: its checkpoint parts are quantized only in part ({[m for _, m, _ in found]} "
+                             f"quantized, {dense} not); steploop needs all or none")
+        layer = QuantLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                            [m for _, m, _ in found])
+        parent, _, child = ours.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+        self.layers[ours] = layer
+        for _, module, n in found:
+            self.owner[module] = (layer, n, linear.in_features)
+
+    def take(self, name: str) -> bool:
+        """Whether the tensor `name` is one of the quantized tensors (then hand it over with put())."""
+        module, _, suffix = name.rpartition(".")
+        return suffix in self.claimed.get(module, ())
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        module, _, suffix = name.rpartition(".")
+        got = self.pending.setdefault(module, {})
+        got[suffix] = tensor
+        if len(got) < len(self.claimed[module]):
+            return
+        layer, n, k = self.owner[module]
+        layer.loaded[module] = read_linear(self.scheme, module, self.pending.pop(module), n, k)
+        if len(layer.loaded) == len(layer.parts):
+            layer.finish(self.device, self.use_c)
+
+    def check_done(self) -> str:
+        """After the last shard: every quantized layer built; returns the log line (weights in memory)."""
+        unfinished = [name for name, layer in self.layers.items() if not layer.segments]
+        if unfinished or self.pending:
+            raise ValueError(f"checkpoint is missing quantized tensors of {sorted(self.pending) or unfinished[:4]}")
+        return memory_summary(self.scheme, self.layers)
+
+
+def memory_summary(scheme: QuantScheme, layers: dict[str, QuantLinear]) -> str:
+    kinds: dict[str, int] = {}
+    for layer in layers.values():
+        for segment in layer.segments:
+            kinds[segment.describe()] = kinds.get(segment.describe(), 0) + 1
+    held = sum(layer.nbytes for layer in layers.values())
+    fp32 = sum(layer.in_features * layer.out_features * 4 for layer in layers.values())
+    shown = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    return (f"quantized weights ({scheme.describe()}): {len(layers)} linears ({shown}): {held / 2**20:.2f} MiB in "
+            f"memory, {fp32 / 2**20:.2f} MiB as fp32")
