@@ -25,6 +25,7 @@ from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.config import SchedulerConfig
 from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.kv_tiers import KvTiers
 from steploop.scheduler.kv_events.hub import KvEventHub
 from steploop.scheduler.lora_registry import LoraRegistry
 from steploop.scheduler.lora_steps import LoraSteps
@@ -153,6 +154,8 @@ class EngineLoop:
         if (self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks
                 or info.pooling != self.worker_info.pooling):     # a pooling worker serves other requests
             self._build_scheduler(info)
+        self.scheduler.kv.attach_tiers(KvTiers(info.kv_host_blocks, info.kv_disk_blocks, info.kv_block_bytes,
+                                               info.kv_disk_hashes) if info.kv_host_blocks else None)
         self.worker_info, self.group, self.lost_since = info, group, None
         self.observer.on_attach(info)
         self.last_progress = time.monotonic()
@@ -221,7 +224,8 @@ class EngineLoop:
             try:
                 if len(outstanding) < window and self.has_work():
                     plan = self.scheduler.schedule()
-                    if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
+                    if (plan.scheduled_handles or plan.finished_handles or plan.preempted_handles
+                            or plan.kv_moves is not None):
                         self.observer.on_plan(plan, self.scheduler.new_request_ids(plan))
                         bytes_before = group.bytes_sent
                         await group.send(plan)
