@@ -46,6 +46,9 @@ class WorkerConfig:
     rank: int = 0                            # this worker's rank in the group
     tp_host: str = "127.0.0.1"               # address the other ranks reach this one at (process-group traffic)
     lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora: the slot table and host LRU sizes
+    kv_offloading_size: float = 0.0          # GiB of host memory for KV blocks below the pool (0: no host tier)
+    kv_disk_path: str = ""                   # folder of the disk KV tier ("" : none); survives restarts
+    kv_disk_size: float = 0.0                # GiB of block files the disk tier may hold
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -60,7 +63,8 @@ class WorkerConfig:
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
                    generation_config=args.generation_config, tls=TlsConfig.from_args(args),
                    tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host,
-                   lora=LoraConfig.from_args(args))
+                   lora=LoraConfig.from_args(args), kv_offloading_size=args.kv_offloading_size,
+                   kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size)
 
     @property
     def resolved_worker_id(self) -> str:
@@ -122,6 +126,13 @@ def _validate(c: WorkerConfig) -> None:
           f"--enable-lora with -tp {c.tensor_parallel_size}: LoRA adapters run on unsharded workers only (-tp 1)")
     check(c.tensor_parallel_size == 1 or c.runner == "generate",
           f"--runner {c.runner} with -tp {c.tensor_parallel_size}: the pooling runner serves with -tp 1 only")
+    check(c.kv_offloading_size >= 0, f"--kv-offloading-size {c.kv_offloading_size} must be >= 0 (GiB)")
+    check(not c.kv_disk_path or (c.kv_disk_size > 0 and c.kv_offloading_size > 0),
+          "--kv-disk-path needs --kv-disk-size > 0 and --kv-offloading-size > 0 (disk blocks come back through "
+          "host memory)")
+    check(not c.kv_disk_size or c.kv_disk_path, "--kv-disk-size needs --kv-disk-path")
+    check(c.tensor_parallel_size == 1 or not c.kv_offloading_size,
+          f"--kv-offloading-size with -tp {c.tensor_parallel_size}: KV tiers run on unsharded workers only (-tp 1)")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
 
 
@@ -159,4 +170,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_flag(parser, "--tp-host", default="127.0.0.1",
              help="address the group's other ranks reach this worker at (rank 0 also serves the group's store)")
     lora_config.add_cli_args(parser)
+    add_flag(parser, "--kv-offloading-size", type=float, default=0.0,
+             help="GiB of host memory for KV blocks below the pool: prefix blocks the pool evicts and preempted "
+                  "requests' blocks are kept there and restored (0: off; pinned memory on CUDA)")
+    add_flag(parser, "--kv-disk-path", default="",
+             help="folder for a disk KV tier below host memory (one checksummed file per block; survives "
+                  "restarts; needs --kv-offloading-size and --kv-disk-size)")
+    add_flag(parser, "--kv-disk-size", type=float, default=0.0, help="GiB of block files the disk KV tier may hold")
     return parser

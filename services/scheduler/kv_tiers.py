@@ -225,8 +225,11 @@ class KvTiers:
             tier.pinned.clear()
         return moves or None
 
-    def on_result(self, moves: KvMoves, report: KvMoveReport | None) -> None:
-        """The worker performed a plan's moves: promoted entries become loadable, or go if their file missed."""
+    def on_result(self, moves: KvMoves, report: KvMoveReport | None, step_failed: bool = False) -> None:
+        """The worker performed a plan's moves: promoted entries become loadable, or go if their file missed. A
+        failed step without a report may have stopped inside its moves: its promotions count as misses."""
+        if report is None and step_failed:
+            report = KvMoveReport(failed_promote_slots=[s for _, s in moves.promotes])
         failed = set(report.failed_promote_slots) if report is not None else set()
         for key, slot in moves.promotes:
             if self.host.entries.get(key) != slot or key not in self.host.pending:

@@ -289,7 +289,7 @@ class Scheduler:
         if plan.step_id < self._first_live_step:
             return []
         if plan.kv_moves is not None and self.kv.tiers is not None:
-            self.kv.tiers.on_result(plan.kv_moves, result.kv_moves)
+            self.kv.tiers.on_result(plan.kv_moves, result.kv_moves, bool(result.error))
         if in_flight is None:
             return []
         if self.pacer is not None:
