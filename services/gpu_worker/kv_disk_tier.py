@@ -106,4 +106,3 @@ class DiskTier:
         log.warning("KV disk tier: block %s is a miss: %s; recomputing it", key.hex()[:16], why)
         if path is not None:
             path.unlink(missing_ok=True)
-        return None

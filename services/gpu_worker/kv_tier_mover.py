@@ -11,6 +11,7 @@ block), a disk file that plus a small header.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -96,8 +97,15 @@ def hello_fields(mover: KvTierMover | None) -> dict:
     """The WorkerInfo fields that tell the scheduler about the tiers (and what the disk already holds)."""
     if mover is None:
         return {}
-    return dict(kv_host_blocks=mover.num_host_blocks, kv_disk_blocks=mover.disk_blocks,
-                kv_disk_hashes=tuple(mover.disk_hashes()), kv_block_bytes=mover.block_bytes)
+    return {"kv_host_blocks": mover.num_host_blocks, "kv_disk_blocks": mover.disk_blocks,
+            "kv_disk_hashes": tuple(mover.disk_hashes()), "kv_block_bytes": mover.block_bytes}
+
+
+def refresh_hello(info, mover: KvTierMover | None):
+    """The hello of a (re)connect: the disk's files as they are now (the scheduler indexes them back)."""
+    if mover is None or mover.disk is None:
+        return info
+    return dataclasses.replace(info, kv_disk_hashes=tuple(mover.disk_hashes()))
 
 
 def model_identity(model_path) -> str:

@@ -22,11 +22,12 @@ from steploop.common.block_hashing import get_block_hasher, hasher_root
 from steploop.common.engine_contract import EngineRequest
 from steploop.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
 from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.scheduler import kv_tiers
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.config import SchedulerConfig
 from steploop.scheduler.kv_cache_manager import KVCacheManager
-from steploop.scheduler.kv_tiers import KvTiers
 from steploop.scheduler.kv_events.hub import KvEventHub
+from steploop.scheduler.kv_tiers import KvTiers, TierStats
 from steploop.scheduler.lora_registry import LoraRegistry
 from steploop.scheduler.lora_steps import LoraSteps
 from steploop.scheduler.metrics import make_observer
@@ -57,6 +58,7 @@ class EngineLoop:
         self.last_progress = time.monotonic()       # last finished step, or when work arrived while idle
         self.lost_since: float | None = time.monotonic()
         self._retired_counters = SchedulerCounters()    # of schedulers replaced since start
+        self._retired_tier_stats: dict[str, TierStats] = {}   # of KV tiers replaced since start (kv_tiers.py)
         self.lora = LoraRegistry(server_config.lora)    # the LoRA adapters served (lora_registry.py)
         # Metrics, request logs and spans (metrics.py): fed by data pushed from here, and load_report.
         self.observer = make_observer(self.load_report, sched_config.enable_prefix_caching)
@@ -154,6 +156,7 @@ class EngineLoop:
         if (self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks
                 or info.pooling != self.worker_info.pooling):     # a pooling worker serves other requests
             self._build_scheduler(info)
+        kv_tiers.retire(self._retired_tier_stats, self.scheduler.kv.tiers)
         self.scheduler.kv.attach_tiers(KvTiers(info.kv_host_blocks, info.kv_disk_blocks, info.kv_block_bytes,
                                                info.kv_disk_hashes) if info.kv_host_blocks else None)
         self.worker_info, self.group, self.lost_since = info, group, None
@@ -326,4 +329,5 @@ class EngineLoop:
             num_steps=self.num_steps, counters=self._retired_counters + sched.counters(),
             step_cost=sched.step_cost(), workers_attached=attached,
             running_lora_adapters=tuple(sched.lora.running), waiting_lora_adapters=tuple({r.lora_name: None for r in sched.waiting if r.lora_name}),
-            max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0)
+            max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0,
+            kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else ())

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from steploop.common.kv_moves import KvMoveReport, KvMoves
+from steploop.scheduler.stats import KvTierLoad
 
 MEDIA = ("CPU", "DISK")
 
@@ -137,14 +138,14 @@ class KvTiers:
         if got is None:
             return None
         slot, victim = got
-        if victim is not None:
-            if self.disk is not None and victim not in self.disk.entries:
-                disk_slot = self._disk_slot()
-                if disk_slot is not None:
-                    self.disk.insert(victim, disk_slot)
-                    self.moves.demotes.append((slot, victim))
-                    self._count("CPU", blocks_out=1)
-                    self._count("DISK", blocks_in=1)
+        # The evicted host entry goes on to disk, unless the disk holds it already (or is all in use by this plan).
+        if victim is not None and self.disk is not None and victim not in self.disk.entries:
+            disk_slot = self._disk_slot()
+            if disk_slot is not None:
+                self.disk.insert(victim, disk_slot)
+                self.moves.demotes.append((slot, victim))
+                self._count("CPU", blocks_out=1)
+                self._count("DISK", blocks_in=1)
         return slot
 
     def _disk_slot(self) -> int | None:
@@ -169,11 +170,10 @@ class KvTiers:
             slots.append(slot)
             i += 1
         host.pinned.update(hashes[first:i])          # not evicted by the stores this admission may cause
-        if promoted is None and self.disk is not None and i < max_blocks and hashes[i] in self.disk.entries:
-            run = self._promote(hashes, i, max_blocks)
-            if run:
-                self._promoting[request_id] = run
-                return None
+        if (promoted is None and self.disk is not None and i < max_blocks and hashes[i] in self.disk.entries
+                and (run := self._promote(hashes, i, max_blocks))):
+            self._promoting[request_id] = run
+            return None
         if slots and not worth(len(slots)):
             return []
         return slots
@@ -280,6 +280,26 @@ class KvTiers:
 
     def num_used(self) -> dict[str, int]:
         return {tier.medium: len(tier.entries) for tier in self.tiers}
+
+    def report_load(self, retired: dict[str, TierStats]) -> tuple[KvTierLoad, ...]:
+        """Per medium: these tiers' counters plus `retired` (of tiers replaced since start), and blocks held now."""
+        out = []
+        for tier in self.tiers:
+            now, old = self.stats[tier.medium], retired.get(tier.medium, TierStats())
+            out.append(KvTierLoad(tier.medium, now.queries + old.queries, now.hits + old.hits,
+                                  now.bytes_moved + old.bytes_moved, now.restore_seconds + old.restore_seconds,
+                                  now.misses + old.misses, len(tier.entries), tier.capacity))
+        return tuple(out)
+
+
+def retire(into: dict[str, TierStats], tiers: KvTiers | None) -> None:
+    """Add the counters of tiers being replaced (a new worker attached) to `into`, so totals stay monotonic."""
+    if tiers is None:
+        return
+    for medium, stats in tiers.stats.items():
+        total = into.setdefault(medium, TierStats())
+        for name, value in vars(stats).items():
+            setattr(total, name, getattr(total, name) + value)
 
 
 def check_move_order(moves: KvMoves | None) -> None:

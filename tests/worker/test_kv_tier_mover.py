@@ -97,7 +97,7 @@ def test_bad_file_is_a_logged_miss(tmp_path, caplog, damage):
 
 def test_foreign_file_is_a_miss(tmp_path, caplog):
     """Same folder name, another model's fingerprint in the header (or a file copied in from elsewhere)."""
-    mover, key, path = _written(tmp_path)
+    mover, key, _ = _written(tmp_path)
     other = DiskTier(tmp_path, b"y" * 32, mover.disk.payload_bytes)
     other.folder = mover.disk.folder
     with caplog.at_level(logging.WARNING):
