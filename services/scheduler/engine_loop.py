@@ -157,8 +157,7 @@ class EngineLoop:
                 or info.pooling != self.worker_info.pooling):     # a pooling worker serves other requests
             self._build_scheduler(info)
         kv_tiers.retire(self._retired_tier_stats, self.scheduler.kv.tiers)
-        self.scheduler.kv.attach_tiers(KvTiers(info.kv_host_blocks, info.kv_disk_blocks, info.kv_block_bytes,
-                                               info.kv_disk_hashes) if info.kv_host_blocks else None)
+        self.scheduler.kv.attach_tiers(self._tiers_for(info))
         self.worker_info, self.group, self.lost_since = info, group, None
         self.observer.on_attach(info)
         self.last_progress = time.monotonic()
@@ -189,6 +188,15 @@ class EngineLoop:
             except InvalidRequestError as exc:
                 self.observer.on_abort(request.request_id, "rejected", "error")
                 self._fail(request.request_id, exc)
+
+    def _tiers_for(self, info: WorkerInfo) -> KvTiers | None:
+        """The KV tiers below the pool the worker says it has (a restarted one's disk files indexed back)."""
+        if not info.kv_host_blocks:
+            return None
+        tiers = KvTiers(info.kv_host_blocks, info.kv_disk_blocks, info.kv_block_bytes, info.kv_disk_hashes)
+        if self.kv_events is not None:
+            tiers.attach_events(self.kv_events.recorder, info.block_size)
+        return tiers
 
     def detach(self, link: WorkerLink, reason: str) -> None:
         """A rank's stream ended (the Attach handler): it leaves the group being assembled, and one rank lost is

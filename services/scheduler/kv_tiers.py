@@ -42,6 +42,8 @@ class TierIndex:
         self.free: list[int] = list(range(capacity - 1, -1, -1))   # pop() hands out slot 0 first
         self.pinned: set[bytes] = set()      # written or read by the plan being built: not evicted by it
         self.pending: set[bytes] = set()     # promoted from disk, result not back yet: not loadable, not evicted
+        self.events = None                   # KvEventRecorder (BlockStored / BlockRemoved with this medium) or None
+        self.block_size = 0
 
     def touch(self, key: bytes) -> None:
         self.entries.move_to_end(key)
@@ -52,20 +54,28 @@ class TierIndex:
             return self.free.pop(), None
         for key in self.entries:
             if key not in self.pinned and key not in self.pending:
+                if self.events is not None:
+                    self.events.tier_removed(key, self.medium)
                 return self.entries.pop(key), key
         return None
 
     def insert(self, key: bytes, slot: int) -> None:
         self.entries[key] = slot
         self.pinned.add(key)
+        if self.events is not None:
+            self.events.tier_stored(key, self.block_size, self.medium)
 
     def remove(self, key: bytes) -> None:
+        if self.events is not None:
+            self.events.tier_removed(key, self.medium)
         self.free.append(self.entries.pop(key))
         self.pinned.discard(key)
         self.pending.discard(key)
 
     def clear(self) -> None:
+        events, block_size = self.events, self.block_size
         self.__init__(self.medium, self.capacity)
+        self.events, self.block_size = events, block_size
 
     def check(self) -> None:
         slots = list(self.entries.values())
@@ -104,6 +114,14 @@ class KvTiers:
         self._promoting: dict[str, list[bytes]] = {}  # request id -> hashes promoted for it (it waits for them)
         if self.disk is not None:
             self.index_disk(disk_hashes)
+
+    def attach_events(self, recorder, block_size: int) -> None:
+        """Publish every entry in or out of a tier as a KV event with its medium (the router counts hits in any);
+        what the tiers already hold (a restarted worker's disk) is published now."""
+        for tier in self.tiers:
+            tier.events, tier.block_size = recorder, block_size
+            for key in tier.entries:
+                recorder.tier_stored(key, block_size, tier.medium)
 
     def index_disk(self, hashes: Sequence[bytes]) -> None:
         """A (restarted) worker's files: the newest `capacity` are indexed, older ones dropped."""

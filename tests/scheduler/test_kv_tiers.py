@@ -172,3 +172,31 @@ def test_moves_round_trip_the_wire():
     assert StepPlan.from_pb(StepPlan(step_id=1).to_pb()).kv_moves is None
     result = StepResult(step_id=3, kv_moves=KvMoveReport([2], [b"e" * 32], 0.5))
     assert StepResult.from_pb(result.to_pb()).kv_moves == result.kv_moves
+
+
+def test_kv_events_carry_the_medium_and_the_router_counts_any_tier():
+    from steploop.common.block_hashing import block_hashes, hash_block
+    from steploop.common.pb.steploop.v1 import engine_pb2
+    from steploop.gateway.routing.kv_index import ReplicaCacheIndex
+    from steploop.scheduler.kv_events.events import BlockRemoved, BlockStored, KvEventBatch
+    from steploop.scheduler.kv_events.recorder import KvEventRecorder
+
+    sched, worker = setup(host=4, disk=50)
+    recorder = KvEventRecorder()
+    sched.kv.events = sched.kv.pool.events = recorder
+    sched.kv.tiers.attach_events(recorder, BS)
+    serve(sched, worker, req("a", A))
+    serve(sched, worker, req("b", B))
+    serve(sched, worker, req("c", list(range(300, 317))))
+    events = recorder.take()
+    media = {(type(e).__name__, e.medium) for e in events}
+    assert {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU"),
+            ("BlockStored", "DISK")} <= media, media
+    assert all(e.medium == "GPU" or not e.token_ids for e in events if isinstance(e, BlockStored))
+    assert all(len({type(e), e.medium}) == 2 for e in events if isinstance(e, BlockRemoved))
+
+    index = ReplicaCacheIndex(block_size=BS, hasher=hash_block, synced=True)
+    index.apply(engine_pb2.KvEventMessage(batch=KvEventBatch(0, 0.0, events).to_pb()))
+    a_keys = block_hashes(A, BS, None, hash_block)
+    assert not set(a_keys) & index.keys, "a's blocks left the pool"
+    assert index.matched_tokens(A, "", {}) == 16, "but they are on disk: a hit for the router"
