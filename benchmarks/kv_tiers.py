@@ -142,6 +142,10 @@ def disk_restart(runner, prompt_len: int) -> dict:
             "disk_hits_tokens": sched.kv.tiers.stats["DISK"].hits}
 
 
+def progress(name: str, result: dict) -> None:
+    print(name, json.dumps(result), flush=True)
+
+
 def alternate(fn, rounds: int) -> dict:
     runs = {"off": [], "on": []}
     for r in range(rounds):
@@ -154,20 +158,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/kv_tiers.json")
+    parser.add_argument("--pool-tokens", type=int, default=2048, help="the device pool (multi-turn contexts scale "
+                        "with it: 0.7x to ~0.95x of it, 5 conversations)")
     args = parser.parse_args()
     from steploop.common.model_path import default_model_dir
 
     model_dir = default_model_dir()
-    pool_blocks = 129                               # 2048 tokens + the null block
+    pool = args.pool_tokens
+    pool_blocks = pool // BLOCK + 1                 # + the null block
     with tempfile.TemporaryDirectory() as disk:
-        runner = build_runner(model_dir, pool_blocks, host_gib=0.45, disk=disk)
-        out = {"machine": machine_info(), "commit": git_commit(), "pool_tokens": (pool_blocks - 1) * BLOCK,
+        runner = build_runner(model_dir, pool_blocks, host_gib=0.45 * pool / 2048, disk=disk)
+        out = {"machine": machine_info(), "commit": git_commit(), "pool_tokens": pool,
                "host_blocks": runner.tiers.num_host_blocks}
-        # 5 conversations from 1.4k to ~1.95k tokens: a working set ~4.5x the 2k-token pool.
-        out["multi_turn"] = alternate(lambda on: multi_turn(runner, on, 5, 1400, 250, 3), args.rounds)
-        out["preemption"] = alternate(lambda on: preemption_heavy(runner, on, 6, 500, 160), args.rounds)
-        out["no_hits"] = alternate(lambda on: no_hits(runner, on, 12, 600, 16), args.rounds)
-        out["disk_restart"] = disk_restart(runner, 1600)
+        # 5 conversations from 0.7x to ~0.95x the pool: a working set ~4.5x the pool.
+        first, added = int(pool * 0.68), pool // 8
+        out["multi_turn"] = alternate(lambda on: multi_turn(runner, on, 5, first, added, 3), args.rounds)
+        progress("multi-turn", out["multi_turn"])
+        out["preemption"] = alternate(lambda on: preemption_heavy(runner, on, 6, pool // 4, pool // 12), args.rounds)
+        progress("preemption", out["preemption"])
+        out["no_hits"] = alternate(lambda on: no_hits(runner, on, 12, pool // 3, 16), args.rounds)
+        progress("no hits", out["no_hits"])
+        out["disk_restart"] = disk_restart(runner, int(pool * 0.78))
+        progress("disk restart", out["disk_restart"])
     mt, pr, nh = out["multi_turn"], out["preemption"], out["no_hits"]
     out["ratios"] = {
         "returning_ttft_off_over_on": mt["off"]["mean_returning_ttft_s"] / mt["on"]["mean_returning_ttft_s"],

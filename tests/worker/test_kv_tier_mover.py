@@ -138,3 +138,17 @@ def test_restart_lists_files_oldest_first_and_clears_half_writes(tmp_path):
     again = DiskTier(tmp_path, b"x" * 32, mover.disk.payload_bytes)
     assert again.hashes() == [b"a" * 32, b"b" * 32]
     assert not (mover.disk.folder / "cut.tmp").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kv_disk_path": "/tmp/x", "kv_disk_size": 1.0}, "--kv-disk-path needs"),
+    ({"kv_disk_path": "/tmp/x", "kv_offloading_size": 1.0}, "--kv-disk-path needs"),
+    ({"kv_disk_size": 1.0, "kv_offloading_size": 1.0}, "--kv-disk-size needs --kv-disk-path"),
+    ({"kv_offloading_size": -1.0}, "--kv-offloading-size"),
+    ({"kv_offloading_size": 1.0, "tensor_parallel_size": 2}, "unsharded workers only"),
+])
+def test_tier_flags_that_cannot_run_are_refused(kwargs, message):
+    from steploop.gpu_worker.config import WorkerConfig
+
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(**kwargs)
