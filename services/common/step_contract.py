@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.common.kv_moves import KvMoveReport, KvMoves
 from steploop.common.lora_adapter import LoraModelShapes
 from steploop.common.lora_config import LoraModule
 from steploop.common.pb.steploop.v1 import engine_pb2, worker_pb2
@@ -96,6 +97,7 @@ class StepPlan:
     preempted_handles: list[int] = field(default_factory=list)      # drop: preempted (come back as new)
     lora_loads: list[LoraModule] = field(default_factory=list)      # adapters to register (name, folder)
     lora_drops: list[str] = field(default_factory=list)             # adapters to forget
+    kv_moves: KvMoves | None = None      # KV tier moves done before the forward (kv_moves.py); None = none
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -108,6 +110,8 @@ class StepPlan:
             finished_handles=self.finished_handles, preempted_handles=self.preempted_handles,
             lora_loads=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.lora_loads],
             lora_drops=self.lora_drops)
+        if self.kv_moves:
+            self.kv_moves.fill_pb(pb)
         if self.draft_token_ids:
             drafts = [self.draft_token_ids.get(h, []) for h in self.scheduled_handles]
             pb.num_draft_tokens.extend(len(d) for d in drafts)
@@ -126,7 +130,8 @@ class StepPlan:
                    cached=CachedRequestData.from_pb(pb.cached), scheduled_handles=list(pb.scheduled_handles),
                    num_scheduled_tokens=list(pb.num_scheduled_tokens), draft_token_ids=drafts,
                    finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles),
-                   lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops))
+                   lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops),
+                   kv_moves=KvMoves.from_pb(pb))
 
 
 @dataclass
@@ -172,6 +177,7 @@ class StepResult:
     pooled: dict[int, list[float]] = field(default_factory=dict)
     # handle -> why it cannot be served as asked; such a request samples nothing and ends alone (the others go on).
     failed: dict[int, RequestFailure] = field(default_factory=dict)
+    kv_moves: KvMoveReport | None = None   # the plan's KV tier moves: failures and time (None: none)
 
     def to_pb(self) -> worker_pb2.StepResult:
         handles = list(self.sampled)
@@ -193,6 +199,8 @@ class StepResult:
             pb.pooled_values.extend(vector)
         for h, failure in self.failed.items():
             pb.request_failures.add(handle=h, code=failure.code, message=failure.message, param=failure.param)
+        if self.kv_moves is not None:
+            self.kv_moves.fill_pb(pb)
         return pb
 
     @classmethod
@@ -215,7 +223,7 @@ class StepResult:
         failed = {f.handle: RequestFailure(f.code, f.message, f.param) for f in pb.request_failures}
         return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
                    forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs, pooled=pooled,
-                   collective_seconds=pb.collective_seconds, failed=failed)
+                   collective_seconds=pb.collective_seconds, failed=failed, kv_moves=KvMoveReport.from_pb(pb))
 
 
 @dataclass(frozen=True)
@@ -238,6 +246,10 @@ class WorkerInfo:
     tp_rendezvous: str = ""              # rank 0 of a group: host:port of its process-group store
     lora_shapes: LoraModelShapes | None = None   # with --enable-lora: what an adapter must fit
     expert_parallel: bool = False        # --enable-expert-parallel; the ranks of a group must agree
+    kv_host_blocks: int = 0              # KV tiers below the pool (--kv-offloading-size, --kv-disk-size), in blocks
+    kv_disk_blocks: int = 0
+    kv_disk_hashes: tuple[bytes, ...] = ()   # block hashes on disk for this model's fingerprint, LRU first
+    kv_block_bytes: int = 0              # bytes of one block over all layers
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
@@ -245,7 +257,9 @@ class WorkerInfo:
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), runner=self.runner,
             generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous,
-            expert_parallel=self.expert_parallel)
+            expert_parallel=self.expert_parallel,
+            kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
+            kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -270,4 +284,6 @@ class WorkerInfo:
                    pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    generation_defaults=GenerationDefaults.from_pb(pb.generation_defaults),
                    dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous, lora_shapes=shapes,
-                   expert_parallel=pb.expert_parallel)
+                   expert_parallel=pb.expert_parallel,
+                   kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
+                   kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes)

@@ -47,6 +47,9 @@ class WorkerConfig:
     tp_host: str = "127.0.0.1"               # address the other ranks reach this one at (process-group traffic)
     enable_expert_parallel: bool = False     # MoE: each rank holds E / N whole experts instead of 1/N of every one
     lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora: the slot table and host LRU sizes
+    kv_offloading_size: float = 0.0          # GiB of host memory for KV blocks below the pool (0: no host tier)
+    kv_disk_path: str = ""                   # folder of the disk KV tier ("" : none); survives restarts
+    kv_disk_size: float = 0.0                # GiB of block files the disk tier may hold
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -61,7 +64,9 @@ class WorkerConfig:
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
                    generation_config=args.generation_config, tls=TlsConfig.from_args(args),
                    tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host,
-                   enable_expert_parallel=args.enable_expert_parallel, lora=LoraConfig.from_args(args))
+                   enable_expert_parallel=args.enable_expert_parallel, lora=LoraConfig.from_args(args),
+                   kv_offloading_size=args.kv_offloading_size,
+                   kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size)
 
     @property
     def resolved_worker_id(self) -> str:
@@ -125,6 +130,13 @@ def _validate(c: WorkerConfig) -> None:
           f"--runner {c.runner} with -tp {c.tensor_parallel_size}: the pooling runner serves with -tp 1 only")
     check(c.tensor_parallel_size > 1 or not c.enable_expert_parallel,
           "--enable-expert-parallel needs -tp 2 or more: the experts are placed across the group's ranks")
+    check(c.kv_offloading_size >= 0, f"--kv-offloading-size {c.kv_offloading_size} must be >= 0 (GiB)")
+    check(not c.kv_disk_path or (c.kv_disk_size > 0 and c.kv_offloading_size > 0),
+          "--kv-disk-path needs --kv-disk-size > 0 and --kv-offloading-size > 0 (disk blocks come back through "
+          "host memory)")
+    check(not c.kv_disk_size or c.kv_disk_path, "--kv-disk-size needs --kv-disk-path")
+    check(c.tensor_parallel_size == 1 or not c.kv_offloading_size,
+          f"--kv-offloading-size with -tp {c.tensor_parallel_size}: KV tiers run on unsharded workers only (-tp 1)")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
 
 
@@ -165,4 +177,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="mixture-of-experts models with -tp N: place E / N whole experts on each rank (contiguous) "
                   "instead of sharding every expert N ways; the attention stays sharded")
     lora_config.add_cli_args(parser)
+    add_flag(parser, "--kv-offloading-size", type=float, default=0.0,
+             help="GiB of host memory for KV blocks below the pool: prefix blocks the pool evicts and preempted "
+                  "requests' blocks are kept there and restored (0: off; pinned memory on CUDA)")
+    add_flag(parser, "--kv-disk-path", default="",
+             help="folder for a disk KV tier below host memory (one checksummed file per block; survives "
+                  "restarts; needs --kv-offloading-size and --kv-disk-size)")
+    add_flag(parser, "--kv-disk-size", type=float, default=0.0, help="GiB of block files the disk KV tier may hold")
     return parser

@@ -18,7 +18,7 @@ import torch
 
 from steploop.common.model_path import served_model_name
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
-from steploop.gpu_worker import kv_cache
+from steploop.gpu_worker import kv_cache, kv_tier_mover
 from steploop.gpu_worker.attention.selector import create_backend
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
@@ -29,6 +29,7 @@ from steploop.gpu_worker.distributed.rank_setup import RankSetup
 from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
 from steploop.gpu_worker.input_batch import InputBatch
 from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
+from steploop.gpu_worker.kv_tier_mover import KvTierMover, model_identity
 from steploop.gpu_worker.logits_processors import LogitsEdits
 from steploop.gpu_worker.lora.manager import LoraManager
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
@@ -71,6 +72,7 @@ class ModelRunner:
         self.weights: WeightUpdater | None = None   # /update_weights_from_disk (weight_update.py); from_config sets it
         self.sleep_mode: SleepMode | None = None     # /sleep, /wake_up (sleep_mode.py); from_config sets it
         self.receiver = None     # update_weights_from_distributed (weight_receiver.py); from_config sets it
+        self.tiers: KvTierMover | None = None        # KV tiers below the pool (kv_tier_mover.py)
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -108,13 +110,15 @@ class ModelRunner:
             raise ValueError("--enable-lora serves generate models; this worker runs --runner pooling (embeddings)")
         lora = LoraManager.build(model, config.lora, dtype, device) if config.lora.enable_lora else None
         model.lora = lora.layers if lora is not None else None
+        tiers = kv_tier_mover.build(config, caches, model_identity(model_path), dtype, plan.describe())
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=eos_ids, generation_defaults=defaults,
                           rank=config.rank, world_size=config.tensor_parallel_size,
                           dtype=str(dtype).removeprefix("torch."), expert_parallel=config.enable_expert_parallel,
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
-                          lora_shapes=lora.store.shapes if lora is not None else None)
+                          lora_shapes=lora.store.shapes if lora is not None else None,
+                          **kv_tier_mover.hello_fields(tiers))
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
@@ -125,6 +129,7 @@ class ModelRunner:
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
+        runner.tiers = tiers
         runner.threads = make_thread_governor(config, device, plan)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
                                                                        rank.share, rank.comm), cfg, model_path)
@@ -146,13 +151,15 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
+        moved = None
         try:
+            moved = kv_tier_mover.apply(self.tiers, plan)      # before the forward: stores read, loads write
             self.batch.apply_plan(plan)
             if self.lora is not None:
                 self.lora.apply_plan(plan)
             self.structured.check_new(plan.new_requests, self.batch.requests)   # a bad grammar fails its request
             if not plan.scheduled_handles:
-                return StepResult(step_id=plan.step_id)
+                return StepResult(step_id=plan.step_id, kv_moves=moved)
             with_lora = self.lora is not None and self.lora.begin_step(plan)
             if self.threads is not None:
                 self.threads.before_step()
@@ -167,8 +174,9 @@ class ModelRunner:
             raise
         except Exception as exc:     # a failed step is reported, the worker lives on
             log.exception("step %d failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}", kv_moves=moved)
         result.forward_seconds = time.perf_counter() - start
+        result.kv_moves = moved
         result.failed = self.structured.take_failures()
         if self.tp_comm is not None:
             result.collective_seconds = self.tp_comm.take_seconds()[0]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from steploop.common.step_contract import NewRequestData, StepPlan
 from steploop.scheduler import policy
+from steploop.scheduler.kv_tiers import restore_is_worth
 from steploop.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -29,18 +30,40 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
             skipped.append(waiting.pop())
             continue
         hits, num_hit = kv.get_computed_blocks(request)
+        restored = tier_restore(sched, request, len(hits)) if kv.tiers is not None else ()
+        if restored is None:
+            break                                # its prefix is on its way up from disk: it waits, nobody overtakes
+        num_pool_hit, num_hit = num_hit, num_hit + len(restored) * kv.block_size
         request.num_computed_tokens = num_hit
         num_new = sched._num_new_tokens(request, budget)
         reserve = sched.watermark_blocks if sched.running else 0   # alone, a request may use every block
-        if num_new <= 0 or kv.allocate_slots(request, num_new, hits, reserve) is None:
+        if num_new <= 0 or kv.allocate_slots(request, num_new, hits, reserve, restored) is None:
             request.num_computed_tokens = 0
             break                                # nobody overtakes the head of the queue
         waiting.pop()
+        if kv.tiers is not None:
+            kv.tiers.record_admission(request.request_id, request.num_tokens, num_pool_hit, num_hit - num_pool_hit,
+                                      kv.block_size)
         admit(sched, plan, request, num_hit)
         sched._add_to_batch(plan, request, num_new, scheduled, ends)
         budget -= num_new
     for request in reversed(skipped):
         waiting.push_front(request)
+
+
+def tier_restore(sched: Scheduler, request: Request, num_pool_blocks: int) -> list[int] | None:
+    """Host-tier slots of the request's blocks right after its pool hits, to load (kv_tiers.py); None: it waits
+    for blocks promoted from disk. Restored only when copying is cheaper than recomputing (step-cost model)."""
+    kv = sched.kv
+    if not kv.enable_prefix_caching or request.sampling.prompt_logprobs >= 0 or request.no_prefix_hits:
+        return []
+    max_blocks = (request.num_tokens - 1) // kv.block_size
+    if num_pool_blocks >= max_blocks:
+        return []
+    cost = sched.pacer.cost.coefficients() if sched.pacer is not None else None
+    tiers, start = kv.tiers, num_pool_blocks * kv.block_size
+    worth = lambda n: restore_is_worth(tiers.seconds_per_block, cost, n, kv.block_size, start + n * kv.block_size)
+    return tiers.restore_for(request.request_id, request.block_hashes, num_pool_blocks, max_blocks, worth)
 
 
 def admit(sched: Scheduler, plan: StepPlan, request: Request, num_hit: int) -> None:

@@ -25,7 +25,7 @@ the block it reuses (lazy eviction). A cached-but-free block counts as free.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the recorder is passed in; the pool itself imports nothing of KV events
@@ -45,6 +45,8 @@ class BlockPool:
         self.block_hash: dict[int, bytes] = {}   # block id -> prefix-cache key of its (full) contents
         self._cached: dict[bytes, int] = {}      # prefix-cache key -> block id (one block per key)
         self.events = events                     # KV events (BlockRemoved, AllBlocksCleared); None = off
+        # Called with (block id, key) when a keyed block is reused: KV tiers demote it (kv_tiers.py); None = off.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,6 +88,8 @@ class BlockPool:
         key = self.block_hash.pop(block_id, None)
         if key is not None:
             del self._cached[key]
+            if self.on_evict is not None:
+                self.on_evict(block_id, key)
             if self.events is not None:
                 self.events.removed(key)
 

@@ -22,11 +22,13 @@ from steploop.common.block_hashing import get_block_hasher, hasher_root
 from steploop.common.engine_contract import EngineRequest
 from steploop.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
 from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
+from steploop.scheduler import kv_tiers
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.config import SchedulerConfig
 from steploop.scheduler.engine_control import EngineControl
 from steploop.scheduler.kv_cache_manager import KVCacheManager
 from steploop.scheduler.kv_events.hub import KvEventHub
+from steploop.scheduler.kv_tiers import KvTiers, TierStats
 from steploop.scheduler.lora_registry import LoraRegistry
 from steploop.scheduler.lora_steps import LoraSteps
 from steploop.scheduler.metrics import make_observer
@@ -57,6 +59,7 @@ class EngineLoop:
         self.last_progress = time.monotonic()       # last finished step, or when work arrived while idle
         self.lost_since: float | None = time.monotonic()
         self._retired_counters = SchedulerCounters()    # of schedulers replaced since start
+        self._retired_tier_stats: dict[str, TierStats] = {}   # of KV tiers replaced since start (kv_tiers.py)
         self.lora = LoraRegistry(server_config.lora)    # the LoRA adapters served (lora_registry.py)
         # Metrics, request logs and spans (metrics.py): fed by data pushed from here, and load_report.
         self.observer = make_observer(self.load_report, sched_config.enable_prefix_caching)
@@ -187,6 +190,8 @@ class EngineLoop:
         if (self.scheduler is None or info.num_kv_blocks != self.worker_info.num_kv_blocks
                 or info.pooling != self.worker_info.pooling):     # a pooling worker serves other requests
             self._build_scheduler(info)
+        kv_tiers.retire(self._retired_tier_stats, self.scheduler.kv.tiers)
+        self.scheduler.kv.attach_tiers(self._tiers_for(info))
         self.worker_info, self.group, self.lost_since = info, group, None
         self.observer.on_attach(info)
         self.last_progress = time.monotonic()
@@ -217,6 +222,15 @@ class EngineLoop:
             except InvalidRequestError as exc:
                 self.observer.on_abort(request.request_id, "rejected", "error")
                 self._fail(request.request_id, exc)
+
+    def _tiers_for(self, info: WorkerInfo) -> KvTiers | None:
+        """The KV tiers below the pool the worker says it has (a restarted one's disk files indexed back)."""
+        if not info.kv_host_blocks:
+            return None
+        tiers = KvTiers(info.kv_host_blocks, info.kv_disk_blocks, info.kv_block_bytes, info.kv_disk_hashes)
+        if self.kv_events is not None:
+            tiers.attach_events(self.kv_events.recorder, info.block_size)
+        return tiers
 
     def detach(self, link: WorkerLink, reason: str) -> None:
         """A rank's stream ended (the Attach handler): it leaves the group being assembled, and one rank lost is
@@ -263,7 +277,8 @@ class EngineLoop:
                     continue
                 if len(outstanding) < window and self.can_step():
                     plan = self.scheduler.schedule()
-                    if plan.scheduled_handles or plan.finished_handles or plan.preempted_handles:
+                    if (plan.scheduled_handles or plan.finished_handles or plan.preempted_handles
+                            or plan.kv_moves is not None):
                         self.observer.on_plan(plan, self.scheduler.new_request_ids(plan))
                         bytes_before = group.bytes_sent
                         await group.send(plan)
@@ -377,4 +392,5 @@ class EngineLoop:
             step_cost=sched.step_cost(), workers_attached=attached,
             running_lora_adapters=tuple(sched.lora.running), waiting_lora_adapters=tuple({r.lora_name: None for r in sched.waiting if r.lora_name}),
             max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0,
-            paused=self.control.paused, weight_updates=self.control.weight_updates)
+            paused=self.control.paused, weight_updates=self.control.weight_updates,
+            kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else ())

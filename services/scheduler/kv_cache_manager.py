@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from steploop.common.block_hashing import BlockHasher, hash_block
 from steploop.common.intmath import cdiv
 from steploop.scheduler.block_pool import BlockPool
+from steploop.scheduler.kv_tiers import KvTiers
 from steploop.scheduler.prefix_cache import PrefixCacheStats, ensure_block_hashes
 from steploop.scheduler.request import Request
 
@@ -35,6 +36,13 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}   # request_id -> block ids, in token order
         self._num_cached: dict[str, int] = {}     # request_id -> leading blocks of its table already keyed
+        self.tiers: KvTiers | None = None         # KV media below the pool (kv_tiers.py); None = none
+
+    def attach_tiers(self, tiers: KvTiers | None) -> None:
+        """Use these tiers below the pool (None: none). They key blocks by prefix hash, so without prefix
+        caching they are not used."""
+        self.tiers = tiers if self.enable_prefix_caching else None
+        self.pool.on_evict = self.tiers.demote if self.tiers is not None else None
 
     # ---- the questions callers ask
     @property
@@ -128,17 +136,21 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         """Drop every key (the worker that held the KV is gone); held and free blocks are otherwise unchanged."""
         self.pool.reset_prefix_cache()
+        if self.tiers is not None:
+            self.tiers.reset()
         self._num_cached = {rid: 0 for rid in self._num_cached}
         self.prefix_cache_stats.resets += 1
 
     # ---- slots
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
-                       reserve: int = 0) -> list[int] | None:
+                       reserve: int = 0, restored: Sequence[int] = ()) -> list[int] | None:
         """Make room for request.num_computed_tokens + num_new_tokens tokens.
 
         `computed_blocks` are prefix-cache hits for a request being admitted (its table is empty and
         num_computed_tokens already counts them); they are shared, not copied. `reserve` blocks must stay free
-        afterwards (the admission watermark). Returns the block ids appended to the table after the hits (maybe
+        afterwards (the admission watermark). `restored` are host-tier slots of the blocks right after the hits
+        (num_computed_tokens counts them too): each gets a new block, loaded before the forward (kv_tiers.py),
+        keyed as a prefix hit would be. Returns the block ids appended to the table after the hits (maybe
         []), or None when the pool lacks free blocks; then nothing is allocated, so the caller can preempt and
         retry.
 
@@ -164,7 +176,20 @@ class KVCacheManager:
             self._num_cached[rid] = len(computed_blocks)
         new_ids = self.pool.get_new_blocks(needed) if needed > 0 else []
         table.extend(new_ids)
+        if restored:
+            self._restore(request, len(computed_blocks), restored, new_ids[:len(restored)])
         return new_ids
+
+    def _restore(self, request: Request, first: int, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        hashes = request.block_hashes
+        keyed = []
+        for i, (slot, block_id) in enumerate(zip(slots, block_ids), first):
+            self.tiers.load(slot, block_id, hashes[i])
+            if self.pool.cache_block(block_id, hashes[i]):
+                keyed.append(i)
+        self._num_cached[request.request_id] = first + len(slots)
+        if self.events is not None and keyed:
+            self.events.stored(request, keyed, hashes, self.block_size)
 
     def free(self, request: Request) -> None:
         """Give back every block of the request (idempotent). Tail blocks first, see BlockPool.free_blocks."""
@@ -188,6 +213,8 @@ class KVCacheManager:
             assert all(n == 1 for n in owners.values()), f"blocks shared: {[b for b, n in owners.items() if n > 1]}"
         for rid, n in self._num_cached.items():
             assert n <= len(self._tables.get(rid, ())), f"{rid}: {n} cached blocks beyond its table"
+        if self.tiers is not None:
+            self.tiers.check()
 
     @property
     def request_ids(self) -> list[str]:

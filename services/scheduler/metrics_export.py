@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from steploop.scheduler.kv_tier_metrics import kv_tier_families
 from steploop.scheduler.lora_metrics import lora_requests_info
 from steploop.scheduler.stats import EngineLoad, SchedulerCounters
 
@@ -90,6 +91,7 @@ def families(obs: Any, labels: list[str]) -> Iterator:
         yield info
     yield from _steploop(obs, load, labels)
     yield from _pacing(load, labels)
+    yield from kv_tier_families(load, labels)
 
 
 def _spec_decode(counts: SchedulerCounters, labels: list[str]) -> Iterator:

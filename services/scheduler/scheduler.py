@@ -184,6 +184,8 @@ class Scheduler:
             self._in_flight[plan.step_id] = (scheduled, ends)
         if self.pacer is not None:
             self.pacer.end_step(plan.step_id)
+        if self.kv.tiers is not None:
+            plan.kv_moves = self.kv.tiers.take_moves()
         self.handles.recycle()
         return plan
 
@@ -234,6 +236,8 @@ class Scheduler:
         self.lora.finish(request)
         request.status = status
         self.kv.free(request)
+        if self.kv.tiers is not None:
+            self.kv.tiers.forget(request.request_id)
         del self.requests[request.request_id]
         self.handles.release(request)
 
@@ -282,7 +286,11 @@ class Scheduler:
         worker that was lost since.
         """
         in_flight = self._in_flight.pop(plan.step_id, None)
-        if plan.step_id < self._first_live_step or in_flight is None:
+        if plan.step_id < self._first_live_step:
+            return []
+        if plan.kv_moves is not None and self.kv.tiers is not None:
+            self.kv.tiers.on_result(plan.kv_moves, result.kv_moves, bool(result.error))
+        if in_flight is None:
             return []
         if self.pacer is not None:
             self.pacer.observe(plan.step_id, result.forward_seconds)

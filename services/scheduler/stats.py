@@ -43,6 +43,20 @@ class SchedulerCounters:
         return SchedulerCounters(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
+@dataclass(frozen=True)
+class KvTierLoad:
+    """One KV medium below the pool ("CPU" host memory, "DISK"): counters since start, blocks held now."""
+
+    medium: str
+    queries: int = 0                  # tokens looked up in it
+    hits: int = 0                     # of those, tokens restored from it
+    bytes_moved: int = 0              # bytes written to or read from it
+    restore_seconds: float = 0.0      # worker time of the moves that restored blocks from it
+    misses: int = 0                   # blocks that failed to read back (disk: absent/corrupt/foreign) or to write
+    used_blocks: int = 0
+    capacity_blocks: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad(LoadReport):
     """The engine now: the Engine seam's LoadReport (what GetLoadReport sends, its `to_pb`; num_waiting counts
@@ -55,6 +69,7 @@ class EngineLoad(LoadReport):
     max_loras: int = 0                             # --max-loras with --enable-lora; 0 = LoRA off
     paused: bool = False                           # POST /pause (engine_control.py)
     weight_updates: int = 0                        # weight updates applied since start
+    kv_tiers: tuple[KvTierLoad, ...] = ()          # KV media below the pool; () = none
 
 
 @dataclass

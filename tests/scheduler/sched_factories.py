@@ -203,7 +203,7 @@ class AsyncDriver:
         check_plan(self.sched, plan, before)
         result = self.worker.execute(plan)         # the worker runs plans in order, N+1 right after N
         self.flush()
-        self.pending = (plan, result) if plan.scheduled_handles else None
+        self.pending = (plan, result) if plan.scheduled_handles or plan.kv_moves else None
         self.run.steps += 1
         self.run.plans.append(plan)
         return plan

@@ -33,7 +33,8 @@ RECONNECT_S = (0.2, 5.0)       # backoff after a broken stream: first, longest
 @dataclass
 class ReplicaCacheIndex:
     """The keys one replica caches, kept from its snapshot and event batches."""
-    keys: set[bytes] = field(default_factory=set)
+    keys: set[bytes] = field(default_factory=set)          # in the replica's pool (medium GPU)
+    lower_keys: dict[str, set[bytes]] = field(default_factory=dict)   # medium (CPU, DISK) -> keys in that tier
     block_size: int = 0
     hasher: BlockHasher | None = None
     hasher_id: tuple = ()                # (algo, root): replicas with equal ids share a prompt's hashes
@@ -51,6 +52,7 @@ class ReplicaCacheIndex:
 
     def _apply_snapshot(self, snap: engine_pb2.KvEventSnapshot) -> None:
         self.keys = set(snap.block_hashes)
+        self.lower_keys = {}
         self.block_size = snap.block_size
         self.hasher_id = (snap.hash_algo, snap.hash_root)
         self.hasher = get_block_hasher(snap.hash_algo, snap.hash_root or None) if snap.hash_algo else None
@@ -60,13 +62,17 @@ class ReplicaCacheIndex:
         for event in batch.events:
             kind = event.WhichOneof("event")
             if kind == "stored":
-                self.keys.update(event.stored.block_hashes)
+                self._medium(event.stored.medium).update(event.stored.block_hashes)
                 self.block_size = event.stored.block_size or self.block_size
             elif kind == "removed":
-                self.keys.difference_update(event.removed.block_hashes)
+                self._medium(event.removed.medium).difference_update(event.removed.block_hashes)
             elif kind == "cleared":
                 self.keys.clear()
+                self.lower_keys.clear()
         self.next_sequence = batch.sequence + 1
+
+    def _medium(self, medium: str) -> set[bytes]:
+        return self.keys if medium in ("", "GPU") else self.lower_keys.setdefault(medium, set())
 
     def prompt_hashes(self, prompt_ids: Sequence[int], salt: str, memo: dict) -> list[bytes]:
         """The prompt's block keys as this replica makes them (memo: shared by replicas with equal hashers)."""
@@ -78,10 +84,10 @@ class ReplicaCacheIndex:
         return memo[key]
 
     def matched_tokens(self, prompt_ids: Sequence[int], salt: str, memo: dict) -> int:
-        """Tokens of the prompt's longest prefix of full blocks this replica caches."""
-        depth = 0
+        """Tokens of the prompt's longest prefix of full blocks this replica caches, in any tier."""
+        depth, lower = 0, self.lower_keys.values()
         for key in self.prompt_hashes(prompt_ids, salt, memo):
-            if key not in self.keys:
+            if key not in self.keys and not any(key in keys for keys in lower):
                 break
             depth += 1
         return depth * self.block_size

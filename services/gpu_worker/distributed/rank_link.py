@@ -16,6 +16,7 @@ from datetime import timedelta
 
 from steploop.common.pb.steploop.v1 import worker_pb2
 from steploop.common.step_contract import StepResult, WorkerInfo
+from steploop.gpu_worker import kv_tier_mover
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.distributed.comm import CollectiveError, TensorParallelComm
 from steploop.gpu_worker.distributed.process_group import GroupStore, form_group
@@ -36,7 +37,7 @@ class RankLink:
         return self.config.tensor_parallel_size
 
     def hello(self) -> WorkerInfo:
-        info = self.runner.info
+        info = kv_tier_mover.refresh_hello(self.runner.info, getattr(self.runner, "tiers", None))
         if self.world_size > 1 and self.config.rank == 0:
             self.store = GroupStore(self.config.tp_host, self.world_size)
             info = dataclasses.replace(info, tp_rendezvous=self.store.address)
@@ -51,7 +52,7 @@ class RankLink:
             try:
                 group = form_group(self.config.rank, self.world_size, form.rendezvous, form.generation, timeout,
                                    self.config.tp_host, self.runner.device, self.store)
-            except Exception as exc:  # noqa: BLE001 - a rank that never came (timeout) or a refused connection
+            except Exception as exc:
                 raise CollectiveError(f"rank {self.config.rank}: forming group generation {form.generation} at "
                                       f"{form.rendezvous} failed: {exc}") from exc
             self.comm.attach(group, form.generation, timeout)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from steploop.common.pb.steploop.v1 import engine_pb2
 
-MEDIUM_GPU = "GPU"   # vLLM's MEDIUM_GPU: the worker's KV cache (steploop has no other tier)
+MEDIUM_GPU = "GPU"   # vLLM's MEDIUM_GPU: the worker's KV cache (the pool); "CPU" and "DISK": tiers below it
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from steploop.scheduler.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from steploop.scheduler.kv_events.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from steploop.scheduler.prefix_cache import block_tokens
 
 
@@ -36,10 +36,26 @@ class KvEventRecorder:
 
     def removed(self, key: bytes) -> None:
         last = self.pending[-1] if self.pending else None
-        if isinstance(last, BlockRemoved):      # evictions of one allocation travel as one event
+        if isinstance(last, BlockRemoved) and last.medium == MEDIUM_GPU:   # one allocation's evictions: one event
             last.block_hashes.append(key)
         else:
             self.pending.append(BlockRemoved([key]))
+
+    def tier_stored(self, key: bytes, block_size: int, medium: str) -> None:
+        """A block entered a KV tier below the pool (medium "CPU" or "DISK"); as vLLM's offloading connector,
+        without tokens or parent (the key alone names the prefix)."""
+        last = self.pending[-1] if self.pending else None
+        if isinstance(last, BlockStored) and last.medium == medium and not last.token_ids:
+            last.block_hashes.append(key)
+        else:
+            self.pending.append(BlockStored([key], None, [], block_size, medium=medium))
+
+    def tier_removed(self, key: bytes, medium: str) -> None:
+        last = self.pending[-1] if self.pending else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(key)
+        else:
+            self.pending.append(BlockRemoved([key], medium))
 
     def cleared(self) -> None:
         self.pending = [AllBlocksCleared()]      # what came before is moot: the cache is empty now

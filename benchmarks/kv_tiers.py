@@ -1,0 +1,204 @@
+"""KV tiers below the pool, on vs off, alternating in one run (the real Scheduler + ModelRunner in one process, CPU):
+
+    python -m benchmarks.kv_tiers [--rounds 2] [--out benchmarks/results/kv_tiers.json]
+
+1. multi-turn chat, working set ~4x the pool: mean TTFT of the returning turns (their prefix left the pool), and
+   tokens per second over the whole chat;
+2. preemption-heavy: requests that together need ~3x a small pool, all at once: total time and p99 TTFT (swap =
+   preempted blocks kept in host memory and restored, vs recompute);
+3. no hits at all (unique prompts through a small pool, every eviction still stored below): throughput ratio;
+4. disk after a restart: a long prompt's TTFT cold vs restored from the disk files a previous worker left.
+
+Timings on a shared CPU are noisy: each scenario alternates off/on (ABBA) and reports the median per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import tempfile
+import time
+
+from benchmarks.machine import git_commit, machine_info
+from steploop.common.sampling_params import SamplingParams
+from steploop.gpu_worker.kv_disk_tier import DiskTier
+from steploop.gpu_worker.kv_tier_mover import KvTierMover
+from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.kv_tiers import KvTiers
+from steploop.scheduler.request import Request
+
+BLOCK = 16
+
+
+def build_runner(model_dir, num_blocks: int, host_gib: float, disk: str):
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.model_runner import ModelRunner
+
+    config = WorkerConfig(model=str(model_dir), num_kv_blocks=num_blocks, max_model_len=(num_blocks - 1) * BLOCK,
+                          device="cpu", block_size=BLOCK, kv_offloading_size=host_gib, kv_disk_path=disk,
+                          kv_disk_size=2.0)
+    return ModelRunner.from_config(config, model_dir)
+
+
+def scheduler(runner, tiers: bool, max_num_seqs: int = 8):
+    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_num_seqs, enable_prefix_caching=True)
+    info = runner.info
+    kv = KVCacheManager(info.num_kv_blocks, BLOCK, True)
+    sched = make_scheduler(config, kv, info.max_model_len, list(info.eos_token_ids))
+    if tiers:
+        m = runner.tiers
+        kv.attach_tiers(KvTiers(m.num_host_blocks, m.disk_blocks, m.block_bytes, m.disk_hashes()))
+    runner.reset()
+    return sched
+
+
+def drive(runner, sched, requests: list[Request]) -> tuple[dict[str, float], float, int]:
+    """Add all, step to idle: TTFT per request (from its add), wall seconds, tokens computed."""
+    start = time.perf_counter()
+    for r in requests:
+        sched.add_request(r)
+    ttft: dict[str, float] = {}
+    tokens = 0
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        result = runner.execute(plan)
+        assert not result.error, result.error
+        tokens += plan.total_num_scheduled_tokens
+        now = time.perf_counter()
+        for out in sched.update_from_output(plan, result):
+            if out.new_token_ids and out.request_id not in ttft:
+                ttft[out.request_id] = now - start
+    return ttft, time.perf_counter() - start, tokens
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def rand_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def multi_turn(runner, tiers: bool, convs: int, first: int, added: int, turns: int) -> dict:
+    rng = random.Random(1)
+    sched = scheduler(runner, tiers)
+    history = [rand_tokens(rng, first) for _ in range(convs)]
+    returning, t0, outputs = [], time.perf_counter(), 0
+    for turn in range(turns):
+        for c in range(convs):               # one user at a time: TTFT is the prefill the turn needs
+            req = Request(f"c{c}t{turn}", list(history[c]), sampling=greedy(16))
+            ttft, _, _ = drive(runner, sched, [req])
+            if turn:
+                returning.append(ttft[req.request_id])
+            history[c] = history[c] + req.output_token_ids + rand_tokens(rng, added)
+            outputs += len(req.output_token_ids)
+    wall = time.perf_counter() - t0
+    return {"mean_returning_ttft_s": statistics.mean(returning), "output_tok_s": outputs / wall, "wall_s": wall,
+            "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if tiers else 0}
+
+
+def preemption_heavy(runner, tiers: bool, n: int, prompt: int, output: int) -> dict:
+    rng = random.Random(2)
+    sched = scheduler(runner, tiers, max_num_seqs=n)
+    reqs = [Request(f"p{i}", rand_tokens(rng, prompt), sampling=greedy(output)) for i in range(n)]
+    ttft, wall, tokens = drive(runner, sched, reqs)
+    ts = sorted(ttft.values())
+    return {"total_s": wall, "p99_ttft_s": ts[min(len(ts) - 1, int(0.99 * len(ts)))], "computed_tokens": tokens,
+            "preemptions": sched.num_preemptions,
+            "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if tiers else 0}
+
+
+def no_hits(runner, tiers: bool, n: int, prompt: int, output: int) -> dict:
+    rng = random.Random(3)
+    sched = scheduler(runner, tiers, max_num_seqs=4)
+    reqs = [Request(f"u{i}", rand_tokens(rng, prompt), sampling=greedy(output)) for i in range(n)]
+    _, wall, tokens = drive(runner, sched, reqs)
+    return {"tok_s": tokens / wall, "wall_s": wall,
+            "blocks_stored": sched.kv.tiers.stats["CPU"].blocks_in if tiers else 0}
+
+
+def disk_restart(runner, prompt_len: int) -> dict:
+    """Cold TTFT of a long prompt, then push it to disk, 'restart' (empty pool and host memory, the same files),
+    and its TTFT restored from disk."""
+    rng = random.Random(4)
+    prompt = rand_tokens(rng, prompt_len)
+    cold, _, _ = drive(runner, scheduler(runner, False), [Request("cold", prompt, sampling=greedy(1))])
+    old = runner.tiers
+    disk = lambda: DiskTier(old.disk.folder.parent, old.disk.fingerprint, old.disk.payload_bytes)
+    blocks = prompt_len // BLOCK
+    runner.tiers = KvTierMover(runner.kv_caches, blocks * 4 // 5, disk(), old.disk_blocks)   # spills to disk
+    sched = scheduler(runner, True)
+    drive(runner, sched, [Request("w", prompt, sampling=greedy(1))])
+    for i in range(3):                                             # push its blocks out of the pool and host
+        drive(runner, sched, [Request(f"f{i}", rand_tokens(rng, prompt_len), sampling=greedy(1))])
+    runner.tiers = KvTierMover(runner.kv_caches, old.num_host_blocks, disk(), old.disk_blocks)   # the restart
+    sched = scheduler(runner, True)
+    warm, _, _ = drive(runner, sched, [Request("disk", prompt, sampling=greedy(1))])
+    return {"cold_ttft_s": cold["cold"], "disk_ttft_s": warm["disk"],
+            "disk_hits_tokens": sched.kv.tiers.stats["DISK"].hits}
+
+
+def progress(name: str, result: dict) -> None:
+    print(name, json.dumps(result), flush=True)
+
+
+def alternate(fn, rounds: int) -> dict:
+    runs = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            runs[mode].append(fn(mode == "on"))
+    return {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/kv_tiers.json")
+    parser.add_argument("--only", default="multi_turn,preemption,no_hits,disk_restart",
+                        help="comma-separated scenarios to run")
+    parser.add_argument("--pool-tokens", type=int, default=2048, help="the device pool (multi-turn contexts scale "
+                        "with it: 0.7x to ~0.95x of it, 5 conversations)")
+    args = parser.parse_args()
+    from steploop.common.model_path import default_model_dir
+
+    model_dir = default_model_dir()
+    pool = args.pool_tokens
+    pool_blocks = pool // BLOCK + 1                 # + the null block
+    with tempfile.TemporaryDirectory() as disk:
+        runner = build_runner(model_dir, pool_blocks, host_gib=0.45 * pool / 2048, disk=disk)
+        out = {"machine": machine_info(), "commit": git_commit(), "pool_tokens": pool,
+               "host_blocks": runner.tiers.num_host_blocks}
+        # 5 conversations from 0.7x to ~0.95x the pool: a working set ~4.5x the pool.
+        first, added = int(pool * 0.68), pool // 8
+        scenarios = {
+            "multi_turn": lambda: alternate(lambda on: multi_turn(runner, on, 5, first, added, 3), args.rounds),
+            "preemption": lambda: alternate(lambda on: preemption_heavy(runner, on, 6, pool // 4, pool // 12),
+                                            args.rounds),
+            "no_hits": lambda: alternate(lambda on: no_hits(runner, on, 12, pool // 3, 16), args.rounds),
+            "disk_restart": lambda: disk_restart(runner, int(pool * 0.78))}
+        for name in args.only.split(","):
+            out[name] = scenarios[name]()
+            progress(name, out[name])
+    ratios = {}
+    if "multi_turn" in out:
+        ratios["returning_ttft_off_over_on"] = (out["multi_turn"]["off"]["mean_returning_ttft_s"]
+                                                / out["multi_turn"]["on"]["mean_returning_ttft_s"])
+    if "preemption" in out:
+        ratios["preemption_total_off_over_on"] = out["preemption"]["off"]["total_s"] / out["preemption"]["on"]["total_s"]
+    if "no_hits" in out:
+        ratios["no_hits_throughput_on_over_off"] = out["no_hits"]["on"]["tok_s"] / out["no_hits"]["off"]["tok_s"]
+    if "disk_restart" in out:
+        ratios["disk_ttft_cold_over_disk"] = out["disk_restart"]["cold_ttft_s"] / out["disk_restart"]["disk_ttft_s"]
+    out["ratios"] = ratios
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+    print(json.dumps(ratios, indent=2))
+
+
+if __name__ == "__main__":
+    main()
