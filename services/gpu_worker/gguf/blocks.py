@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 QK_K = 256
 # the types read at their block width (the others: F32, F16, BF16, read as floats)
@@ -58,7 +59,7 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def decode(raw: np.ndarray, qtype: T, k: int) -> Decoded:
     """raw uint8 [rows, row bytes] of a BLOCK_TYPES tensor whose rows hold k weights."""
     rows = raw.shape[0]
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    type_size = GGML_QUANT_SIZES[qtype][1]
     b = np.ascontiguousarray(raw).reshape(-1, type_size)
     if qtype == T.Q4_0:
         d = _f16(b[:, 0:2])[:, 0]

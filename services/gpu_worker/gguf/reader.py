@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import math
 import pathlib
+import struct
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from steploop.gpu_worker.gguf.blocks import SUPPORTED
+
+# GGUF architectures whose tensors transformers' reader takes as stored (no TensorProcessor) or with llama's q/k
+# permutation only: these load directly (gguf/weights.py); others (gemma's norm offsets, packed MoE experts) go
+# through the fp32 conversion (gguf_convert.py), which dequantizes whatever gguf-py knows
+DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class GGUFFileError(ValueError):
@@ -25,6 +31,7 @@ class CheckedReader(GGUFReader):
     """GGUFReader that checks every tensor's type and byte range before gguf-py maps it."""
 
     def _build_tensors(self, start_offs: int, fields) -> None:
+        direct = architecture(self) in DIRECT_ARCHITECTURES
         spans = []
         for field in fields:
             _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
@@ -35,7 +42,7 @@ class CheckedReader(GGUFReader):
             except ValueError:
                 raise GGUFFileError(f"tensor {name!r} has GGUF tensor type {raw}, which is unknown (steploop reads "
                                     f"{_type_names()})") from None
-            if qtype not in SUPPORTED:
+            if qtype not in SUPPORTED and direct:
                 raise GGUFFileError(f"tensor {name!r} has GGUF tensor type {qtype.name}, which steploop does not "
                                     f"read (it reads {_type_names()})")
             block, type_size = GGML_QUANT_SIZES[qtype]
@@ -62,11 +69,11 @@ def open_gguf(path: pathlib.Path | str) -> GGUFReader:
         return CheckedReader(str(path), "r")
     except GGUFFileError as exc:
         raise GGUFFileError(f"{path}: {exc}") from None
-    except Exception as exc:             # gguf-py's parse of a cut or foreign header: struct / index / value errors
+    except (ValueError, IndexError, KeyError, TypeError, struct.error, OSError) as exc:     # a cut or foreign header
         raise GGUFFileError(f"{path}: not a readable GGUF file (truncated or corrupt header?): "
                             f"{type(exc).__name__}: {exc}") from None
 
 
 def architecture(reader: GGUFReader) -> str:
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else ""

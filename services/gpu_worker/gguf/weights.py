@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
 from gguf import quants as gguf_quants
 
 from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_shape
@@ -31,10 +30,6 @@ from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gg
 
 log = logging.getLogger(__name__)
 
-# GGUF architectures whose tensors transformers' reader takes as stored (no TensorProcessor) or with llama's q/k
-# permutation only: these load directly; others (gemma's norm offsets, packed MoE experts) go through the fp32
-# conversion (gguf_convert.py)
-DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 SOURCE_FILE = "gguf_source.json"        # in a converted folder: {"path": the GGUF file} (no weights beside it)
 
 
