@@ -7,7 +7,6 @@ import pathlib
 import struct
 
 
-
 def tensor_info_offset(data: bytes, name: str) -> int:
     """Offset of the tensor info record's n_dims field for `name` (after its length-prefixed name)."""
     needle = struct.pack("<Q", len(name)) + name.encode()
