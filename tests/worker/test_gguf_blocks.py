@@ -13,13 +13,13 @@ from gguf import quants as gguf_quants
 
 from steploop.gpu_worker.cpu_kernels import build
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
-from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q8_0, Q8_0_16, Q8_1, Q8_1_16, unpack
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q4_K, Q8_0, Q8_0_16, Q8_1, Q8_1_16, unpack
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.gguf_files import quantize
 
-FORMS = {T.Q4_0: Q4_1, T.Q4_1: Q4_1, T.Q4_K: Q4_1, T.Q8_0: Q8_0, T.Q5_0: Q8_0, T.Q5_1: Q8_1, T.Q5_K: Q8_1,
+FORMS = {T.Q4_0: Q4_1, T.Q4_1: Q4_1, T.Q4_K: Q4_K, T.Q8_0: Q8_0, T.Q5_0: Q8_0, T.Q5_1: Q8_1, T.Q5_K: Q8_1,
          T.Q6_K: Q8_0_16}
 
 
@@ -54,6 +54,7 @@ def test_decoded_blocks_are_gguf_pys_dequantize_bit_for_bit(qtype):
 
 
 @pytest.mark.parametrize("types, kind", [((T.Q4_K, T.Q4_K, T.Q6_K), Q8_1_16), ((T.Q4_0, T.Q8_0), Q8_1),
+                                         ((T.Q4_K, T.Q4_K), Q4_K), ((T.Q4_K, T.Q4_1), Q4_1),
                                          ((T.Q8_0, T.Q6_K), Q8_0_16), ((T.Q5_K, T.Q5_1), Q8_1)])
 def test_fused_parts_of_mixed_types_take_a_common_form_exactly(types, kind):
     raws = [gguf_tensor(t, 16 * (i + 1), 256, seed=i) for i, t in enumerate(types)]
@@ -66,8 +67,8 @@ def test_fused_parts_of_mixed_types_take_a_common_form_exactly(types, kind):
 
 @needs_c_kernels(build.runnable_isas())
 @pytest.mark.parametrize("isa", build.runnable_isas())
-@pytest.mark.parametrize("types", [(T.Q5_1,), (T.Q5_K,), (T.Q6_K,), (T.Q4_K, T.Q6_K)], ids=lambda t: "+".join(x.name for x in t))
-def test_q8b_kernel_matches_matmul_and_is_batch_invariant(types, isa):
+@pytest.mark.parametrize("types", [(T.Q5_1,), (T.Q5_K,), (T.Q6_K,), (T.Q4_K, T.Q6_K), (T.Q4_K,)], ids=lambda t: "+".join(x.name for x in t))
+def test_gguf_kernel_kinds_match_matmul_and_are_batch_invariant(types, isa):
     n0, k = 32, 512           # k 512: scratch-tile k chunks at every vector width
     raws = [gguf_tensor(t, n0, k, seed=3 + i) for i, t in enumerate(types)]
     packed = to_packed([blocks.decode(r, t, k) for r, t in zip(raws, types)], common_form(list(types)))
@@ -81,3 +82,13 @@ def test_q8b_kernel_matches_matmul_and_is_batch_invariant(types, isa):
     fma_builds = [i for i in build.runnable_isas() if i in ("avx2", "avx512")]
     for o in fma_builds if isa in fma_builds else ():     # the vector width does not change a bit (fma builds)
         assert same_bits(kernel.packed_linear(x, packed, num_threads=2, isa=o), full), o
+
+
+@pytest.mark.parametrize("qtype", blocks.BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_embedding_rows_are_gguf_pys_dequantize(qtype):
+    from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
+    raw = gguf_tensor(qtype, 40, 256, seed=5)
+    table = BlockEmbedding(blocks.decode(raw, qtype, 256))
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    assert same_values(table(ids), reference(raw, qtype)[ids])
+    assert table.nbytes <= raw.shape[0] * 256 * 10 / 8

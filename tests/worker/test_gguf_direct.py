@@ -2,7 +2,7 @@
 GGUF with a different block type per tensor (every type steploop reads; the k-quants as random valid blocks), served
 by the ModelRunner from the file's blocks: greedy tokens equal and logprobs within 1e-4 of transformers fp32 on the
 same file (its GGUF loader dequantizes with gguf-py), also under chunked prefill and preemption. The converted folder
-holds no weights, and no block-quantized linear keeps an fp32 copy. Broken files (an unknown tensor type, a cut
+holds no weights, and no block-quantized linear or embedding keeps an fp32 copy. Broken files (an unknown tensor type, a cut
 file, a tensor whose size does not fit its shape and type) are refused naming the tensor: the worker exits 2
 before serving."""
 
@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as T
 
 from steploop.common.model_path import gguf_model_dir
 from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
 from steploop.gpu_worker.gguf.reader import GGUFFileError, open_gguf
 from steploop.gpu_worker.gguf_convert import convert_gguf
 from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
@@ -81,6 +82,7 @@ def test_gguf_blocks_serve_transformers_greedy_tokens(family, tmp_path, model_di
         packed = [m for m in linears if m.packed is not None]
         assert len(packed) == len(linears) - (2 if family == "llama" else 0)
         assert all(m.weight is None for m in packed)
+        assert isinstance(runner.model.model.embed_tokens, BlockEmbedding)      # no fp32 table either
     expected = [oracle(hf, p) for p in prompts()]
     for chunk, preempt_after in [(512, None), (16, 8)]:
         got = serve(runner, chunk, preempt_after)

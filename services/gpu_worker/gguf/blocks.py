@@ -31,6 +31,7 @@ class Decoded:
     d: np.ndarray               # fp32 [rows, k / block]
     m: np.ndarray | None        # fp32 [rows, k / block], or None (w = d * q)
     block: int                  # weights per scale: 32, or 16 (Q6_K)
+    k4: tuple | None = None     # Q4_K's own scales: (sc, mn uint8 [rows, k/32], d, dmin fp32 [rows, k/256])
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -77,6 +78,7 @@ def decode(raw: np.ndarray, qtype: T, k: int) -> Decoded:
     elif qtype in (T.Q4_K, T.Q5_K):
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])                   # [blocks, 1]
         sc, mn = _scale_min_k4(b[:, 4:16])
+        k4 = (sc.reshape(rows, -1), mn.reshape(rows, -1), d.reshape(rows, -1), dmin.reshape(rows, -1))
         dd = (d * sc.astype(np.float32)).reshape(-1)                  # per 32-weight sub-block
         mm = -(dmin * mn.astype(np.float32)).reshape(-1)
         if qtype == T.Q4_K:
@@ -99,7 +101,8 @@ def decode(raw: np.ndarray, qtype: T, k: int) -> Decoded:
     block = 16 if qtype == T.Q6_K else 32
     q = np.ascontiguousarray(q).reshape(rows, k)
     return Decoded(q, np.asarray(dd, np.float32).reshape(rows, k // block),
-                   None if mm is None else np.asarray(mm, np.float32).reshape(rows, k // block), block)
+                   None if mm is None else np.asarray(mm, np.float32).reshape(rows, k // block), block,
+                   k4 if qtype == T.Q4_K else None)
 
 
 def dequantize(decoded: Decoded) -> np.ndarray:

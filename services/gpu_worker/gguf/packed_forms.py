@@ -1,7 +1,8 @@
 """Decoded GGUF blocks (blocks.py) -> the packed kernels' forms (cpu_kernels/packed_weights.py), without going
 through fp32 weights:
 
-    Q4_0, Q4_1, Q4_K (per 32-weight sub-block) -> Q4_1 form   (uint8 nibbles, fp32 d and m per 32: 6 bits a weight)
+    Q4_K                                       -> Q4_K form   (as stored: 4-bit q, 6-bit scale / min: 4.75 bits)
+    Q4_0, Q4_1 (and Q4_K fused with these)     -> Q4_1 form   (uint8 nibbles, fp32 d and m per 32: 6 bits a weight)
     Q8_0, Q5_0                                 -> Q8_0 form   (int8, fp32 d per 32: 9 bits)
     Q5_1, Q5_K                                 -> Q8_1 form   (int8, fp32 d and m per 32: 10 bits)
     Q6_K                                       -> Q8_0/16     (int8, fp32 d per 16: 10 bits)
@@ -20,6 +21,7 @@ from gguf import GGMLQuantizationType as T
 from steploop.gpu_worker.cpu_kernels.packed_weights import (
     GROUP,
     Q4_1,
+    Q4_K,
     Q8_0,
     Q8_0_16,
     Q8_1,
@@ -36,6 +38,8 @@ _HAS_M = {Q4_1: True, Q8_0: False, Q8_1: True, Q8_0_16: False, Q8_1_16: True}
 
 
 def common_form(qtypes: list[T]) -> int:
+    if all(t == T.Q4_K for t in qtypes):
+        return Q4_K
     forms = {FORM[t] for t in qtypes}
     if len(forms) == 1:
         return forms.pop()
@@ -58,10 +62,21 @@ def _grouped(scales: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(scales.reshape(n // GROUP, GROUP, nb).transpose(0, 2, 1)))
 
 
+def _q4_k(parts: list[Decoded], q: np.ndarray) -> PackedWeight:
+    n, k = q.shape
+    sc, mn, d, dmin = (np.concatenate([p.k4[i] for p in parts], axis=0) for i in range(4))
+    pairs = q.astype(np.uint8).reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
+    qs = torch.from_numpy(np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4)))
+    return PackedWeight(Q4_K, qs, torch.stack([_grouped(d.astype(np.float32)), _grouped(dmin.astype(np.float32))]),
+                        torch.stack([_grouped(sc.astype(np.uint8)), _grouped(mn.astype(np.uint8))]), n, k)
+
+
 def to_packed(parts: list[Decoded], kind: int) -> PackedWeight:
     """The parts' rows stacked in order (each a whole number of 16-row groups) in the form `kind`."""
     q = np.concatenate([p.q for p in parts], axis=0)
     n, k = q.shape
+    if kind == Q4_K:
+        return _q4_k(parts, q)
     block, has_m = _BLOCK[kind], _HAS_M[kind]
     d = _grouped(_scales(parts, block, False))
     m = _grouped(_scales(parts, block, True)) if has_m else None

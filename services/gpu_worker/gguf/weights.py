@@ -5,7 +5,8 @@ of 16 output rows) takes its packed form straight from the blocks (packed_forms.
 made. Everything else (norms, the embedding table, F32 / F16 / BF16 linears, layers off the packed grid, and every
 tensor when the plan has no packed linears or the model is split for tensor parallelism) is dequantized one tensor
 at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers oracle computes with.
-A tied embedding keeps its fp32 table for lookups; the lm_head packs from the same blocks.
+The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
+it; a tied lm_head packs from the same blocks.
 
 GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
 llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
@@ -129,6 +130,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
             groups["lm_head.weight"].append(_Part(tensor, hf, None, None))     # packed from the same blocks
     filled: set[str] = set()
     stats = LoadStats()
+    embed = groups.pop(_EMBED, None)
     for target, parts in groups.items():
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
@@ -140,8 +142,33 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         for part in parts:
             _copy_fp32(params[target], part, arch, cfg, sharder, stats)
             filled.update(_filled_names(target, [part]))
+    if embed is not None:        # last: a tied lm_head that did not pack reads the fp32 table
+        table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None
+        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats):
+            filled.add(_EMBED)
+        else:
+            _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
+            filled.add(_EMBED)
     del reader
     return filled, stats.summary()
+
+
+_EMBED = "model.embed_tokens.weight"
+
+
+def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bool:
+    """Replace the embedding by a BlockEmbedding of the file's blocks (block types only)."""
+    from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
+    if part.tensor.tensor_type not in blocks.BLOCK_TYPES:
+        return False
+    vocab, hidden = _shape(part.tensor)
+    if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
+        raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {[vocab, hidden]} != "
+                            f"{[cfg.vocab_size, cfg.hidden_size]} expected for {part.hf_name}")
+    table = BlockEmbedding(blocks.decode(_rows(part.tensor, arch, cfg), part.tensor.tensor_type, hidden))
+    model.model.embed_tokens = table
+    stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
+    return True
 
 
 def _filled_names(target: str, parts: list[_Part]) -> list[str]:
