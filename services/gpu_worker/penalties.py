@@ -24,7 +24,7 @@ class PenaltyInputs:
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
-              vocab_size: int, device: torch.device) -> PenaltyInputs | None:
+              vocab_size: int, device: torch.device) -> "PenaltyInputs | None":
         """None when no row uses a penalty (the common case: nothing is built)."""
         if not any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
             return None

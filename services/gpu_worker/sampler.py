@@ -44,7 +44,7 @@ class SamplingMetadata:
     @classmethod
     def from_rows(cls, params: list[SamplingParams], output_index: list[int], vocab_size: int,
                   device: torch.device, penalties: PenaltyInputs | None = None,
-                  edits: LogitsEdits | None = None) -> SamplingMetadata:
+                  edits: LogitsEdits | None = None) -> "SamplingMetadata":
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         return cls(
             temperature=torch.tensor([max(p.temperature, 0.0) for p in params], dtype=torch.float32, device=device),

@@ -51,7 +51,7 @@ class RankLink:
             try:
                 group = form_group(self.config.rank, self.world_size, form.rendezvous, form.generation, timeout,
                                    self.config.tp_host, self.runner.device, self.store)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a rank that never came (timeout) or a refused connection
                 raise CollectiveError(f"rank {self.config.rank}: forming group generation {form.generation} at "
                                       f"{form.rendezvous} failed: {exc}") from exc
             self.comm.attach(group, form.generation, timeout)
