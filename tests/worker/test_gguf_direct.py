@@ -148,3 +148,15 @@ def test_worker_exits_2_on_broken_files_before_serving(small_gguf, tmp_path):
         assert proc.returncode == 2, (how, proc.stderr[-2000:])
         assert re.search(BROKEN[how], proc.stderr), (how, proc.stderr[-2000:])
         assert "attached to scheduler" not in proc.stderr and "loading model" not in proc.stderr
+
+
+def test_a_folder_holding_one_gguf_file_names_that_file(small_gguf, tmp_path):
+    from steploop.common.model_path import gguf_file, is_gguf, served_model_name
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(small_gguf, folder / "small.gguf")
+    assert is_gguf(str(folder)) and gguf_file(str(folder)) == (folder / "small.gguf").resolve()
+    assert gguf_model_dir(str(folder)) == gguf_model_dir(str(folder / "small.gguf"))
+    assert served_model_name(str(folder), folder) == "small"
+    shutil.copy(small_gguf, folder / "other.gguf")            # two files: not one model
+    assert not is_gguf(str(folder))
