@@ -92,3 +92,12 @@ def test_block_embedding_rows_are_gguf_pys_dequantize(qtype):
     ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
     assert same_values(table(ids), reference(raw, qtype)[ids])
     assert table.nbytes <= raw.shape[0] * 256 * 10 / 8
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_1], ids=lambda t: t.name)
+def test_decoding_in_row_chunks_gives_the_same_arrays(qtype):
+    raw = gguf_tensor(qtype, 48, 256, seed=9)
+    whole, chunked = blocks.decode(raw, qtype, 256), blocks.decode_rows(raw, qtype, 256, rows_per_chunk=20)
+    for a, b in [(whole.q, chunked.q), (whole.d, chunked.d), (whole.m, chunked.m)] + list(
+            zip(whole.k4 or (), chunked.k4 or ())):
+        assert (a is None and b is None) or np.array_equal(a, b)

@@ -65,15 +65,15 @@ def _grouped(scales: np.ndarray) -> torch.Tensor:
 def _q4_k(parts: list[Decoded], q: np.ndarray) -> PackedWeight:
     n, k = q.shape
     sc, mn, d, dmin = (np.concatenate([p.k4[i] for p in parts], axis=0) for i in range(4))
-    pairs = q.astype(np.uint8).reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
+    pairs = q.astype(np.uint8, copy=False).reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
     qs = torch.from_numpy(np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4)))
     return PackedWeight(Q4_K, qs, torch.stack([_grouped(d.astype(np.float32)), _grouped(dmin.astype(np.float32))]),
-                        torch.stack([_grouped(sc.astype(np.uint8)), _grouped(mn.astype(np.uint8))]), n, k)
+                        torch.stack([_grouped(sc.astype(np.uint8, copy=False)), _grouped(mn.astype(np.uint8, copy=False))]), n, k)
 
 
 def to_packed(parts: list[Decoded], kind: int) -> PackedWeight:
     """The parts' rows stacked in order (each a whole number of 16-row groups) in the form `kind`."""
-    q = np.concatenate([p.q for p in parts], axis=0)
+    q = np.concatenate([p.q for p in parts], axis=0) if len(parts) > 1 else parts[0].q    # no copy for one part
     n, k = q.shape
     if kind == Q4_K:
         return _q4_k(parts, q)
@@ -81,8 +81,8 @@ def to_packed(parts: list[Decoded], kind: int) -> PackedWeight:
     d = _grouped(_scales(parts, block, False))
     m = _grouped(_scales(parts, block, True)) if has_m else None
     if kind == Q4_1:
-        pairs = q.astype(np.uint8).reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
+        pairs = q.astype(np.uint8, copy=False).reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
         qs = torch.from_numpy(np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4)))
     else:
-        qs = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8).reshape(n // GROUP, GROUP, k).transpose(0, 2, 1)))
+        qs = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8, copy=False).reshape(n // GROUP, GROUP, k).transpose(0, 2, 1)))
     return PackedWeight(kind, qs, d, m, n, k)

@@ -135,13 +135,12 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
             _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, count_file=False)
-            continue
-        if _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"), sharder):
-            filled.update(_filled_names(target, parts))
-            continue
-        for part in parts:
-            _copy_fp32(params[target], part, arch, cfg, sharder, stats)
-            filled.update(_filled_names(target, [part]))
+            continue                                  # its bytes are the embedding's: released after it
+        if not _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"), sharder):
+            for part in parts:
+                _copy_fp32(params[target], part, arch, cfg, sharder, stats)
+        filled.update(_filled_names(target, parts))
+        _release(reader, parts)
     if embed is not None:        # last: a tied lm_head that did not pack reads the fp32 table
         table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None
         if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats):
@@ -149,6 +148,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         else:
             _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
             filled.add(_EMBED)
+        _release(reader, embed)
     del reader
     return filled, stats.summary()
 
@@ -165,10 +165,25 @@ def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bo
     if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
         raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {[vocab, hidden]} != "
                             f"{[cfg.vocab_size, cfg.hidden_size]} expected for {part.hf_name}")
-    table = BlockEmbedding(blocks.decode(_rows(part.tensor, arch, cfg), part.tensor.tensor_type, hidden))
+    table = BlockEmbedding(blocks.decode_rows(_rows(part.tensor, arch, cfg), part.tensor.tensor_type, hidden))
     model.model.embed_tokens = table
     stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
     return True
+
+
+def _release(reader, parts: list[_Part]) -> None:
+    """Drop the parts' file pages from this process's resident set once they are read (they stay in the page
+    cache): a mapped page counts in RSS while mapped, so reading the whole file would add its size to the peak."""
+    import mmap
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    for p in parts:
+        start = p.tensor.data_offset // page * page
+        end = min(-(-(p.tensor.data_offset + int(p.tensor.n_bytes)) // page) * page, len(mm))
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _filled_names(target: str, parts: list[_Part]) -> list[str]:
@@ -201,7 +216,7 @@ def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_l
         if _shape(p.tensor) != (r1 - r0, k):
             raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(_shape(p.tensor))} != {[r1 - r0, k]} "
                                 f"expected for {p.hf_name}")
-        decoded.append(blocks.decode(_rows(p.tensor, arch, cfg), p.tensor.tensor_type, k))
+        decoded.append(blocks.decode_rows(_rows(p.tensor, arch, cfg), p.tensor.tensor_type, k))
     kind = common_form([p.tensor.tensor_type for p in ordered])
     weight = to_packed(decoded, kind)
     module.use_packed(weight)
