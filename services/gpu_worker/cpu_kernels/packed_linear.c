@@ -370,3 +370,322 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
     }
     return failed ? -1 : 0;
 }
+
+/* ---- int8 blocks of 16 or 32 with an optional per-block m: the GGUF types the Q4_1 / Q8_0 forms cannot hold ----
+
+   GGUF files read directly (gguf_weights.py) keep Q5_1 and Q5_K (w = d * q + m, q in 0..31; Q5_K's d and m are
+   its super-block scale times the sub-block's 6-bit scale and min, products exact in fp32) in blocks of 32, and
+   Q6_K (w = d * q, q in -32..31, one int8 scale per 16) in blocks of 16. The layout is Q8_0's with the block
+   size BS and, when there is one, m beside d:
+     qs int8 [N/16][K][16];  d (and m) float [N/16][K/BS][16]
+   d * q is exact (d has at most 19 significant bits, |q| <= 32), so each weight rounds once, as gguf-py's
+   dequantize does. Each output is still one fma chain over k in order. */
+
+static inline int64_t scale_bs_at(int64_t s, int64_t K, int64_t b, int bs)
+{
+    return (s * VL / G * (K / bs) + b) * G + s * VL % G;
+}
+
+static inline __attribute__((always_inline)) void dequant_q8b(int bs, int has_m, const int8_t *qs, const float *d,
+                                                              const float *m, int64_t s, int64_t K, int64_t k0,
+                                                              int64_t kc, float *tile, int64_t col)
+{
+    for (int64_t b = k0 / bs; b < (k0 + kc) / bs; b++) {
+        vf db = loadv(d + scale_bs_at(s, K, b, bs)), mb = has_m ? loadv(m + scale_bs_at(s, K, b, bs)) : (vf){0};
+        for (int64_t j = 0; j < bs; j++) {
+            int64_t k = b * bs + j;
+            vf w = __builtin_convertvector(widen_s8(qs + q8_at(s, K, k)), vf) * db;
+            storev(tile + (k - k0) * NR + col, has_m ? w + mb : w);
+        }
+    }
+}
+
+static void dequant_q8b_dispatch(int bs, const int8_t *qs, const float *d, const float *m, int64_t s, int64_t K,
+                                 int64_t k0, int64_t kc, float *tile, int64_t col)
+{
+    if (bs == 16 && !m)
+        dequant_q8b(16, 0, qs, d, m, s, K, k0, kc, tile, col);
+    else if (bs == 16)
+        dequant_q8b(16, 1, qs, d, m, s, K, k0, kc, tile, col);
+    else if (!m)
+        dequant_q8b(32, 0, qs, d, m, s, K, k0, kc, tile, col);
+    else
+        dequant_q8b(32, 1, qs, d, m, s, K, k0, kc, tile, col);
+}
+
+/* One or two rows: slice s's weights dequantized in registers and used at once (as fused_q8_0) */
+static inline __attribute__((always_inline)) void fused_q8b(int mr, int bs, int has_m, const float *restrict xt,
+                                                            int64_t K, const int8_t *restrict qs,
+                                                            const float *restrict d, const float *restrict m,
+                                                            int64_t s, float *restrict y, int64_t N)
+{
+    vf acc[REGISTER_MAX_M];
+    for (int r = 0; r < mr; r++)
+        acc[r] = (vf){0};
+    for (int64_t b = 0; b < K / bs; b++) {
+        vf db = loadv(d + scale_bs_at(s, K, b, bs)), mb = has_m ? loadv(m + scale_bs_at(s, K, b, bs)) : (vf){0};
+        for (int64_t i = 0; i < bs; i++) {
+            int64_t k = b * bs + i;
+            vf w = __builtin_convertvector(widen_s8(qs + q8_at(s, K, k)), vf) * db;
+            if (has_m)
+                w += mb;
+            for (int r = 0; r < mr; r++)
+                acc[r] += xt[k * mr + r] * w;
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        storev(y + r * N + s * VL, acc[r]);
+}
+
+static void fused_q8b_dispatch(int mr, int bs, const float *xt, int64_t K, const int8_t *qs, const float *d,
+                               const float *m, int64_t s, float *y, int64_t N)
+{
+#define Q8B_CASE(R, B, HM)                                          \
+    if (mr == R && bs == B && !!m == HM) {                          \
+        fused_q8b(R, B, HM, xt, K, qs, d, m, s, y, N);              \
+        return;                                                     \
+    }
+    Q8B_CASE(1, 16, 0) Q8B_CASE(1, 16, 1) Q8B_CASE(1, 32, 0) Q8B_CASE(1, 32, 1)
+    Q8B_CASE(2, 16, 0) Q8B_CASE(2, 16, 1) Q8B_CASE(2, 32, 0) Q8B_CASE(2, 32, 1)
+#undef Q8B_CASE
+}
+
+static void prefetch_q8b(const int8_t *qs, const float *d, const float *m, int bs, int64_t s, int64_t K, int64_t k0,
+                         int64_t kc)
+{
+    int64_t b0 = k0 / bs, nb = kc / bs;
+    prefetch_range(d + scale_bs_at(s, K, b0, bs), ((nb - 1) * G + VL) * 4);
+    if (m)
+        prefetch_range(m + scale_bs_at(s, K, b0, bs), ((nb - 1) * G + VL) * 4);
+    prefetch_range(qs + q8_at(s, K, k0), (kc - 1) * G + VL);
+}
+
+/* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 32 == 0, bs 16 or 32; m NULL when the blocks have none.
+   Returns 0, or -1 on bad sizes or no memory. The same two paths as steploop_packed_linear. */
+int steploop_packed_linear_q8b(float *y, const float *x, const int8_t *qs, const float *d, const float *m,
+                               int64_t M, int64_t N, int64_t K, int bs, int num_threads)
+{
+    if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK || (bs != 16 && bs != 32))
+        return -1;
+    if (M == 0)
+        return 0;
+    if (M <= REGISTER_MAX_M) {
+        const float *xt = x;
+        if (M > 1) {
+            float *buf = thread_buffer(0, M * K);
+            if (!buf)
+                return -1;
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t r = 0; r < M; r++)
+                    buf[k * M + r] = x[r * K + k];
+            xt = buf;
+        }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t sl = 0; sl < N / VL; sl++) {
+            if (sl + 1 < N / VL)
+                prefetch_q8b(qs, d, m, bs, sl + 1, K, 0, K);
+            fused_q8b_dispatch((int)M, bs, xt, K, qs, d, m, sl, y, N);
+        }
+        return 0;
+    }
+    int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
+    int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
+    mc = mc < MR ? MR : mc;
+    int64_t passes = (M + mc - 1) / mc;
+    mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *tile = thread_buffer(1, KC * NR);
+        if (!tile)
+            failed = 1;
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            int64_t m1 = M - m0 < mc ? M : m0 + mc;
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < num_tiles; t++) {
+                if (!tile)
+                    continue;
+                int nv = tile_slices(num_slices, t);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    int64_t kc = chunk_len(K, k0);
+                    for (int v = 0; v < nv; v++)
+                        dequant_q8b_dispatch(bs, qs, d, m, t * 2 + v, K, k0, kc, tile, v * VL);
+                    int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
+                    if (next_t < num_tiles)
+                        for (int v = 0; v < tile_slices(num_slices, next_t); v++)
+                            prefetch_q8b(qs, d, m, bs, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
+                    for (int64_t r = m0; r < m1; r += MR) {
+                        int mr = m1 - r < MR ? (int)(m1 - r) : MR;
+                        block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
+                    }
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- GGUF Q4_K at its file width: 4-bit q, 6-bit scales and mins per 32, fp32 d and dmin per 256 ----
+
+   Layout, per group of 16 output rows (4.75 bits a weight; the file's Q4_K: 4.5):
+     qs uint8 [N/16][K/2][16] as the Q4_1 form (byte = q(k even) | q(k odd) << 4)
+     sc, mn uint8 [N/16][K/32][16] each (sc then mn in one buffer)
+     d, dmin float [N/16][K/256][16] each (d then dmin in one buffer)
+   Sub-block b's scale and offset are computed as gguf-py does, d * sc and dmin * mn (exact in fp32: 11 x 6
+   significant bits), and its weights are q * (d sc) - dmin mn, the product exact and one rounding: the file's own
+   dequantized values, as the Q4_1 form holds them precomputed. */
+
+#define QK_K 256
+
+static inline int64_t superblock_at(int64_t s, int64_t K, int64_t sb)
+{
+    return (s * VL / G * (K / QK_K) + sb) * G + s * VL % G;
+}
+
+/* sub-block b of slice s: its fp32 scale and (negated) offset vectors */
+static inline void q4k_dm(const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin, int64_t s,
+                          int64_t K, int64_t b, vf *db, vf *mb)
+{
+    int64_t sb = superblock_at(s, K, b / (QK_K / QK));
+    *db = loadv(d + sb) * __builtin_convertvector(widen_u8(sc + scale_at(s, K, b)), vf);
+    *mb = -(loadv(dmin + sb) * __builtin_convertvector(widen_u8(mn + scale_at(s, K, b)), vf));
+}
+
+static void dequant_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+                        int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col)
+{
+    for (int64_t b = k0 / QK; b < (k0 + kc) / QK; b++) {
+        vf db, mb;
+        q4k_dm(sc, mn, d, dmin, s, K, b, &db, &mb);
+        for (int64_t p = 0; p < QK / 2; p++) {
+            int64_t k = b * QK + 2 * p;
+            vi iv = widen_u8(qs + q4_at(s, K, k));
+            storev(tile + (k - k0) * NR + col, __builtin_convertvector(iv & 15, vf) * db + mb);
+            storev(tile + (k - k0 + 1) * NR + col, __builtin_convertvector(iv >> 4, vf) * db + mb);
+        }
+    }
+}
+
+/* One or two rows: NS slices side by side, as fused_q4_1_side */
+static inline __attribute__((always_inline)) void fused_q4k_side(int mr, int ns, const float *restrict xt, int64_t K,
+                                                                 const uint8_t *restrict qs, const uint8_t *sc,
+                                                                 const uint8_t *mn, const float *d,
+                                                                 const float *dmin, int64_t s0, float *restrict y,
+                                                                 int64_t N)
+{
+    vf acc[NS][REGISTER_MAX_M];
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            acc[i][r] = (vf){0};
+    for (int64_t b = 0; b < K / QK; b++) {
+        vf db[NS], mb[NS];
+        for (int i = 0; i < ns; i++)
+            q4k_dm(sc, mn, d, dmin, s0 + i, K, b, &db[i], &mb[i]);
+        for (int64_t p = 0; p < QK / 2; p++) {
+            int64_t k = b * QK + 2 * p;
+            for (int i = 0; i < ns; i++) {
+                vi iv = widen_u8(qs + q4_at(s0 + i, K, k));
+                vf w0 = __builtin_convertvector(iv & 15, vf) * db[i] + mb[i];
+                vf w1 = __builtin_convertvector(iv >> 4, vf) * db[i] + mb[i];
+                for (int r = 0; r < mr; r++)
+                    acc[i][r] += xt[k * mr + r] * w0;
+                for (int r = 0; r < mr; r++)
+                    acc[i][r] += xt[(k + 1) * mr + r] * w1;
+            }
+        }
+    }
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            storev(y + r * N + (s0 + i) * VL, acc[i][r]);
+}
+
+static void fused_q4k_side_dispatch(int mr, int ns, const float *xt, int64_t K, const uint8_t *qs, const uint8_t *sc,
+                                    const uint8_t *mn, const float *d, const float *dmin, int64_t s0, float *y,
+                                    int64_t N)
+{
+#define Q4K_CASE(R, S)                                                        \
+    if (mr == R && ns == S) {                                                 \
+        fused_q4k_side(R, S, xt, K, qs, sc, mn, d, dmin, s0, y, N);           \
+        return;                                                               \
+    }
+    Q4K_CASE(1, 1) Q4K_CASE(1, 2) Q4K_CASE(1, 3) Q4K_CASE(1, 4)
+    Q4K_CASE(2, 1) Q4K_CASE(2, 2) Q4K_CASE(2, 3) Q4K_CASE(2, 4)
+#undef Q4K_CASE
+}
+
+static void prefetch_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, int64_t s, int64_t K, int64_t k0,
+                         int64_t kc)
+{
+    int64_t b0 = k0 / QK, nb = kc / QK;
+    prefetch_range(sc + scale_at(s, K, b0), (nb - 1) * G + VL);
+    prefetch_range(mn + scale_at(s, K, b0), (nb - 1) * G + VL);
+    prefetch_range(qs + q4_at(s, K, k0), (kc / 2 - 1) * G + VL);
+}
+
+/* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 256 == 0. scales: sc then mn (uint8, N * K / 32 each);
+   dd: d then dmin (fp32, N * K / 256 each). Returns 0, or -1 on bad sizes or no memory. */
+int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
+                               int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK_K)
+        return -1;
+    if (M == 0)
+        return 0;
+    const uint8_t *sc = scales, *mn = scales + N * (K / QK);
+    const float *d = dd, *dmin = dd + N * (K / QK_K);
+    if (M <= REGISTER_MAX_M) {
+        const float *xt = x;
+        if (M > 1) {
+            float *buf = thread_buffer(0, M * K);
+            if (!buf)
+                return -1;
+            for (int64_t k = 0; k < K; k++)
+                for (int64_t r = 0; r < M; r++)
+                    buf[k * M + r] = x[r * K + k];
+            xt = buf;
+        }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
+            int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
+            if (s0 + ns < N / VL)
+                prefetch_q4k(qs, sc, mn, s0 + ns, K, 0, K);
+            fused_q4k_side_dispatch((int)M, (int)ns, xt, K, qs, sc, mn, d, dmin, s0, y, N);
+        }
+        return 0;
+    }
+    int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
+    int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
+    mc = mc < MR ? MR : mc;
+    int64_t passes = (M + mc - 1) / mc;
+    mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *tile = thread_buffer(1, KC * NR);
+        if (!tile)
+            failed = 1;
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            int64_t m1 = M - m0 < mc ? M : m0 + mc;
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < num_tiles; t++) {
+                if (!tile)
+                    continue;
+                int nv = tile_slices(num_slices, t);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    int64_t kc = chunk_len(K, k0);
+                    for (int v = 0; v < nv; v++)
+                        dequant_q4k(qs, sc, mn, d, dmin, t * 2 + v, K, k0, kc, tile, v * VL);
+                    int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
+                    if (next_t < num_tiles)
+                        for (int v = 0; v < tile_slices(num_slices, next_t); v++)
+                            prefetch_q4k(qs, sc, mn, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
+                    for (int64_t r = m0; r < m1; r += MR) {
+                        int mr = m1 - r < MR ? (int)(m1 - r) : MR;
+                        block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
+                    }
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}

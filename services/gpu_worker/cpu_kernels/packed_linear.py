@@ -13,7 +13,7 @@ import functools
 import torch
 
 from steploop.gpu_worker.cpu_kernels.build import function
-from steploop.gpu_worker.cpu_kernels.packed_weights import PackedWeight
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q8B_BLOCK, PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -21,6 +21,16 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 @functools.cache
 def _kernel(isa: str | None = None):
     return function("steploop_packed_linear", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int], isa=isa)
+
+
+@functools.cache
+def _q8b_kernel(isa: str | None = None):
+    return function("steploop_packed_linear_q8b", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int], isa=isa)
+
+
+@functools.cache
+def _q4k_kernel(isa: str | None = None):
+    return function("steploop_packed_linear_q4k", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int], isa=isa)
 
 
 def available(isa: str | None = None) -> bool:
@@ -38,11 +48,21 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
     y = out if out is not None else torch.empty(x2.shape[0], packed.out_features, dtype=torch.float32)
     if y.shape != (x2.shape[0], packed.out_features) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError(f"packed_linear: out must be a contiguous fp32 [{x2.shape[0]}, {packed.out_features}]")
-    kernel = _kernel(isa)
+    q8b = packed.kind in Q8B_BLOCK
+    kernel = _q4k_kernel(isa) if packed.kind == Q4_K else _q8b_kernel(isa) if q8b else _kernel(isa)
     if kernel is None:
         raise RuntimeError("the packed linear library is not available (see build.py's warning)")
-    rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(), packed.m_or_d.data_ptr(),
-                x2.shape[0], packed.out_features, packed.in_features, packed.kind, num_threads)
+    if packed.kind == Q4_K:          # GGUF Q4_K at its width
+        rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(), packed.m.data_ptr(),
+                    x2.shape[0], packed.out_features, packed.in_features, num_threads)
+    elif q8b:              # int8 blocks of 16 / 32 with an optional m (GGUF Q5_1, Q5_K, Q6_K)
+        m = packed.m.data_ptr() if packed.m is not None else None
+        rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(), m, x2.shape[0],
+                    packed.out_features, packed.in_features, Q8B_BLOCK[packed.kind], num_threads)
+    else:
+        rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(),
+                    packed.m_or_d.data_ptr(), x2.shape[0], packed.out_features, packed.in_features, packed.kind,
+                    num_threads)
     if rc:
         raise RuntimeError("packed_linear: bad sizes or out of memory")
     return y.view(*lead, packed.out_features)

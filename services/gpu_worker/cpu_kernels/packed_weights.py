@@ -17,15 +17,22 @@ import torch
 QK = 32          # weights per block along K
 GROUP = 16       # output rows per layout group
 Q4_1, Q8_0 = 0, 1
-KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# GGUF types read straight from the file (gpu_worker/gguf/) that the two forms above cannot hold, run by
+# packed_linear.c's steploop_packed_linear_q8b: int8 q per weight, fp32 d (and m) per block of 32 or 16
+# (Q8_1/16: a fused layer whose parts mix Q6_K with a type that has m, e.g. Q4_K_M's q, k (Q4_K) and v (Q6_K))
+# Q4_K: GGUF Q4_K at its width (steploop_packed_linear_q4k): qs as Q4_1's; d = fp32 [2, N/16, K/256, 16] (d, dmin
+# per super-block), m = uint8 [2, N/16, K/32, 16] (6-bit scale, min per 32); w = d sc q - dmin mn
+Q8_1, Q8_0_16, Q8_1_16, Q4_K = 200, 201, 202, 203
+KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_1: "Q8_1", Q8_0_16: "Q8_0/16", Q8_1_16: "Q8_1/16", Q4_K: "Q4_K"}
+Q8B_BLOCK = {Q8_1: 32, Q8_0_16: 16, Q8_1_16: 16}     # weights per d (and m) along K
 
 
 @dataclass
 class PackedWeight:
     kind: int
-    qs: torch.Tensor          # Q4_1: uint8 [N/16, K/2, 16] (k even low nibble); Q8_0: int8 [N/16, K, 16]
-    d: torch.Tensor           # fp32 [N/16, K/32, 16]
-    m: torch.Tensor | None    # fp32 [N/16, K/32, 16] (Q4_1 only)
+    qs: torch.Tensor          # Q4_1: uint8 [N/16, K/2, 16] (k even low nibble); Q8_*: int8 [N/16, K, 16]
+    d: torch.Tensor           # fp32 [N/16, K/B, 16], B = 32 (Q8_0/16: 16)
+    m: torch.Tensor | None    # fp32, as d (Q4_1, Q8_1 and Q8_1/16 only)
     out_features: int
     in_features: int
 
@@ -119,6 +126,19 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 def unpack(packed: PackedWeight) -> torch.Tensor:
     """The fp32 weight [N, K] back (tests and checks)."""
     n, k = packed.out_features, packed.in_features
+    if packed.kind == Q4_K:
+        d, dmin = (t.permute(0, 2, 1).reshape(n, k // 256, 1).repeat_interleave(8, 1) for t in packed.d)
+        sc, mn = (t.permute(0, 2, 1).reshape(n, k // QK, 1).float() for t in packed.m)
+        qs = packed.qs.permute(0, 2, 1).reshape(n, k // 2)
+        q = torch.stack([qs & 15, qs >> 4], dim=-1).reshape(n, k // QK, QK).float()
+        return (d * sc * q - dmin * mn).reshape(n, k)
+    if packed.kind in Q8B_BLOCK:
+        bs = Q8B_BLOCK[packed.kind]
+        q = packed.qs.permute(0, 2, 1).reshape(n, k // bs, bs).float()
+        w = packed.d.permute(0, 2, 1).reshape(n, k // bs, 1) * q
+        if packed.m is not None:
+            w = w + packed.m.permute(0, 2, 1).reshape(n, k // bs, 1)
+        return w.reshape(n, k)
     d = packed.d.permute(0, 2, 1).reshape(n, k // QK, 1)
     if packed.kind == Q4_1:
         qs = packed.qs.permute(0, 2, 1).reshape(n, k // 2)                   # [N, K/2] bytes

@@ -22,6 +22,7 @@ from steploop.gpu_worker.distributed.comm import TensorParallelComm
 from steploop.gpu_worker.distributed.parallel_layers import make_tensor_parallel
 from steploop.gpu_worker.distributed.shapes import RankShare, local_config
 from steploop.gpu_worker.distributed.sharding import CheckpointSharder
+from steploop.gpu_worker.gguf.weights import gguf_source, load_gguf_weights
 from steploop.gpu_worker.kernel_plan import KernelPlan
 from steploop.gpu_worker.model.layers import RMSNorm
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
@@ -66,9 +67,18 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     # 8B model peak at 32 GB); each checkpoint tensor is then read in its stored dtype and cast by copy_ on the device
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
-    _load_weights(model, cfg, path, None if tp_share is None else CheckpointSharder(full_cfg, tp_share), quant)
-    if quant is not None:
-        log.info("%s", quant.check_done())
+    sharder = None if tp_share is None else CheckpointSharder(full_cfg, tp_share)
+    gguf = gguf_source(path)
+    if gguf is not None:            # weights read from the GGUF file itself (gguf/weights.py)
+        params = dict(model.named_parameters())
+        filled, gguf_summary = load_gguf_weights(model, cfg, path, gguf, model.plan.packed_linears and sharder is None,
+                                                 _target, sharder)
+        _check_complete(params, filled, cfg)
+        log.info("%s", gguf_summary)
+    else:
+        _load_weights(model, cfg, path, sharder, quant)
+        if quant is not None:
+            log.info("%s", quant.check_done())
     if tp_share is not None:
         make_tensor_parallel(model, tp_share, tp_comm, full_cfg.vocab_size)
         model.config = full_cfg      # the runner samples over the whole vocabulary
@@ -76,8 +86,10 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         _fold_norm_offset(model, cfg.norm_offset)
     for rotary in model.rotaries():
         rotary.build_cache(device, dtype)
-    if model.plan.packed_linears:
+    if model.plan.packed_linears and gguf is None:
         log.info("%s", pack_linear_weights(model, PackedWeightCache.for_checkpoint(safetensors_files(path))))
+    elif model.plan.packed_linears and sharder is not None:     # a GGUF model split across ranks: read as fp32
+        log.info("%s", pack_linear_weights(model))
     return model.eval()
 
 

@@ -1,0 +1,88 @@
+"""Decoded GGUF blocks (blocks.py) -> the packed kernels' forms (cpu_kernels/packed_weights.py), without going
+through fp32 weights:
+
+    Q4_K                                       -> Q4_K form   (as stored: 4-bit q, 6-bit scale / min: 4.75 bits)
+    Q4_0, Q4_1 (and Q4_K fused with these)     -> Q4_1 form   (uint8 nibbles, fp32 d and m per 32: 6 bits a weight)
+    Q8_0, Q5_0                                 -> Q8_0 form   (int8, fp32 d per 32: 9 bits)
+    Q5_1, Q5_K                                 -> Q8_1 form   (int8, fp32 d and m per 32: 10 bits)
+    Q6_K                                       -> Q8_0/16     (int8, fp32 d per 16: 10 bits)
+
+A fused layer (q/k/v, gate/up) whose parts came in different types takes the narrowest form that holds them all:
+Q8_1 when all have blocks of 32, else Q8_1/16 (or Q8_0/16 when none has an m). Every form computes w = d * q + m
+with the parts' own d, q, m, so the values stay the file's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from steploop.gpu_worker.cpu_kernels.packed_weights import (
+    GROUP,
+    Q4_1,
+    Q4_K,
+    Q8_0,
+    Q8_0_16,
+    Q8_1,
+    Q8_1_16,
+    Q8B_BLOCK,
+    PackedWeight,
+)
+from steploop.gpu_worker.gguf.blocks import Decoded
+
+FORM = {T.Q4_0: Q4_1, T.Q4_1: Q4_1, T.Q4_K: Q4_1, T.Q8_0: Q8_0, T.Q5_0: Q8_0, T.Q5_1: Q8_1, T.Q5_K: Q8_1,
+        T.Q6_K: Q8_0_16}
+_BLOCK = {Q4_1: 32, Q8_0: 32, **Q8B_BLOCK}
+_HAS_M = {Q4_1: True, Q8_0: False, Q8_1: True, Q8_0_16: False, Q8_1_16: True}
+
+
+def common_form(qtypes: list[T]) -> int:
+    if all(t == T.Q4_K for t in qtypes):
+        return Q4_K
+    forms = {FORM[t] for t in qtypes}
+    if len(forms) == 1:
+        return forms.pop()
+    if all(_BLOCK[f] == 32 for f in forms):
+        return Q8_1
+    return Q8_1_16 if any(_HAS_M[f] for f in forms) else Q8_0_16
+
+
+def _scales(parts: list[Decoded], block: int, m: bool) -> np.ndarray:
+    out = []
+    for p in parts:
+        s = (p.m if p.m is not None else np.zeros_like(p.d)) if m else p.d
+        out.append(np.repeat(s, p.block // block, axis=1) if p.block != block else s)
+    return np.concatenate(out, axis=0)
+
+
+def _grouped(scales: np.ndarray) -> torch.Tensor:
+    """[N, K/B] -> [N/16, K/B, 16]"""
+    n, nb = scales.shape
+    return torch.from_numpy(np.ascontiguousarray(scales.reshape(n // GROUP, GROUP, nb).transpose(0, 2, 1)))
+
+
+def _q4_k(parts: list[Decoded], q: np.ndarray) -> PackedWeight:
+    n, k = q.shape
+    sc, mn, d, dmin = (np.concatenate([p.k4[i] for p in parts], axis=0) for i in range(4))
+    pairs = q.astype(np.uint8, copy=False).reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
+    qs = torch.from_numpy(np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4)))
+    return PackedWeight(Q4_K, qs, torch.stack([_grouped(d.astype(np.float32)), _grouped(dmin.astype(np.float32))]),
+                        torch.stack([_grouped(sc.astype(np.uint8, copy=False)), _grouped(mn.astype(np.uint8, copy=False))]), n, k)
+
+
+def to_packed(parts: list[Decoded], kind: int) -> PackedWeight:
+    """The parts' rows stacked in order (each a whole number of 16-row groups) in the form `kind`."""
+    q = np.concatenate([p.q for p in parts], axis=0) if len(parts) > 1 else parts[0].q    # no copy for one part
+    n, k = q.shape
+    if kind == Q4_K:
+        return _q4_k(parts, q)
+    block, has_m = _BLOCK[kind], _HAS_M[kind]
+    d = _grouped(_scales(parts, block, False))
+    m = _grouped(_scales(parts, block, True)) if has_m else None
+    if kind == Q4_1:
+        pairs = q.astype(np.uint8, copy=False).reshape(n // GROUP, GROUP, k // 2, 2).transpose(0, 2, 1, 3)
+        qs = torch.from_numpy(np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4)))
+    else:
+        qs = torch.from_numpy(np.ascontiguousarray(q.astype(np.int8, copy=False).reshape(n // GROUP, GROUP, k).transpose(0, 2, 1)))
+    return PackedWeight(kind, qs, d, m, n, k)

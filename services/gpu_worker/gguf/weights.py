@@ -1,0 +1,252 @@
+"""A GGUF file's weights into a built LlamaForCausalLM, tensor by tensor from the memory-mapped file.
+
+Each linear layer whose tensors are block-quantized (blocks.BLOCK_TYPES) and fit the packed layout (whole groups
+of 16 output rows) takes its packed form straight from the blocks (packed_forms.py): no fp32 copy of it is ever
+made. Everything else (norms, the embedding table, F32 / F16 / BF16 linears, layers off the packed grid, and every
+tensor when the plan has no packed linears or the model is split for tensor parallelism) is dequantized one tensor
+at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers oracle computes with.
+The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
+it; a tied lm_head packs from the same blocks.
+
+GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
+llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
+floats), as transformers' LlamaTensorProcessor does.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from gguf import quants as gguf_quants
+
+from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_shape
+from steploop.gpu_worker.gguf import blocks
+from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
+from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gguf
+
+log = logging.getLogger(__name__)
+
+SOURCE_FILE = "gguf_source.json"        # in a converted folder: {"path": the GGUF file} (no weights beside it)
+
+
+def _reverse_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order back to HF's (transformers' _reverse_permute_weights), rows first."""
+    dim = rows.shape[0] // n_head // 2
+    return rows.reshape(n_head, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+@dataclass
+class _Part:
+    tensor: object                       # gguf ReaderTensor
+    hf_name: str
+    rows: tuple[int, int] | None         # row slice of the target parameter (fused layers)
+    expert: int | None
+
+
+@dataclass
+class LoadStats:
+    """Bytes per GGUF type: in the file, and in memory per form (a packed form's name, or fp32)."""
+    file_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    memory_bytes: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+
+    def add(self, qtype: str, file_bytes: int, memory_bytes: int, form: str) -> None:
+        self.file_bytes[qtype] += file_bytes
+        self.memory_bytes[qtype][form] += memory_bytes
+
+    def summary(self) -> str:
+        def mib(n: int) -> str:
+            return f"{n / 2**20:.1f} MiB"
+        parts = [f"{t} {mib(self.file_bytes[t])} -> " + " + ".join(
+            f"{mib(n)} {form}" for form, n in sorted(self.memory_bytes[t].items())) for t in sorted(self.file_bytes)]
+        total_file = sum(self.file_bytes.values())
+        total_mem = sum(n for forms in self.memory_bytes.values() for n in forms.values())
+        return (f"GGUF weights in memory: {mib(total_mem)} (the file's tensors: {mib(total_file)}); per type, file "
+                f"-> memory: " + "; ".join(parts))
+
+
+def _rows(tensor, arch: str, cfg) -> np.ndarray:
+    """The tensor's raw data as [rows, row items] (2-D weights) or [items] (1-D), llama's q/k rows unpermuted."""
+    data = tensor.data
+    if arch == "llama" and data.ndim == 2 and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+        heads = cfg.num_attention_heads
+        if ".attn_k." in tensor.name and cfg.num_key_value_heads != heads:
+            heads = cfg.num_key_value_heads
+        data = _reverse_permute(data, heads)
+    return data
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in reversed(tensor.shape.tolist()))
+
+
+def _fp32(tensor, data: np.ndarray) -> torch.Tensor:
+    """gguf-py's dequantize (the oracle's own) of one tensor's rows, shaped as stored."""
+    return torch.from_numpy(np.array(gguf_quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+                            ).reshape(_shape(tensor))      # a copy: F32 data is a view of the read-only map
+
+
+def hf_name_map(folder: pathlib.Path) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name, from transformers' map over a meta-device model of the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    return get_gguf_hf_weights_map(hf_model)
+
+
+def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path, packed: bool, target_of,
+                      sharder=None) -> tuple[set[str], str]:
+    """Fill `model` from the file; returns (the parameters filled, as loader._check_complete counts them; the log
+    line of weights in memory per GGUF type). packed: give PackedLinear layers their packed forms from the blocks.
+    target_of: loader._target (HF name -> our parameter, expert, row slice)."""
+    from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
+
+    reader = open_gguf(gguf_path)
+    arch = architecture(reader)
+    names = hf_name_map(folder)
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    tied = cfg.tie_word_embeddings
+    groups: dict[str, list[_Part]] = defaultdict(list)
+    for tensor in reader.tensors:
+        hf = names.get(tensor.name)
+        if hf is None:
+            log.info("GGUF tensor %s is not a weight of this model (skipped)", tensor.name)
+            continue
+        if hf == "lm_head.weight" and tied:
+            continue
+        target, expert, rows = target_of(hf, cfg)
+        if target not in params:
+            raise GGUFFileError(f"{gguf_path.name}: unexpected tensor {tensor.name!r} ({hf}: not a weight of this "
+                                f"model_type)")
+        groups[target].append(_Part(tensor, hf, rows, expert))
+        if tied and hf == "model.embed_tokens.weight" and packed:
+            groups["lm_head.weight"].append(_Part(tensor, hf, None, None))     # packed from the same blocks
+    filled: set[str] = set()
+    stats = LoadStats()
+    embed = groups.pop(_EMBED, None)
+    for target, parts in groups.items():
+        module = modules[target.rsplit(".", 1)[0]]
+        if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
+            _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, count_file=False)
+            continue                                  # its bytes are the embedding's: released after it
+        if not _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"), sharder):
+            for part in parts:
+                _copy_fp32(params[target], part, arch, cfg, sharder, stats)
+        filled.update(_filled_names(target, parts))
+        _release(reader, parts)
+    if embed is not None:        # last: a tied lm_head that did not pack reads the fp32 table
+        table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None
+        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats):
+            filled.add(_EMBED)
+        else:
+            _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
+            filled.add(_EMBED)
+        _release(reader, embed)
+    del reader
+    return filled, stats.summary()
+
+
+_EMBED = "model.embed_tokens.weight"
+
+
+def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bool:
+    """Replace the embedding by a BlockEmbedding of the file's blocks (block types only)."""
+    from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
+    if part.tensor.tensor_type not in blocks.BLOCK_TYPES:
+        return False
+    vocab, hidden = _shape(part.tensor)
+    if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
+        raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {[vocab, hidden]} != "
+                            f"{[cfg.vocab_size, cfg.hidden_size]} expected for {part.hf_name}")
+    table = BlockEmbedding(blocks.decode_rows(_rows(part.tensor, arch, cfg), part.tensor.tensor_type, hidden))
+    model.model.embed_tokens = table
+    stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
+    return True
+
+
+def _release(reader, parts: list[_Part]) -> None:
+    """Drop the parts' file pages from this process's resident set once they are read (they stay in the page
+    cache): a mapped page counts in RSS while mapped, so reading the whole file would add its size to the peak."""
+    import mmap
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    for p in parts:
+        start = p.tensor.data_offset // page * page
+        end = min(-(-(p.tensor.data_offset + int(p.tensor.n_bytes)) // page) * page, len(mm))
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _filled_names(target: str, parts: list[_Part]) -> list[str]:
+    return [target + ("" if p.expert is None else f"[{p.expert}]") +
+            ("" if p.rows is None else f"[{p.rows[0]}:{p.rows[1]}]") for p in parts]
+
+
+def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_linear_type, packed: bool,
+          sharder, count_file: bool = True) -> bool:
+    """Give a PackedLinear its packed form straight from its parts' blocks, if they all are block types that fit
+    the layout and cover the whole weight; False leaves it to the fp32 path."""
+    if not packed or sharder is not None or not isinstance(module, packed_linear_type):
+        return False
+    if any(p.expert is not None or p.tensor.tensor_type not in blocks.BLOCK_TYPES for p in parts):
+        return False
+    n, k = module.out_features, module.in_features
+    if not packable_shape(n, k):
+        return False
+    covered = 0                      # the parts tile the rows in 16-row groups (q, k, v / gate, up; or one whole)
+    for r0, r1 in sorted((p.rows or (0, n)) for p in parts):
+        if r0 != covered or r1 % 16:
+            return False
+        covered = r1
+    if covered != n:
+        return False
+    ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
+    decoded = []
+    for p in ordered:
+        r0, r1 = p.rows or (0, n)
+        if _shape(p.tensor) != (r1 - r0, k):
+            raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(_shape(p.tensor))} != {[r1 - r0, k]} "
+                                f"expected for {p.hf_name}")
+        decoded.append(blocks.decode_rows(_rows(p.tensor, arch, cfg), p.tensor.tensor_type, k))
+    kind = common_form([p.tensor.tensor_type for p in ordered])
+    weight = to_packed(decoded, kind)
+    module.use_packed(weight)
+    for p, dec in zip(ordered, decoded):
+        share = dec.q.shape[0] / n
+        stats.add(p.tensor.tensor_type.name, int(p.tensor.n_bytes) if count_file else 0, int(weight.nbytes * share),
+                  KIND_NAMES[kind])
+    return True
+
+
+def _copy_fp32(param, part: _Part, arch: str, cfg, sharder, stats: LoadStats) -> None:
+    tensor = _fp32(part.tensor, _rows(part.tensor, arch, cfg))
+    if sharder is not None:
+        tensor = sharder.shard(part.hf_name, tensor)
+    dest = param.data if part.expert is None else param.data[part.expert]
+    dest = dest if part.rows is None else dest[part.rows[0]:part.rows[1]]
+    if dest.shape != tensor.shape:
+        raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {tuple(tensor.shape)} != {tuple(dest.shape)} "
+                            f"expected for {part.hf_name}")
+    dest.copy_(tensor)
+    stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), dest.numel() * dest.element_size(), "fp32")
+
+
+def gguf_source(folder: pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file a converted folder reads its weights from (gguf_convert writes SOURCE_FILE), or None."""
+    import json
+    source = folder / SOURCE_FILE
+    if not source.is_file():
+        return None
+    path = pathlib.Path(json.loads(source.read_text())["path"])
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: its GGUF file {path} is gone")
+    return path

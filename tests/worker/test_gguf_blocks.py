@@ -1,0 +1,103 @@
+"""GGUF blocks read at their own width (gpu_worker/gguf/blocks.py, packed_forms.py) and the int8-block kernel kinds
+(packed_linear.c steploop_packed_linear_q8b): each type's decoded d * q (+ m) equals gguf-py's dequantize bit for
+bit, so does each packed form's unpack, and the kernel on the packed form matches x @ W.T (fp64) with a row's bits
+independent of its batch and of the instruction set's vector width."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
+
+from steploop.gpu_worker.cpu_kernels import build
+from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q4_K, Q8_0, Q8_0_16, Q8_1, Q8_1_16, unpack
+from steploop.gpu_worker.gguf import blocks
+from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
+from tests.worker.c_kernels import needs_c_kernels
+from tests.worker.gguf_files import quantize
+
+FORMS = {T.Q4_0: Q4_1, T.Q4_1: Q4_1, T.Q4_K: Q4_K, T.Q8_0: Q8_0, T.Q5_0: Q8_0, T.Q5_1: Q8_1, T.Q5_K: Q8_1,
+         T.Q6_K: Q8_0_16}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """equal as fp32 numbers: Q4_0's d * (q - 8) is -0.0 where d < 0 and q = 8, d * q - 8 d is +0.0"""
+    return torch.equal(a, b) and bool(torch.isfinite(a).all())
+
+
+def gguf_tensor(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return quantize(w, qtype, seed=seed)
+
+
+def reference(raw: np.ndarray, qtype: T) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf_quants.dequantize(raw, qtype), dtype=np.float32))
+
+
+@pytest.mark.parametrize("qtype", blocks.BLOCK_TYPES, ids=lambda t: t.name)
+def test_decoded_blocks_are_gguf_pys_dequantize_bit_for_bit(qtype):
+    raw = gguf_tensor(qtype, 32, 512, seed=1)
+    decoded = blocks.decode(raw, qtype, 512)
+    ref = reference(raw, qtype)
+    assert same_values(torch.from_numpy(blocks.dequantize(decoded)), ref)
+    packed = to_packed([decoded], common_form([qtype]))
+    assert packed.kind == FORMS[qtype]
+    assert same_values(unpack(packed), ref)
+    assert packed.nbytes < ref.numel() * 4 * 0.32          # <= 10 bits a weight of fp32's 32
+
+
+@pytest.mark.parametrize("types, kind", [((T.Q4_K, T.Q4_K, T.Q6_K), Q8_1_16), ((T.Q4_0, T.Q8_0), Q8_1),
+                                         ((T.Q4_K, T.Q4_K), Q4_K), ((T.Q4_K, T.Q4_1), Q4_1),
+                                         ((T.Q8_0, T.Q6_K), Q8_0_16), ((T.Q5_K, T.Q5_1), Q8_1)])
+def test_fused_parts_of_mixed_types_take_a_common_form_exactly(types, kind):
+    raws = [gguf_tensor(t, 16 * (i + 1), 256, seed=i) for i, t in enumerate(types)]
+    decoded = [blocks.decode(r, t, 256) for r, t in zip(raws, types)]
+    assert common_form(list(types)) == kind
+    packed = to_packed(decoded, kind)
+    ref = torch.cat([reference(r, t) for r, t in zip(raws, types)])
+    assert packed.kind == kind and same_values(unpack(packed), ref)
+
+
+@needs_c_kernels(build.runnable_isas())
+@pytest.mark.parametrize("isa", build.runnable_isas())
+@pytest.mark.parametrize("types", [(T.Q5_1,), (T.Q5_K,), (T.Q6_K,), (T.Q4_K, T.Q6_K), (T.Q4_K,)], ids=lambda t: "+".join(x.name for x in t))
+def test_gguf_kernel_kinds_match_matmul_and_are_batch_invariant(types, isa):
+    n0, k = 32, 512           # k 512: scratch-tile k chunks at every vector width
+    raws = [gguf_tensor(t, n0, k, seed=3 + i) for i, t in enumerate(types)]
+    packed = to_packed([blocks.decode(r, t, k) for r, t in zip(raws, types)], common_form(list(types)))
+    w = torch.cat([reference(r, t) for r, t in zip(raws, types)])
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(7))
+    full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)
+    torch.testing.assert_close(full, (x.double() @ w.double().T).float(), rtol=1e-5, atol=2e-5)
+    for m in (1, 2, 3, 8, 9, 17, 48, 49):
+        assert same_bits(kernel.packed_linear(x[:m], packed, num_threads=1, isa=isa), full[:m]), m
+        assert same_bits(kernel.packed_linear(x[m:m + 1], packed, num_threads=2, isa=isa), full[m:m + 1]), m
+    fma_builds = [i for i in build.runnable_isas() if i in ("avx2", "avx512")]
+    for o in fma_builds if isa in fma_builds else ():     # the vector width does not change a bit (fma builds)
+        assert same_bits(kernel.packed_linear(x, packed, num_threads=2, isa=o), full), o
+
+
+@pytest.mark.parametrize("qtype", blocks.BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_embedding_rows_are_gguf_pys_dequantize(qtype):
+    from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
+    raw = gguf_tensor(qtype, 40, 256, seed=5)
+    table = BlockEmbedding(blocks.decode(raw, qtype, 256))
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    assert same_values(table(ids), reference(raw, qtype)[ids])
+    assert table.nbytes <= raw.shape[0] * 256 * 10 / 8
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_1], ids=lambda t: t.name)
+def test_decoding_in_row_chunks_gives_the_same_arrays(qtype):
+    raw = gguf_tensor(qtype, 48, 256, seed=9)
+    whole, chunked = blocks.decode(raw, qtype, 256), blocks.decode_rows(raw, qtype, 256, rows_per_chunk=20)
+    for a, b in [(whole.q, chunked.q), (whole.d, chunked.d), (whole.m, chunked.m)] + list(
+            zip(whole.k4 or (), chunked.k4 or ())):
+        assert (a is None and b is None) or np.array_equal(a, b)
