@@ -13,10 +13,13 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from steploop.common.model_path import served_model_name
+from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
 from steploop.gpu_worker import kv_cache
 from steploop.gpu_worker.attention.selector import create_backend
@@ -37,12 +40,9 @@ from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from steploop.gpu_worker.penalties import PenaltyInputs
 from steploop.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
 from steploop.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
-from steploop.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
-from steploop.gpu_worker.step_inputs import (
-    SamplingSlot,
-    StepInputs,
-    prepare_step_inputs,
-)
+from steploop.gpu_worker.sampler import HostSamplerOutput, Sampler, SamplingMetadata, StagedSampling
+from steploop.gpu_worker.staging import StagingBuffer, StepStaging
+from steploop.gpu_worker.step_inputs import SamplingSlot, StepInputs, stage_step_inputs
 from steploop.gpu_worker.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class ModelRunner:
         self.max_model_len, self.info = max_model_len, info
         self.device = kv_caches[0].device
         self.vocab_size = model.config.vocab_size
-        self.batch = InputBatch()
+        self.batch = InputBatch(self.device, -(-max_model_len // block_size))
+        self.staging = StagingBuffer(self.device)    # the step's one host-to-device copy (staging.py)
         plan = getattr(model, "plan", None)
         self.sampler = Sampler(seed, self.device, plan.ops.argmax_rows if plan is not None else None)
         self.graphs = graphs             # decode-only steps replay CUDA graphs when set
@@ -159,17 +160,33 @@ class ModelRunner:
             result.collective_seconds = self.tp_comm.take_seconds()[0]
         return result
 
+    def prepare_step(self, plan: StepPlan, backend=None) -> PreparedStep:
+        """Everything before the forward, with ONE host-to-device copy and no sync: the step's inputs, the attention
+        backend's host plan and the sampling rows are packed into the staging buffer, sent, then viewed on the
+        device (penalties, logit edits and grammar masks, when a row asks for them, add their own copies)."""
+        backend = backend or self.model.backend
+        step = self.staging.begin()
+        staged = stage_step_inputs(self.batch, plan, self.block_size, self.max_model_len, step)
+        attn_staged = backend.stage_metadata(staged.query_lens, staged.seq_lens, step)
+        rows = self._sampling_rows(staged.sampling) if staged.sampling and self.pooler is None else None
+        sampling = StagedSampling.stage(rows.params, rows.index, self.vocab_size, step) if rows else None
+        step.send()
+        inputs = staged.finish(step, self.batch.table)
+        meta = sampling.finish(step, *self._penalties_and_edits(rows, inputs)) if sampling else None
+        return PreparedStep(inputs, step, attn_staged, meta)
+
     def _run(self, plan: StepPlan, with_lora: bool = False) -> StepResult:
-        inputs = prepare_step_inputs(self.batch, plan, self.block_size, self.max_model_len, self.device)
+        step = self.prepare_step(plan)
+        inputs = step.inputs
         if self.pooler is not None:
-            return self._run_pooling(plan, inputs)
+            return self._run_pooling(plan, step)
         prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
         hidden = None
         if self.graphs is not None and not prompt_rows and not with_lora:   # graphs hold the base path only
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, len(inputs.logits_indices))
         if hidden is None:
-            attn_metadata = self.model.backend.build_metadata(inputs.attn)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata,
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                step.attn_metadata(self.model.backend),
                                 prompt_rows.logits_indices(inputs.logits_indices) if prompt_rows
                                 else inputs.logits_indices)
         for handle, num_computed in inputs.num_computed_after.items():
@@ -180,17 +197,18 @@ class ModelRunner:
             result.prompt_logprobs = prompt_rows.compute(hidden[num_sampling:], self.model.compute_logits)
             hidden = hidden[:num_sampling]
         if inputs.sampling:
-            out = self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(inputs))
-            self._record(inputs, out, result)
+            out = self.sampler(self.model.compute_logits(hidden), step.sampling)
+            self._record(inputs, out.to_host(), result)
         return result
 
-    def _run_pooling(self, plan: StepPlan, inputs: StepInputs) -> StepResult:
+    def _run_pooling(self, plan: StepPlan, step: PreparedStep) -> StepResult:
         """Forward for the rows the pooler needs; the requests whose prompt is complete get their vector."""
+        inputs = step.inputs
         rows = self.pooler.plan_rows(self.batch, plan)
         result = StepResult(step_id=plan.step_id)
         indices = torch.tensor(rows.rows, dtype=torch.int64, device=self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            self.model.backend.build_metadata(inputs.attn), indices)
+                            step.attn_metadata(self.model.backend), indices)
         for handle, num_computed in inputs.num_computed_after.items():
             self.batch.requests[handle].num_computed_tokens = num_computed
         for slot in inputs.sampling:     # its whole prompt is computed: nothing is sampled
@@ -198,30 +216,38 @@ class ModelRunner:
         result.pooled = self.pooler.pool(self.batch, rows, hidden)
         return result
 
-    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
-        params, index, prompts, outputs = [], [], [], []
-        for slot in inputs.sampling:
+    def _sampling_rows(self, sampling: list[SamplingSlot]) -> _SamplingRows:
+        """Per logits row (a request's token, then one per draft): its params, output index, penalty inputs."""
+        rows = _SamplingRows()
+        for slot in sampling:
             state = self.batch.requests[slot.handle]
+            penalized = state.sampling.presence_penalty or state.sampling.frequency_penalty \
+                or state.sampling.repetition_penalty != 1.0
             for j in range(len(slot.drafts) + 1):
-                params.append(state.sampling)
-                index.append(state.num_output_tokens + j)
-                if state.sampling.presence_penalty or state.sampling.frequency_penalty \
-                        or state.sampling.repetition_penalty != 1.0:
-                    prompts.append(state.token_ids[:state.num_prompt_tokens])
-                    outputs.append(state.output_token_ids + slot.drafts[:j])
-                else:
-                    prompts.append([])
-                    outputs.append([])
-        penalties = PenaltyInputs.build(params, prompts, outputs, self.vocab_size, self.device)
-        self.structured.drop_missing(self.batch.requests)
-        grammar = self.structured.bitmask([(self.batch.requests[slot.handle], slot.drafts[:j])
-                                           for slot in inputs.sampling for j in range(len(slot.drafts) + 1)])
-        edits = LogitsEdits.build(params, index, self.info.eos_token_ids, self.device, grammar)
-        return SamplingMetadata.from_rows(params, index, self.vocab_size, self.device, penalties, edits)
+                rows.params.append(state.sampling)
+                rows.index.append(state.num_output_tokens + j)
+                rows.prompts.append(state.token_ids[:state.num_prompt_tokens] if penalized else [])
+                rows.outputs.append(state.output_token_ids + slot.drafts[:j] if penalized else [])
+                rows.grammar.append((state, slot.drafts[:j]))
+        return rows
 
-    def _record(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
+    def _penalties_and_edits(self, rows: _SamplingRows, inputs: StepInputs):
+        """Penalty inputs and logit edits (None, None in the common case: no row uses them)."""
+        penalties = PenaltyInputs.build(rows.params, rows.prompts, rows.outputs, self.vocab_size, self.device)
+        self.structured.drop_missing(self.batch.requests)
+        grammar = self.structured.bitmask(rows.grammar)
+        edits = LogitsEdits.build(rows.params, rows.index, self.info.eos_token_ids, self.device, grammar)
+        return penalties, edits
+
+    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        """The step's sampling metadata with its own copies (the runner's steps stage it: prepare_step)."""
+        rows = self._sampling_rows(inputs.sampling)
+        return SamplingMetadata.from_rows(rows.params, rows.index, self.vocab_size, self.device,
+                                          *self._penalties_and_edits(rows, inputs))
+
+    def _record(self, inputs: StepInputs, out: HostSamplerOutput, result: StepResult) -> None:
         """Accept drafts while they match what was sampled; append the accepted tokens to the worker's lists."""
-        tokens = out.token_ids.tolist()
+        tokens = out.token_ids
         for slot in inputs.sampling:
             rows = tokens[slot.first_row:slot.first_row + len(slot.drafts) + 1]
             accepted = 1
@@ -237,14 +263,32 @@ class ModelRunner:
                                                          self.batch.requests[slot.handle].sampling.logprobs)
 
 
-def _logprobs(out: SamplerOutput, slot: SamplingSlot, accepted: int, k: int) -> list[TokenLogprob]:
+def _logprobs(out: HostSamplerOutput, slot: SamplingSlot, accepted: int, k: int) -> list[TokenLogprob]:
     rows = range(slot.first_row, slot.first_row + accepted)
-    lps = []
-    for r in rows:
-        top_ids = out.top_token_ids[r, :k].tolist() if k > 0 else []
-        top_lps = out.top_logprobs[r, :k].tolist() if k > 0 else []
-        lps.append(TokenLogprob(float(out.logprobs[r]), top_ids, top_lps))
-    return lps
+    return [TokenLogprob(out.logprobs[r], out.top_token_ids[r][:k] if k > 0 else [],
+                         out.top_logprobs[r][:k] if k > 0 else []) for r in rows]
+
+
+@dataclass
+class _SamplingRows:
+    params: list[SamplingParams] = field(default_factory=list)   # [S] one per logits row that samples
+    index: list[int] = field(default_factory=list)               # [S] output index of the token it samples
+    prompts: list[list[int]] = field(default_factory=list)       # [S] prompt ids (penalized rows only)
+    outputs: list[list[int]] = field(default_factory=list)       # [S] output ids so far (penalized rows only)
+    grammar: list = field(default_factory=list)                  # [S] (request state, drafts before the row)
+
+
+@dataclass
+class PreparedStep:
+    """What prepare_step made: the inputs on the device, and what the backend and the sampler need from the copy."""
+    inputs: StepInputs
+    staging: StepStaging
+    attn_staged: Any                     # what the attention backend's stage_metadata returned
+    sampling: SamplingMetadata | None    # None: nothing samples this step (or the pooling runner)
+
+    def attn_metadata(self, backend) -> Any:
+        staged = (self.staging, self.attn_staged) if self.attn_staged is not None else None
+        return backend.build_metadata(self.inputs.attn, staged=staged)
 
 
 def _num_params(model: LlamaForCausalLM) -> int:

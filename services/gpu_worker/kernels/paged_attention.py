@@ -225,26 +225,37 @@ def num_sms(device: torch.device) -> int:
     return 8   # the interpreter: any fixed number; tests pass num_splits explicitly
 
 
-def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   query_lens_cpu: np.ndarray, seq_lens_cpu: np.ndarray, num_heads: int, num_kv_heads: int,
-                   num_splits: int | None = None, max_seq_len_hint: int | None = None) -> AttentionPlan:
-    """Host-side plan of one step: cut each request's queries into tiles; pick the split count.
-    max_seq_len_hint replaces the batch's longest context when choosing splits (CUDA graphs capture one)."""
+def plan_tiles(query_lens_cpu: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Host half of the plan: cut each request's queries into tiles -> (tile_req [num_tiles] int32,
+    tile_qstart [num_tiles] int32, block_q)."""
     qpk = num_heads // num_kv_heads
-    max_q = int(query_lens_cpu.max(initial=0))
-    block_q = choose_block_q(qpk, max_q)
+    block_q = choose_block_q(qpk, int(query_lens_cpu.max(initial=0)))
     tiles = -(-query_lens_cpu.astype(np.int64) // block_q)                 # [R] tiles per request
     tile_req = np.repeat(np.arange(len(tiles), dtype=np.int32), tiles)
     first_tile = np.repeat(np.cumsum(tiles) - tiles, tiles)
     tile_qstart = ((np.arange(len(tile_req)) - first_tile) * block_q).astype(np.int32)
+    return tile_req, tile_qstart, block_q
+
+
+def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   query_lens_cpu: np.ndarray, seq_lens_cpu: np.ndarray, num_heads: int, num_kv_heads: int,
+                   num_splits: int | None = None, max_seq_len_hint: int | None = None,
+                   tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> AttentionPlan:
+    """Plan of one step: cut each request's queries into tiles; pick the split count.
+    max_seq_len_hint replaces the batch's longest context when choosing splits (CUDA graphs capture one).
+    tiles: (tile_req, tile_qstart, block_q) already on the device (the step's staged copy); None: made here."""
+    device = seq_lens.device
+    if tiles is None:
+        tile_req_np, tile_qstart_np, block_q = plan_tiles(query_lens_cpu, num_heads, num_kv_heads)
+        tiles = (torch.from_numpy(tile_req_np).to(device), torch.from_numpy(tile_qstart_np).to(device), block_q)
+    tile_req, tile_qstart, block_q = tiles
     if num_splits is None:
         longest = max_seq_len_hint or int(seq_lens_cpu.max(initial=0))
-        num_splits = choose_num_splits(len(tile_req) * num_kv_heads, longest, max_q, num_sms(seq_lens.device))
-    device = seq_lens.device
+        num_splits = choose_num_splits(tile_req.shape[0] * num_kv_heads, longest,
+                                       int(query_lens_cpu.max(initial=0)), num_sms(device))
     return AttentionPlan(query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-                         tile_req=torch.from_numpy(tile_req).to(device),
-                         tile_qstart=torch.from_numpy(tile_qstart).to(device),
-                         num_tokens=int(query_lens_cpu.sum()), block_q=block_q, num_splits=num_splits)
+                         tile_req=tile_req, tile_qstart=tile_qstart, num_tokens=int(query_lens_cpu.sum()),
+                         block_q=block_q, num_splits=num_splits)
 
 
 def attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, block_q: int,
