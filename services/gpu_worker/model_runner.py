@@ -26,7 +26,8 @@ from steploop.gpu_worker.attention.selector import create_backend
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
 from steploop.gpu_worker.cpu_kernels.threads import granted_cpus
-from steploop.gpu_worker.cuda_graphs import DecodeGraphRunner
+from steploop.gpu_worker.capture_plan import graph_plan
+from steploop.gpu_worker.cuda_graphs import StepGraphRunner
 from steploop.gpu_worker.distributed.comm import CollectiveError
 from steploop.gpu_worker.distributed.rank_setup import RankSetup
 from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, info: WorkerInfo, seed: int = 0, structured: StructuredOutput | None = None,
-                 graphs: DecodeGraphRunner | None = None, pooler: Pooler | None = None,
+                 graphs: StepGraphRunner | None = None, pooler: Pooler | None = None,
                  lora: LoraManager | None = None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.max_model_len, self.info = max_model_len, info
@@ -61,7 +62,7 @@ class ModelRunner:
         self.staging = StagingBuffer(self.device)    # the step's one host-to-device copy (staging.py)
         plan = getattr(model, "plan", None)
         self.sampler = Sampler(seed, self.device, plan.ops.argmax_rows if plan is not None else None)
-        self.graphs = graphs             # decode-only steps replay CUDA graphs when set
+        self.graphs = graphs             # steps replay CUDA graphs when set (capture_plan.py says which)
         self.pooler = pooler             # --runner pooling: steps pool hidden states instead of sampling
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
@@ -115,8 +116,9 @@ class ModelRunner:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
         graphs = None
-        if plan.cuda_graphs and pooling is None:    # graphs are for decode steps; a pooling runner has none
-            graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
+        if plan.cuda_graphs and pooling is None:    # graphs are for sampling steps; a pooling runner has none
+            graphs = StepGraphRunner(model, caches, config.block_size, max_len,
+                                     graph_plan(config, local, lora is not None), lora)
             graphs.capture_all()
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
@@ -182,11 +184,12 @@ class ModelRunner:
             return self._run_pooling(plan, step)
         prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
         hidden = None
-        if self.graphs is not None and not prompt_rows and not with_lora:   # graphs hold the base path only
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, len(inputs.logits_indices))
+        attn_metadata = step.attn_metadata(self.model.backend)
+        if self.graphs is not None:        # None back: this step runs eagerly (capture_plan.py: why)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, attn_metadata.plan,
+                                     inputs.logits_indices, with_lora, bool(prompt_rows))
         if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                step.attn_metadata(self.model.backend),
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata,
                                 prompt_rows.logits_indices(inputs.logits_indices) if prompt_rows
                                 else inputs.logits_indices)
         for handle, num_computed in inputs.num_computed_after.items():
