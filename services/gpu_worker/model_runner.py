@@ -34,6 +34,13 @@ from steploop.gpu_worker.generation_config import generation_eos_ids, read_gener
 from steploop.gpu_worker.input_batch import InputBatch
 from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
 from steploop.gpu_worker.logits_processors import LogitsEdits
+from steploop.gpu_worker.memory_profile import (
+    graph_pool_bytes,
+    lora_slot_bytes,
+    nccl_bytes,
+    profile_sequences,
+    split_partials_bytes,
+)
 from steploop.gpu_worker.lora.manager import LoraManager
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.loader import load_model
@@ -95,7 +102,7 @@ class ModelRunner:
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, _num_params(model) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
-        profile = lambda: _profile_forward(model, local, config.block_size, max_len, dtype, device)
+        profile = _cuda_profile(model, config, local, max_len, dtype, device, plan)
         rank.comm.local_only = True       # the memory profile runs before the group exists: shapes only
         num_blocks = kv_cache.decide_num_blocks(config, local, max_len, dtype, device, profile)
         rank.comm.local_only = False
@@ -312,23 +319,69 @@ def _max_model_len(config: WorkerConfig, cfg: LlamaModelConfig) -> int:
 
 
 def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size: int, max_len: int,
-                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One forward over a max-length prompt of token 0 (at most 8192) with a scratch KV cache, to measure peak
-    activation memory; returns the last position's logits [1, vocab] (what a real prompt of that length gives)."""
+                     dtype: torch.dtype, device: torch.device, budget: int | None = None) -> torch.Tensor:
+    """One forward over the whole token budget (default: one max-length prompt) of token 0, as prompts of at most
+    max_len tokens, with a scratch KV cache, to measure peak activation memory; returns each prompt's last position's
+    logits [num_prompts, vocab] (what real prompts of those lengths give)."""
     import numpy as np
 
     from steploop.gpu_worker.attention.metadata import build_common_metadata
 
-    n = min(max_len, 8192)
-    blocks = -(-n // block_size) + 1
-    caches = kv_cache.allocate_kv_caches(cfg, blocks, block_size, dtype, device)
-    table = np.arange(1, blocks, dtype=np.int32)[None, :]
-    slots = np.arange(block_size, block_size + n, dtype=np.int64)
-    common = build_common_metadata(np.array([n], np.int32), np.array([n], np.int32), table, slots, block_size,
-                                   device)
-    ids = torch.zeros(n, dtype=torch.int64, device=device)
-    pos = torch.arange(n, device=device)
-    hidden = model(ids, pos, caches, model.backend.build_metadata(common), torch.tensor([n - 1], device=device))
+    seqs = np.array(profile_sequences(budget or max_len, max_len), np.int32)
+    blocks = -(-seqs.astype(np.int64) // block_size)                          # [R] blocks per prompt
+    caches = kv_cache.allocate_kv_caches(cfg, int(blocks.sum()) + 1, block_size, dtype, device)
+    table = np.zeros((len(seqs), int(blocks.max())), np.int32)
+    first = np.cumsum(blocks) - blocks + 1                                     # block 0 stays the null block
+    for r, (f, n) in enumerate(zip(first, blocks)):
+        table[r, :n] = np.arange(f, f + n)
+    pos = np.concatenate([np.arange(n) for n in seqs])
+    req = np.repeat(np.arange(len(seqs)), seqs)
+    slots = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    common = build_common_metadata(seqs, seqs, table, slots, block_size, device)
+    ids = torch.zeros(len(pos), dtype=torch.int64, device=device)
+    last = torch.from_numpy(np.cumsum(seqs).astype(np.int64) - 1).to(device)
+    hidden = model(ids, torch.from_numpy(pos).to(device), caches, model.backend.build_metadata(common), last)
     logits = model.compute_logits(hidden)
     del caches
     return logits
+
+
+def _profile_sampler(model: LlamaForCausalLM, rows: int, device: torch.device) -> torch.Tensor:
+    """Logits and the sampler at full batch with every costly feature on (penalties, min-p, top-k/top-p sort,
+    per-row noise, top-20 logprobs): the peak of a step's sampling."""
+    hidden = torch.zeros(rows, model.config.hidden_size, dtype=next(model.parameters()).dtype, device=device)
+    logits = model.compute_logits(hidden)
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                             logprobs=20)] * rows
+    vocab = logits.shape[-1]
+    penalties = PenaltyInputs.build(params, [[0]] * rows, [[0]] * rows, vocab, device)
+    meta = SamplingMetadata.from_rows(params, [0] * rows, vocab, device, penalties)
+    return Sampler(0, device)(logits, meta).token_ids
+
+
+def _cuda_profile(model: LlamaForCausalLM, config: WorkerConfig, cfg: LlamaModelConfig, max_len: int,
+                  dtype: torch.dtype, device: torch.device, plan) -> kv_cache.CudaProfile:
+    """What the KV sizing measures (forward at the budget, sampler at --max-num-seqs) and reserves beside it."""
+    budget = config.max_num_batched_tokens
+
+    def reserves(forward_peak: int) -> dict[str, int]:
+        elem = torch.empty((), dtype=dtype).element_size()
+        graph_pool = 0
+        if plan.cuda_graphs:
+            from steploop.gpu_worker.kernels.paged_attention import choose_num_splits, num_sms
+            graphs = graph_plan(config, cfg, config.lora.enable_lora)
+            decode = max((k.tokens for k in graphs.keys() if k.kind == "decode"), default=0)
+            splits = choose_num_splits(decode * cfg.num_key_value_heads, max_len, 1, num_sms(device))
+            graph_pool = graph_pool_bytes(forward_peak, budget, max(k.tokens for k in graphs.keys()),
+                                          len(graphs.keys()),
+                                          split_partials_bytes(decode, cfg.num_attention_heads, cfg.head_dim, splits))
+        lora = 0
+        if config.lora.enable_lora:
+            from steploop.gpu_worker.lora.manager import model_shapes
+            lora = lora_slot_bytes(cfg.num_hidden_layers, model_shapes(cfg).targets, config.lora.max_loras,
+                                   config.lora.max_lora_rank, elem)
+        return {"graph_pool": graph_pool, "lora_slots": lora, "nccl": nccl_bytes(config.tensor_parallel_size)}
+
+    return kv_cache.CudaProfile(
+        forward=lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device, budget),
+        sampler=lambda: _profile_sampler(model, config.max_num_seqs, device), reserves=reserves)
