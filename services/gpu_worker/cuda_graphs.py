@@ -30,6 +30,8 @@ import torch
 from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 from steploop.gpu_worker.capture_plan import CapturePlan, GraphKey, GraphShape
 from steploop.gpu_worker.kernels.paged_attention import AttentionPlan, choose_num_splits, num_sms
+from steploop.gpu_worker.kernels.tuning import DEFAULT as DEFAULT_LAUNCH
+from steploop.gpu_worker.kernels.tuning import shape_class
 from steploop.gpu_worker.lora.segments import LoraSegments, pad_segments
 
 log = logging.getLogger(__name__)
@@ -170,9 +172,10 @@ class StepGraphRunner:
         if shape.key.kind == "decode":       # planned for the longest context the model allows
             splits = backend.num_splits or choose_num_splits(shape.max_tiles * backend.num_kv_heads,
                                                              self.max_model_len, 1, num_sms(self.device))
+        cls = shape_class(1 if shape.key.kind == "decode" else 2, splits)
         plan = AttentionPlan(common.query_start_loc, common.seq_lens, common.block_tables,
                              b.tile_req[:shape.max_tiles], b.tile_qstart[:shape.max_tiles], shape.key.tokens,
-                             shape.block_q, splits)
+                             shape.block_q, splits, backend.launch.get(cls, DEFAULT_LAUNCH))
         return TritonAttentionMetadata(common, common.slot_mapping, plan)
 
     def _forward(self, shape: GraphShape) -> torch.Tensor:

@@ -75,6 +75,7 @@ class ModelRunner:
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
         self.lora = lora                 # --enable-lora: adapters per request (lora/manager.py)
         self.threads: ThreadGovernor | None = None   # CPU: each step's thread count from measured step times
+        self.kernel_tuning: dict | None = None     # CUDA + triton: the launch configs chosen and variants warmed
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -122,6 +123,8 @@ class ModelRunner:
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
+        tuning = _tune_and_warm_up(model, caches, config.block_size, max_len) \
+            if plan.attention_backend == "triton" and device.type == "cuda" else None
         graphs = None
         if plan.cuda_graphs and pooling is None:    # graphs are for sampling steps; a pooling runner has none
             graphs = StepGraphRunner(model, caches, config.block_size, max_len,
@@ -130,6 +133,7 @@ class ModelRunner:
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
+        runner.kernel_tuning = tuning
         runner.threads = make_thread_governor(config, device, plan)
         return runner
 
@@ -299,6 +303,18 @@ class PreparedStep:
     def attn_metadata(self, backend) -> Any:
         staged = (self.staging, self.attn_staged) if self.attn_staged is not None else None
         return backend.build_metadata(self.inputs.attn, staged=staged)
+
+
+def _tune_and_warm_up(model: LlamaForCausalLM, caches: list[torch.Tensor], block_size: int, max_len: int) -> dict:
+    """Before the worker reports ready: pick the attention kernel's launch configs (kernels/tuning.py), then compile
+    every variant serving can launch, so no Triton compile lands inside a step (graph capture warms the rest)."""
+    from steploop.gpu_worker.kernels.tuning import tune_attention, warm_up_attention
+
+    start = time.perf_counter()
+    report = tune_attention(model.backend, caches[0], block_size, max_len)
+    report["warmed"] = warm_up_attention(model.backend, caches[0], block_size)
+    log.info("attention warm-up: %d variants compiled in %.1f s", len(report["warmed"]), time.perf_counter() - start)
+    return report
 
 
 def _num_params(model: LlamaForCausalLM) -> int:

@@ -28,6 +28,7 @@ from steploop.gpu_worker.kernels.paged_attention import (
     plan_tiles,
     unified_attention,
 )
+from steploop.gpu_worker.kernels.tuning import LaunchConfig
 from steploop.gpu_worker.staging import StepStaging
 
 
@@ -46,6 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.num_splits = num_splits   # None: the launcher's heuristic; tests force 1 or N
         self.variants: dict[int, tuple[int | None, float | None]] = {}   # layer -> (window, softcap)
+        self.launch: dict[str, LaunchConfig] = {}    # shape class -> tuned num_warps/num_stages (kernels/tuning.py)
 
     def serve_variant(self, layer: int, window: int | None, softcap: float | None) -> bool:
         self.variants[layer] = (window, softcap)
@@ -65,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
             tiles = (staging.get(req), staging.get(qstart), block_q)
         plan = plan_attention(common.query_start_loc, common.seq_lens, common.block_tables, common.query_lens_cpu,
                               common.seq_lens_cpu, self.num_heads, self.num_kv_heads, self.num_splits,
-                              max_seq_len_hint, tiles)
+                              max_seq_len_hint, tiles, self.launch)
         return TritonAttentionMetadata(common, common.slot_mapping, plan)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
