@@ -15,7 +15,7 @@ Shape classes (one model: heads, head size, dtype and block size are fixed, so t
 Each class times its candidates on a representative problem (a decode batch at 2k context, a few long 16k
 contexts split, a 512-token chunk among decodes; block ids wrap around the real cache, which is only read) and
 keeps the fastest. The result is cached per device, Triton version and model shape in
-~/.cache/steploop/kernel_tuning.json, so a restart on the same machine skips the timing (Triton's own cache keeps
+$STEPLOOP_CACHE_DIR/kernel_tuning.json (default ~/.cache/steploop), so a restart on the same machine skips the timing (Triton's own cache keeps
 the compiled kernels). Under the Triton interpreter (CPU tests, the readiness dry run) the same logic runs with
 the interpreter's timings, which mean nothing: the point there is that the code runs.
 """
@@ -186,8 +186,8 @@ def compiled_variants() -> int | None:
 
 
 def default_cache_path() -> pathlib.Path:
-    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-    return base / "steploop" / "kernel_tuning.json"
+    from steploop.common.model_path import cache_dir
+    return cache_dir() / "kernel_tuning.json"
 
 
 def _cache_key(backend, kv_cache: torch.Tensor, block_size: int) -> str:
