@@ -30,7 +30,7 @@ class PersistentBlockTable:
         self.row_of: dict[int, int] = {}                                 # handle -> row
         self.free_rows = list(range(rows - 1, -1, -1))                  # popped from the end: lowest row first
         self._dirty: list[np.ndarray] = []                               # flat indices written since the last sync
-        self._staged: tuple[int, int] | None = None                      # staging slots of (indices, values)
+        self._staged: tuple[int, int, int] | None = None                 # (indices slot, values slot, lists sent)
 
     def add(self, handle: int, block_ids: list[int]) -> None:
         if not self.free_rows:
@@ -71,19 +71,20 @@ class PersistentBlockTable:
         return np.fromiter((row_of[h] for h in handles), np.int64, len(handles))
 
     def stage(self, staging: StepStaging) -> None:
-        """Put this step's diffs (deduplicated: a row freed and reused in one plan is written once) in the staging."""
+        """Put the pending diffs (deduplicated: a row freed and reused in one plan is written once) in the staging.
+        They stay pending until apply(): a step that fails in between sends them again with the next one."""
         if not self._dirty:
             self._staged = None
             return
         idx = np.unique(np.concatenate(self._dirty))
-        self._dirty.clear()
-        self._staged = (staging.put(idx), staging.put(self.host.reshape(-1)[idx]))
+        self._staged = (staging.put(idx), staging.put(self.host.reshape(-1)[idx]), len(self._dirty))
 
     def apply(self, staging: StepStaging) -> None:
         """After the staging's send: apply the diffs to the device copy (device-side, no host round trip)."""
         if self._staged is not None:
-            idx, values = self._staged
+            idx, values, num_lists = self._staged
             self.device_table.view(-1).index_copy_(0, staging.get(idx), staging.get(values))
+            del self._dirty[:num_lists]
             self._staged = None
 
     def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:

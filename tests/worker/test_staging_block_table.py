@@ -74,3 +74,13 @@ def test_only_diffs_travel_and_the_device_copy_matches_the_host():
     rows = torch.from_numpy(table.rows([13, 11, 12]))
     assert table.gather(rows, 3).tolist() == [[1, 0, 0], [5, 9, 0], [7, 8, 0]]
     assert _sync(table) == 0
+
+
+def test_diffs_of_a_step_that_failed_before_its_copy_go_with_the_next():
+    table = PersistentBlockTable(rows=2, width=4)
+    table.add(1, [3, 4])
+    lost = StagingBuffer("cpu").begin()
+    table.stage(lost)                                        # ... and the step fails before send/apply
+    table.append(1, [5])
+    assert _sync(table) == 3
+    assert table.device_table.numpy().tolist() == table.host.tolist()
