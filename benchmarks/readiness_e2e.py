@@ -69,6 +69,7 @@ def make_runner(folder: pathlib.Path, device: str, dtype: str, graphs: bool, num
     config = WorkerConfig(model=str(folder), device=device, dtype=dtype, cuda_graphs=graphs,
                           num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                           max_num_seqs=256, max_num_batched_tokens=8192,   # max_batch's step: 256 x 32 tokens
+                          tune_kernels=dtype != "float32",     # fp32 checks exact tokens: no need to tune it
                           attention_backend="triton" if device == "cuda" else "torch")
     return ModelRunner.from_config(config, folder)
 

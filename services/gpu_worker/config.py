@@ -36,6 +36,7 @@ class WorkerConfig:
     num_threads: int | None = None           # CPU threads; None: the CPUs the affinity mask and cgroup grant
     attention_backend: str = "auto"          # auto: triton on CUDA, torch on CPU (triton on CPU: TRITON_INTERPRET=1)
     cuda_graphs: bool = True                 # capture whole steps in CUDA graphs (CUDA + triton only)
+    tune_kernels: bool = True                # CUDA + triton: time launch configs at start (cached per machine)
     max_num_seqs: int = 128                  # the scheduler's: sizes decode graphs and the sampler's profile
     max_num_batched_tokens: int = 2048       # the scheduler's: sizes the memory profile's forward and mixed graphs
     worker_id: str = ""                      # "" -> host:pid
@@ -59,7 +60,7 @@ class WorkerConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   tune_kernels=args.tune_kernels, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
                    generation_config=args.generation_config, tls=TlsConfig.from_args(args),
                    tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host,
@@ -149,6 +150,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="auto: triton on CUDA, torch on CPU; triton on the CPU needs TRITON_INTERPRET=1")
     add_flag(parser, "--cuda-graphs", type=bool, default=True,
              help="replay steps (decode, mixed, LoRA) from CUDA graphs (CUDA with the triton backend only)")
+    add_flag(parser, "--tune-kernels", type=bool, default=True,
+             help="CUDA with the triton backend: time the attention kernel's launch configs at start (cached per "
+                  "machine); off: defaults. Either way every variant is compiled before the worker attaches")
     add_flag(parser, "--max-num-seqs", type=int, default=128,
              help="the scheduler's --max-num-seqs: sizes the CUDA graphs and the sampler in the memory profile")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,

@@ -123,7 +123,7 @@ class ModelRunner:
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
-        tuning = _tune_and_warm_up(model, caches, config.block_size, max_len) \
+        tuning = _tune_and_warm_up(model, caches, config.block_size, max_len, config.tune_kernels) \
             if plan.attention_backend == "triton" and device.type == "cuda" else None
         graphs = None
         if plan.cuda_graphs and pooling is None:    # graphs are for sampling steps; a pooling runner has none
@@ -305,13 +305,14 @@ class PreparedStep:
         return backend.build_metadata(self.inputs.attn, staged=staged)
 
 
-def _tune_and_warm_up(model: LlamaForCausalLM, caches: list[torch.Tensor], block_size: int, max_len: int) -> dict:
+def _tune_and_warm_up(model: LlamaForCausalLM, caches: list[torch.Tensor], block_size: int, max_len: int,
+                      tune: bool = True) -> dict:
     """Before the worker reports ready: pick the attention kernel's launch configs (kernels/tuning.py), then compile
     every variant serving can launch, so no Triton compile lands inside a step (graph capture warms the rest)."""
     from steploop.gpu_worker.kernels.tuning import tune_attention, warm_up_attention
 
     start = time.perf_counter()
-    report = tune_attention(model.backend, caches[0], block_size, max_len)
+    report = tune_attention(model.backend, caches[0], block_size, max_len) if tune else {"classes": "defaults"}
     report["warmed"] = warm_up_attention(model.backend, caches[0], block_size)
     log.info("attention warm-up: %d variants compiled in %.1f s", len(report["warmed"]), time.perf_counter() - start)
     return report
