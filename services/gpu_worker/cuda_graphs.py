@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 from steploop.gpu_worker.capture_plan import CapturePlan, GraphKey, GraphShape
-from steploop.gpu_worker.kernels.paged_attention import AttentionPlan, choose_num_splits, num_sms
 from steploop.gpu_worker.kernels.tuning import DEFAULT as DEFAULT_LAUNCH
 from steploop.gpu_worker.kernels.tuning import shape_class
 from steploop.gpu_worker.lora.segments import LoraSegments, pad_segments
+
+if TYPE_CHECKING:      # the kernels import triton: only the CUDA path (and its tests) load them
+    from steploop.gpu_worker.kernels.paged_attention import AttentionPlan
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +168,7 @@ class StepGraphRunner:
     def _build_metadata(self, shape: GraphShape):
         """The attention metadata over the static buffers: the tiles' views and a fixed split count."""
         from steploop.gpu_worker.attention.triton_backend import TritonAttentionMetadata
+        from steploop.gpu_worker.kernels.paged_attention import AttentionPlan, choose_num_splits, num_sms
 
         backend = self.model.backend
         b, common = self.buffers, self.buffers.common(shape, self.block_size, self.max_model_len)
