@@ -73,7 +73,7 @@ class CapturePlan:
                 r = min(t, max_reqs)
                 self.shapes[key] = GraphShape(key, r, t // self.mixed_block_q + r, self.mixed_block_q, t)
 
-    def keys(self) -> list[GraphKey]:
+    def capture_order(self) -> list[GraphKey]:
         """Capture order: largest first in each family (smaller graphs reuse the pool the largest sized)."""
         return sorted(self.shapes, key=lambda k: (k.lora, k.kind, -k.tokens))
 

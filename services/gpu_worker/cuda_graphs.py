@@ -30,8 +30,8 @@ import torch
 
 from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 from steploop.gpu_worker.capture_plan import CapturePlan, GraphKey, GraphShape
-from steploop.gpu_worker.kernels.tuning import DEFAULT as DEFAULT_LAUNCH
-from steploop.gpu_worker.kernels.tuning import shape_class
+from steploop.gpu_worker.kernels.launch_config import DEFAULT as DEFAULT_LAUNCH
+from steploop.gpu_worker.kernels.launch_config import shape_class
 from steploop.gpu_worker.lora.segments import LoraSegments, pad_segments
 
 if TYPE_CHECKING:      # the kernels import triton: only the CUDA path (and its tests) load them
@@ -129,7 +129,7 @@ class StepGraphRunner:
     def capture_all(self) -> None:
         """Warm up (compiles every kernel variant) and capture, largest first so smaller graphs reuse its pool."""
         pool = torch.cuda.graph_pool_handle()
-        for key in self.plan.keys():
+        for key in self.plan.capture_order():
             shape = self.plan.shapes[key]
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -143,7 +143,7 @@ class StepGraphRunner:
             self.graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)
         log.info("captured %d CUDA graphs: %s", len(self.graphs), ", ".join(
-            f"{k.kind}{'+lora' if k.lora else ''} x{k.tokens}" for k in self.plan.keys()))
+            f"{k.kind}{'+lora' if k.lora else ''} x{k.tokens}" for k in self.plan.capture_order()))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,
             attn_plan: AttentionPlan, logits_indices: torch.Tensor, with_lora: bool = False,

@@ -13,8 +13,8 @@ on CPU, kv_bytes = available RAM * kv_cache_memory_fraction. `--num-kv-blocks N`
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -23,10 +23,10 @@ from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
 from steploop.gpu_worker import kv_cache
 from steploop.gpu_worker.attention.selector import create_backend
+from steploop.gpu_worker.capture_plan import graph_plan
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
 from steploop.gpu_worker.cpu_kernels.threads import granted_cpus
-from steploop.gpu_worker.capture_plan import graph_plan
 from steploop.gpu_worker.cuda_graphs import StepGraphRunner
 from steploop.gpu_worker.distributed.comm import CollectiveError
 from steploop.gpu_worker.distributed.rank_setup import RankSetup
@@ -34,6 +34,7 @@ from steploop.gpu_worker.generation_config import generation_eos_ids, read_gener
 from steploop.gpu_worker.input_batch import InputBatch
 from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
 from steploop.gpu_worker.logits_processors import LogitsEdits
+from steploop.gpu_worker.lora.manager import LoraManager
 from steploop.gpu_worker.memory_profile import (
     graph_pool_bytes,
     lora_slot_bytes,
@@ -41,7 +42,6 @@ from steploop.gpu_worker.memory_profile import (
     profile_sequences,
     split_partials_bytes,
 )
-from steploop.gpu_worker.lora.manager import LoraManager
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.loader import load_model
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
@@ -387,10 +387,10 @@ def _cuda_profile(model: LlamaForCausalLM, config: WorkerConfig, cfg: LlamaModel
         if plan.cuda_graphs:
             from steploop.gpu_worker.kernels.paged_attention import choose_num_splits, num_sms
             graphs = graph_plan(config, cfg, config.lora.enable_lora)
-            decode = max((k.tokens for k in graphs.keys() if k.kind == "decode"), default=0)
+            decode = max((k.tokens for k in graphs.capture_order() if k.kind == "decode"), default=0)
             splits = choose_num_splits(decode * cfg.num_key_value_heads, max_len, 1, num_sms(device))
-            graph_pool = graph_pool_bytes(forward_peak, budget, max(k.tokens for k in graphs.keys()),
-                                          len(graphs.keys()),
+            graph_pool = graph_pool_bytes(forward_peak, budget, max(k.tokens for k in graphs.capture_order()),
+                                          len(graphs.capture_order()),
                                           split_partials_bytes(decode, cfg.num_attention_heads, cfg.head_dim, splits))
         lora = 0
         if config.lora.enable_lora:

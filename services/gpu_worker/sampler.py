@@ -46,7 +46,7 @@ class SamplingMetadata:
     @classmethod
     def from_rows(cls, params: list[SamplingParams], output_index: list[int], vocab_size: int,
                   device: torch.device, penalties: PenaltyInputs | None = None,
-                  edits: LogitsEdits | None = None) -> "SamplingMetadata":
+                  edits: LogitsEdits | None = None) -> SamplingMetadata:
         """Built with its own copies (tests; the runner stages them: stage_sampling)."""
         arrays, flags = _host_rows(params, vocab_size)
         tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}

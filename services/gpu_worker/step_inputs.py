@@ -54,7 +54,9 @@ class StagedStepInputs:
     slot: dict[str, int]          # array name -> staging slot
 
     def finish(self, staging: StepStaging, table: PersistentBlockTable) -> StepInputs:
-        get = lambda name: staging.get(self.slot[name])      # noqa: E731
+        def get(name: str) -> torch.Tensor:
+            return staging.get(self.slot[name])
+
         table.apply(staging)
         block_tables = table.gather(get("rows"), self.max_blocks)           # [R, max_blocks] on the device
         query_lens, seq_lens = self.query_lens, self.seq_lens

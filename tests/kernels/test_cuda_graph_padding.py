@@ -18,15 +18,15 @@ PLAN = CapturePlan(qpk_p=4, max_reqs=128, max_tokens=2048, lora=True)
 
 
 def test_the_captured_shapes():
-    decode = [k.tokens for k in PLAN.keys() if k.kind == "decode" and not k.lora]
-    mixed = [k.tokens for k in PLAN.keys() if k.kind == "mixed" and not k.lora]
+    decode = [k.tokens for k in PLAN.capture_order() if k.kind == "decode" and not k.lora]
+    mixed = [k.tokens for k in PLAN.capture_order() if k.kind == "mixed" and not k.lora]
     assert decode == [128, 64, 32, 16, 8, 4, 2, 1]                 # largest first (the pool), <= max_num_seqs
     assert mixed == [2048, 1024, 512, 256, 128, 64, 32, 16]
-    assert len(PLAN.keys()) == 2 * (8 + 8)                          # and each again with LoRA armed
+    assert len(PLAN.capture_order()) == 2 * (8 + 8)                          # and each again with LoRA armed
     big = PLAN.shapes[GraphKey("mixed", 2048, False)]
     assert (big.max_reqs, big.block_q, big.max_tiles) == (128, 16, 2048 // 16 + 128)
     assert PLAN.shapes[GraphKey("decode", 8, True)].block_q == 4    # 16-row tiles of 4 heads: 4 tokens
-    assert not any(k.lora for k in CapturePlan(4, 128, 2048, lora=False).keys())
+    assert not any(k.lora for k in CapturePlan(4, 128, 2048, lora=False).capture_order())
 
 
 @pytest.mark.parametrize("query_lens,logits,lora,want", [
@@ -66,10 +66,10 @@ def test_steps_that_run_eagerly_say_why(query_lens, logits, kwargs, why):
 def test_worker_plan_follows_the_scheduler_flags():
     cfg = type("Cfg", (), {"num_attention_heads": 9, "num_key_value_heads": 3})()
     plan = graph_plan(WorkerConfig(max_num_seqs=32, max_num_batched_tokens=512), cfg, lora=False)
-    assert plan.qpk_p == 4 and max(k.tokens for k in plan.keys() if k.kind == "decode") == 32
-    assert max(k.tokens for k in plan.keys() if k.kind == "mixed") == 512
+    assert plan.qpk_p == 4 and max(k.tokens for k in plan.capture_order() if k.kind == "decode") == 32
+    assert max(k.tokens for k in plan.capture_order() if k.kind == "mixed") == 512
     big = graph_plan(WorkerConfig(max_num_batched_tokens=16384), cfg, lora=True)
-    assert max(k.tokens for k in big.keys()) == 2048                  # larger steps run eagerly (prefill-bound)
+    assert max(k.tokens for k in big.capture_order()) == 2048                  # larger steps run eagerly (prefill-bound)
 
 
 def test_static_buffers_pad_a_mixed_step():

@@ -22,13 +22,13 @@ import torch
 from steploop.gpu_worker.attention.backend import AttentionBackend
 from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 from steploop.gpu_worker.kernels.cache_write import write_kv_cache
+from steploop.gpu_worker.kernels.launch_config import LaunchConfig
 from steploop.gpu_worker.kernels.paged_attention import (
     AttentionPlan,
     plan_attention,
     plan_tiles,
     unified_attention,
 )
-from steploop.gpu_worker.kernels.tuning import LaunchConfig
 from steploop.gpu_worker.staging import StepStaging
 
 

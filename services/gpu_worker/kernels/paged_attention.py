@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from steploop.gpu_worker.kernels.activations import tanh
-from steploop.gpu_worker.kernels.tuning import DEFAULT as DEFAULT_LAUNCH
-from steploop.gpu_worker.kernels.tuning import LaunchConfig, shape_class
+from steploop.gpu_worker.kernels.launch_config import DEFAULT as DEFAULT_LAUNCH
+from steploop.gpu_worker.kernels.launch_config import LaunchConfig, shape_class
 
 
 @triton.jit

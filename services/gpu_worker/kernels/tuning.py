@@ -28,37 +28,25 @@ import os
 import pathlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
+from steploop.gpu_worker.kernels.launch_config import (
+    CANDIDATES,
+    CLASSES,
+    DEFAULT,
+    SPLITS,
+    LaunchConfig,
+    shape_class,
+)
+
+__all__ = ["CANDIDATES", "CLASSES", "DEFAULT", "SPLITS", "LaunchConfig", "compiled_variants", "shape_class",
+           "tune_attention", "warm_up_attention"]
+
 log = logging.getLogger(__name__)
-
-CLASSES = ("decode", "split", "mixed")
-SPLITS = (2, 4, 8, 16)          # every split count choose_num_splits can return besides 1
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-DEFAULT = LaunchConfig()
-CANDIDATES = {
-    "decode": (LaunchConfig(4, 2), LaunchConfig(2, 2), LaunchConfig(4, 3), LaunchConfig(8, 2)),
-    "split": (LaunchConfig(4, 2), LaunchConfig(2, 2), LaunchConfig(4, 3), LaunchConfig(8, 2)),
-    "mixed": (LaunchConfig(4, 2), LaunchConfig(8, 2), LaunchConfig(4, 3), LaunchConfig(8, 3)),
-}
-
-
-def shape_class(max_query_len: int, num_splits: int) -> str:
-    if max_query_len > 1:
-        return "mixed"
-    return "split" if num_splits > 1 else "decode"
-
 
 @dataclass(frozen=True)
 class Problem:
