@@ -87,8 +87,7 @@ def stage_step_inputs(batch: InputBatch, plan: StepPlan, block_size: int, max_mo
     query_lens = np.asarray(counts, dtype=np.int32)                 # [R]
     starts = np.empty(num_reqs, dtype=np.int64)                     # [R] first position of each chunk
     max_blocks = 0
-    input_ids = batch.buffer("input_ids", num_tokens)
-    pos = 0
+    ids: list[int] = []                     # one list, copied into the buffer once (a numpy slice per request costs)
     sampling: list[SamplingSlot] = []
     after: dict[int, int] = {}
     logits_rows: list[int] = []
@@ -98,17 +97,16 @@ def stage_step_inputs(batch: InputBatch, plan: StepPlan, block_size: int, max_mo
         _check_request(handle, n, drafts, end, state.num_tokens, len(state.block_ids), block_size,
                        c + n, max_model_len)
         starts[i] = c
-        input_ids[pos:pos + end - c] = state.token_ids[c:end]
-        pos += end - c
-        if drafts:
-            input_ids[pos:pos + len(drafts)] = drafts
-            pos += len(drafts)
+        ids.extend(state.token_ids[c:end])
+        ids.extend(drafts)
         max_blocks = max(max_blocks, len(state.block_ids))
         if end == state.num_tokens:
             sampling.append(SamplingSlot(handle, len(logits_rows), list(drafts), end))
-            logits_rows.extend(range(pos - 1 - len(drafts), pos))
+            logits_rows.extend(range(len(ids) - 1 - len(drafts), len(ids)))
         else:
             after[handle] = end
+    input_ids = batch.buffer("input_ids", num_tokens)
+    input_ids[:] = ids
     rows = batch.table.rows(handles)                                # [R] persistent block-table rows
     positions, slots = _positions_and_slots(batch, starts, query_lens, rows, block_size, num_tokens)
     seq_lens = (starts + query_lens).astype(np.int32)

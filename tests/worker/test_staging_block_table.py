@@ -11,7 +11,7 @@ from steploop.gpu_worker.staging import StagingBuffer
 
 
 def test_arrays_of_every_dtype_come_back_as_put():
-    staging = StagingBuffer("cpu", capacity=128)             # small: the second array grows it
+    staging = StagingBuffer("cpu", capacity=128, direct=False)   # small: the second array grows it
     step = staging.begin()
     arrays = [np.arange(5, dtype=np.int64), np.array([1, -2, 3], np.int32), np.linspace(0, 1, 40).astype(np.float32),
               np.array([True, False, True]), np.zeros((0,), np.int64), np.arange(12, dtype=np.int32).reshape(3, 4)]
@@ -24,7 +24,7 @@ def test_arrays_of_every_dtype_come_back_as_put():
 
 
 def test_the_device_buffer_is_separate_and_later_steps_reuse_it():
-    staging = StagingBuffer("cpu")
+    staging = StagingBuffer("cpu", direct=False)
     first = staging.begin()
     slot = first.put(np.array([7, 8], np.int64))
     first.send()
@@ -35,7 +35,7 @@ def test_the_device_buffer_is_separate_and_later_steps_reuse_it():
 
 
 def test_put_after_send_and_get_before_send_are_refused():
-    step = StagingBuffer("cpu").begin()
+    step = StagingBuffer("cpu", direct=False).begin()
     slot = step.put(np.ones(2, np.int32))
     with pytest.raises(RuntimeError, match="before send"):
         step.get(slot)
@@ -48,7 +48,7 @@ def test_put_after_send_and_get_before_send_are_refused():
 
 def _sync(table: PersistentBlockTable) -> int:
     """Send the table's diffs as a step would; returns how many entries travelled."""
-    step = StagingBuffer("cpu").begin()
+    step = StagingBuffer("cpu", direct=False).begin()
     table.stage(step)
     n = step.slots[0].shape[0] if step.slots else 0
     step.send()
@@ -84,3 +84,15 @@ def test_diffs_of_a_step_that_failed_before_its_copy_go_with_the_next():
     table.append(1, [5])
     assert _sync(table) == 3
     assert table.device_table.numpy().tolist() == table.host.tolist()
+
+
+def test_direct_mode_on_the_cpu_hands_the_arrays_over():
+    staging = StagingBuffer("cpu")
+    assert staging.direct
+    step = staging.begin()
+    a = np.arange(4, dtype=np.int64)
+    slot = step.put(a)
+    step.send()
+    assert step.get(slot).tolist() == [0, 1, 2, 3] and not step.slots
+    with pytest.raises(ValueError, match="CPU only"):
+        StagingBuffer("meta", direct=True)

@@ -62,6 +62,7 @@ def _decode_plan(runner, driver: Driver):
 def count_decode_prep(runner, sampling=None) -> tuple[Counter, object]:
     """Run prompts to their first token, then count one 4-request decode step's preparation."""
     from steploop.gpu_worker.attention.triton_backend import TritonAttentionBackend
+    from steploop.gpu_worker.staging import StagingBuffer
 
     driver = Driver(runner)
     for i in range(4):
@@ -69,6 +70,7 @@ def count_decode_prep(runner, sampling=None) -> tuple[Counter, object]:
     driver.step(64)                                         # prompts in; one token each
     plan = _decode_plan(runner, driver)
     runner.batch.apply_plan(plan)
+    runner.staging = StagingBuffer(runner.device, direct=False)   # the GPU's route (the CPU's default copies nothing)
     cfg = runner.model.config
     triton = TritonAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.scale)
     with CopySyncCounter() as counter:
@@ -93,6 +95,21 @@ def test_sampling_with_logprobs_and_top_k_adds_no_copy(fresh_runner):
     assert sum(counts.values()) <= GOAL and counts["copy copy_"] == 1, dict(counts)
     assert step.sampling.use_top_k and not step.sampling.all_greedy
     assert step.sampling.top_k.tolist() == [5] * 4
+
+
+def test_the_cpu_route_copies_nothing(fresh_runner):
+    from steploop.gpu_worker.staging import StagingBuffer
+
+    driver = Driver(fresh_runner)
+    driver.add(0, [5, 17, 300, 42, 7], 8)
+    driver.step(64)
+    plan = _decode_plan(fresh_runner, driver)
+    fresh_runner.batch.apply_plan(plan)
+    fresh_runner.staging = StagingBuffer(fresh_runner.device)
+    with CopySyncCounter() as counter:
+        step = fresh_runner.prepare_step(plan)
+    assert not counter.counts, dict(counter.counts)
+    assert step.inputs.input_ids.tolist() == [driver.requests[0].tokens[-1]]
 
 
 def test_staged_inputs_match_a_rebuild_from_the_request_lists(fresh_runner):
