@@ -38,7 +38,10 @@ def _phase_timer(runner):
             return out
         return wrapper
 
-    mr.prepare_step_inputs = timed("inputs", mr.prepare_step_inputs)
+    if hasattr(runner, "prepare_step"):    # inputs, attention tiles and sampling rows: one staged copy
+        runner.prepare_step = timed("inputs", runner.prepare_step)
+    else:                                  # before the staging buffer (for comparing against older commits)
+        mr.prepare_step_inputs = timed("inputs", mr.prepare_step_inputs)
     runner.model.forward = timed("forward", runner.model.forward)
     # inside forward, on the layer-by-layer path: every linear layer but lm_head, and attention (summed per step)
     times["forward: linear layers"], times["forward: attention"] = [], []

@@ -68,6 +68,8 @@ def make_runner(folder: pathlib.Path, device: str, dtype: str, graphs: bool, num
         num_kv_blocks = max(num_kv_blocks, -(-max_model_len // 16) + 2)
     config = WorkerConfig(model=str(folder), device=device, dtype=dtype, cuda_graphs=graphs,
                           num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                          max_num_seqs=256, max_num_batched_tokens=8192,   # max_batch's step: 256 x 32 tokens
+                          tune_kernels=dtype != "float32",     # fp32 checks exact tokens: no need to tune it
                           attention_backend="triton" if device == "cuda" else "torch")
     return ModelRunner.from_config(config, folder)
 
@@ -144,9 +146,9 @@ def e2e(shape: str, dry: bool) -> dict:
 def max_batch(folder: pathlib.Path, device: str, dtype: str, dry: bool) -> dict:
     """The KV cache sized by --gpu-memory-utilization (0.9), then the largest step the scheduler sends (8192
     prompt tokens over 256 requests) and a 256-request decode step: peak memory, no out-of-memory."""
-    from steploop.gpu_worker.cuda_graphs import CAPTURE_SIZES
+    from steploop.gpu_worker.capture_plan import DECODE_SIZES
 
-    reqs, plen = (4, 8) if dry else (CAPTURE_SIZES[-1], 32)
+    reqs, plen = (4, 8) if dry else (DECODE_SIZES[-1], 32)
     t0 = time.perf_counter()
     runner = make_runner(folder, device, dtype, not dry, num_kv_blocks=64 if dry else None, max_model_len=4096)
     if not dry:

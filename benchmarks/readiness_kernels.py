@@ -8,6 +8,7 @@ set by the parent for this section's subprocess), fp32.
 
 from __future__ import annotations
 
+import pathlib
 import time
 import traceback
 from collections.abc import Callable
@@ -168,6 +169,39 @@ def lora_case(token_slots, hidden, n, rank, dtype, device) -> dict:
     return {"shrink": shrink, "expand": compare(on.y, want.to(device), dtype, scale=2.0)}
 
 
+def tuning_case(h: int, hk: int, d: int, dtype, device, dry: bool) -> dict:
+    """The start-up tuner (kernels/tuning.py) on this shape: each class's candidates timed, the fastest kept, then
+    the warm-up compiles every variant; a replay of each class afterwards must compile nothing new. Under the
+    interpreter (dry run) the timings mean nothing and there is no compile cache: the logic runs, that is all."""
+    import tempfile
+
+    from steploop.gpu_worker.attention.triton_backend import TritonAttentionBackend
+    from steploop.gpu_worker.kernels import tuning
+
+    backend = TritonAttentionBackend(h, hk, d, d ** -0.5)
+    if not dry:                       # a windowed, soft-capped layer too (its warm-up doubles the interpreter's time)
+        backend.serve_variant(1, 4096, 30.0)
+    blocks = 16 if dry else 4096
+    cache = torch.randn((2, blocks, 16, hk, d), device=device).to(dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "tuning.json"
+        report = tuning.tune_attention(backend, cache, 16, 32768, tiny=dry, cache_path=path, reps=1 if dry else 5,
+                                       max_candidates=2 if dry else None)
+        warmed = tuning.warm_up_attention(backend, cache, 16)
+        before = tuning.compiled_variants()
+        for cls, problem in tuning.problems(16384 if dry else 32768, tiny=dry).items():   # other table widths
+            tuning.make_launch(backend, problem, cache, 16, backend.launch[cls])()
+        _sync(device)
+        after = tuning.compiled_variants()
+        again = tuning.tune_attention(backend, cache, 16, 32768, tiny=dry, cache_path=path, reps=1)
+    chosen = {cls: v["config"] for cls, v in report["classes"].items()}
+    return {"chosen": chosen, "timings_ms": {c: v["ms"] for c, v in report["classes"].items()},
+            "tune_seconds": report["seconds"], "warmed_variants": len(warmed), "compiled_after_warm_up": before,
+            "compiled_by_serving": None if before is None else after - before,
+            "cached_on_second_start": again["from_cache"],
+            "ok": set(chosen) == set(tuning.CLASSES) and (before is None or after == before) and again["from_cache"]}
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -202,6 +236,7 @@ def cases(dry: bool) -> dict[str, Callable[[], dict]]:
                                         4 if dry else 8, 2, dt, dev)
     out["fused_moe_tp2_ranks"] = lambda: moe_ranks_case(6 if dry else 96, 32 if dry else 4096, 48 if dry else 1408,
                                                         4 if dry else 8, 2, 2, dt, dev)
+    out["tuning"] = lambda: tuning_case(h, hk, 32 if dry else 128, dt, dev, dry)
     decode_slots, mixed_slots = [0, 1, 0, -1, 2], [0] * 20 + [-1] * 3 + [1] * 9
     out["lora_decode"] = lambda: lora_case(decode_slots * (1 if dry else 16), 32 if dry else 4096,
                                            48 if dry else 4096, 8 if dry else 16, dt, dev)

@@ -35,7 +35,10 @@ class WorkerConfig:
     device: str = "auto"                     # auto: cuda if available, else cpu
     num_threads: int | None = None           # CPU threads; None: the CPUs the affinity mask and cgroup grant
     attention_backend: str = "auto"          # auto: triton on CUDA, torch on CPU (triton on CPU: TRITON_INTERPRET=1)
-    cuda_graphs: bool = True                 # capture decode-only steps in CUDA graphs (CUDA + triton only)
+    cuda_graphs: bool = True                 # capture whole steps in CUDA graphs (CUDA + triton only)
+    tune_kernels: bool = True                # CUDA + triton: time launch configs at start (cached per machine)
+    max_num_seqs: int = 128                  # the scheduler's: sizes decode graphs and the sampler's profile
+    max_num_batched_tokens: int = 2048       # the scheduler's: sizes the memory profile's forward and mixed graphs
     worker_id: str = ""                      # "" -> host:pid
     seed: int = 0                            # seeds the shared generator used by unseeded sampled requests
     runner: str = "generate"                 # generate (text) | pooling (embeddings) | auto (pooling for a
@@ -61,6 +64,7 @@ class WorkerConfig:
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                    dtype=args.dtype, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+                   tune_kernels=args.tune_kernels, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
                    generation_config=args.generation_config, tls=TlsConfig.from_args(args),
                    tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host,
@@ -112,6 +116,8 @@ def _validate(c: WorkerConfig) -> None:
     check(0.0 < c.gpu_memory_utilization <= 1.0,
           f"--gpu-memory-utilization {c.gpu_memory_utilization} must be in (0, 1]")
     check(c.max_model_len is None or c.max_model_len > 0, f"--max-model-len {c.max_model_len} must be positive")
+    check(c.max_num_seqs >= 1, f"--max-num-seqs {c.max_num_seqs} must be >= 1")
+    check(c.max_num_batched_tokens >= 1, f"--max-num-batched-tokens {c.max_num_batched_tokens} must be >= 1")
     check(c.dtype in DTYPES, f"--dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
     check(c.device == "auto" or c.device == "cpu" or c.device.startswith("cuda"),
           f"--device {c.device!r} must be auto, cpu, cuda or cuda:N")
@@ -158,7 +164,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_flag(parser, "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
              help="auto: triton on CUDA, torch on CPU; triton on the CPU needs TRITON_INTERPRET=1")
     add_flag(parser, "--cuda-graphs", type=bool, default=True,
-             help="replay decode-only steps from CUDA graphs (CUDA with the triton backend only)")
+             help="replay steps (decode, mixed, LoRA) from CUDA graphs (CUDA with the triton backend only)")
+    add_flag(parser, "--tune-kernels", type=bool, default=True,
+             help="CUDA with the triton backend: time the attention kernel's launch configs at start (cached per "
+                  "machine); off: defaults. Either way every variant is compiled before the worker attaches")
+    add_flag(parser, "--max-num-seqs", type=int, default=128,
+             help="the scheduler's --max-num-seqs: sizes the CUDA graphs and the sampler in the memory profile")
+    add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,
+             help="the scheduler's token budget: sizes the memory profile's forward and the largest mixed graph")
     add_flag(parser, "--worker-id", default="", help="name in logs (default host:pid)")
     add_flag(parser, "--seed", type=int, default=0, help="seed for requests sampled without their own seed")
     add_flag(parser, "--runner", default="generate", choices=RUNNERS,

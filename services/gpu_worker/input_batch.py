@@ -7,6 +7,8 @@ Plans are deltas (see services/common/step_contract.py). Per plan, in this order
      and append its new block ids.
 The worker appends its own sampled tokens (the scheduler does not send them back), so `token_ids` may run
 ahead of what the scheduler has seen: that is what lets it feed step N's token into step N+1.
+The block tables also live in a PersistentBlockTable (block_table.py): one row per live request, on the device,
+changed only by these deltas.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from steploop.common.pooling_params import PoolingParams
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import NewRequestData, StepPlan
+from steploop.gpu_worker.block_table import PersistentBlockTable
 
 
 @dataclass
@@ -46,10 +49,11 @@ class RequestState:
 
 
 class InputBatch:
-    """handle -> RequestState, plus reusable host buffers for building a step's inputs."""
+    """handle -> RequestState, the device block tables, plus reusable host buffers for building a step's inputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | object = "cpu", max_blocks_per_request: int = 64) -> None:
         self.requests: dict[int, RequestState] = {}
+        self.table = PersistentBlockTable(device, width=max(max_blocks_per_request, 1))
         self._buffers: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -67,10 +71,12 @@ class InputBatch:
     def reset(self) -> None:
         """Forget everything (the stream broke: the scheduler preempts all the worker held)."""
         self.requests.clear()
+        self.table.clear()
 
     def apply_plan(self, plan: StepPlan) -> None:
         for handle in (*plan.finished_handles, *plan.preempted_handles):
             self.requests.pop(handle, None)
+            self.table.remove(handle)
         for new in plan.new_requests:
             self.add(new)
         cached = plan.cached
@@ -81,7 +87,9 @@ class InputBatch:
                 raise ValueError(f"handle {handle}: plan says {num_computed} computed tokens, "
                                  f"the worker knows only {state.num_tokens}")
             state.num_computed_tokens = num_computed
-            state.block_ids.extend(new_blocks)
+            if new_blocks:
+                state.block_ids.extend(new_blocks)
+                self.table.append(handle, new_blocks)
 
     def add(self, new: NewRequestData) -> None:
         if new.handle in self.requests:
@@ -93,6 +101,7 @@ class InputBatch:
             handle=new.handle, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             num_prompt_tokens=len(new.prompt_token_ids), block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens, sampling=new.sampling, pooling=new.pooling)
+        self.table.add(new.handle, list(new.block_ids))
 
     def append_sampled(self, handle: int, tokens: list[int], num_computed_tokens: int) -> None:
         """Record tokens this worker sampled, and how many tokens now have KV."""

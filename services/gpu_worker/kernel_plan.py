@@ -44,7 +44,7 @@ class KernelPlan:
     cpu_attention_kernel: bool = False   # the torch backend's short queries run cpu_kernels/paged_attention.c
     cpu_decoder: bool = False            # steps whose attention is all the C kernel's run decoder.c (all layers)
     hugepages: bool = False              # the CPU KV cache asks for transparent huge pages (host_memory.py)
-    cuda_graphs: bool = False            # decode-only steps replay CUDA graphs (cuda_graphs.py)
+    cuda_graphs: bool = False            # steps replay CUDA graphs (capture_plan.py, cuda_graphs.py)
     why_off: tuple[tuple[str, str], ...] = ()   # (feature, reason) for each feature left off, for the log
 
     def __post_init__(self) -> None:

@@ -4,20 +4,23 @@ One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim] (K the
 same block in every layer, so one block costs 2 * block_size * Hk * D * dtype_size * num_layers bytes.
 Block 0 is kept by the scheduler as the null block; the worker simply allocates num_blocks blocks.
 
-Sizing: on CUDA, after the weights are loaded and a profile forward ran,
-    kv_bytes = total * gpu_memory_utilization - (memory in use now) - (activation peak of the profile forward)
+Sizing: on CUDA, after the weights are loaded, a profile forward at the token budget and the sampler at full batch
+ran (memory_profile.py has the whole sum: CUDA-graph pool, LoRA slots and NCCL buffers come off too),
+    kv_bytes = total * gpu_memory_utilization - in use - step peak - graph pool - LoRA slots - NCCL buffers
 on CPU, kv_bytes = available RAM * kv_cache_memory_fraction. `--num-kv-blocks N` overrides both.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from steploop.gpu_worker import host_memory
 from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.memory_profile import MemoryProfile
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
 
 log = logging.getLogger(__name__)
@@ -51,23 +54,33 @@ def cpu_kv_bytes(fraction: float) -> int:
     return int(available * fraction)
 
 
-def cuda_kv_bytes(utilization: float, device: torch.device, profile: Callable[[], None]) -> int:
-    torch.cuda.reset_peak_memory_stats(device)
-    profile()
-    torch.cuda.synchronize(device)
-    activation_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+@dataclass(frozen=True)
+class CudaProfile:
+    """What the CUDA sizing runs and reserves (model_runner.py builds it)."""
+    forward: Callable[[], object]                # one forward at the whole token budget
+    sampler: Callable[[], object]                # logits + sampler at --max-num-seqs rows
+    reserves: Callable[[int], dict[str, int]]    # forward peak -> graph_pool, lora_slots, nccl (memory_profile.py)
+
+
+def cuda_kv_bytes(utilization: float, device: torch.device, profile: CudaProfile) -> int:
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    peaks = []
+    for run in (profile.forward, profile.sampler):
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device) - base)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    kv = int(total * utilization - used - activation_peak)
-    log.info("GPU memory: total %.2f GiB, in use %.2f GiB, activation peak %.2f GiB, utilization %.2f "
-             "-> KV cache %.2f GiB", total / 2**30, used / 2**30, activation_peak / 2**30, utilization,
-             kv / 2**30)
-    return kv
+    measured = MemoryProfile(total=total, utilization=utilization, in_use=total - free, forward_peak=peaks[0],
+                             sampler_peak=peaks[1], **profile.reserves(peaks[0]))
+    log.info("%s", measured.describe())
+    return measured.kv_bytes
 
 
 def decide_num_blocks(config: WorkerConfig, cfg: LlamaModelConfig, max_model_len: int, dtype: torch.dtype,
-                      device: torch.device, profile: Callable[[], None]) -> int:
+                      device: torch.device, profile: CudaProfile | None) -> int:
     per_block = bytes_per_block(cfg, config.block_size, dtype)
     if config.num_kv_blocks is not None:
         num_blocks, how = config.num_kv_blocks, "--num-kv-blocks"

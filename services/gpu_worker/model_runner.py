@@ -13,17 +13,21 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from steploop.common.model_path import served_model_name
+from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
 from steploop.gpu_worker import kv_cache, kv_tier_mover
 from steploop.gpu_worker.attention.selector import create_backend
+from steploop.gpu_worker.capture_plan import graph_plan
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.cpu_kernels.thread_governor import ThreadGovernor, make_thread_governor
 from steploop.gpu_worker.cpu_kernels.threads import granted_cpus
-from steploop.gpu_worker.cuda_graphs import DecodeGraphRunner
+from steploop.gpu_worker.cuda_graphs import StepGraphRunner
 from steploop.gpu_worker.distributed.comm import CollectiveError
 from steploop.gpu_worker.distributed.rank_setup import RankSetup
 from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
@@ -32,19 +36,23 @@ from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
 from steploop.gpu_worker.kv_tier_mover import KvTierMover, model_identity
 from steploop.gpu_worker.logits_processors import LogitsEdits
 from steploop.gpu_worker.lora.manager import LoraManager
+from steploop.gpu_worker.memory_profile import (
+    graph_pool_bytes,
+    lora_slot_bytes,
+    nccl_bytes,
+    profile_sequences,
+    split_partials_bytes,
+)
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.loader import load_model
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from steploop.gpu_worker.penalties import PenaltyInputs
 from steploop.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
 from steploop.gpu_worker.prompt_logprobs import plan_prompt_logprob_rows
-from steploop.gpu_worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from steploop.gpu_worker.sleep_mode import SleepMode
-from steploop.gpu_worker.step_inputs import (
-    SamplingSlot,
-    StepInputs,
-    prepare_step_inputs,
-)
+from steploop.gpu_worker.sampler import HostSamplerOutput, Sampler, SamplingMetadata, StagedSampling
+from steploop.gpu_worker.staging import StagingBuffer, StepStaging
+from steploop.gpu_worker.step_inputs import SamplingSlot, StepInputs, stage_step_inputs
 from steploop.gpu_worker.structured_output import StructuredOutput
 from steploop.gpu_worker.weight_update import WeightUpdater
 
@@ -54,16 +62,17 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, info: WorkerInfo, seed: int = 0, structured: StructuredOutput | None = None,
-                 graphs: DecodeGraphRunner | None = None, pooler: Pooler | None = None,
+                 graphs: StepGraphRunner | None = None, pooler: Pooler | None = None,
                  lora: LoraManager | None = None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.max_model_len, self.info = max_model_len, info
         self.device = kv_caches[0].device
         self.vocab_size = model.config.vocab_size
-        self.batch = InputBatch()
+        self.batch = InputBatch(self.device, -(-max_model_len // block_size))
+        self.staging = StagingBuffer(self.device)    # the step's one host-to-device copy (staging.py)
         plan = getattr(model, "plan", None)
         self.sampler = Sampler(seed, self.device, plan.ops.argmax_rows if plan is not None else None)
-        self.graphs = graphs             # decode-only steps replay CUDA graphs when set
+        self.graphs = graphs             # steps replay CUDA graphs when set (capture_plan.py says which)
         self.pooler = pooler             # --runner pooling: steps pool hidden states instead of sampling
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
@@ -73,6 +82,7 @@ class ModelRunner:
         self.sleep_mode: SleepMode | None = None     # /sleep, /wake_up (sleep_mode.py); from_config sets it
         self.receiver = None     # update_weights_from_distributed (weight_receiver.py); from_config sets it
         self.tiers: KvTierMover | None = None        # KV tiers below the pool (kv_tier_mover.py)
+        self.kernel_tuning: dict | None = None     # CUDA + triton: the launch configs chosen and variants warmed
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -100,7 +110,7 @@ class ModelRunner:
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, _num_params(model) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
-        profile = lambda: _profile_forward(model, local, config.block_size, max_len, dtype, device)
+        profile = _cuda_profile(model, config, local, max_len, dtype, device, plan)
         rank.comm.local_only = True       # the memory profile runs before the group exists: shapes only
         num_blocks = kv_cache.decide_num_blocks(config, local, max_len, dtype, device, profile)
         rank.comm.local_only = False
@@ -122,14 +132,18 @@ class ModelRunner:
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
+        tuning = _tune_and_warm_up(model, caches, config.block_size, max_len, config.tune_kernels) \
+            if plan.attention_backend == "triton" and device.type == "cuda" else None
         graphs = None
-        if plan.cuda_graphs and pooling is None:    # graphs are for decode steps; a pooling runner has none
-            graphs = DecodeGraphRunner(model, caches, config.block_size, max_len)
+        if plan.cuda_graphs and pooling is None:    # graphs are for sampling steps; a pooling runner has none
+            graphs = StepGraphRunner(model, caches, config.block_size, max_len,
+                                     graph_plan(config, local, lora is not None), lora)
             graphs.capture_all()
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
         runner.tiers = tiers
+        runner.kernel_tuning = tuning
         runner.threads = make_thread_governor(config, device, plan)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
                                                                        rank.share, rank.comm), cfg, model_path)
@@ -182,16 +196,33 @@ class ModelRunner:
             result.collective_seconds = self.tp_comm.take_seconds()[0]
         return result
 
+    def prepare_step(self, plan: StepPlan, backend=None) -> PreparedStep:
+        """Everything before the forward, with ONE host-to-device copy and no sync: the step's inputs, the attention
+        backend's host plan and the sampling rows are packed into the staging buffer, sent, then viewed on the
+        device (penalties, logit edits and grammar masks, when a row asks for them, add their own copies)."""
+        backend = backend or self.model.backend
+        step = self.staging.begin()
+        staged = stage_step_inputs(self.batch, plan, self.block_size, self.max_model_len, step)
+        attn_staged = backend.stage_metadata(staged.query_lens, staged.seq_lens, step)
+        rows = self._sampling_rows(staged.sampling) if staged.sampling and self.pooler is None else None
+        sampling = StagedSampling.stage(rows.params, rows.index, self.vocab_size, step) if rows else None
+        step.send()
+        inputs = staged.finish(step, self.batch.table)
+        meta = sampling.finish(step, *self._penalties_and_edits(rows, inputs)) if sampling else None
+        return PreparedStep(inputs, step, attn_staged, meta)
+
     def _run(self, plan: StepPlan, with_lora: bool = False) -> StepResult:
-        inputs = prepare_step_inputs(self.batch, plan, self.block_size, self.max_model_len, self.device)
+        step = self.prepare_step(plan)
+        inputs = step.inputs
         if self.pooler is not None:
-            return self._run_pooling(plan, inputs)
+            return self._run_pooling(plan, step)
         prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
         hidden = None
-        if self.graphs is not None and not prompt_rows and not with_lora:   # graphs hold the base path only
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, len(inputs.logits_indices))
+        attn_metadata = step.attn_metadata(self.model.backend)
+        if self.graphs is not None:        # None back: this step runs eagerly (capture_plan.py: why)
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, attn_metadata.plan,
+                                     inputs.logits_indices, with_lora, bool(prompt_rows))
         if hidden is None:
-            attn_metadata = self.model.backend.build_metadata(inputs.attn)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata,
                                 prompt_rows.logits_indices(inputs.logits_indices) if prompt_rows
                                 else inputs.logits_indices)
@@ -203,17 +234,18 @@ class ModelRunner:
             result.prompt_logprobs = prompt_rows.compute(hidden[num_sampling:], self.model.compute_logits)
             hidden = hidden[:num_sampling]
         if inputs.sampling:
-            out = self.sampler(self.model.compute_logits(hidden), self._sampling_metadata(inputs))
-            self._record(inputs, out, result)
+            out = self.sampler(self.model.compute_logits(hidden), step.sampling)
+            self._record(inputs, out.to_host(), result)
         return result
 
-    def _run_pooling(self, plan: StepPlan, inputs: StepInputs) -> StepResult:
+    def _run_pooling(self, plan: StepPlan, step: PreparedStep) -> StepResult:
         """Forward for the rows the pooler needs; the requests whose prompt is complete get their vector."""
+        inputs = step.inputs
         rows = self.pooler.plan_rows(self.batch, plan)
         result = StepResult(step_id=plan.step_id)
         indices = torch.tensor(rows.rows, dtype=torch.int64, device=self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            self.model.backend.build_metadata(inputs.attn), indices)
+                            step.attn_metadata(self.model.backend), indices)
         for handle, num_computed in inputs.num_computed_after.items():
             self.batch.requests[handle].num_computed_tokens = num_computed
         for slot in inputs.sampling:     # its whole prompt is computed: nothing is sampled
@@ -221,31 +253,40 @@ class ModelRunner:
         result.pooled = self.pooler.pool(self.batch, rows, hidden)
         return result
 
-    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
-        params, index, prompts, outputs, histories = [], [], [], [], []
-        for slot in inputs.sampling:
+    def _sampling_rows(self, sampling: list[SamplingSlot]) -> _SamplingRows:
+        """Per logits row (a request's token, then one per draft): its params, output index, penalty inputs."""
+        rows = _SamplingRows()
+        for slot in sampling:
             state = self.batch.requests[slot.handle]
+            penalized = state.sampling.presence_penalty or state.sampling.frequency_penalty \
+                or state.sampling.repetition_penalty != 1.0
             for j in range(len(slot.drafts) + 1):
-                params.append(state.sampling)
-                index.append(state.num_output_tokens + j)
-                histories.append(_output_tail(state, slot.drafts[:j]) if state.sampling.bad_words else ())
-                if state.sampling.presence_penalty or state.sampling.frequency_penalty \
-                        or state.sampling.repetition_penalty != 1.0:
-                    prompts.append(state.token_ids[:state.num_prompt_tokens])
-                    outputs.append(state.output_token_ids + slot.drafts[:j])
-                else:
-                    prompts.append([])
-                    outputs.append([])
-        penalties = PenaltyInputs.build(params, prompts, outputs, self.vocab_size, self.device)
-        self.structured.drop_missing(self.batch.requests)
-        grammar = self.structured.bitmask([(self.batch.requests[slot.handle], slot.drafts[:j])
-                                           for slot in inputs.sampling for j in range(len(slot.drafts) + 1)])
-        edits = LogitsEdits.build(params, index, self.info.eos_token_ids, self.device, grammar, histories)
-        return SamplingMetadata.from_rows(params, index, self.vocab_size, self.device, penalties, edits)
+                rows.params.append(state.sampling)
+                rows.index.append(state.num_output_tokens + j)
+                rows.prompts.append(state.token_ids[:state.num_prompt_tokens] if penalized else [])
+                rows.outputs.append(state.output_token_ids + slot.drafts[:j] if penalized else [])
+                rows.grammar.append((state, slot.drafts[:j]))
+                rows.histories.append(_output_tail(state, slot.drafts[:j]) if state.sampling.bad_words else ())
+        return rows
 
-    def _record(self, inputs: StepInputs, out: SamplerOutput, result: StepResult) -> None:
+    def _penalties_and_edits(self, rows: _SamplingRows, inputs: StepInputs):
+        """Penalty inputs and logit edits (None, None in the common case: no row uses them)."""
+        penalties = PenaltyInputs.build(rows.params, rows.prompts, rows.outputs, self.vocab_size, self.device)
+        self.structured.drop_missing(self.batch.requests)
+        grammar = self.structured.bitmask(rows.grammar)
+        edits = LogitsEdits.build(rows.params, rows.index, self.info.eos_token_ids, self.device, grammar,
+                                  rows.histories)
+        return penalties, edits
+
+    def _sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        """The step's sampling metadata with its own copies (the runner's steps stage it: prepare_step)."""
+        rows = self._sampling_rows(inputs.sampling)
+        return SamplingMetadata.from_rows(rows.params, rows.index, self.vocab_size, self.device,
+                                          *self._penalties_and_edits(rows, inputs))
+
+    def _record(self, inputs: StepInputs, out: HostSamplerOutput, result: StepResult) -> None:
         """Accept drafts while they match what was sampled; append the accepted tokens to the worker's lists."""
-        tokens = out.token_ids.tolist()
+        tokens = out.token_ids
         for slot in inputs.sampling:
             rows = tokens[slot.first_row:slot.first_row + len(slot.drafts) + 1]
             accepted = 1
@@ -270,14 +311,46 @@ def _output_tail(state, drafts: list[int]) -> list[int]:
     return tail[-reach:]
 
 
-def _logprobs(out: SamplerOutput, slot: SamplingSlot, accepted: int, k: int) -> list[TokenLogprob]:
+def _logprobs(out: HostSamplerOutput, slot: SamplingSlot, accepted: int, k: int) -> list[TokenLogprob]:
     rows = range(slot.first_row, slot.first_row + accepted)
-    lps = []
-    for r in rows:
-        top_ids = out.top_token_ids[r, :k].tolist() if k > 0 else []
-        top_lps = out.top_logprobs[r, :k].tolist() if k > 0 else []
-        lps.append(TokenLogprob(float(out.logprobs[r]), top_ids, top_lps))
-    return lps
+    return [TokenLogprob(out.logprobs[r], out.top_token_ids[r][:k] if k > 0 else [],
+                         out.top_logprobs[r][:k] if k > 0 else []) for r in rows]
+
+
+@dataclass
+class _SamplingRows:
+    params: list[SamplingParams] = field(default_factory=list)   # [S] one per logits row that samples
+    index: list[int] = field(default_factory=list)               # [S] output index of the token it samples
+    prompts: list[list[int]] = field(default_factory=list)       # [S] prompt ids (penalized rows only)
+    outputs: list[list[int]] = field(default_factory=list)       # [S] output ids so far (penalized rows only)
+    grammar: list = field(default_factory=list)                  # [S] (request state, drafts before the row)
+    histories: list = field(default_factory=list)                # [S] output tail before the row (bad_words only)
+
+
+@dataclass
+class PreparedStep:
+    """What prepare_step made: the inputs on the device, and what the backend and the sampler need from the copy."""
+    inputs: StepInputs
+    staging: StepStaging
+    attn_staged: Any                     # what the attention backend's stage_metadata returned
+    sampling: SamplingMetadata | None    # None: nothing samples this step (or the pooling runner)
+
+    def attn_metadata(self, backend) -> Any:
+        staged = (self.staging, self.attn_staged) if self.attn_staged is not None else None
+        return backend.build_metadata(self.inputs.attn, staged=staged)
+
+
+def _tune_and_warm_up(model: LlamaForCausalLM, caches: list[torch.Tensor], block_size: int, max_len: int,
+                      tune: bool = True) -> dict:
+    """Before the worker reports ready: pick the attention kernel's launch configs (kernels/tuning.py), then compile
+    every variant serving can launch, so no Triton compile lands inside a step (graph capture warms the rest)."""
+    from steploop.gpu_worker.kernels.tuning import tune_attention, warm_up_attention
+
+    start = time.perf_counter()
+    report = tune_attention(model.backend, caches[0], block_size, max_len) if tune else {"classes": "defaults"}
+    report["warmed"] = warm_up_attention(model.backend, caches[0], block_size)
+    log.info("attention warm-up: %d variants compiled in %.1f s", len(report["warmed"]), time.perf_counter() - start)
+    return report
 
 
 def _num_params(model: LlamaForCausalLM) -> int:
@@ -298,23 +371,69 @@ def _max_model_len(config: WorkerConfig, cfg: LlamaModelConfig) -> int:
 
 
 def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size: int, max_len: int,
-                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One forward over a max-length prompt of token 0 (at most 8192) with a scratch KV cache, to measure peak
-    activation memory; returns the last position's logits [1, vocab] (what a real prompt of that length gives)."""
+                     dtype: torch.dtype, device: torch.device, budget: int | None = None) -> torch.Tensor:
+    """One forward over the whole token budget (default: one max-length prompt) of token 0, as prompts of at most
+    max_len tokens, with a scratch KV cache, to measure peak activation memory; returns each prompt's last position's
+    logits [num_prompts, vocab] (what real prompts of those lengths give)."""
     import numpy as np
 
     from steploop.gpu_worker.attention.metadata import build_common_metadata
 
-    n = min(max_len, 8192)
-    blocks = -(-n // block_size) + 1
-    caches = kv_cache.allocate_kv_caches(cfg, blocks, block_size, dtype, device)
-    table = np.arange(1, blocks, dtype=np.int32)[None, :]
-    slots = np.arange(block_size, block_size + n, dtype=np.int64)
-    common = build_common_metadata(np.array([n], np.int32), np.array([n], np.int32), table, slots, block_size,
-                                   device)
-    ids = torch.zeros(n, dtype=torch.int64, device=device)
-    pos = torch.arange(n, device=device)
-    hidden = model(ids, pos, caches, model.backend.build_metadata(common), torch.tensor([n - 1], device=device))
+    seqs = np.array(profile_sequences(budget or max_len, max_len), np.int32)
+    blocks = -(-seqs.astype(np.int64) // block_size)                          # [R] blocks per prompt
+    caches = kv_cache.allocate_kv_caches(cfg, int(blocks.sum()) + 1, block_size, dtype, device)
+    table = np.zeros((len(seqs), int(blocks.max())), np.int32)
+    first = np.cumsum(blocks) - blocks + 1                                     # block 0 stays the null block
+    for r, (f, n) in enumerate(zip(first, blocks)):
+        table[r, :n] = np.arange(f, f + n)
+    pos = np.concatenate([np.arange(n) for n in seqs])
+    req = np.repeat(np.arange(len(seqs)), seqs)
+    slots = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    common = build_common_metadata(seqs, seqs, table, slots, block_size, device)
+    ids = torch.zeros(len(pos), dtype=torch.int64, device=device)
+    last = torch.from_numpy(np.cumsum(seqs).astype(np.int64) - 1).to(device)
+    hidden = model(ids, torch.from_numpy(pos).to(device), caches, model.backend.build_metadata(common), last)
     logits = model.compute_logits(hidden)
     del caches
     return logits
+
+
+def _profile_sampler(model: LlamaForCausalLM, rows: int, device: torch.device) -> torch.Tensor:
+    """Logits and the sampler at full batch with every costly feature on (penalties, min-p, top-k/top-p sort,
+    per-row noise, top-20 logprobs): the peak of a step's sampling."""
+    hidden = torch.zeros(rows, model.config.hidden_size, dtype=next(model.parameters()).dtype, device=device)
+    logits = model.compute_logits(hidden)
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                             logprobs=20)] * rows
+    vocab = logits.shape[-1]
+    penalties = PenaltyInputs.build(params, [[0]] * rows, [[0]] * rows, vocab, device)
+    meta = SamplingMetadata.from_rows(params, [0] * rows, vocab, device, penalties)
+    return Sampler(0, device)(logits, meta).token_ids
+
+
+def _cuda_profile(model: LlamaForCausalLM, config: WorkerConfig, cfg: LlamaModelConfig, max_len: int,
+                  dtype: torch.dtype, device: torch.device, plan) -> kv_cache.CudaProfile:
+    """What the KV sizing measures (forward at the budget, sampler at --max-num-seqs) and reserves beside it."""
+    budget = config.max_num_batched_tokens
+
+    def reserves(forward_peak: int) -> dict[str, int]:
+        elem = torch.empty((), dtype=dtype).element_size()
+        graph_pool = 0
+        if plan.cuda_graphs:
+            from steploop.gpu_worker.kernels.paged_attention import choose_num_splits, num_sms
+            graphs = graph_plan(config, cfg, config.lora.enable_lora)
+            decode = max((k.tokens for k in graphs.capture_order() if k.kind == "decode"), default=0)
+            splits = choose_num_splits(decode * cfg.num_key_value_heads, max_len, 1, num_sms(device))
+            graph_pool = graph_pool_bytes(forward_peak, budget, max(k.tokens for k in graphs.capture_order()),
+                                          len(graphs.capture_order()),
+                                          split_partials_bytes(decode, cfg.num_attention_heads, cfg.head_dim, splits))
+        lora = 0
+        if config.lora.enable_lora:
+            from steploop.gpu_worker.lora.manager import model_shapes
+            lora = lora_slot_bytes(cfg.num_hidden_layers, model_shapes(cfg).targets, config.lora.max_loras,
+                                   config.lora.max_lora_rank, elem)
+        return {"graph_pool": graph_pool, "lora_slots": lora, "nccl": nccl_bytes(config.tensor_parallel_size)}
+
+    return kv_cache.CudaProfile(
+        forward=lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device, budget),
+        sampler=lambda: _profile_sampler(model, config.max_num_seqs, device), reserves=reserves)

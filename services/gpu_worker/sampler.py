@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from steploop.common.sampling_params import SamplingParams
 from steploop.gpu_worker.logits_processors import LogitsEdits, apply_logits_edits
 from steploop.gpu_worker.model.ops import TorchOps
 from steploop.gpu_worker.penalties import PenaltyInputs, apply_penalties
+from steploop.gpu_worker.staging import StepStaging
 
 _MASK64 = (1 << 63) - 1
 
@@ -44,19 +46,49 @@ class SamplingMetadata:
     @classmethod
     def from_rows(cls, params: list[SamplingParams], output_index: list[int], vocab_size: int,
                   device: torch.device, penalties: PenaltyInputs | None = None,
-                  edits: LogitsEdits | None = None) -> "SamplingMetadata":
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        return cls(
-            temperature=torch.tensor([max(p.temperature, 0.0) for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
-            seeds=[p.seed for p in params], output_index=list(output_index),
-            num_logprobs=[p.logprobs for p in params], all_greedy=all(p.greedy for p in params),
-            use_top_k=any(k < vocab_size and not p.greedy for k, p in zip(top_k, params)),
-            use_top_p=any(p.top_p < 1.0 and not p.greedy for p in params),
-            use_min_p=any(p.min_p > 0.0 and not p.greedy for p in params), penalties=penalties, edits=edits)
+                  edits: LogitsEdits | None = None) -> SamplingMetadata:
+        """Built with its own copies (tests; the runner stages them: stage_sampling)."""
+        arrays, flags = _host_rows(params, vocab_size)
+        tensors = {name: torch.from_numpy(a).to(device) for name, a in arrays.items()}
+        return cls(**tensors, seeds=[p.seed for p in params], output_index=list(output_index),
+                   num_logprobs=[p.logprobs for p in params], **flags, penalties=penalties, edits=edits)
+
+
+def _host_rows(params: list[SamplingParams], vocab_size: int) -> tuple[dict[str, np.ndarray], dict[str, bool]]:
+    """The per-row arrays ([S] each) and the batch-wide flags, on the host."""
+    top_k = np.fromiter((p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params), np.int64,
+                        len(params))
+    greedy = np.fromiter((p.greedy for p in params), np.bool_, len(params))
+    arrays = {"temperature": np.fromiter((max(p.temperature, 0.0) for p in params), np.float32, len(params)),
+              "top_k": top_k, "top_p": np.fromiter((p.top_p for p in params), np.float32, len(params)),
+              "min_p": np.fromiter((p.min_p for p in params), np.float32, len(params)), "greedy": greedy}
+    sampled = ~greedy
+    flags = {"all_greedy": bool(greedy.all()), "use_top_k": bool(((top_k < vocab_size) & sampled).any()),
+             "use_top_p": bool(((arrays["top_p"] < 1.0) & sampled).any()),
+             "use_min_p": bool(((arrays["min_p"] > 0.0) & sampled).any())}
+    return arrays, flags
+
+
+@dataclass
+class StagedSampling:
+    """The sampling rows' arrays put in a step's staging buffer; finish() after its copy gives the metadata."""
+    params: list[SamplingParams]
+    output_index: list[int]
+    slots: dict[str, int]
+    flags: dict[str, bool]
+
+    @classmethod
+    def stage(cls, params: list[SamplingParams], output_index: list[int], vocab_size: int,
+              staging: StepStaging) -> StagedSampling:
+        arrays, flags = _host_rows(params, vocab_size)
+        return cls(params, list(output_index), {name: staging.put(a) for name, a in arrays.items()}, flags)
+
+    def finish(self, staging: StepStaging, penalties: PenaltyInputs | None = None,
+               edits: LogitsEdits | None = None) -> SamplingMetadata:
+        p = self.params
+        return SamplingMetadata(**{name: staging.get(slot) for name, slot in self.slots.items()},
+                                seeds=[x.seed for x in p], output_index=self.output_index,
+                                num_logprobs=[x.logprobs for x in p], **self.flags, penalties=penalties, edits=edits)
 
 
 @dataclass
@@ -65,6 +97,29 @@ class SamplerOutput:
     logprobs: torch.Tensor | None         # [S] fp32 logprob of the sampled token (None: nobody asked)
     top_token_ids: torch.Tensor | None    # [S, max_k] int64
     top_logprobs: torch.Tensor | None     # [S, max_k] fp32
+
+    def to_host(self) -> HostSamplerOutput:
+        """Everything the step reports, in ONE device-to-host transfer (one sync per step, not per row): the
+        tensors concatenated as float64, exact for token ids (< 2**53) and for fp32 logprobs."""
+        if self.logprobs is None:
+            return HostSamplerOutput(self.token_ids.tolist(), None, None, None)
+        s = self.token_ids.shape[0]
+        k = self.top_token_ids.shape[1] if self.top_token_ids is not None else 0
+        parts = [self.token_ids, self.logprobs] + ([self.top_token_ids.flatten(), self.top_logprobs.flatten()]
+                                                   if k else [])
+        flat = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+        ids = [int(x) for x in flat[:s]]
+        top_ids = [[int(x) for x in flat[2 * s + r * k:2 * s + (r + 1) * k]] for r in range(s)] if k else None
+        top_lps = [flat[2 * s + s * k + r * k:2 * s + s * k + (r + 1) * k] for r in range(s)] if k else None
+        return HostSamplerOutput(ids, flat[s:2 * s], top_ids, top_lps)
+
+
+@dataclass
+class HostSamplerOutput:
+    token_ids: list[int]                      # [S]
+    logprobs: list[float] | None              # [S]
+    top_token_ids: list[list[int]] | None     # [S][max_k]
+    top_logprobs: list[list[float]] | None    # [S][max_k]
 
 
 class Sampler:

@@ -69,6 +69,8 @@ def configs() -> list[tuple[str, object, dict, dict]]:
             out.append((f"rotary {t} h{h}/{hk} d{d}", fused.rotary_neox_kernel,
                         signature(fused.rotary_neox_kernel, c, t, {"positions_ptr": "*i64"}), c))
         out += moe_configs(dtype, t)
+        if dtype == torch.bfloat16:
+            out += tuning_configs(t)
         for hidden, inter in ((576, 1536), (4096, 14336)):
             for residual in (False, True):
                 c = {"N": hidden, "BLOCK": 1 << (hidden - 1).bit_length(), "HAS_RESIDUAL": residual}
@@ -77,6 +79,26 @@ def configs() -> list[tuple[str, object, dict, dict]]:
             c = {"I": inter, "BLOCK": min(fused.SILU_BLOCK, 1 << (inter - 1).bit_length())}
             out.append((f"silu_and_mul {t} {inter}", fused.silu_and_mul_kernel,
                         signature(fused.silu_and_mul_kernel, c, t), c))
+    return out
+
+
+def tuning_configs(t: str) -> list[tuple]:
+    """Every num_warps / num_stages candidate the start-up tuner may pick (kernels/tuning.py), per shape class, on
+    the 8B shape: a candidate that does not compile would fail the tuning on the GPU."""
+    from steploop.gpu_worker.kernels import paged_attention as pa
+    from steploop.gpu_worker.kernels.tuning import CANDIDATES
+
+    h, hk, d = MODEL_SHAPES[-1]
+    modes = {"decode": (pa.choose_block_q(h // hk, 1), 1), "split": (pa.choose_block_q(h // hk, 1), 8),
+             "mixed": (pa.choose_block_q(h // hk, 512), 1)}
+    out = []
+    for cls, (block_q, splits) in modes.items():
+        for cand in CANDIDATES[cls]:
+            c = pa.attention_constexprs(h, hk, d, 16, block_q, splits, torch.bfloat16, interpret=False)
+            ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+            out.append((f"attention {cls} {t} w{cand.num_warps} s{cand.num_stages}", pa.unified_attention_kernel,
+                        signature(pa.unified_attention_kernel, c, t, ptrs), c,
+                        {"num_warps": cand.num_warps, "num_stages": cand.num_stages}))
     return out
 
 
@@ -103,9 +125,11 @@ def compile_all(arch: int, workers: int = 1, items: list | None = None) -> list[
     target = GPUTarget("cuda", arch, 32)
 
     def one(item) -> str | None:
-        label, kernel, sig, consts = item
+        label, kernel, sig, consts = item[:4]
+        options = item[4] if len(item) > 4 else None
         try:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target)
+            compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=target,
+                                      options=options)
             assert compiled.asm.get("cubin"), "no cubin"
         except Exception as exc:  # noqa: BLE001 - report every failing configuration
             return f"sm_{arch} {label}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"

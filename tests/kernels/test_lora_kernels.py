@@ -73,3 +73,28 @@ def test_rejects_unsupported_rank_and_mismatches(device):
         lora_shrink_triton(case.x, case.lora_a, case.seg.to("meta"), case.scale)
     with pytest.raises(ValueError, match="n_offset"):
         lora_expand_triton(case.y, torch.zeros((1, 72), device=device), case.lora_b, case.seg, n_offset=1)
+
+
+def test_padded_static_segments_give_the_steps_result(device):
+    """A CUDA graph's LoRA segments (lora/segments.py pad_segments): the step's segments copied into static buffers
+    of 8 segment slots and the batch's 13 rows, the rest empty, the grid sized for 13-row segments: the same output
+    as the step's own segments (z rows past the step's are never read; y rows outside the segments are untouched)."""
+    from steploop.gpu_worker.lora.segments import LoraSegments, pad_segments
+
+    case = make_case(MIXED, hidden=40, n=72, rank=16, dtype=torch.float32)
+    on = case.to(device)
+    want_y = on.y.clone()
+    z = lora_shrink_triton(on.x, on.lora_a, on.seg, on.scale)
+    lora_expand_triton(want_y, z, on.lora_b, on.seg)
+    t = len(case.token_slots)
+    tokens = torch.full((t,), 5, dtype=torch.int64, device=device)
+    segs = torch.full((3, 8), 7, dtype=torch.int32, device=device)
+    pad_segments(on.seg, tokens, segs)
+    static = LoraSegments(tokens, segs[0], segs[1], segs[2], t, t, ((0, 0, 0),) * 8)
+    got_y = on.y.clone()
+    z_static = lora_shrink_triton(on.x, on.lora_a, static, on.scale)
+    lora_expand_triton(got_y, z_static, on.lora_b, static)
+    assert_close(z_static[:case.seg.num_tokens], z, torch.float32)
+    assert_close(got_y, want_y, torch.float32)
+    base = [i for i, s in enumerate(case.token_slots) if s < 0]
+    assert torch.equal(got_y[base], on.y[base])

@@ -11,7 +11,8 @@ import torch
 
 from steploop.gpu_worker.attention.metadata import build_common_metadata
 from steploop.gpu_worker.attention.selector import create_backend
-from steploop.gpu_worker.cuda_graphs import DecodeGraphRunner
+from steploop.gpu_worker.capture_plan import CapturePlan
+from steploop.gpu_worker.cuda_graphs import StepGraphRunner
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from tests.kernels.attention_cases import make_case
@@ -103,25 +104,54 @@ def test_windowed_softcapped_layers_run_in_the_kernel(device):
         assert_close(outs[1], outs[0], torch.float32, scale=10)
 
 
-def test_decode_graph_padding_eager(device):
-    """The graph runner's static buffers and padding (3 requests padded to 4, pad slots -1, pad seq_len 0), run
-    eagerly: the same hidden states as a plain forward, and the pads write nothing into the cache."""
+def _graph_vs_eager(device, query_lens, cached, num_logits_rows):
+    """One step through the graph runner (capture=False: its static buffers, padding and fixed metadata, run
+    eagerly) and through the plain forward, from the same prefilled cache."""
     _, model = tiny_models(device)
     prefill_ids, prefill_pos, prefill = batch([5, 9, 2], [0, 0, 0], 8, device)
     plain, graphed = kv_caches(device), kv_caches(device)
     for caches in (plain, graphed):
         model(prefill_ids, prefill_pos, caches, model.backend.build_metadata(prefill), torch.tensor([0], device=device))
-    ids, pos, common = batch([1, 1, 1], [5, 9, 2], 8, device)
-    want = model(ids, pos, plain, model.backend.build_metadata(common), torch.arange(3, device=device))
-    runner = DecodeGraphRunner(model, graphed, block_size=8, max_model_len=128, sizes=(1, 2, 4), capture=False)
+    ids, pos, common = batch(query_lens, cached, 8, device)
+    rows = torch.tensor(num_logits_rows, device=device)
+    md = model.backend.build_metadata(common)
+    want = model(ids, pos, plain, md, rows)
+    plan = CapturePlan(qpk_p=2, max_reqs=4, max_tokens=32, lora=False, decode_sizes=(1, 2, 4), mixed_sizes=(16, 32))
+    runner = StepGraphRunner(model, graphed, block_size=8, max_model_len=128, plan=plan, capture=False)
     runner.buffers.input_ids.fill_(7)
-    got = runner.run(ids, pos, common, num_logits=3)
+    runner.buffers.seq_lens.fill_(99)
+    got = runner.run(ids, pos, common, md.plan, rows)
+    return runner, want, got, plain, graphed
+
+
+def test_decode_graph_padding_eager(device):
+    """3 decodes padded to the 4-request graph (pad slots -1, pad requests empty): the same hidden states as a plain
+    forward, and the pads write nothing into the cache."""
+    runner, want, got, plain, graphed = _graph_vs_eager(device, [1, 1, 1], [5, 9, 2], [0, 1, 2])
+    assert list(runner.replays) == [runner.plan.choose(np.ones(3, np.int32), 3).shape.key]
+    assert runner.replays.popitem()[0].tokens == 4
     assert got.shape == want.shape
     assert_close(got, want, torch.float32)
     for a, b in zip(plain, graphed):
         assert_close(b, a, torch.float32)              # (a batch of 4 may round the projections differently)
         assert not b[:, 0].any() and not b[:, 5:].any()   # null block and unused blocks untouched by the pads
-    assert runner.run(ids, pos, common, num_logits=4) is None            # drafts: not decode-only -> eager
+
+
+def test_mixed_graph_padding_eager(device):
+    """A mixed step (a prompt chunk, a decode, a 2-token draft verification: 3 logits rows for one request) padded
+    to the 16-token mixed graph: the same hidden states and cache as the plain forward."""
+    runner, want, got, plain, graphed = _graph_vs_eager(device, [6, 1, 3], [5, 9, 2], [5, 6, 7, 8, 9])
+    (key, n), = runner.replays.items()
+    assert (key.kind, key.tokens, n) == ("mixed", 16, 1)
+    assert_close(got, want, torch.float32)
+    for a, b in zip(plain, graphed):
+        assert_close(b, a, torch.float32)
+        assert not b[:, 0].any() and not b[:, 8:].any()
+
+
+def test_steps_past_every_graph_run_eagerly(device):
+    runner, _, got, *_ = _graph_vs_eager(device, [20, 1, 12], [5, 9, 2], [19, 20, 32])
+    assert got is None and not runner.replays       # 33 tokens > the 32-token graph
 
 
 @pytest.mark.slow

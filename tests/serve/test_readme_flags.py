@@ -21,7 +21,7 @@ def test_generated_flag_tables_are_up_to_date(monkeypatch):
     monkeypatch.setenv("STEPLOOP_MAX_NUM_SEQS", "7")      # an environment must not leak into the documented defaults
     text = flags.README.read_text()
     section = flags.render()
-    assert "`--max-num-seqs` | serve, scheduler | `128` |" in section
+    assert "`--max-num-seqs` | serve, scheduler, worker | `128` |" in section
     assert flags.rewrite(text, section) == text, "README.md's flag tables are stale: run python scripts/readme_flags.py"
 
 

@@ -33,12 +33,19 @@ class AttentionBackend(ABC):
         False: this backend cannot, and the model attends that layer in torch (model/windowed_attention.py)."""
         return False
 
+    def stage_metadata(self, query_lens_cpu: Any, seq_lens_cpu: Any, staging: Any) -> Any:
+        """Before the step's one host-to-device copy (staging.py): put the host-planned arrays this backend needs in
+        `staging`; what it returns comes back to build_metadata as `staged`. None: nothing to stage."""
+        return None
+
     @abstractmethod
-    def build_metadata(self, common: CommonAttentionMetadata, max_seq_len_hint: int | None = None) -> Any:
+    def build_metadata(self, common: CommonAttentionMetadata, max_seq_len_hint: int | None = None,
+                       staged: Any = None) -> Any:
         """Everything the layers need for this step, computed once (index tensors, masks, grids).
 
         max_seq_len_hint: the longest context any later step replaying this metadata may have (CUDA graphs build
-        it once at capture); None means this step's own contexts. Backends that plan every step ignore it."""
+        it once at capture); None means this step's own contexts. Backends that plan every step ignore it.
+        staged: (the step's StepStaging, what stage_metadata returned), or None (plan without it)."""
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

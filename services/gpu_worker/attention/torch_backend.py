@@ -94,9 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
                 raise RuntimeError("the C paged-attention kernel did not build")
             self.cpu_kernel = paged_attention.paged_attention
 
-    def build_metadata(self, common: CommonAttentionMetadata,
-                       max_seq_len_hint: int | None = None) -> TorchAttentionMetadata:
-        """Plans on the host from this step's own lengths every step, so the hint is not needed."""
+    def build_metadata(self, common: CommonAttentionMetadata, max_seq_len_hint: int | None = None,
+                       staged=None) -> TorchAttentionMetadata:
+        """Plans on the host from this step's own lengths every step, so the hint is not needed (nor staging: the
+        CPU path's index tensors are host tensors already)."""
         device = common.seq_lens.device
         if self.cpu_kernel is not None and device.type == "cpu":
             short = kernel_eligible(common.query_lens_cpu, common.seq_lens_cpu)

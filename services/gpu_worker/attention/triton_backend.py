@@ -1,6 +1,7 @@
 """Paged attention with the Triton kernels: the same AttentionBackend interface as the torch oracle.
 
-    build_metadata(common)  once per step: plan the query tiles and the split count (host, numpy) -> plan
+    stage_metadata(...)     once per step, before the step's one copy: plan the query tiles (host, numpy), staged
+    build_metadata(common)  once per step: the tiles' device views and the split count -> plan
     forward(layer, ...)     per layer: write K/V by slot (one launch), attend (one launch, two with split-KV)
 
 Layers with a sliding window or soft-capped logits (Mistral, Gemma 2/3 local layers, Gemma 2's caps) run the same
@@ -15,12 +16,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from steploop.gpu_worker.attention.backend import AttentionBackend
 from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 from steploop.gpu_worker.kernels.cache_write import write_kv_cache
-from steploop.gpu_worker.kernels.paged_attention import AttentionPlan, plan_attention, unified_attention
+from steploop.gpu_worker.kernels.launch_config import LaunchConfig
+from steploop.gpu_worker.kernels.paged_attention import (
+    AttentionPlan,
+    plan_attention,
+    plan_tiles,
+    unified_attention,
+)
+from steploop.gpu_worker.staging import StepStaging
 
 
 @dataclass
@@ -38,16 +47,27 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.num_splits = num_splits   # None: the launcher's heuristic; tests force 1 or N
         self.variants: dict[int, tuple[int | None, float | None]] = {}   # layer -> (window, softcap)
+        self.launch: dict[str, LaunchConfig] = {}    # shape class -> tuned num_warps/num_stages (kernels/tuning.py)
 
     def serve_variant(self, layer: int, window: int | None, softcap: float | None) -> bool:
         self.variants[layer] = (window, softcap)
         return True
 
-    def build_metadata(self, common: CommonAttentionMetadata,
-                       max_seq_len_hint: int | None = None) -> TritonAttentionMetadata:
+    def stage_metadata(self, query_lens_cpu: np.ndarray, seq_lens_cpu: np.ndarray,
+                       staging: StepStaging) -> tuple[int, int, int]:
+        """The query tiles, planned on the host and put in the step's staging (they travel in its one copy)."""
+        tile_req, tile_qstart, block_q = plan_tiles(query_lens_cpu, self.num_heads, self.num_kv_heads)
+        return staging.put(tile_req), staging.put(tile_qstart), block_q
+
+    def build_metadata(self, common: CommonAttentionMetadata, max_seq_len_hint: int | None = None,
+                       staged: tuple[StepStaging, tuple[int, int, int]] | None = None) -> TritonAttentionMetadata:
+        tiles = None
+        if staged is not None:
+            staging, (req, qstart, block_q) = staged
+            tiles = (staging.get(req), staging.get(qstart), block_q)
         plan = plan_attention(common.query_start_loc, common.seq_lens, common.block_tables, common.query_lens_cpu,
                               common.seq_lens_cpu, self.num_heads, self.num_kv_heads, self.num_splits,
-                              max_seq_len_hint)
+                              max_seq_len_hint, tiles, self.launch)
         return TritonAttentionMetadata(common, common.slot_mapping, plan)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

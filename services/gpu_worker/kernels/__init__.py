@@ -12,6 +12,8 @@ checks its inputs and explains its grid, and a slow obvious torch reference (in 
                       references in lora_reference.py)
     fused_moe         mixture-of-experts MLP: pairs sorted by expert, grouped GEMMs (GLU up, routed down)
     activations       @triton.jit helpers: overflow-free tanh, silu / gelu / gelu_tanh
+    tuning            the attention launch configs tuned at start, and the warm-up compiles (imports no triton
+                      at module level)
 
 Importing any kernel module imports triton and decorates the kernels. Triton decides at decoration time
 whether a kernel is interpreted (TRITON_INTERPRET=1) or compiled, so set that variable before the first import.

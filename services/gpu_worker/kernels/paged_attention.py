@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 
 from steploop.gpu_worker.kernels.activations import tanh
+from steploop.gpu_worker.kernels.launch_config import DEFAULT as DEFAULT_LAUNCH
+from steploop.gpu_worker.kernels.launch_config import LaunchConfig, shape_class
 
 
 @triton.jit
@@ -47,7 +49,9 @@ def kv_token_offsets(block_table_ptr, req, kv_pos, stride_bt, stride_cb, stride_
     return blk.to(tl.int64) * stride_cb + (kv_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
 
 
-@triton.jit
+# stride_bt is the step's block-table width: unspecialized, so a width of 1 or a multiple of 16 compiles no new
+# variant mid-serving (the warm-up in tuning.py compiles each variant once)
+@triton.jit(do_not_specialize=["stride_bt"])
 def unified_attention_kernel(
     q_ptr,                 # [T, H, D] queries of the step's tokens (row strides given; last dim contiguous)
     k_cache_ptr,           # [num_blocks, block_size, Hk, D] this layer's K cache (kv_cache[0])
@@ -196,6 +200,7 @@ class AttentionPlan:
     num_tokens: int                 # T
     block_q: int                    # query tokens per tile
     num_splits: int                 # 1 = no split
+    launch: LaunchConfig = DEFAULT_LAUNCH   # num_warps / num_stages of the attention launch (tuning.py)
 
 
 def _pow2(n: int) -> int:
@@ -225,26 +230,42 @@ def num_sms(device: torch.device) -> int:
     return 8   # the interpreter: any fixed number; tests pass num_splits explicitly
 
 
-def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                   query_lens_cpu: np.ndarray, seq_lens_cpu: np.ndarray, num_heads: int, num_kv_heads: int,
-                   num_splits: int | None = None, max_seq_len_hint: int | None = None) -> AttentionPlan:
-    """Host-side plan of one step: cut each request's queries into tiles; pick the split count.
-    max_seq_len_hint replaces the batch's longest context when choosing splits (CUDA graphs capture one)."""
+def plan_tiles(query_lens_cpu: np.ndarray, num_heads: int, num_kv_heads: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Host half of the plan: cut each request's queries into tiles -> (tile_req [num_tiles] int32,
+    tile_qstart [num_tiles] int32, block_q)."""
     qpk = num_heads // num_kv_heads
-    max_q = int(query_lens_cpu.max(initial=0))
-    block_q = choose_block_q(qpk, max_q)
+    block_q = choose_block_q(qpk, int(query_lens_cpu.max(initial=0)))
     tiles = -(-query_lens_cpu.astype(np.int64) // block_q)                 # [R] tiles per request
     tile_req = np.repeat(np.arange(len(tiles), dtype=np.int32), tiles)
     first_tile = np.repeat(np.cumsum(tiles) - tiles, tiles)
     tile_qstart = ((np.arange(len(tile_req)) - first_tile) * block_q).astype(np.int32)
+    return tile_req, tile_qstart, block_q
+
+
+def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                   query_lens_cpu: np.ndarray, seq_lens_cpu: np.ndarray, num_heads: int, num_kv_heads: int,
+                   num_splits: int | None = None, max_seq_len_hint: int | None = None,
+                   tiles: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                   launch: LaunchConfig | dict[str, LaunchConfig] | None = None) -> AttentionPlan:
+    """Plan of one step: cut each request's queries into tiles; pick the split count.
+    max_seq_len_hint replaces the batch's longest context when choosing splits (CUDA graphs capture one).
+    tiles: (tile_req, tile_qstart, block_q) already on the device (the step's staged copy); None: made here.
+    launch: the launch config, or the tuned one per shape class (tuning.py; None: the default)."""
+    device = seq_lens.device
+    if tiles is None:
+        tile_req_np, tile_qstart_np, block_q = plan_tiles(query_lens_cpu, num_heads, num_kv_heads)
+        tiles = (torch.from_numpy(tile_req_np).to(device), torch.from_numpy(tile_qstart_np).to(device), block_q)
+    tile_req, tile_qstart, block_q = tiles
     if num_splits is None:
         longest = max_seq_len_hint or int(seq_lens_cpu.max(initial=0))
-        num_splits = choose_num_splits(len(tile_req) * num_kv_heads, longest, max_q, num_sms(seq_lens.device))
-    device = seq_lens.device
+        num_splits = choose_num_splits(tile_req.shape[0] * num_kv_heads, longest,
+                                       int(query_lens_cpu.max(initial=0)), num_sms(device))
+    if not isinstance(launch, LaunchConfig):
+        cls = shape_class(int(query_lens_cpu.max(initial=0)), num_splits)
+        launch = (launch or {}).get(cls, DEFAULT_LAUNCH)
     return AttentionPlan(query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-                         tile_req=torch.from_numpy(tile_req).to(device),
-                         tile_qstart=torch.from_numpy(tile_qstart).to(device),
-                         num_tokens=int(query_lens_cpu.sum()), block_q=block_q, num_splits=num_splits)
+                         tile_req=tile_req, tile_qstart=tile_qstart, num_tokens=int(query_lens_cpu.sum()),
+                         block_q=block_q, num_splits=num_splits, launch=launch)
 
 
 def attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, block_q: int,
@@ -295,7 +316,8 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
     unified_attention_kernel[grid](
         q, k_cache, v_cache, out, *parts, plan.block_tables, plan.seq_lens, plan.query_start_loc,
         plan.tile_req, plan.tile_qstart, scale, softcap or 1.0, h, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), plan.block_tables.stride(0), **c)
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), plan.block_tables.stride(0), **c,
+        num_warps=plan.launch.num_warps, num_stages=plan.launch.num_stages)
     if plan.num_splits > 1:
         reduce_splits_kernel[(t, h)](out, *parts, h, out.stride(0), out.stride(1), HEAD_DIM=d,
                                      HEAD_DIM_P=c["HEAD_DIM_P"], NUM_SPLITS=plan.num_splits)

@@ -76,6 +76,14 @@ class LoraLayers:
                      if (run := self._run(stack, present, whole)) is not None}
         self.segments = segments
 
+    def begin_all(self, segments: LoraSegments) -> None:
+        """Arm every stack whole over static segments (a CUDA graph's capture: whatever adapters a replayed step
+        has, their targets are in; a target no adapter of the step has adds exact zeros)."""
+        every = set(self.store.tables)
+        self.runs = {id(stack): run for stack in self.store.stacks
+                     if (run := self._run(stack, every, True)) is not None}
+        self.segments = segments
+
     def end(self) -> None:
         self.segments, self.runs = None, {}
 

@@ -54,3 +54,15 @@ def build_lora_segments(token_slots: torch.Tensor) -> LoraSegments | None:
     return LoraSegments(token_indices=used[order].contiguous(), seg_starts=starts.to(torch.int32),
                         seg_lens=lens.to(torch.int32), seg_slots=slots.to(torch.int32),
                         max_seg_len=max(n for _, n, _ in host), num_tokens=int(used.numel()), host_segments=host)
+
+
+def pad_segments(seg: LoraSegments, tokens: torch.Tensor, segs: torch.Tensor) -> None:
+    """Copy a step's segments into a CUDA graph's static ones (device to device): tokens [T] (>= seg.num_tokens)
+    gets token_indices then 0; segs [3, L] gets (seg_starts, seg_lens, seg_slots) then empty segments (length 0).
+    The kernels read only rows inside a segment, so the padding costs no work and changes no output."""
+    n, s = seg.num_tokens, seg.seg_lens.shape[0]
+    tokens[:n].copy_(seg.token_indices, non_blocking=True)
+    tokens[n:].fill_(0)
+    for i, part in enumerate((seg.seg_starts, seg.seg_lens, seg.seg_slots)):
+        segs[i, :s].copy_(part, non_blocking=True)
+    segs[:, s:].fill_(0)
