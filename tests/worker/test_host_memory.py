@@ -63,12 +63,14 @@ def test_switched_off_gives_plain_torch(monkeypatch):
     monkeypatch.setenv(envs.CPU_HUGEPAGES, "0")
     plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, TINY)
     assert not plan.hugepages and dict(plan.why_off)["huge pages"] == "STEPLOOP_CPU_HUGEPAGES=0"
+    def no_mapping(*args, **kwargs):
+        raise AssertionError("host_memory mapped its own region with huge pages switched off")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", no_mapping)
     t = host_memory.zeros((4, 1024, 1024), torch.float32, plan.hugepages)
-    assert not t.any()
-    # No MADV_HUGEPAGE on its mapping ("hg" in VmFlags). Not THPeligible: that is the kernel's policy too, and
-    # this one (6.18, per-size mTHP controls) once reported 1 for a plain malloc'd region in "madvise" mode.
-    flags = _vma_field(t.data_ptr(), "VmFlags")
-    assert flags is not None and "hg" not in flags.split(), flags
+    assert not t.any() and t.shape == (4, 1024, 1024)
+    # The path is what is checked, not the VMA's flags: a plain allocation lands wherever the process's allocator
+    # puts it, and after the whole worker suite (2026-12-03) one landed in a VMA already carrying "hg".
 
 
 def test_cpu_kv_cache_comes_from_host_memory(monkeypatch):
