@@ -286,6 +286,108 @@ static float *thread_buffer(int slot, int64_t n)
 }
 
 /* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 32 == 0. Returns 0, or -1 on bad sizes or no memory. */
+/* x transposed into this thread's buffer 0 ([K][M]), for the register path's broadcasts; one row is its own.
+   NULL when the buffer cannot be had. */
+static const float *transposed_x(const float *x, int64_t M, int64_t K)
+{
+    if (M == 1)
+        return x;
+    float *buf = thread_buffer(0, M * K);
+    if (!buf)
+        return NULL;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t r = 0; r < M; r++)
+            buf[k * M + r] = x[r * K + k];
+    return buf;
+}
+
+/* One packed weight as the tile path reads it: its form and the arrays that form has. */
+enum { TILE_Q4_1, TILE_Q8_0, TILE_Q8B, TILE_Q4K };
+typedef struct {
+    int form;
+    const void *qs;
+    const float *d, *m;              /* Q4_1, Q8_0 (no m), q8b (m may be NULL); Q4_K: d per 256 */
+    int bs;                          /* q8b: weights per scale (16 or 32) */
+    const uint8_t *sc, *mn;          /* Q4_K: 6-bit scales and mins per 32 */
+    const float *dmin;               /* Q4_K: dmin per 256 */
+} tile_weight;
+
+static void dequant_q8b_dispatch(int bs, const int8_t *qs, const float *d, const float *m, int64_t s, int64_t K,
+                                 int64_t k0, int64_t kc, float *tile, int64_t col);
+static void prefetch_q8b(const int8_t *qs, const float *d, const float *m, int bs, int64_t s, int64_t K, int64_t k0,
+                         int64_t kc);
+static void dequant_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+                        int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col);
+static void prefetch_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, int64_t s, int64_t K, int64_t k0,
+                         int64_t kc);
+
+/* slice s's weights for k0 .. k0 + kc into the tile at column col */
+static inline void tile_dequant(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile,
+                                int64_t col)
+{
+    switch (w->form) {
+    case TILE_Q4_1: dequant_q4_1(w->qs, w->d, w->m, s, K, k0, kc, tile, col); break;
+    case TILE_Q8_0: dequant_q8_0(w->qs, w->d, s, K, k0, kc, tile, col); break;
+    case TILE_Q8B: dequant_q8b_dispatch(w->bs, w->qs, w->d, w->m, s, K, k0, kc, tile, col); break;
+    default: dequant_q4k(w->qs, w->sc, w->mn, w->d, w->dmin, s, K, k0, kc, tile, col); break;
+    }
+}
+
+static inline void tile_prefetch(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc)
+{
+    switch (w->form) {
+    case TILE_Q4_1: prefetch_chunk(KIND_Q4_1, w->qs, w->d, w->m, s, K, k0, kc); break;
+    case TILE_Q8_0: prefetch_chunk(KIND_Q8_0, w->qs, w->d, w->m, s, K, k0, kc); break;
+    case TILE_Q8B: prefetch_q8b(w->qs, w->d, w->m, w->bs, s, K, k0, kc); break;
+    default: prefetch_q4k(w->qs, w->sc, w->mn, s, K, k0, kc); break;
+    }
+}
+
+/* The scratch-tile path for M > REGISTER_MAX_M rows, every form alike: each tile (two slices of VL output rows)
+   is dequantized one k chunk at a time into an L1-sized tile and multiplied by register blocks of x rows. */
+static int tile_matmul(float *y, const float *x, int64_t M, int64_t N, int64_t K, const tile_weight *w,
+                       int num_threads)
+{
+    int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
+    /* rows per pass over the tiles: their x (mc x K floats) stays in L2 while every tile uses it */
+    int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
+    mc = mc < MR ? MR : mc;
+    int64_t passes = (M + mc - 1) / mc;
+    mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;      /* even passes, whole register blocks */
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *tile = thread_buffer(1, KC * NR);
+        if (!tile)
+            failed = 1;
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            int64_t m1 = M - m0 < mc ? M : m0 + mc;
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < num_tiles; t++) {
+                if (!tile)
+                    continue;
+                int nv = tile_slices(num_slices, t);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    int64_t kc = chunk_len(K, k0);
+                    for (int v = 0; v < nv; v++)
+                        tile_dequant(w, t * 2 + v, K, k0, kc, tile, v * VL);
+                    /* the next chunk: this tile's further along k, else the next tile's first (static schedule:
+                       usually this thread's next) */
+                    int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
+                    if (next_t < num_tiles)
+                        for (int v = 0; v < tile_slices(num_slices, next_t); v++)
+                            tile_prefetch(w, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
+                    for (int64_t r = m0; r < m1; r += MR) {
+                        int mr = m1 - r < MR ? (int)(m1 - r) : MR;
+                        block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
+                    }
+                }
+            }
+        }
+    }
+    return failed ? -1 : 0;
+}
+
 int steploop_packed_linear(float *y, const float *x, const void *qs, const float *d, const float *m, int64_t M,
                            int64_t N, int64_t K, int kind, int num_threads)
 {
@@ -294,16 +396,9 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
     if (M == 0)
         return 0;
     if (M <= REGISTER_MAX_M) {
-        const float *xt = x;                          /* x transposed: [K][M] (one row is its own) */
-        if (M > 1) {
-            float *buf = thread_buffer(0, M * K);
-            if (!buf)
-                return -1;
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t r = 0; r < M; r++)
-                    buf[k * M + r] = x[r * K + k];
-            xt = buf;
-        }
+        const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
+        if (!xt)
+            return -1;
 #pragma omp parallel num_threads(num_threads)
         if (kind == KIND_Q4_1) {
 #pragma omp for schedule(static)
@@ -327,48 +422,8 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         }
         return 0;
     }
-    int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
-    /* rows per pass over the tiles: their x (mc x K floats) stays in L2 while every tile uses it */
-    int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
-    mc = mc < MR ? MR : mc;
-    int64_t passes = (M + mc - 1) / mc;
-    mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;      /* even passes, whole register blocks */
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *tile = thread_buffer(1, KC * NR);
-        if (!tile)
-            failed = 1;
-        for (int64_t m0 = 0; m0 < M; m0 += mc) {
-            int64_t m1 = M - m0 < mc ? M : m0 + mc;
-#pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < num_tiles; t++) {
-                if (!tile)
-                    continue;
-                int nv = tile_slices(num_slices, t);
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                    int64_t kc = chunk_len(K, k0);
-                    for (int v = 0; v < nv; v++) {
-                        if (kind == KIND_Q4_1)
-                            dequant_q4_1(qs, d, m, t * 2 + v, K, k0, kc, tile, v * VL);
-                        else
-                            dequant_q8_0(qs, d, t * 2 + v, K, k0, kc, tile, v * VL);
-                    }
-                    /* the next chunk: this tile's further along k, else the next tile's first (static schedule:
-                       usually this thread's next) */
-                    int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
-                    if (next_t < num_tiles)
-                        for (int v = 0; v < tile_slices(num_slices, next_t); v++)
-                            prefetch_chunk(kind, qs, d, m, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
-                    for (int64_t r = m0; r < m1; r += MR) {
-                        int mr = m1 - r < MR ? (int)(m1 - r) : MR;
-                        block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
-                    }
-                }
-            }
-        }
-    }
-    return failed ? -1 : 0;
+    tile_weight w = {kind == KIND_Q4_1 ? TILE_Q4_1 : TILE_Q8_0, qs, d, m, 0, NULL, NULL, NULL};
+    return tile_matmul(y, x, M, N, K, &w, num_threads);
 }
 
 /* ---- int8 blocks of 16 or 32 with an optional per-block m: the GGUF types the Q4_1 / Q8_0 forms cannot hold ----
@@ -470,16 +525,9 @@ int steploop_packed_linear_q8b(float *y, const float *x, const int8_t *qs, const
     if (M == 0)
         return 0;
     if (M <= REGISTER_MAX_M) {
-        const float *xt = x;
-        if (M > 1) {
-            float *buf = thread_buffer(0, M * K);
-            if (!buf)
-                return -1;
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t r = 0; r < M; r++)
-                    buf[k * M + r] = x[r * K + k];
-            xt = buf;
-        }
+        const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
+        if (!xt)
+            return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t sl = 0; sl < N / VL; sl++) {
             if (sl + 1 < N / VL)
@@ -488,41 +536,8 @@ int steploop_packed_linear_q8b(float *y, const float *x, const int8_t *qs, const
         }
         return 0;
     }
-    int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
-    int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
-    mc = mc < MR ? MR : mc;
-    int64_t passes = (M + mc - 1) / mc;
-    mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *tile = thread_buffer(1, KC * NR);
-        if (!tile)
-            failed = 1;
-        for (int64_t m0 = 0; m0 < M; m0 += mc) {
-            int64_t m1 = M - m0 < mc ? M : m0 + mc;
-#pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < num_tiles; t++) {
-                if (!tile)
-                    continue;
-                int nv = tile_slices(num_slices, t);
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                    int64_t kc = chunk_len(K, k0);
-                    for (int v = 0; v < nv; v++)
-                        dequant_q8b_dispatch(bs, qs, d, m, t * 2 + v, K, k0, kc, tile, v * VL);
-                    int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
-                    if (next_t < num_tiles)
-                        for (int v = 0; v < tile_slices(num_slices, next_t); v++)
-                            prefetch_q8b(qs, d, m, bs, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
-                    for (int64_t r = m0; r < m1; r += MR) {
-                        int mr = m1 - r < MR ? (int)(m1 - r) : MR;
-                        block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
-                    }
-                }
-            }
-        }
-    }
-    return failed ? -1 : 0;
+    tile_weight w = {TILE_Q8B, qs, d, m, bs, NULL, NULL, NULL};
+    return tile_matmul(y, x, M, N, K, &w, num_threads);
 }
 
 /* ---- GGUF Q4_K at its file width: 4-bit q, 6-bit scales and mins per 32, fp32 d and dmin per 256 ----
@@ -634,16 +649,9 @@ int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, cons
     const uint8_t *sc = scales, *mn = scales + N * (K / QK);
     const float *d = dd, *dmin = dd + N * (K / QK_K);
     if (M <= REGISTER_MAX_M) {
-        const float *xt = x;
-        if (M > 1) {
-            float *buf = thread_buffer(0, M * K);
-            if (!buf)
-                return -1;
-            for (int64_t k = 0; k < K; k++)
-                for (int64_t r = 0; r < M; r++)
-                    buf[k * M + r] = x[r * K + k];
-            xt = buf;
-        }
+        const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
+        if (!xt)
+            return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
         for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
             int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
@@ -653,39 +661,6 @@ int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, cons
         }
         return 0;
     }
-    int64_t num_slices = N / VL, num_tiles = (num_slices + 1) / 2;
-    int64_t mc = X_BYTES / (K * (int64_t)sizeof(float)) / MR * MR;
-    mc = mc < MR ? MR : mc;
-    int64_t passes = (M + mc - 1) / mc;
-    mc = ((M + passes - 1) / passes + MR - 1) / MR * MR;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *tile = thread_buffer(1, KC * NR);
-        if (!tile)
-            failed = 1;
-        for (int64_t m0 = 0; m0 < M; m0 += mc) {
-            int64_t m1 = M - m0 < mc ? M : m0 + mc;
-#pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < num_tiles; t++) {
-                if (!tile)
-                    continue;
-                int nv = tile_slices(num_slices, t);
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                    int64_t kc = chunk_len(K, k0);
-                    for (int v = 0; v < nv; v++)
-                        dequant_q4k(qs, sc, mn, d, dmin, t * 2 + v, K, k0, kc, tile, v * VL);
-                    int64_t next_t = k0 + KC < K ? t : t + 1, next_k0 = k0 + KC < K ? k0 + KC : 0;
-                    if (next_t < num_tiles)
-                        for (int v = 0; v < tile_slices(num_slices, next_t); v++)
-                            prefetch_q4k(qs, sc, mn, next_t * 2 + v, K, next_k0, chunk_len(K, next_k0));
-                    for (int64_t r = m0; r < m1; r += MR) {
-                        int mr = m1 - r < MR ? (int)(m1 - r) : MR;
-                        block_dispatch(mr, nv, x + r * K + k0, K, kc, tile, y + r * N + t * NR, N, k0 == 0);
-                    }
-                }
-            }
-        }
-    }
-    return failed ? -1 : 0;
+    tile_weight w = {TILE_Q4K, qs, d, NULL, 0, sc, mn, dmin};
+    return tile_matmul(y, x, M, N, K, &w, num_threads);
 }
