@@ -53,7 +53,8 @@ class CheckedResolver(AbstractResolver):
 
 def describe(url: URL) -> str:
     """The URL without query, fragment or credentials, shortened: safe to log and to show."""
-    text = str(url.with_query(None).with_fragment(None).with_user(None))
+    bare = url.with_query(None).with_fragment(None)
+    text = str(bare.with_user(None) if bare.absolute else bare)
     return text if len(text) <= 96 else text[:93] + "..."
 
 
