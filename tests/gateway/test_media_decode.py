@@ -86,9 +86,26 @@ async def test_truncated_image_is_refused():
     assert "truncated" in err.message or "corrupt" in err.message
 
 
-async def test_unsupported_format_is_refused_by_name():
-    err = await refused(data_url(encode(noise_image(), "TIFF"), "image/tiff"))
-    assert "unsupported format TIFF" in err.message and err.code == "unsupported_image_format"
+@pytest.mark.parametrize("data, name", [
+    (encode(noise_image(), "TIFF"), "TIFF"),
+    (encode(noise_image(), "ICO"), "ICO"),
+    (b"8BPS\0\1" + bytes(40), "PSD"),
+    (b"\0\0\0\x1cftypavif\0\0\0\0" + bytes(32), "AVIF"),
+    (b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>', "SVG"),
+])
+async def test_unsupported_format_is_refused_by_name(data, name):
+    err = await refused(data_url(data, "image/png"))
+    assert f"unsupported format {name}; supported: PNG, JPEG, WEBP, GIF, BMP" in err.message
+    assert err.code == "unsupported_image_format"
+
+
+async def test_unsupported_formats_never_reach_their_decoder(monkeypatch):
+    from PIL import TiffImagePlugin
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the TIFF parser ran")
+    monkeypatch.setattr(TiffImagePlugin.TiffImageFile, "_open", must_not_run)
+    assert "TIFF" in (await refused(data_url(encode(noise_image(), "TIFF")))).message
 
 
 async def test_empty_image_is_refused():

@@ -17,9 +17,15 @@ from PIL import Image, UnidentifiedImageError
 from steploop.gateway.errors import APIError, bad_request
 from steploop.gateway.media.policy import MediaPolicy
 
-# Formats a client may send: those OpenAI, Anthropic and vLLM document, plus BMP. Others (TIFF, ICO, PSD, EPS...)
-# have large, rarely exercised decoders and are refused by name.
+# Formats a client may send: those OpenAI, Anthropic and vLLM document, plus BMP. Only their decoders ever see the
+# bytes: others (TIFF, PSD, EPS...) have large, rarely exercised parsers, so they are named from their magic bytes
+# below and refused without being parsed.
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+_OTHER_FORMATS = ((b"II*\0", "TIFF"), (b"MM\0*", "TIFF"), (b"8BPS", "PSD"), (b"%PDF", "PDF"), (b"%!PS", "EPS"),
+                  (b"\0\0\1\0", "ICO"), (b"\0\0\2\0", "CUR"), (b"\0\0\0\x0cjP  ", "JPEG 2000"),
+                  (b"\xff\x4f\xff\x51", "JPEG 2000"), (b"qoif", "QOI"), (b"DDS ", "DDS"), (b"icns", "ICNS"),
+                  (b"\xff\x0a", "JPEG XL"), (b"\0\0\0\x0cJXL ", "JPEG XL"))
+_FTYP_BRANDS = {b"avif": "AVIF", b"avis": "AVIF", b"heic": "HEIC", b"heix": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF"}
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP",
                "image/gif": "GIF", "image/bmp": "BMP"}
 
@@ -67,21 +73,41 @@ def too_many_bytes(source: str, size: int | None, policy: MediaPolicy, param: st
 def _open(data: bytes, source: str, param: str | None) -> Image.Image:
     """Reads only the header: format and size, no pixel data yet."""
     try:
-        return Image.open(io.BytesIO(data))
+        return Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
     except Image.DecompressionBombError as exc:   # PIL's own ceiling, 2x Image.MAX_IMAGE_PIXELS
         raise bad_request(f"image from {source} has too many pixels ({exc})", param=param,
                           code="image_too_large") from None
     except UnidentifiedImageError:
+        other = sniff_other_format(data)
+        if other is not None:
+            raise unsupported_format(source, other, param) from None
         raise bad_request(f"image from {source} is not an image this server can decode (corrupt, or not one of "
                           f"{', '.join(SUPPORTED_FORMATS)})", param=param, code="invalid_image") from None
     except (OSError, ValueError, SyntaxError) as exc:
         raise bad_request(f"image from {source} is corrupt: {exc}", param=param, code="invalid_image") from None
 
 
+def sniff_other_format(data: bytes) -> str | None:
+    """The name of a known image format we do not decode, from its first bytes; None if it is none of them."""
+    for magic, name in _OTHER_FORMATS:
+        if data.startswith(magic):
+            return name
+    if data[4:8] == b"ftyp":
+        return _FTYP_BRANDS.get(data[8:12])
+    head = data[:256].lstrip().lower()
+    if head.startswith(b"<svg") or (head.startswith(b"<?xml") and b"<svg" in head):
+        return "SVG"
+    return None
+
+
+def unsupported_format(source: str, name: str, param: str | None) -> APIError:
+    return bad_request(f"image from {source} is in an unsupported format {name}; supported: "
+                       f"{', '.join(SUPPORTED_FORMATS)}", param=param, code="unsupported_image_format")
+
+
 def _check_format(image: Image.Image, source: str, param: str | None, expected: str | None) -> None:
-    if image.format not in SUPPORTED_FORMATS:
-        raise bad_request(f"image from {source} is in an unsupported format {image.format}; supported: "
-                          f"{', '.join(SUPPORTED_FORMATS)}", param=param, code="unsupported_image_format")
+    if image.format not in SUPPORTED_FORMATS:        # (open() tried only those; kept as the guard it relies on)
+        raise unsupported_format(source, str(image.format), param)
     if expected is not None and image.format != expected:
         raise bad_request(f"image from {source} is {image.format}, but its media type says {expected}",
                           param=param, code="invalid_image")

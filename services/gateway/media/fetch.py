@@ -127,6 +127,8 @@ class _get:
     async def __aenter__(self) -> aiohttp.ClientResponse:
         try:
             self.response = await self.session.get(self.url, allow_redirects=False)
+        except asyncio.TimeoutError:
+            raise                                  # the caller's deadline; aiohttp's timeouts are ClientErrors too
         except aiohttp.ClientConnectorError as exc:
             raise _connect_error(self.url, exc, self.param) from None
         except aiohttp.ClientError as exc:
@@ -163,6 +165,8 @@ async def _read_body(response: aiohttp.ClientResponse, url: URL, policy: MediaPo
             body += chunk
             if len(body) > policy.max_image_bytes:
                 raise too_many_bytes(describe(url), None, policy, param)
+    except asyncio.TimeoutError:
+        raise
     except aiohttp.ClientError as exc:
         raise bad_request(f"image URL {describe(url)} broke off while sending the image: {exc}", param=param,
                           code="image_url_unreachable") from None
