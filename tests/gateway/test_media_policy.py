@@ -44,6 +44,23 @@ def test_serve_hands_the_domains_to_its_gateway(monkeypatch):
     assert MediaPolicy.from_args(build_parser().parse_args([])).allowed_media_domains == ("c.example", "d.example")
 
 
+@pytest.mark.parametrize("text, images", [
+    (None, 16), ('{"image": 4}', 4), ('{"image": 2, "video": 0}', 2), ("image=3,video=0", 3), ('{"video": 0}', 16),
+    ("image=0", 0),
+])
+def test_limit_mm_per_prompt_takes_vllms_forms(text, images):
+    argv = ["--limit-mm-per-prompt", text] if text is not None else []
+    assert GatewayConfig.from_args(build_parser().parse_args(argv)).media.max_images_per_prompt == images
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"video": 1}', "only images are served"), ("image=many", "must be JSON like"), ('{"image": -1}', ">= 0"),
+])
+def test_limit_mm_per_prompt_refuses_what_it_cannot_serve(text, words):
+    with pytest.raises(ValueError, match=words):
+        GatewayConfig.from_args(build_parser().parse_args(["--limit-mm-per-prompt", text]))
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"max_image_bytes": 0}, "--max-image-bytes must be >= 1"),
     ({"max_image_pixels": -1}, "--max-image-pixels must be >= 1"),
