@@ -254,6 +254,7 @@ class WorkerInfo:
     kv_disk_blocks: int = 0
     kv_disk_hashes: tuple[bytes, ...] = ()   # block hashes on disk for this model's fingerprint, LRU first
     kv_block_bytes: int = 0              # bytes of one block over all layers
+    accepts_images: bool = False         # a vision-language model (requests may carry images)
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
@@ -263,7 +264,8 @@ class WorkerInfo:
             generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous,
             expert_parallel=self.expert_parallel,
             kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
-            kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes)
+            kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
+            accepts_images=self.accepts_images)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -290,4 +292,5 @@ class WorkerInfo:
                    dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous, lora_shapes=shapes,
                    expert_parallel=pb.expert_parallel,
                    kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
-                   kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes)
+                   kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
+                   accepts_images=pb.accepts_images)

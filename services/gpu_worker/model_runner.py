@@ -134,6 +134,7 @@ class ModelRunner:
                           dtype=str(dtype).removeprefix("torch."), expert_parallel=config.enable_expert_parallel,
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None,
+                          accepts_images=cfg.is_multimodal,
                           **kv_tier_mover.hello_fields(tiers))
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,

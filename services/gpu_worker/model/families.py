@@ -231,6 +231,9 @@ def _qwen2_5_vl(f: Fields) -> dict[str, Any]:
     if scaling.get("rope_type", "default") != "default":
         raise ValueError(f"Qwen2.5-VL rope_type {scaling['rope_type']!r}: only the default M-RoPE runs")
     _refuse_unaccounted(text)
+    for key in ("pruned_heads", "is_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+                "tie_encoder_decoder"):
+        f.refuse_if(key, bool, "steploop runs decoder-only models with every head")
     f.get("video_token_id")          # videos are refused by the gateway, never encoded
     f.get("tie_word_embeddings")     # transformers ties by text_config's (get_text_config), which _qwen2 read
     vision = dict(f.get("vision_config"))
