@@ -10,7 +10,6 @@ from tests.gateway.conftest import (  # noqa: F401 - the text-only gateway fixtu
     reply_ids,
     tokenizer,
 )
-
 from tests.vlm.vlm_models import build_qwen2_5_vl, load_oracle, png_bytes, prompt_with_images
 
 

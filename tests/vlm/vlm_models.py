@@ -32,13 +32,13 @@ def build_qwen2_5_vl(folder: pathlib.Path, seed: int = 0, tokenizer_dir: pathlib
         ids = _save_tokenizer(folder, tokenizer_dir)
     torch.manual_seed(seed)
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=ids["vocab"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=1e6,
-                         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=ids["eos"]),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1], initializer_range=0.2),
+        text_config={"vocab_size": ids["vocab"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+                         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "rope_theta": 1e6,
+                         "initializer_range": 0.2, "tie_word_embeddings": False, "eos_token_id": ids["eos"]},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                           "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                           "fullatt_block_indexes": [1], "initializer_range": 0.2},
         image_token_id=ids["image"], video_token_id=ids["image"] + 10, vision_start_token_id=ids["start"],
         vision_end_token_id=ids["end"], eos_token_id=ids["eos"])
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()

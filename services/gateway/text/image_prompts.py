@@ -96,7 +96,7 @@ def _image_processor(folder: pathlib.Path) -> Any:
     saved = {k: os.environ.get(k) for k in ("USE_TORCH", "USE_TF", "USE_FLAX")}
     os.environ.update({"USE_TORCH": "0", "USE_TF": "0", "USE_FLAX": "0"})
     try:
-        from transformers import AutoImageProcessor  # noqa: PLC0415 - lazy: see the module docstring
+        from transformers import AutoImageProcessor  # lazy: see the module docstring
     finally:
         for key, value in saved.items():
             if value is None:
