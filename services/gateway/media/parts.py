@@ -65,6 +65,14 @@ async def load_images(refs: list[ImageRef] | tuple[ImageRef, ...], policy: Media
             task.cancel()
 
 
+def user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A user message's content in the shared form: its text alone stays a string (exactly as before images), with
+    an image the parts list [{"type": "text", "text"}, {"type": "image", "image": ImageRef}, ...] in order."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
 def _shape_error(where: str, param: str, expected: str) -> APIError:
     return bad_request(f"{where} must be {expected}", param=param, code="invalid_value")
 
