@@ -14,22 +14,47 @@ IMAGE_TOKEN, VISION_START, VISION_END = 151655, 151652, 151653
 VOCAB = 151700
 
 
-def build_qwen2_5_vl(folder: pathlib.Path, seed: int = 0) -> pathlib.Path:
+# A Qwen-style chat template: an image part becomes <|vision_start|><|image_pad|><|vision_end|>.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m['role'] }}\n"
+    "{%- if m['content'] is string -%}{{ m['content'] }}{%- else -%}{%- for p in m['content'] -%}"
+    "{%- if p['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif p['type'] == 'text' -%}{{ p['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}<|im_end|>\n"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+
+
+def build_qwen2_5_vl(folder: pathlib.Path, seed: int = 0, tokenizer_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """tokenizer_dir (the default model's): the folder also gets that tokenizer with the three vision tokens
+    added, this chat template and the Qwen2-VL image processor's config, so the gateway can serve it."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    ids = {"vocab": VOCAB, "image": IMAGE_TOKEN, "start": VISION_START, "end": VISION_END, "eos": 151645}
+    if tokenizer_dir is not None:
+        ids = _save_tokenizer(folder, tokenizer_dir)
     torch.manual_seed(seed)
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        text_config=dict(vocab_size=ids["vocab"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=1e6,
-                         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=151645),
+                         initializer_range=0.2, tie_word_embeddings=False, eos_token_id=ids["eos"]),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                            fullatt_block_indexes=[1], initializer_range=0.2),
-        image_token_id=IMAGE_TOKEN, video_token_id=151656, vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END, eos_token_id=151645)
+        image_token_id=ids["image"], video_token_id=ids["image"] + 10, vision_start_token_id=ids["start"],
+        vision_end_token_id=ids["end"], eos_token_id=ids["eos"])
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
     model.save_pretrained(folder)
     return folder
+
+
+def _save_tokenizer(folder: pathlib.Path, tokenizer_dir: pathlib.Path) -> dict[str, int]:
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    Qwen2VLImageProcessor().save_pretrained(folder)
+    start, image, end = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    return {"vocab": len(tok) + 40, "image": image, "start": start, "end": end, "eos": tok.eos_token_id}
 
 
 def load_oracle(folder: pathlib.Path):
