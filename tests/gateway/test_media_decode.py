@@ -164,6 +164,13 @@ def test_base64_block_checks_its_media_type():
     assert "not valid base64" in bad.value.message and bad.value.code == "invalid_base64"
 
 
+def test_line_wrapped_base64_is_accepted():
+    b64 = data_url(encode(noise_image(), "PNG"))[len("data:image/png;base64,"):]
+    wrapped = "\n".join(b64[i:i + 76] for i in range(0, len(b64), 76)) + "\n"
+    assert load_base64_image(wrapped, "image/png", MediaPolicy()).hash == \
+        load_base64_image(b64, "image/png", MediaPolicy()).hash
+
+
 def test_base64_size_is_checked_before_decoding():
     huge = "A" * (4 * 1024 * 1024)        # 3 MiB decoded; never decoded
     with pytest.raises(APIError) as info:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import zlib
 
 import pytest
 import pytest_asyncio
@@ -39,6 +40,7 @@ class ImageServer:
         app.router.add_get("/hang", self.hang)
         app.router.add_get("/trickle", self.trickle)
         app.router.add_get("/redirect/{n}", self.redirect)
+        app.router.add_get("/gzip-bomb", self.gzip_bomb)
         app.router.add_get("/to", self.to)
         app.middlewares.append(self.count)
         return app
@@ -57,6 +59,11 @@ class ImageServer:
         for _ in range(64):
             await response.write(b"\0" * 1024)
         return response
+
+    async def gzip_bomb(self, request):        # 64 MiB of zeros in ~64 KiB of gzip
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+        body = b"".join(packer.compress(bytes(1 << 20)) for _ in range(64)) + packer.flush()
+        return web.Response(body=body, headers={"Content-Encoding": "gzip", "Content-Type": "image/bmp"})
 
     async def missing(self, request):
         return web.Response(status=404)
@@ -229,6 +236,12 @@ async def test_too_many_bytes_is_refused(server):
     chunked = MediaPolicy(allowed_media_domains=("127.0.0.1",), max_image_bytes=4096)
     err = await refused(server.url("/big"), chunked)
     assert "more bytes than the 4096 allowed" in err.message and err.code == "image_too_large"
+
+
+async def test_compressed_body_is_limited_by_its_decoded_size(server):
+    policy = MediaPolicy(allowed_media_domains=("127.0.0.1",), max_image_bytes=1 << 20)
+    err = await refused(server.url("/gzip-bomb"), policy)
+    assert "more bytes than the 1048576 allowed" in err.message
 
 
 @pytest.mark.parametrize("path", ["/hang", "/trickle"])

@@ -111,6 +111,33 @@ async def test_anthropic_media_type_must_match_the_bytes():
         info.value.message
 
 
+async def test_loading_is_traced_when_tracing_is_on():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from steploop.common import tracing
+    memory, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.enable(provider)
+    try:
+        await load_images([ImageRef("messages[0].content[0]", "messages", url=data_url(PNG))], MediaPolicy())
+        with pytest.raises(APIError):
+            await load_images([ImageRef("messages[0].content[1]", "messages", base64="@@", media_type="image/png")],
+                              MediaPolicy())
+    finally:
+        tracing.disable()
+    spans = {(s.name, s.attributes.get("steploop.image.part")): s for s in memory.get_finished_spans()}
+    ok, failed = spans["load image", "messages[0].content[0]"], spans["load image", "messages[0].content[1]"]
+    assert ok.attributes["steploop.image.kind"] == "data" and ok.attributes["steploop.image.width"] == 16
+    assert len(ok.attributes["steploop.image.hash"]) == 64
+    assert failed.attributes["steploop.image.kind"] == "base64" and not failed.status.is_ok
+    parents = [s for s in memory.get_finished_spans() if s.name == "load images"]
+    assert len(parents) == 2 and ok.parent.span_id == parents[0].context.span_id
+    await load_images([ImageRef("a", "messages", url=data_url(PNG))], MediaPolicy())     # off: no span
+    assert len(memory.get_finished_spans()) == 4
+
+
 @pytest.mark.parametrize("parse, part, words", [
     (openai_image_part, {"type": "image_url"}, "'image_url': {'url': str"),
     (openai_image_part, {"type": "image_url", "image_url": {"url": 3}}, "'image_url': {'url': str"),

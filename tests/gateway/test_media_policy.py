@@ -31,6 +31,14 @@ def test_gateway_flags_reach_the_policy(tmp_path):
         (1000, 4096, 1.5, 0)
 
 
+def test_allowed_domains_are_compared_as_urls_carry_hosts():
+    policy = MediaPolicy(allowed_media_domains=("Bücher.Example.", "[::1]"))
+    assert policy.allowed_media_domains == ("xn--bcher-kva.example", "::1")
+    assert policy.domain_allowed("xn--bcher-kva.example") and policy.domain_allowed("::1")
+    with pytest.raises(ValueError, match="'a b' is not a host name"):
+        MediaPolicy(allowed_media_domains=("a b",))
+
+
 def test_serve_hands_the_domains_to_its_gateway(monkeypatch):
     parser = serve.build_parser()
     args = parser.parse_args(["--allowed-media-domains", "a.example", "b.example"])

@@ -1,7 +1,8 @@
 """The two entry points: an image URL (data:, http(s):, file:) or bare base64 -> LoadedImage, or a 400 naming why not.
 
 `param` is the request field the image came from (`messages[0].content[1].image_url.url`); every error names it.
-Decoding runs in a thread, so a large image does not stall the gateway's event loop.
+Base64 and image decoding run in a thread (load_image), so a large image does not stall the gateway's event loop;
+load_base64_image is synchronous: call it from a thread (ImageRef.load does).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ async def load_image(url: str, policy: MediaPolicy, *, param: str | None = DEFAU
     if scheme == "data":
         data, media_type = inline.parse_data_url(url, param)
         source = f"data: URL ({media_type or 'no media type'})"
-        raw = inline.decode_base64(data, policy, source, param)
-        return await asyncio.to_thread(decode_image, raw, policy, source=source, param=param)
+        return await asyncio.to_thread(_decode_base64_image, data, policy, source, param, None)
     if scheme == "file":
         raw, source = await asyncio.to_thread(inline.read_file_url, url, policy, param)
     elif scheme in ("http", "https"):
@@ -46,5 +46,10 @@ def load_base64_image(data: str, media_type: str | None, policy: MediaPolicy, *,
     """An Anthropic base64 image block's `data`; a declared media type must match what the bytes are."""
     source = f"base64 data ({media_type or 'no media type'})"
     fmt = inline.expected_format(media_type, source, param)
+    return _decode_base64_image(data, policy, source, param, fmt)
+
+
+def _decode_base64_image(data: str, policy: MediaPolicy, source: str, param: str | None,
+                         fmt: str | None) -> LoadedImage:
     raw = inline.decode_base64(data, policy, source, param)
     return decode_image(raw, policy, source=source, param=param, expected_format=fmt)

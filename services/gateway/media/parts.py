@@ -13,9 +13,11 @@ error body has no param field.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from steploop.common import tracing
 from steploop.gateway.errors import APIError, bad_request
 from steploop.gateway.media.decode import LoadedImage
 from steploop.gateway.media.loader import load_base64_image, load_image
@@ -33,15 +35,26 @@ class ImageRef:
     base64: str | None = None       # bare base64 (Anthropic's base64 source)
     media_type: str | None = None   # declared with base64; must match the bytes
 
+    @property
+    def kind(self) -> str:
+        """How the image comes: "data", "http", "https", "file" (URL schemes) or "base64"."""
+        return self.url.split(":", 1)[0].lower() if self.url is not None else "base64"
+
     async def load(self, policy: MediaPolicy) -> LoadedImage:
-        try:
-            if self.url is not None:
-                return await load_image(self.url, policy, param=self.param)
-            return await asyncio.to_thread(load_base64_image, self.base64 or "", self.media_type, policy,
-                                           param=self.param)
-        except APIError as err:
-            raise APIError(err.status, f"{self.where}: {err.message}", type=err.type, param=err.param,
-                           code=err.code, headers=err.headers) from None
+        with _span("load image", {"steploop.image.part": self.where, "steploop.image.kind": self.kind}) as span:
+            try:
+                if self.url is not None:
+                    loaded = await load_image(self.url, policy, param=self.param)
+                else:
+                    loaded = await asyncio.to_thread(load_base64_image, self.base64 or "", self.media_type, policy,
+                                                     param=self.param)
+            except APIError as err:
+                raise APIError(err.status, f"{self.where}: {err.message}", type=err.type, param=err.param,
+                               code=err.code, headers=err.headers) from None
+            if span is not None:
+                span.set_attributes({"steploop.image.hash": loaded.hash, "steploop.image.width": loaded.size[0],
+                                     "steploop.image.height": loaded.size[1]})
+            return loaded
 
 
 async def load_images(refs: list[ImageRef] | tuple[ImageRef, ...], policy: MediaPolicy) -> list[LoadedImage]:
@@ -51,18 +64,34 @@ async def load_images(refs: list[ImageRef] | tuple[ImageRef, ...], policy: Media
         raise bad_request(f"{len(refs)} images in one request, more than the {limit} this server allows "
                           f"(--limit-mm-per-prompt image={limit})", param=refs[limit].param,
                           code="too_many_images")
-    tasks = [asyncio.ensure_future(ref.load(policy)) for ref in refs]
-    if not tasks:
+    if not refs:
         return []
-    try:
-        done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:                       # the first failure in request order among those finished
-            if task in done and task.exception() is not None:
-                raise task.exception()
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
+    with _span("load images", {"steploop.images": len(refs)}):
+        tasks = [asyncio.ensure_future(ref.load(policy)) for ref in refs]    # each a child span of this one
+        try:
+            done, _pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:                       # the first failure in request order among those finished
+                if task in done and task.exception() is not None:
+                    raise task.exception()
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+def _span(name: str, attributes: dict[str, Any]) -> Any:
+    """A span of the current trace while tracing is on (it records an escaping error); else nothing, as None."""
+    if not tracing.ENABLED:
+        return contextlib.nullcontext()
+    return tracing.tracer().start_as_current_span(name, attributes={tracing.SERVICE: "gateway", **attributes})
+
+
+def user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A user message's content in the shared form: its text alone stays a string (exactly as before images), with
+    an image the parts list [{"type": "text", "text"}, {"type": "image", "image": ImageRef}, ...] in order."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def _shape_error(where: str, param: str, expected: str) -> APIError:

@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from yarl import URL
+
 from steploop.common import envs
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024     # OpenAI's own per-image limit
@@ -35,7 +37,7 @@ class MediaPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_media_domains",
-                           tuple(d.strip().lower().rstrip(".") for d in self.allowed_media_domains if d.strip()))
+                           tuple(normalize_host(d) for d in self.allowed_media_domains if d.strip()))
         if self.allowed_local_media_path is not None:
             if not os.path.isdir(self.allowed_local_media_path):
                 raise ValueError(f"--allowed-local-media-path must be an existing folder, got "
@@ -52,8 +54,8 @@ class MediaPolicy:
             raise ValueError(f"--max-media-redirects must be >= 0 (0: redirects refused), got {self.max_redirects}")
 
     def domain_allowed(self, host: str) -> bool:
-        """Whether `host` is named by --allowed-media-domains (False when the list is empty)."""
-        return host.lower().rstrip(".") in self.allowed_media_domains
+        """Whether `host` (a URL's raw host) is named by --allowed-media-domains (False when the list is empty)."""
+        return bool(self.allowed_media_domains) and normalize_host(host) in self.allowed_media_domains
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MediaPolicy:
@@ -82,6 +84,15 @@ def parse_limit_mm_per_prompt(text: str | None) -> int:
     if others:
         raise ValueError(f"--limit-mm-per-prompt: only images are served; {others} cannot be (give 0 or leave out)")
     return limits.get("image", DEFAULT_MAX_IMAGES_PER_PROMPT)
+
+
+def normalize_host(host: str) -> str:
+    """A host as URLs carry it: lower case, IDNA (bücher.example -> xn--bcher-kva.example), no brackets or final dot."""
+    host = host.strip().strip("[]").rstrip(".")
+    try:
+        return URL.build(scheme="http", host=host).raw_host or host.lower()
+    except ValueError as exc:
+        raise ValueError(f"--allowed-media-domains: {host!r} is not a host name or IP address ({exc})") from None
 
 
 def _domains_from_env() -> list[str] | None:
