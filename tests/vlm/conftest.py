@@ -1,15 +1,8 @@
 from __future__ import annotations
 
 import pytest
+import transformers  # noqa: F401 - with torch, before a gateway fixture first imports it with USE_TORCH=0
 
-from tests.gateway.conftest import (  # noqa: F401 - the text-only gateway fixtures, for test_gateway_images
-    fake_engine,
-    gateway,
-    gateway_config,
-    gateway_model_dir,
-    reply_ids,
-    tokenizer,
-)
 from tests.vlm.vlm_models import build_qwen2_5_vl, load_oracle, png_bytes, prompt_with_images
 
 
