@@ -65,3 +65,14 @@ async def test_image_parts_reach_the_engine_expanded(served):
         np.testing.assert_array_equal(got, pixels)
     assert ids.count(image_token) == sum(f.length for f in sent.mm_features)
     assert sent.mm_features[0].hash != sent.mm_features[1].hash
+
+
+async def test_pixels_too_large_for_one_request_are_a_400(served, monkeypatch):
+    from steploop.gateway.text import image_prompts
+    monkeypatch.setattr(image_prompts, "MAX_PIXEL_BYTES", 1024)      # one 112x84 image is 48 x 1176 floats
+    client, engine, _ = served
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.chat.completions.create(model="vlm", max_tokens=4, messages=[
+            {"role": "user", "content": [image_part(png_bytes(112, 84, 1))]}])
+    assert "MiB of processed pixels" in exc.value.message and exc.value.code == "image_too_large"
+    assert engine.requests == []

@@ -23,11 +23,16 @@ from typing import Any
 
 import numpy as np
 
+from steploop.common.grpc_options import MAX_MESSAGE_BYTES
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.gateway.errors import bad_request
 from steploop.gateway.media.decode import LoadedImage
 from steploop.gateway.media.parts import ImageRef, load_images
 from steploop.gateway.media.policy import MediaPolicy
+
+# The processed pixels of one request travel to the scheduler and, in a step plan, to the worker (float32): at most
+# a quarter of a gRPC message, so a plan still fits beside other new requests.
+MAX_PIXEL_BYTES = MAX_MESSAGE_BYTES // 4
 
 # model_type -> the config.json key of its image placeholder token id
 IMAGE_TOKEN_KEYS = {"qwen2_5_vl": "image_token_id"}
@@ -74,6 +79,11 @@ class ImagePrompts:
             raise bad_request(f"the chat template placed {len(at)} image placeholders for {len(images)} images",
                               param=param)
         processed = await asyncio.to_thread(lambda: [self._process(im) for im in images])
+        size = sum(pixels.size * 4 for pixels, _ in processed)
+        if size > MAX_PIXEL_BYTES:
+            raise bad_request(f"the images of this request make {size >> 20} MiB of processed pixels, more than the "
+                              f"{MAX_PIXEL_BYTES >> 20} MiB one request may carry; send smaller or fewer images",
+                              param=param, code="image_too_large")
         ids: list[int] = []
         features: list[MultiModalFeature] = []
         start = 0
