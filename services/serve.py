@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -79,8 +80,10 @@ def child_environment(parser: argparse.ArgumentParser, args: argparse.Namespace)
         if not action.option_strings or action.dest in ("help",):
             continue
         value = getattr(args, action.dest, None)
-        if isinstance(value, list):         # --lora-modules: a JSON list (lora_config.py reads it back)
+        if action.dest == "lora_modules" and value is not None:   # a JSON list (lora_config.py reads it back)
             env[envs.env_name(action.option_strings[0])] = lora_config.env_value(value)
+        elif isinstance(value, list):       # --allowed-media-domains: a JSON list of strings (media/policy.py)
+            env[envs.env_name(action.option_strings[0])] = json.dumps([str(v) for v in value])
         elif value is not None:
             env[envs.env_name(action.option_strings[0])] = str(value)
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -9,6 +9,9 @@ steploop's own function, "sha256" (the default):
     h(block 0) = sha256(ROOT        || 0x01 || len(salt) as u32 LE || salt (UTF-8) || tokens as u32 LE)
     h(block i) = sha256(h(block i-1) || 0x00 ||                                      tokens as u32 LE)
 
+A block whose tokens meet an image's placeholder range appends `0x02 || (len(hash) as u32 LE || hash (UTF-8))` for
+each such image (vLLM's multimodal extra keys): placeholder ids are the same for every image, so the image's
+content hash is what tells two images apart; a repeated image gives the same keys (a prefix-cache hit).
 A block's key thus names its whole prefix, so equal keys mean equal KV (for the same model). The cache salt is
 mixed into the first block only: every later key inherits it through the chain. The encoding is fixed (no
 Python `hash()`, which is randomized per process), so keys are equal across restarts, machines and services.
@@ -20,7 +23,7 @@ KV events:
 
     h(block i) = sha256(cbor2.dumps((h(block i-1) or NONE_HASH, tuple(tokens), extra_keys), canonical=True))
     NONE_HASH  = sha256(cbor2.dumps(PYTHONHASHSEED if set, else "vllm-none-hash", canonical=True))
-    extra_keys = (("cache_salt", salt),) for a salted request's first block, else None
+    extra_keys = (*image hashes of the block, ("cache_salt", salt) for a salted request's first block), None if empty
 
 vLLM before 0.32 drew NONE_HASH at random per process when PYTHONHASHSEED was unset (then no two processes
 agree); 0.32 fixed the default seed for its cryptographic hashes, and so does this. vLLM's own "sha256" pickles
@@ -36,8 +39,9 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 
-# (parent key or None for a request's first block, the block's token ids, cache salt or None) -> key
-BlockHasher = Callable[[bytes | None, Sequence[int], str | None], bytes]
+# (parent key or None for a request's first block, the block's token ids, cache salt or None) -> key; keyword
+# mm_hashes: the hashes of the images whose placeholder range the block meets, in prompt order.
+BlockHasher = Callable[..., bytes]
 
 ROOT_HASH = hashlib.sha256(b"steploop-prefix-cache-v1").digest()
 DEFAULT_HASHER = "sha256"
@@ -52,7 +56,7 @@ def _packer(num_tokens: int) -> Callable[..., bytes]:
 
 
 def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, *,
-               root: bytes = ROOT_HASH) -> bytes:
+               root: bytes = ROOT_HASH, mm_hashes: Sequence[str] = ()) -> bytes:
     """steploop's key of one full block ("sha256"); parent is None for a request's first block. Runs once per
     block a decode fills (1 in block_size request-steps), so the packing format is cached."""
     if parent is None:
@@ -60,7 +64,8 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], salt: str | None = N
         head = root + b"\x01" + struct.pack("<I", len(salt_bytes)) + salt_bytes
     else:
         head = parent + b"\x00"
-    return hashlib.sha256(head + _packer(len(tokens))(*tokens)).digest()
+    tail = b"".join(b"\x02" + struct.pack("<I", len(h)) + h.encode() for h in mm_hashes)
+    return hashlib.sha256(head + _packer(len(tokens))(*tokens) + tail).digest()
 
 
 def first_block_extra(cache_salt: str | None, lora_name: str | None) -> str | None:
@@ -93,9 +98,10 @@ def vllm_none_hash() -> bytes:
 
 
 def hash_block_cbor(parent: bytes | None, tokens: Sequence[int], salt: str | None = None, *,
-                    root: bytes | None = None) -> bytes:
+                    root: bytes | None = None, mm_hashes: Sequence[str] = ()) -> bytes:
     """vLLM's key of one full block ("sha256_cbor"); `root` overrides NONE_HASH (a peer's, as it reported it)."""
-    extra_keys = (("cache_salt", salt),) if parent is None and salt else None
+    extra = (*mm_hashes, *((("cache_salt", salt),) if parent is None and salt else ()))
+    extra_keys = extra or None
     if parent is None:
         parent = root if root is not None else vllm_none_hash()
     return sha256_cbor((parent, tuple(tokens), extra_keys))
@@ -121,11 +127,18 @@ def hasher_root(name: str) -> bytes:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,
-                 hasher: BlockHasher = hash_block) -> list[bytes]:
-    """Keys of every full block of a token list (a trailing partial block has none)."""
+                 hasher: BlockHasher = hash_block, images: Sequence[tuple[str, int, int]] = ()) -> list[bytes]:
+    """Keys of every full block of a token list (a trailing partial block has none); images: (hash, offset,
+    length) of each image's placeholder range."""
     hashes: list[bytes] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hasher(parent, token_ids[start:start + block_size], salt)
+        mm = block_images(images, start, start + block_size)
+        parent = hasher(parent, token_ids[start:start + block_size], salt, **({"mm_hashes": mm} if mm else {}))
         hashes.append(parent)
     return hashes
+
+
+def block_images(images: Sequence[tuple[str, int, int]], start: int, end: int) -> tuple[str, ...]:
+    """Hashes of the images whose placeholder range [offset, offset + length) meets tokens [start, end)."""
+    return tuple(h for h, offset, length in images if offset < end and start < offset + length)

@@ -17,6 +17,7 @@ from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.common.kv_moves import KvMoveReport, KvMoves
 from steploop.common.lora_adapter import LoraModelShapes
 from steploop.common.lora_config import LoraModule
+from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.pb.steploop.v1 import engine_pb2, worker_pb2
 from steploop.common.pooling_params import PoolingConfig, PoolingParams
 from steploop.common.sampling_params import SamplingParams
@@ -36,12 +37,14 @@ class NewRequestData:
     traceparent: str = ""                # W3C trace context of the scheduler's request span; "" = not traced
     pooling: PoolingParams | None = None  # set: pool the prompt once computed, sample nothing (pooling runner)
     lora_name: str = ""                  # its LoRA adapter ("" = the base model)
+    mm_features: list[MultiModalFeature] = field(default_factory=list)   # its images, in prompt order
 
     def to_pb(self) -> worker_pb2.NewRequest:
         pb = worker_pb2.NewRequest(
             handle=self.handle, prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
             sampling=self.sampling.to_pb(), block_ids=self.block_ids,
-            num_computed_tokens=self.num_computed_tokens, traceparent=self.traceparent, lora_name=self.lora_name)
+            num_computed_tokens=self.num_computed_tokens, traceparent=self.traceparent, lora_name=self.lora_name,
+            mm_features=[f.to_pb() for f in self.mm_features])
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -53,7 +56,7 @@ class NewRequestData:
                    block_ids=list(pb.block_ids), num_computed_tokens=pb.num_computed_tokens,
                    traceparent=pb.traceparent,
                    pooling=PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
-                   lora_name=pb.lora_name)
+                   lora_name=pb.lora_name, mm_features=[MultiModalFeature.from_pb(f) for f in pb.mm_features])
 
 
 @dataclass
@@ -98,6 +101,7 @@ class StepPlan:
     lora_loads: list[LoraModule] = field(default_factory=list)      # adapters to register (name, folder)
     lora_drops: list[str] = field(default_factory=list)             # adapters to forget
     kv_moves: KvMoves | None = None      # KV tier moves done before the forward (kv_moves.py); None = none
+    encoder_free_hashes: list[str] = field(default_factory=list)   # encoder cache entries no request needs
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -109,7 +113,7 @@ class StepPlan:
             scheduled_handles=self.scheduled_handles, num_scheduled_tokens=self.num_scheduled_tokens,
             finished_handles=self.finished_handles, preempted_handles=self.preempted_handles,
             lora_loads=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.lora_loads],
-            lora_drops=self.lora_drops)
+            lora_drops=self.lora_drops, encoder_free_hashes=self.encoder_free_hashes)
         if self.kv_moves:
             self.kv_moves.fill_pb(pb)
         if self.draft_token_ids:
@@ -131,7 +135,7 @@ class StepPlan:
                    num_scheduled_tokens=list(pb.num_scheduled_tokens), draft_token_ids=drafts,
                    finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles),
                    lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops),
-                   kv_moves=KvMoves.from_pb(pb))
+                   kv_moves=KvMoves.from_pb(pb), encoder_free_hashes=list(pb.encoder_free_hashes))
 
 
 @dataclass
@@ -250,6 +254,7 @@ class WorkerInfo:
     kv_disk_blocks: int = 0
     kv_disk_hashes: tuple[bytes, ...] = ()   # block hashes on disk for this model's fingerprint, LRU first
     kv_block_bytes: int = 0              # bytes of one block over all layers
+    accepts_images: bool = False         # a vision-language model (requests may carry images)
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
@@ -259,7 +264,8 @@ class WorkerInfo:
             generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous,
             expert_parallel=self.expert_parallel,
             kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
-            kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes)
+            kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
+            accepts_images=self.accepts_images)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -286,4 +292,5 @@ class WorkerInfo:
                    dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous, lora_shapes=shapes,
                    expert_parallel=pb.expert_parallel,
                    kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
-                   kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes)
+                   kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
+                   accepts_images=pb.accepts_images)

@@ -12,6 +12,7 @@ from steploop.gateway.pause_gate import PauseGate
 from steploop.gateway.responses_api.store import ResponseStore
 from steploop.gateway.serving import Serving
 from steploop.gateway.text.chat_template import ChatTemplate
+from steploop.gateway.text.image_prompts import ImagePrompts
 from steploop.gateway.text.reasoning import ReasoningParser
 from steploop.gateway.tool_parsers import ToolParser
 
@@ -25,3 +26,4 @@ RESPONSE_STORE = web.AppKey("response_store", ResponseStore)   # /v1/responses k
 REASONING_PARSER = web.AppKey("reasoning_parser", ReasoningParser)   # --reasoning-parser; None: no split
 PAUSE_GATE = web.AppKey("pause_gate", PauseGate)          # POST /pause holds new generation requests here
 BATCHES = web.AppKey("batches", BatchService)           # the Batch API's stores and runner (batch_api/)
+IMAGE_PROMPTS = web.AppKey("image_prompts", ImagePrompts)   # images of chat requests -> pixels, expanded prompt

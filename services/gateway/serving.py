@@ -60,7 +60,7 @@ class Serving:
 
     async def make_choices(self, request_id: str, prompts: Sequence[Sequence[int]], sampling: SamplingFields,
                            param: str, prompt_texts: Sequence[str | None] | None = None, *,
-                           api: str | None = None, lora_name: str = "") -> list[Choice]:
+                           api: str | None = None, lora_name: str = "", mm_features: Sequence = ()) -> list[Choice]:
         """n choices per prompt, indexed prompt-major: prompt i's choices are i*n .. i*n+n-1. Seeded choices get
         seeds seed, seed+1, ... so the n samples differ (and repeat across runs). A pooling model (embeddings
         only) refuses them: a 400 naming `api` (by default the API whose prompt field is `param`)."""
@@ -89,7 +89,7 @@ class Serving:
                                       drop_output=sampling.max_tokens == 0, priority=sampling.priority,
                                       cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name,
                                       constraint_param=constraint_field(sampling),
-                                      prompt_logprobs=sampling.prompt_logprobs))
+                                      prompt_logprobs=sampling.prompt_logprobs, mm_features=tuple(mm_features)))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:

@@ -30,6 +30,7 @@ from steploop.gpu_worker.cpu_kernels.threads import granted_cpus
 from steploop.gpu_worker.cuda_graphs import StepGraphRunner
 from steploop.gpu_worker.distributed.comm import CollectiveError
 from steploop.gpu_worker.distributed.rank_setup import RankSetup
+from steploop.gpu_worker.encoder_cache import EncoderCache
 from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
 from steploop.gpu_worker.gguf.weights import gguf_source
 from steploop.gpu_worker.input_batch import InputBatch
@@ -84,6 +85,8 @@ class ModelRunner:
         self.receiver = None     # update_weights_from_distributed (weight_receiver.py); from_config sets it
         self.tiers: KvTierMover | None = None        # KV tiers below the pool (kv_tier_mover.py)
         self.kernel_tuning: dict | None = None     # CUDA + triton: the launch configs chosen and variants warmed
+        # vision-language models: images, M-RoPE positions and the encoder cache (encoder_cache.py)
+        self.encoder = EncoderCache(model, self.device) if getattr(model.config, "is_multimodal", False) else None
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -118,6 +121,9 @@ class ModelRunner:
         rank.comm.local_only = False
         caches = kv_cache.allocate_kv_caches(local, num_blocks, config.block_size, dtype, device, plan.hugepages)
         log.info("decode steps: %s", model.bind_kv_caches(caches))
+        if cfg.is_multimodal and (pooling is not None or config.lora.enable_lora):
+            raise ValueError(f"{cfg.model_type}: a vision-language model runs --runner generate without "
+                             "--enable-lora (pooling and LoRA over image inputs are not implemented)")
         if config.lora.enable_lora and pooling is not None:
             raise ValueError("--enable-lora serves generate models; this worker runs --runner pooling (embeddings)")
         lora = LoraManager.build(model, config.lora, dtype, device) if config.lora.enable_lora else None
@@ -130,6 +136,7 @@ class ModelRunner:
                           dtype=str(dtype).removeprefix("torch."), expert_parallel=config.enable_expert_parallel,
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None,
+                          accepts_images=cfg.is_multimodal,
                           **kv_tier_mover.hello_fields(tiers))
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
@@ -137,7 +144,8 @@ class ModelRunner:
         tuning = _tune_and_warm_up(model, caches, config.block_size, max_len, config.tune_kernels) \
             if plan.attention_backend == "triton" and device.type == "cuda" else None
         graphs = None
-        if plan.cuda_graphs and pooling is None:    # graphs are for sampling steps; a pooling runner has none
+        # graphs are for sampling steps (a pooling runner has none) over [T] positions (M-RoPE's are [3, T])
+        if plan.cuda_graphs and pooling is None and not cfg.is_multimodal:
             graphs = StepGraphRunner(model, caches, config.block_size, max_len,
                                      graph_plan(config, local, lora is not None), lora)
             graphs.capture_all()
@@ -158,6 +166,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
         self.batch.reset()
+        if self.encoder is not None:
+            self.encoder.reset()
         if self.weights is not None:
             self.weights.drop()
         if self.sleep_mode is not None:
@@ -171,6 +181,7 @@ class ModelRunner:
         try:
             moved = kv_tier_mover.apply(self.tiers, plan)      # before the forward: stores read, loads write
             self.batch.apply_plan(plan)
+            self._apply_images(plan)
             if self.lora is not None:
                 self.lora.apply_plan(plan)
             self.structured.check_new(plan.new_requests, self.batch.requests)   # a bad grammar fails its request
@@ -221,13 +232,16 @@ class ModelRunner:
         prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
         hidden = None
         attn_metadata = step.attn_metadata(self.model.backend)
-        if self.graphs is not None:        # None back: this step runs eagerly (capture_plan.py: why)
+        positions, mm_embeds = inputs.positions, None
+        if self.encoder is not None:       # M-RoPE positions and this step's image embeddings
+            positions, mm_embeds = self.encoder.step_inputs(self.batch, plan)
+        elif self.graphs is not None:      # None back: this step runs eagerly (capture_plan.py: why)
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, attn_metadata.plan,
                                      inputs.logits_indices, with_lora, bool(prompt_rows))
         if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_metadata,
+            hidden = self.model(inputs.input_ids, positions, self.kv_caches, attn_metadata,
                                 prompt_rows.logits_indices(inputs.logits_indices) if prompt_rows
-                                else inputs.logits_indices)
+                                else inputs.logits_indices, mm_embeds=mm_embeds)
         for handle, num_computed in inputs.num_computed_after.items():
             self.batch.requests[handle].num_computed_tokens = num_computed
         result = StepResult(step_id=plan.step_id)
@@ -239,6 +253,12 @@ class ModelRunner:
             out = self.sampler(self.model.compute_logits(hidden), step.sampling)
             self._record(inputs, out.to_host(), result)
         return result
+
+    def _apply_images(self, plan: StepPlan) -> None:
+        if self.encoder is not None:
+            self.encoder.apply_plan(plan)
+        elif any(new.mm_features for new in plan.new_requests):
+            raise ValueError(f"{self.info.model_name} is a text-only model: it cannot take image inputs")
 
     def _run_pooling(self, plan: StepPlan, step: PreparedStep) -> StepResult:
         """Forward for the rows the pooler needs; the requests whose prompt is complete get their vector."""

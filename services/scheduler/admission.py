@@ -81,7 +81,7 @@ def admit(sched: Scheduler, plan: StepPlan, request: Request, num_hit: int) -> N
         handle=request.handle, prompt_token_ids=list(request.prompt_token_ids),
         output_token_ids=list(request.output_token_ids), sampling=request.sampling,
         block_ids=list(kv.get_block_ids(request)), num_computed_tokens=num_hit, pooling=request.pooling,
-        lora_name=request.lora_name or ""))
+        lora_name=request.lora_name or "", mm_features=request.mm_features))
 
 
 def preempt_for_waiting(sched: Scheduler, plan: StepPlan) -> None:

@@ -51,6 +51,19 @@ class SchedulerConfig:
     # n-gram sizes tried, longest first: the last n tokens are looked up earlier in the request's own tokens.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # Vision-language models (encoder_budget.py): image placeholder tokens whose encoder runs in one step at most,
+    # and the worker's encoder cache size in embeddings (images being prefilled hold theirs). 0 = max_num_batched_tokens
+    # (the budget), the budget (the cache).
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
+
+    @property
+    def encoder_budget(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_tokens(self) -> int:
+        return self.encoder_cache_size or self.encoder_budget
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,6 +83,10 @@ class SchedulerConfig:
                 f"max_num_seqs={self.max_num_seqs} > max_num_batched_tokens={self.max_num_batched_tokens}: "
                 "a step could not give every running request one token; raise --max-num-batched-tokens "
                 "or lower --max-num-seqs")
+        if self.max_num_encoder_input_tokens < 0 or self.encoder_cache_size < 0:
+            raise SchedulerConfigError(
+                f"max_num_encoder_input_tokens={self.max_num_encoder_input_tokens} and encoder_cache_size="
+                f"{self.encoder_cache_size} must be >= 0 (0 = max_num_batched_tokens)")
         if self.long_prefill_token_threshold < 0:
             raise SchedulerConfigError(
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0 (0 = off); "
@@ -133,6 +150,11 @@ class SchedulerConfig:
                       help="shortest n-gram matched for drafts")
         envs.add_flag(parser, "--ngram-prompt-lookup-max", type=int, default=d.prompt_lookup_max,
                       help="longest n-gram matched for drafts")
+        envs.add_flag(parser, "--max-num-encoder-input-tokens", type=int, default=d.max_num_encoder_input_tokens,
+                      help="image tokens encoded per step at most (vision-language models); 0 = "
+                           "--max-num-batched-tokens")
+        envs.add_flag(parser, "--encoder-cache-size", type=int, default=d.encoder_cache_size,
+                      help="image embeddings the worker's encoder cache holds at most; 0 = the encoder budget")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SchedulerConfig":
@@ -147,7 +169,9 @@ class SchedulerConfig:
                    prefix_caching_hash_algo=args.prefix_caching_hash_algo, scheduling_policy=args.scheduling_policy,
                    async_scheduling=args.async_scheduling, admission_watermark=args.admission_watermark,
                    num_speculative_tokens=args.speculative_ngram, prompt_lookup_min=args.ngram_prompt_lookup_min,
-                   prompt_lookup_max=args.ngram_prompt_lookup_max)
+                   prompt_lookup_max=args.ngram_prompt_lookup_max,
+                   max_num_encoder_input_tokens=getattr(args, "max_num_encoder_input_tokens", 0),
+                   encoder_cache_size=getattr(args, "encoder_cache_size", 0))
 
 
 # Module-level spellings of the same two functions.

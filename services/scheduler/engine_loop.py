@@ -94,7 +94,7 @@ class EngineLoop:
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
                           priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling,
                           output_token_ids=list(req.resume_output_token_ids),   # migrated: outputs, not prompt
-                          lora_name=req.lora_name or None, lora_path=lora_path)
+                          lora_name=req.lora_name or None, lora_path=lora_path, mm_features=list(req.mm_features))
         if self.control.hold(request):      # paused: validated and queued on resume (admit_held)
             pass
         elif self.scheduler is None:
@@ -123,6 +123,9 @@ class EngineLoop:
             if bad:
                 raise InvalidRequestError(f"token id {bad[0]} is out of range for vocab size {info.vocab_size}",
                                           param=param)
+        if request.mm_features and not info.accepts_images:
+            raise InvalidRequestError(f"model {info.model_name!r} is a text-only model: it does not take images",
+                                      param="messages", code="invalid_value")
         try:
             self.scheduler.add_request(request)
         except RequestRejectedError as exc:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from steploop.common.block_hashing import BlockHasher, first_block_extra, hash_block
+from steploop.common.block_hashing import BlockHasher, block_images, first_block_extra, hash_block
 from steploop.scheduler.request import Request
 
 
@@ -27,7 +27,11 @@ def ensure_block_hashes(request: Request, num_full_blocks: int, block_size: int,
     while len(hashes) < num_full_blocks:
         parent = hashes[-1] if hashes else None
         extra = first_block_extra(request.cache_salt, request.lora_name) if parent is None else None
-        hashes.append(hasher(parent, block_tokens(request, len(hashes), block_size), extra))
+        index = len(hashes)
+        mm = block_images([(f.hash, f.offset, f.length) for f in request.mm_features], index * block_size,
+                          (index + 1) * block_size) if request.mm_features else ()
+        hashes.append(hasher(parent, block_tokens(request, index, block_size), extra,
+                             **({"mm_hashes": mm} if mm else {})))
     return hashes
 
 

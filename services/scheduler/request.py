@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import KW_ONLY, dataclass, field
 
+from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.pooling_params import PoolingParams
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import TokenLogprob
@@ -74,6 +75,8 @@ class Request:
     # vector once the whole prompt is computed. no_prefix_hits: its pooling needs every prompt position (MEAN, CLS).
     pooling: PoolingParams | None = None
     no_prefix_hits: bool = False
+    # Its images (vision-language models), in prompt order: placeholder ranges, hashes and pixels for the worker.
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,17 +14,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from steploop.common.mm_inputs import check_features
 from steploop.common.pooling_params import PoolingConfig
 from steploop.common.step_contract import StepPlan, StepResult
 from steploop.scheduler import admission, fastpath, policy, running_pass, step_update
 from steploop.scheduler.config import SchedulerConfig
+from steploop.scheduler.encoder_budget import EncoderBudget
 from steploop.scheduler.handles import HandleTable
 from steploop.scheduler.integrity import check_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
 from steploop.scheduler.lora_steps import LoraSteps
 from steploop.scheduler.ngram_proposer import NgramProposer
 from steploop.scheduler.prefill_pacing import PrefillPacer
-from steploop.scheduler.request import Request, RequestOutput, RequestStatus
+from steploop.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from steploop.scheduler.request_failures import end_failed
 from steploop.scheduler.request_outputs import check_runner, make_output, validate_pooling_request, validate_request
 from steploop.scheduler.stats import SchedulerCounters, SchedulerStats
@@ -69,6 +71,7 @@ class Scheduler:
         self.stop_rules = StopRules(self.eos_token_ids, max_model_len)
         # The plain-decode runs of the two hot loops in C (fastpath/decode_loop.c), or None: Python throughout.
         self.c_loops = fastpath.load()
+        self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens)   # images' encoder work
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -83,6 +86,12 @@ class Scheduler:
         else:
             validate_request(request, self.kv, self.max_model_len)
             request.sends_prompt_logprobs = request.sampling.prompt_logprobs >= 0
+        if request.mm_features:
+            try:
+                check_features(request.mm_features, len(request.prompt_token_ids))
+            except ValueError as exc:
+                raise RequestRejectedError(str(exc), "invalid_value", "messages") from None
+            self.encoder.check(request)
         self.stop_rules.encode(request)
         request.num_prompt = len(request.prompt_token_ids)
         request.status = RequestStatus.WAITING
@@ -168,6 +177,8 @@ class Scheduler:
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
         plan.finished_handles = self.handles.take_finished()
+        plan.encoder_free_hashes = self.encoder.take_freed()     # before this step's commits add theirs
+        self.encoder.begin_step()
         self.lora.fill_plan(plan)
         if self.proposer is not None:
             running_pass.propose(self)
@@ -194,6 +205,8 @@ class Scheduler:
         """Put num_new tokens of the request into the plan, then advance it (`_advance`)."""
         plan.scheduled_handles.append(request.handle)
         plan.num_scheduled_tokens.append(num_new)
+        if request.mm_features:
+            self.encoder.commit(request, request.num_computed_tokens, num_new)
         if self.pacer is not None:
             self.pacer.tally(num_new, request.num_computed_tokens + num_new,
                              is_decode=num_new <= 1 + len(request.spec_token_ids))
@@ -209,6 +222,7 @@ class Scheduler:
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Recompute it later: blocks freed, back to the front of the waiting queue, its outputs kept."""
         self.kv.free(request)
+        self.encoder.release(request)
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
         request.spec_token_ids = []
@@ -236,6 +250,7 @@ class Scheduler:
         self.lora.finish(request)
         request.status = status
         self.kv.free(request)
+        self.encoder.release(request)
         if self.kv.tiers is not None:
             self.kv.tiers.forget(request.request_id)
         del self.requests[request.request_id]
@@ -255,6 +270,8 @@ class Scheduler:
         num_new = min(gap, budget, self.max_model_len - (request.pooling is None) - computed)
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
             num_new = self.pacer.clip(num_new, computed)
+        if request.mm_features and computed < request.mm_features[-1].end:   # the encoder's budget and cache
+            num_new = self.encoder.clip(request, computed, num_new)
         return num_new
 
     def _wants_drafts(self, request: Request, placeholders: int) -> bool:
@@ -313,6 +330,7 @@ class Scheduler:
             self._preempt(request, StepPlan(step_id=-1))    # a throwaway plan: no worker to tell
         self.handles.worker_lost()
         self.lora.worker_lost()
+        self.encoder.reset()
         self.kv.reset_prefix_cache()
         self._in_flight.clear()
         if self.pacer is not None:

@@ -21,6 +21,7 @@ class DriverRequest:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     sent: bool = False
+    mm_features: list = field(default_factory=list)   # its images (vision-language models)
 
     @property
     def tokens(self) -> list[int]:
@@ -42,10 +43,10 @@ class Driver:
         self.outputs: dict[int, list[int]] = {}   # handle -> output of a finished request
 
     def add(self, handle: int, prompt: list[int], max_tokens: int, sampling: SamplingParams | None = None,
-            output: list[int] = ()) -> None:
+            output: list[int] = (), mm_features: list = ()) -> None:
         """output: tokens already generated elsewhere (a migrated request); max_tokens counts them."""
         self.requests[handle] = DriverRequest(handle, list(prompt), sampling or SamplingParams(), max_tokens,
-                                              list(output))
+                                              list(output), mm_features=list(mm_features))
 
     def step(self, chunk: int | dict[int, int]) -> StepResult:
         """Schedule min(gap, chunk) tokens for every live request and run one step."""
@@ -60,7 +61,8 @@ class Driver:
                 plan.cached.append(req.handle, req.num_computed, new_blocks)
             else:
                 plan.new_requests.append(NewRequestData(req.handle, req.prompt, req.output, req.sampling,
-                                                        list(req.blocks), req.num_computed))
+                                                        list(req.blocks), req.num_computed,
+                                                        mm_features=req.mm_features))
                 req.sent = True
             plan.scheduled_handles.append(req.handle)
             plan.num_scheduled_tokens.append(n)

@@ -23,7 +23,9 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral
                   "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config",
                   "granite": "GraniteConfig", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
-                  "qwen2_moe": "Qwen2MoeConfig"}
+                  "qwen2_moe": "Qwen2MoeConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}
+# Constructor arguments a family needs to be servable at all (Qwen2.5-VL: its M-RoPE split, as every checkpoint has).
+CONFIG_KWARGS = {"qwen2_5_vl": {"text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}}}
 
 
 def test_every_family_has_its_config_class():
@@ -32,7 +34,7 @@ def test_every_family_has_its_config_class():
 
 @pytest.mark.parametrize("model_type", sorted(CONFIG_CLASSES))
 def test_every_config_field_is_read_or_documented_inert(model_type):
-    values = getattr(transformers, CONFIG_CLASSES[model_type])().to_dict()
+    values = getattr(transformers, CONFIG_CLASSES[model_type])(**CONFIG_KWARGS.get(model_type, {})).to_dict()
     _, fields = read_fields(values)
     assert fields.unaccounted() == [], (f"{model_type}: fields neither read nor in INERT_FIELDS: "
                                         f"{fields.unaccounted()}")
@@ -153,3 +155,8 @@ def test_kernel_plan_routes_family_differences_to_torch():
     cuda = WorkerConfig(model="unused", device="cuda")
     assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, gemma2).cuda_graphs   # kernel-served
     assert resolve_kernel_plan(cuda, torch.device("cuda"), torch.bfloat16, parse("Qwen3Config")).cuda_graphs
+
+
+def test_qwen2_5_vl_without_mrope_section_is_refused():
+    with pytest.raises(ValueError, match="mrope_section"):
+        read_fields(transformers.Qwen2_5_VLConfig().to_dict())

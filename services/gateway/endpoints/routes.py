@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from steploop.gateway.app_keys import CHAT_TEMPLATE, HEALTH, REASONING_PARSER, SERVING, TOOL_PARSER
+from steploop.gateway.app_keys import CHAT_TEMPLATE, HEALTH, IMAGE_PROMPTS, REASONING_PARSER, SERVING, TOOL_PARSER
 from steploop.gateway.batch_api import routes as batch_routes
 from steploop.gateway.embeddings_api import routes as embeddings_routes
 from steploop.gateway.endpoints import lora_routes, utility_routes
@@ -23,6 +23,7 @@ from steploop.gateway.openai_api.responses import Meta, new_id
 from steploop.gateway.openai_api.structured_length import log_length_finishes, structured_kind
 from steploop.gateway.responses_api import routes as responses_routes
 from steploop.gateway.serving import Serving, model_not_found
+from steploop.gateway.text.image_prompts import images_of
 from steploop.gateway.text.reasoning import split_reasoning
 
 STARTED_AT = int(time.time())
@@ -57,11 +58,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(await read_json(request), serving.model.vocab_size or None, request.app[TOOL_PARSER],
                      await serving.model.sampling_defaults())
     lora_name = serving.check_model(req.model)
+    image_prompts = request.app[IMAGE_PROMPTS]
+    images = await image_prompts.prepare(images_of(req.messages))     # a 400 for a text-only model or bad image
     prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                                      continue_final_message=req.continue_final_message,
                                                      tools=req.tools, template_kwargs=req.template_kwargs)
+    features = []
+    if images:
+        prompt, features = await image_prompts.expand(prompt, images)
     meta = Meta(new_id("chatcmpl"), lora_name or serving.model.served_model_name)
-    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", lora_name=lora_name)
+    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", lora_name=lora_name,
+                                         mm_features=features)
     events = log_length_finishes(serving.run(choices), meta.id, structured_kind(req.sampling, req.tools))
     events = split_reasoning(events, request.app[REASONING_PARSER])
     logprobs = req.sampling.logprobs >= 0

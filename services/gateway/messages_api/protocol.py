@@ -2,7 +2,8 @@
 template, SamplingFields, and a ToolRequest.
 
     system              a string or text blocks -> the system message
-    messages            user / assistant turns; content a string or blocks: text, tool_use (assistant),
+    messages            user / assistant turns; content a string or blocks: text, image (user: base64 or url
+                        source, in media/parts.py's shared form), tool_use (assistant),
                         tool_result (user: each becomes a `tool` message, in order); thinking blocks of earlier
                         turns are dropped (chat templates drop earlier reasoning too). A last assistant turn is a
                         prefill: the reply continues it.
@@ -11,7 +12,7 @@ template, SamplingFields, and a ToolRequest.
     tools               [{name, description, input_schema}]; tool_choice auto / any / tool / none, with
                         disable_parallel_tool_use. `any` and `tool` go through the guided-decoding path chat
                         completions' `required` / named function use, so the input always parses.
-Images, documents and server tools are refused with a 400 naming the field.
+Documents, images inside a tool_result, and server tools are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
+from steploop.gateway.media.parts import anthropic_image_block, user_content
 from steploop.gateway.openai_api.protocol import SamplingFields
 from steploop.gateway.tool_parsers import ToolParser
 from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
@@ -46,8 +48,8 @@ def _text_of(blocks: Any, where: str) -> str:
     texts = []
     for i, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise bad_request(f"{where}[{i}] must be a text block {{'type': 'text', 'text': str}}; images and "
-                              "documents are not supported", param="messages")
+            raise bad_request(f"{where}[{i}] must be a text block {{'type': 'text', 'text': str}}; images are "
+                              "taken only as a user turn's own blocks, documents not at all", param="messages")
         texts.append(block["text"])
     return "".join(texts)
 
@@ -61,18 +63,26 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-    """Text blocks become user messages, each tool_result a `tool` message, in the order given."""
+    """Text and image blocks become user messages (images in the shared part form, media/parts.py), each
+    tool_result a `tool` message, in the order given."""
     out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []      # the user message being gathered
+
+    def flush() -> None:
+        if parts:
+            out.append({"role": "user", "content": user_content(list(parts))})
+            parts.clear()
+
     for i, block in enumerate(blocks):
         kind, at = block.get("type"), f"{where}.content[{i}]"
         if kind == "text":
             if not isinstance(block.get("text"), str):
                 raise v.type_error(f"{at}.text", "a string", block.get("text"), param="messages")
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += block["text"]
-            else:
-                out.append({"role": "user", "content": block["text"]})
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append({"type": "image", "image": anthropic_image_block(block, at)})
         elif kind == "tool_result":
+            flush()
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str):
                 raise v.type_error(f"{at}.tool_use_id", "a string", call_id, param="messages")
@@ -82,6 +92,7 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
             raise _unsupported_block(kind, at, "user")
+    flush()
     return out
 
 
@@ -110,8 +121,8 @@ def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
 
 def _unsupported_block(kind: Any, at: str, role: str) -> Exception:
     return bad_request(f"{at} has type {kind!r}, which a {role} turn cannot carry here (supported: text"
-                       f"{', tool_result' if role == 'user' else ', tool_use, thinking'}; images and documents "
-                       "are not supported)", param="messages")
+                       f"{', image, tool_result' if role == 'user' else ', tool_use, thinking'}; documents are not "
+                       "supported)", param="messages")
 
 
 def parse_conversation(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], bool]:

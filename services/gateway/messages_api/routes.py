@@ -8,13 +8,14 @@ import uuid
 
 from aiohttp import web
 
-from steploop.gateway.app_keys import CHAT_TEMPLATE, REASONING_PARSER, SERVING, TOOL_PARSER
+from steploop.gateway.app_keys import CHAT_TEMPLATE, IMAGE_PROMPTS, REASONING_PARSER, SERVING, TOOL_PARSER
 from steploop.gateway.http_io import validation as v
 from steploop.gateway.http_io.request_body import read_json
 from steploop.gateway.http_io.sse import stream_typed_sse
 from steploop.gateway.messages_api import errors, outputs
 from steploop.gateway.messages_api.protocol import parse_conversation, parse_messages, parse_tool_request
 from steploop.gateway.openai_api.responses import Meta
+from steploop.gateway.text.image_prompts import images_of
 from steploop.gateway.text.reasoning import split_reasoning
 
 
@@ -23,12 +24,17 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req = parse_messages(await read_json(request), request.app[TOOL_PARSER],
                         await serving.model.sampling_defaults())
     lora_name = serving.check_model(req.model)
+    image_prompts = request.app[IMAGE_PROMPTS]
+    images = await image_prompts.prepare(images_of(req.messages))     # a 400 for a text-only model or bad image
     prompt = await request.app[CHAT_TEMPLATE].render(req.messages, add_generation_prompt=not req.continue_final_message,
                                                      continue_final_message=req.continue_final_message,
                                                      tools=req.tools)
+    features = []
+    if images:
+        prompt, features = await image_prompts.expand(prompt, images)
     meta = Meta(f"msg_{uuid.uuid4().hex}", serving.model.served_model_name)
     choices = await serving.make_choices(meta.id, [prompt], req.sampling, "messages", api="Messages",
-                                         lora_name=lora_name)
+                                         lora_name=lora_name, mm_features=features)
     events = split_reasoning(serving.run(choices), request.app[REASONING_PARSER])
     if req.sampling.stream:
         return await stream_typed_sse(request, outputs.message_events(meta, events, req.tools, len(prompt)),
@@ -43,8 +49,12 @@ async def count_tokens(request: web.Request) -> web.Response:
     serving.check_model(v.get_str(body, "model"))
     messages, prefill = parse_conversation(body)
     tools = parse_tool_request(body, request.app[TOOL_PARSER])
+    image_prompts = request.app[IMAGE_PROMPTS]
+    images = await image_prompts.prepare(images_of(messages))      # images count as the tokens they expand to
     prompt = await request.app[CHAT_TEMPLATE].render(messages, add_generation_prompt=not prefill,
                                                      continue_final_message=prefill, tools=tools)
+    if images:
+        prompt, _ = await image_prompts.expand(prompt, images)
     return web.json_response({"input_tokens": len(prompt)})
 
 

@@ -17,6 +17,7 @@ from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
+from steploop.gateway.media.parts import openai_image_part
 from steploop.gateway.openai_api.token_controls import parse_allowed_token_ids, parse_bad_words
 from steploop.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
 from steploop.gateway.tool_parsers import ToolParser
@@ -257,6 +258,20 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs
 
 
+def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user message's text, or (with image_url parts) its parts in image_prompts.py's shared form."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                for p in content):
+        return _message_text(content, where)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            parts.append({"type": "image", "image": openai_image_part(part, f"{where}.content[{i}]")})
+        else:
+            parts.append({"type": "text", "text": _message_text([part], f"{where}.content[{i}]")})
+    return parts
+
+
 def _message_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -295,7 +310,7 @@ def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
             out.append(entry)
             continue
         entry = {"role": "system" if role == "developer" else role,   # OpenAI's newer name; templates know "system"
-                 "content": _message_text(message.get("content"), where)}
+                 "content": (_user_content if role == "user" else _message_text)(message.get("content"), where)}
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):

@@ -1,13 +1,14 @@
 """The Responses request body, read into what the chat-completions flow takes.
 
     input               a string (one user message) or items: messages ({"role", "content": str | input_text /
-                        output_text parts}, with or without "type": "message"), function_call, function_call_output;
+                        output_text parts, and input_image parts in user messages}, with or without "type":
+                        "message"), function_call, function_call_output;
                         reasoning items of earlier turns are dropped
     instructions        a system message before the input (not carried over by previous_response_id, as OpenAI)
     max_output_tokens, temperature, top_p, top_k (vLLM's extra), stream, store (default true, as OpenAI's: see store.py),
     previous_response_id, tools (function tools), tool_choice, parallel_tool_calls, text.format (text /
     json_object / json_schema), cache_salt (vLLM's extra); metadata and user are kept on the response.
-Built-in tools (web search, file search, computer use), images and files are refused with a 400 naming the field.
+Built-in tools (web search, file search, computer use) and files are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
+from steploop.gateway.media.parts import responses_image_part, user_content
 from steploop.gateway.openai_api.protocol import SamplingFields
 from steploop.gateway.tool_parsers import ToolParser
 from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
@@ -38,18 +40,24 @@ class ResponsesRequest:
     echo: dict[str, Any]                   # request fields the Response object repeats back
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content(content: Any, where: str, role: str) -> str | list[dict[str, Any]]:
+    """A message's text; a user message with input_image parts: its parts in the shared form (media/parts.py)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise v.type_error(f"{where}.content", "a string or an array of text parts", content, param="input")
-    texts = []
+    parts = []
     for i, part in enumerate(content):
+        at = f"{where}.content[{i}]"
+        if role == "user" and isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append({"type": "image", "image": responses_image_part(part, at)})
+            continue
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{i}] must be an input_text / output_text part; images and files "
-                              "are not supported", param="input")
-        texts.append(part["text"])
-    return "".join(texts)
+            allowed = "input_text / output_text / input_image part" if role == "user" else \
+                "input_text / output_text part (input_image only in user messages)"
+            raise bad_request(f"{at} must be an {allowed}; files are not supported", param="input")
+        parts.append({"type": "text", "text": part["text"]})
+    return user_content(parts)
 
 
 def parse_input(value: Any) -> list[dict[str, Any]]:
@@ -74,7 +82,7 @@ def parse_input(value: Any) -> list[dict[str, Any]]:
                                   param="input", code="missing_required_parameter" if "role" not in item
                                   else "invalid_value")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _content_text(item.get("content"), where)})
+                        "content": _content(item.get("content"), where, role)})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise bad_request(f"{where} must be {{'type': 'function_call', 'call_id', 'name': str, "

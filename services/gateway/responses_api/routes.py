@@ -8,13 +8,21 @@ from typing import Any
 
 from aiohttp import web
 
-from steploop.gateway.app_keys import CHAT_TEMPLATE, REASONING_PARSER, RESPONSE_STORE, SERVING, TOOL_PARSER
+from steploop.gateway.app_keys import (
+    CHAT_TEMPLATE,
+    IMAGE_PROMPTS,
+    REASONING_PARSER,
+    RESPONSE_STORE,
+    SERVING,
+    TOOL_PARSER,
+)
 from steploop.gateway.errors import APIError
 from steploop.gateway.http_io.request_body import read_json
 from steploop.gateway.http_io.sse import stream_typed_sse
 from steploop.gateway.responses_api import outputs
 from steploop.gateway.responses_api.protocol import parse_input, parse_responses
 from steploop.gateway.responses_api.store import ResponseStore
+from steploop.gateway.text.image_prompts import images_of
 from steploop.gateway.text.reasoning import split_reasoning
 
 
@@ -37,11 +45,17 @@ async def create(request: web.Request) -> web.StreamResponse:
     history = store.get(req.previous_response_id, "previous_response_id").messages if req.previous_response_id else ()
     conversation = history + req.items
     system = ({"role": "system", "content": req.instructions},) if req.instructions is not None else ()
+    image_prompts = request.app[IMAGE_PROMPTS]
+    images = await image_prompts.prepare(images_of(conversation))   # a stored turn's images load again (by ref)
     prompt = await request.app[CHAT_TEMPLATE].render(system + conversation, add_generation_prompt=True,
                                                      continue_final_message=False, tools=req.tools)
+    features = []
+    if images:
+        prompt, features = await image_prompts.expand(prompt, images, param="input")
     meta = outputs.ResponseMeta(outputs.item_id("resp"), serving.model.served_model_name, req.echo,
                                 req.previous_response_id, req.store)
-    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "input", lora_name=lora_name)
+    choices = await serving.make_choices(meta.id, [prompt], req.sampling, "input", lora_name=lora_name,
+                                         mm_features=features)
     events = split_reasoning(serving.run(choices), request.app[REASONING_PARSER])
 
     def on_done(response: dict[str, Any]) -> None:

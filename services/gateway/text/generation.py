@@ -44,6 +44,7 @@ class Choice:
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
     prompt_logprobs: int = -1        # vLLM's prompt_logprobs (k >= 0): they come in the choice's first event
+    mm_features: tuple = ()          # its images (common/mm_inputs.py MultiModalFeature), placeholders expanded
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
         return event
 
     stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
-                                           choice.cache_salt, lora_name=choice.lora_name))
+                                           choice.cache_salt, lora_name=choice.lora_name,
+                                           mm_features=list(choice.mm_features)))
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:

@@ -216,10 +216,45 @@ def _qwen2_moe(f: Fields) -> dict[str, Any]:
     return {**cfg, "attention_bias": bool(f.get("qkv_bias", True)), "o_bias": False, "moe": moe}
 
 
+def _qwen2_5_vl(f: Fields) -> dict[str, Any]:
+    """Qwen2.5-VL: a Qwen2 decoder (text_config, audited as its own family) with M-RoPE, plus a vision tower run by
+    transformers' own module (model/qwen2_5_vl.py; its config is passed whole: the module reads every field)."""
+    text = Fields(to_v4_rope(f.get("text_config")), "qwen2_5_vl_text")
+    cfg = _qwen2(text)
+    scaling = dict(cfg["rope_scaling"] or {})
+    section = scaling.pop("mrope_section", None)
+    if section is None:
+        raise ValueError("config.json text_config.rope_scaling has no mrope_section: Qwen2.5-VL needs M-RoPE")
+    if sum(section) * 2 != cfg["head_dim"]:
+        raise ValueError(f"mrope_section {section} must cover head_dim {cfg['head_dim']} (twice its sum)")
+    scaling.pop("type", None)
+    if scaling.get("rope_type", "default") != "default":
+        raise ValueError(f"Qwen2.5-VL rope_type {scaling['rope_type']!r}: only the default M-RoPE runs")
+    _refuse_unaccounted(text)
+    for key in ("pruned_heads", "is_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+                "tie_encoder_decoder"):
+        f.refuse_if(key, bool, "steploop runs decoder-only models with every head")
+    f.get("video_token_id")          # videos are refused by the gateway, never encoded
+    f.get("tie_word_embeddings")     # transformers ties by text_config's (get_text_config), which _qwen2 read
+    vision = dict(f.get("vision_config"))
+    return {**cfg, "rope_scaling": None, "mrope_section": tuple(section), "vision_config": vision,
+            "image_token_id": f.get("image_token_id"), "vision_start_token_id": f.get("vision_start_token_id"),
+            "vision_end_token_id": f.get("vision_end_token_id"), "model_type": f.model_type}
+
+
+def _refuse_unaccounted(f: Fields) -> None:
+    set_fields = [k for k in f.unaccounted() if f.values[k] not in (None, False, 0, "", [], {})]
+    if set_fields:
+        shown = ", ".join(f"{k}={f.values[k]!r}" for k in set_fields)
+        raise ValueError(f"config.json sets {shown}, which steploop does not implement for model_type "
+                         f"{f.model_type!r}; refusing rather than serving different output")
+
+
 FAMILIES: dict[str, Callable[[Fields], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "ministral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
     "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2,
     "granite": _granite, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe,
+    "qwen2_5_vl": _qwen2_5_vl,
 }
 
 
@@ -230,11 +265,7 @@ def read_fields(values: dict[str, Any]) -> tuple[dict[str, Any], Fields]:
         raise ValueError(f"model_type {model_type!r} is not supported; steploop runs {', '.join(FAMILIES)}")
     f = Fields(to_v4_rope(values), model_type)        # transformers 5's rope_parameters, as v4 fields
     kwargs = FAMILIES[model_type](f)
-    set_fields = [k for k in f.unaccounted() if f.values[k] not in (None, False, 0, "", [], {})]
-    if set_fields:
-        shown = ", ".join(f"{k}={f.values[k]!r}" for k in set_fields)
-        raise ValueError(f"config.json sets {shown}, which steploop does not implement for model_type "
-                         f"{model_type!r}; refusing rather than serving different output")
+    _refuse_unaccounted(f)
     return kwargs, f
 
 

@@ -172,10 +172,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T]; kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
-        logits_indices [S] rows that need logits -> hidden [S, hidden]."""
+                attn_metadata: Any, logits_indices: torch.Tensor,
+                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids/positions [T] ([3, T] under M-RoPE); kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
+        logits_indices [S] rows that need logits; mm_embeds (rows [M], embeddings [M, hidden]): image embeddings
+        that replace the placeholder tokens' at those rows -> hidden [S, hidden]."""
         x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
+        if mm_embeds is not None:
+            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
         if self.config.embedding_scale != 1.0:    # in the model dtype, as transformers' Gemma normalizer
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False) \

@@ -56,10 +56,13 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     (or read from the packed-weight cache) before this returns. With tp_share the model is this rank's share
     (its heads, MLP rows and vocabulary rows), wired to all-reduce / all-gather through tp_comm."""
     full_cfg = LlamaModelConfig.from_dir(path)
+    if full_cfg.is_multimodal and (tp_share is not None or full_cfg.quant is not None or gguf_source(path)):
+        raise ValueError(f"{full_cfg.model_type}: vision-language models run unquantized on one rank only "
+                         "(no --tensor-parallel-size > 1, quantized or GGUF checkpoint yet)")
     cfg = full_cfg if tp_share is None else local_config(full_cfg, tp_share)
     quant = None
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions, plan)
+        model = _model_class(cfg)(cfg, backend, max_positions, plan)
         if cfg.quant is not None:     # before to_empty: the quantized linears never get an fp32 weight
             quant = QuantLoader.prepare(model, cfg, safetensors_files(path), device, _use_c(plan, device, dtype),
                                         _target)
@@ -86,11 +89,20 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         _fold_norm_offset(model, cfg.norm_offset)
     for rotary in model.rotaries():
         rotary.build_cache(device, dtype)
+    if hasattr(model, "finish_load"):
+        model.finish_load(device)
     if model.plan.packed_linears and gguf is None:
         log.info("%s", pack_linear_weights(model, PackedWeightCache.for_checkpoint(safetensors_files(path))))
     elif model.plan.packed_linears and sharder is not None:     # a GGUF model split across ranks: read as fp32
         log.info("%s", pack_linear_weights(model))
     return model.eval()
+
+
+def _model_class(cfg: LlamaModelConfig) -> type[LlamaForCausalLM]:
+    if cfg.model_type == "qwen2_5_vl":
+        from steploop.gpu_worker.model.qwen2_5_vl import Qwen2_5_VLForCausalLM
+        return Qwen2_5_VLForCausalLM
+    return LlamaForCausalLM
 
 
 def _use_c(plan: KernelPlan | None, device: torch.device, dtype: torch.dtype) -> bool:

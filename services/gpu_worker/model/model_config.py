@@ -52,6 +52,17 @@ class ModelConfig:
     original_max_position_embeddings: int | None = None   # Phi-3 longrope
     moe: MoESpec | None = None              # Mixtral, Qwen3-MoE: the sparse layers' experts and routing
     quant: QuantScheme | None = None        # a quantized checkpoint's scheme (model/quant/config.py); None: dense
+    # Vision-language (Qwen2.5-VL): M-RoPE's split of the rotary half-dims over (time, height, width) positions,
+    # the vision tower's config (transformers' dict) and the placeholder token ids.
+    mrope_section: tuple[int, ...] | None = None
+    vision_config: dict[str, Any] | None = None
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision_config is not None
 
     @classmethod
     def from_dir(cls, path: pathlib.Path) -> ModelConfig:
@@ -76,7 +87,8 @@ class ModelConfig:
                 and self.norm_placement == "pre" and self.embedding_scale == 1.0 and self.residual_scale == 1.0
                 and self.attention_scale is None and self.logits_scale == 1.0 and self.attn_softcap is None
                 and self.final_softcap is None and not any(w is not None for w in self.layer_windows)
-                and self.partial_rotary_factor == 1.0 and not self.output_bias and self.moe is None)
+                and self.partial_rotary_factor == 1.0 and not self.output_bias and self.moe is None
+                and self.mrope_section is None)
 
 
 LlamaModelConfig = ModelConfig   # the name the worker and older tests use

@@ -18,7 +18,7 @@ class BlockStored:
     parent_block_hash: bytes | None      # the key before block_hashes[0]; None for a request's first block
     token_ids: list[int]                 # [len(block_hashes) * block_size] the blocks' tokens
     block_size: int
-    extra_keys: list[tuple | None] | None = None   # per block, vLLM's untagged form: (cache_salt,) on block 0
+    extra_keys: list[tuple | None] | None = None   # per block, vLLM's untagged form: image hashes, then cache_salt on block 0
     medium: str = MEDIUM_GPU
 
     def to_pb(self) -> engine_pb2.KvEvent:

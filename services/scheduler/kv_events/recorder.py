@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from steploop.common.block_hashing import block_images
 from steploop.scheduler.kv_events.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from steploop.scheduler.prefix_cache import block_tokens
 
@@ -28,9 +29,8 @@ class KvEventRecorder:
     def _stored_run(self, request, run: list[int], hashes: Sequence[bytes], block_size: int) -> None:
         first = run[0]
         tokens = [t for i in run for t in block_tokens(request, i, block_size)]
-        extra = None
-        if first == 0 and request.cache_salt:   # vLLM publishes the salt untagged, on the block that hashed it
-            extra = [(request.cache_salt,)] + [None] * (len(run) - 1)
+        extra = [_extra_keys(request, i, block_size) for i in run]
+        extra = extra if any(e is not None for e in extra) else None
         self.pending.append(BlockStored([hashes[i] for i in run], hashes[first - 1] if first else None, tokens,
                                         block_size, extra))
 
@@ -63,3 +63,12 @@ class KvEventRecorder:
     def take(self) -> list[KvEvent]:
         events, self.pending = self.pending, []
         return events
+
+
+def _extra_keys(request, index: int, block_size: int) -> tuple | None:
+    """vLLM's untagged extra keys of one block: the hashes of the images it meets, then the cache salt on the block
+    that hashed it (block 0); None when it has none."""
+    images = block_images([(f.hash, f.offset, f.length) for f in request.mm_features], index * block_size,
+                          (index + 1) * block_size) if getattr(request, "mm_features", None) else ()
+    salt = (request.cache_salt,) if index == 0 and request.cache_salt else ()
+    return (*images, *salt) or None

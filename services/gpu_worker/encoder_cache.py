@@ -1,0 +1,93 @@
+"""The worker's multimodal state: each live request's images and M-RoPE positions, and the encoder cache.
+
+The encoder cache maps an image hash to its embeddings [length, hidden]. An image is encoded the first time a
+scheduled chunk reaches its placeholder range and stays until the scheduler frees the hash
+(StepPlan.encoder_free_hashes), so a prompt whose placeholder range is cut by chunked prefill, or another request
+with the same image, reuses it. The scheduler mirrors this cache (scheduler/encoder_budget.py) to budget encoder
+work per step; if an entry is missing here anyway (e.g. after a worker restart), it is encoded again: the same
+embeddings, so never a wrong token.
+
+step_inputs() turns a plan into the forward's extras: positions [3, T] and (rows, embeddings) of the placeholder
+tokens scheduled this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from steploop.common.mm_inputs import MultiModalFeature
+from steploop.common.step_contract import StepPlan
+from steploop.gpu_worker.input_batch import InputBatch
+from steploop.gpu_worker.model.qwen2_5_vl import mrope_positions
+
+
+@dataclass
+class _RequestImages:
+    features: list[MultiModalFeature]
+    prompt_positions: np.ndarray          # [3, num_prompt] int64
+    delta: int                            # a token at index i >= num_prompt sits at i + delta
+
+
+class EncoderCache:
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+        self.entries: dict[str, torch.Tensor] = {}     # image hash -> [length, hidden]
+        self.requests: dict[int, _RequestImages] = {}
+        self.num_encoded = 0                           # images the tower ran on (tests and metrics read it)
+
+    def apply_plan(self, plan: StepPlan) -> None:
+        """Before InputBatch.apply_plan's effects are used: drop gone requests and freed entries, add new ones."""
+        for handle in (*plan.finished_handles, *plan.preempted_handles):
+            self.requests.pop(handle, None)
+        for h in plan.encoder_free_hashes:
+            self.entries.pop(h, None)
+        for new in plan.new_requests:
+            positions, delta = mrope_positions(len(new.prompt_token_ids), new.mm_features,
+                                               self.model.spatial_merge_size)
+            self.requests[new.handle] = _RequestImages(list(new.mm_features), positions, delta)
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.entries.clear()
+
+    def step_inputs(self, batch: InputBatch, plan: StepPlan) -> tuple[torch.Tensor, tuple | None]:
+        """(positions [3, T] on the device, (rows [M], embeddings [M, hidden]) or None) for the scheduled chunks.
+        Call before the forward, while each request's num_computed_tokens is the chunk's start."""
+        pos_parts, rows, embeds, base = [], [], [], 0
+        for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+            c = batch[handle].num_computed_tokens
+            images = self.requests.get(handle)
+            pos_parts.append(self._positions(images, c, n))
+            for f in images.features if images is not None else ():
+                lo, hi = max(f.offset, c), min(f.end, c + n)
+                if lo < hi:
+                    rows.append(np.arange(base + lo - c, base + hi - c))
+                    embeds.append(self._embeddings(f)[lo - f.offset:hi - f.offset])
+            base += n
+        positions = torch.from_numpy(np.concatenate(pos_parts, axis=1)).to(self.device)
+        if not rows:
+            return positions, None
+        row_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        return positions, (row_t, torch.cat(embeds))
+
+    @staticmethod
+    def _positions(images: _RequestImages | None, c: int, n: int) -> np.ndarray:
+        """[3, n] positions of token indices c .. c + n - 1 (drafts included: they follow the prompt)."""
+        idx = np.arange(c, c + n)
+        if images is None:
+            return np.broadcast_to(idx, (3, n))
+        num_prompt = images.prompt_positions.shape[1]
+        out = np.broadcast_to(idx + images.delta, (3, n)).copy()
+        in_prompt = idx < num_prompt
+        out[:, in_prompt] = images.prompt_positions[:, idx[in_prompt]]
+        return out
+
+    def _embeddings(self, feature: MultiModalFeature) -> torch.Tensor:
+        cached = self.entries.get(feature.hash)
+        if cached is None:
+            cached = self.entries[feature.hash] = self.model.encode_image(feature)
+            self.num_encoded += 1
+        return cached

@@ -1,0 +1,100 @@
+"""Encoder work as step work (vision-language models): the scheduler's mirror of the worker's encoder cache.
+
+An image's embeddings are computed by the worker the first time a scheduled chunk reaches its placeholder range
+and kept, keyed by the image hash, while some live request still has placeholder tokens of it to compute. This
+class decides, per step, which chunks may reach an image:
+
+    clip(request, start, n):  the chunk [start, start + n) stops before the first image it reaches that is not
+                              cached (nor encoded earlier this step) when encoding it would exceed the step's
+                              encoder budget (`max_num_encoder_input_tokens`) or the cache size (`encoder_cache_size`)
+    commit(request, start, n): the chunk is in the plan: its new images are charged to the budget and cached;
+                              images whose placeholder range the chunk completes no longer need this request
+    release(request):         finished or preempted: it needs none of its images any more
+
+An entry no live request needs is freed, and the next plan tells the worker (StepPlan.encoder_free_hashes): never
+the plan whose chunk completed the image, since the worker applies a plan's frees before its forward.
+add_request refuses an image larger than the budget or the cache, which could never run (check()).
+"""
+
+from __future__ import annotations
+
+from steploop.common.mm_inputs import MultiModalFeature
+from steploop.scheduler.request import Request, RequestRejectedError
+
+
+class EncoderBudget:
+    def __init__(self, budget: int, cache_size: int):
+        self.budget, self.cache_size = budget, cache_size
+        self.users: dict[str, set[str]] = {}    # cached image hash -> ids of live requests still prefilling it
+        self.sizes: dict[str, int] = {}         # cached image hash -> embeddings it holds
+        self.left = budget                      # of this step's encoder budget
+        self._freed: list[str] = []
+        self.num_encoded = 0                    # images sent to the encoder since start (metrics, tests)
+
+    @property
+    def used(self) -> int:
+        return sum(self.sizes.values())
+
+    def check(self, request: Request) -> None:
+        for i, f in enumerate(request.mm_features):
+            if f.length > min(self.budget, self.cache_size):
+                raise RequestRejectedError(
+                    f"image {i} needs {f.length} encoder tokens, more than the scheduler's encoder budget "
+                    f"({self.budget}) or cache ({self.cache_size}); send a smaller image or raise "
+                    "--max-num-encoder-input-tokens / --encoder-cache-size", "invalid_value", "messages")
+
+    def begin_step(self) -> None:
+        self.left = self.budget
+
+    def take_freed(self) -> list[str]:
+        freed, self._freed = self._freed, []
+        return freed
+
+    def clip(self, request: Request, start: int, num_new: int) -> int:
+        need, new_hashes = 0, set()
+        for f in _reached(request.mm_features, start, start + num_new):
+            if f.hash in self.sizes or f.hash in new_hashes:
+                continue
+            if need + f.length > self.left or self.used + need + f.length > self.cache_size:
+                return f.offset - start if f.offset > start else 0
+            need += f.length
+            new_hashes.add(f.hash)
+        return num_new
+
+    def commit(self, request: Request, start: int, num_new: int) -> None:
+        end = start + num_new
+        for f in _reached(request.mm_features, start, end):
+            if f.hash in self._freed:            # freed by an earlier commit, the worker not told yet: keep it
+                self._freed.remove(f.hash)
+                self.sizes[f.hash], self.users[f.hash] = f.length, set()
+            elif f.hash not in self.sizes:
+                self.sizes[f.hash], self.users[f.hash] = f.length, set()
+                self.left -= f.length
+                self.num_encoded += 1
+            if f.end > end:
+                self.users[f.hash].add(request.request_id)
+            else:
+                self._drop_user(f.hash, request.request_id)
+
+    def release(self, request: Request) -> None:
+        for f in request.mm_features:
+            if f.hash in self.users:
+                self._drop_user(f.hash, request.request_id)
+
+    def reset(self) -> None:
+        """The worker is gone (its cache with it): forget every entry, tell no one."""
+        self.users.clear()
+        self.sizes.clear()
+        self._freed.clear()
+
+    def _drop_user(self, image_hash: str, request_id: str) -> None:
+        users = self.users[image_hash]
+        users.discard(request_id)
+        if not users:
+            del self.users[image_hash], self.sizes[image_hash]
+            self._freed.append(image_hash)
+
+
+def _reached(features: list[MultiModalFeature], start: int, end: int) -> list[MultiModalFeature]:
+    """The images whose placeholder range meets tokens [start, end)."""
+    return [f for f in features if f.offset < end and start < f.end]
