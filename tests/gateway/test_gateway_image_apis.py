@@ -43,7 +43,8 @@ QUESTION = "What is in this picture?"
 
 
 @pytest.fixture(scope="session")
-def vlm_model_dir(gateway_model_dir, tmp_path_factory):
+def vlm_model_dir(gateway_model_dir, tokenizer, tmp_path_factory):
+    """(`tokenizer` first: it imports transformers with torch, as later suites in this process need.)"""
     out = tmp_path_factory.mktemp("vlm")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (gateway_model_dir / name).exists():
