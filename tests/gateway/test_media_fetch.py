@@ -156,7 +156,8 @@ async def test_source_hides_query_and_credentials(server):
     assert "secret" not in loaded.source and "pw" not in loaded.source
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::ffff:127.0.0.1]", "0.0.0.0"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::ffff:127.0.0.1]", "0.0.0.0", "2130706433",
+                                  "127.1", "0x7f.0.0.1", "LOCALHOST"])
 async def test_loopback_is_refused_without_a_connection(listener, host):
     err = await refused(f"http://{host}:{listener.port}/a.png", MediaPolicy())
     assert "is refused" in err.message and "--allowed-media-domains" in err.message

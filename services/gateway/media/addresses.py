@@ -7,18 +7,28 @@ judged by the IPv4 address inside them, since that is where a packet to them end
 from __future__ import annotations
 
 import ipaddress
+import re
+import socket
 
+_LEGACY_IPV4 = re.compile(r"(0[xX][0-9a-fA-F]+|[0-9]+)(\.(0[xX][0-9a-fA-F]+|[0-9]+)){0,3}")
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def parse_ip(host: str) -> IPAddress | None:
-    """The address if `host` is an IP literal (brackets and an IPv6 zone allowed), else None."""
+    """The address if `host` is an IP literal (brackets and an IPv6 zone allowed), else None. Legacy IPv4 forms
+    that the C resolver also accepts (2130706433, 0x7f.1, 127.1) count as the address they name."""
     text = host.strip("[]").split("%", 1)[0]
     try:
         return ipaddress.ip_address(text)
     except ValueError:
-        return None
+        pass
+    if _LEGACY_IPV4.fullmatch(text):
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(text))
+        except OSError:
+            return None
+    return None
 
 
 def _embedded_ipv4(addr: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:

@@ -112,7 +112,11 @@ async def _follow(session: aiohttp.ClientSession, url: URL, policy: MediaPolicy,
             if not location:
                 raise bad_request(f"image URL {describe(url)} answered HTTP {response.status} without a Location",
                                   param=param, code="image_url_unreachable")
-            url = url.join(URL(location))
+            try:
+                url = url.join(URL(location))
+            except ValueError:
+                raise bad_request(f"image URL {describe(url)} redirected to a malformed URL", param=param,
+                                  code="image_url_unreachable") from None
     raise bad_request(f"image URL redirected more than {policy.max_redirects} times (--max-media-redirects); "
                       f"last: {describe(url)}", param=param, code="image_url_unreachable")
 

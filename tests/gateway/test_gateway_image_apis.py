@@ -8,6 +8,7 @@ one placeholder token, and Qwen2-VL's image processor (numpy, no download), so t
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import shutil
@@ -43,7 +44,8 @@ QUESTION = "What is in this picture?"
 
 
 @pytest.fixture(scope="session")
-def vlm_model_dir(gateway_model_dir, tmp_path_factory):
+def vlm_model_dir(gateway_model_dir, tokenizer, tmp_path_factory):
+    """(`tokenizer` first: it imports transformers with torch, as later suites in this process need.)"""
     out = tmp_path_factory.mktemp("vlm")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (gateway_model_dir / name).exists():
@@ -204,6 +206,33 @@ async def test_too_many_images_are_refused(vlm, clients):
         await clients.anthropic(vlm).messages.create(model=SERVED_NAME, max_tokens=4, messages=[
             {"role": "user", "content": [block, block]}])
     assert "2 images in one request, more than the 1" in info.value.body["error"]["message"]
+
+
+async def test_ssrf_through_the_api_is_refused_without_a_connection(vlm, clients):
+    accepted = []
+
+    async def on_connect(reader, writer):
+        accepted.append(writer.get_extra_info("peername"))
+        writer.close()
+    listener = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    prompts = vlm.app[IMAGE_PROMPTS]
+    prompts.policy = MediaPolicy()                     # the default: no allow-list
+    try:
+        for url in (f"http://127.0.0.1:{port}/a.png", f"http://localhost:{port}/a.png",
+                    "http://169.254.169.254/latest/meta-data/"):
+            with pytest.raises(openai.BadRequestError) as info:
+                await clients.openai(vlm).chat.completions.create(model=SERVED_NAME, max_tokens=4, messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+            assert "is refused" in info.value.body["message"] and info.value.body["param"] == "messages"
+            with pytest.raises(anthropic.BadRequestError) as info:
+                await clients.anthropic(vlm).messages.create(model=SERVED_NAME, max_tokens=4, messages=[
+                    {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": url}}]}])
+            assert "is refused" in info.value.body["error"]["message"]
+    finally:
+        listener.close()
+        await listener.wait_closed()
+    assert accepted == [] and vlm.engine.requests == []
 
 
 async def test_a_text_only_model_says_so(gateway, clients):
