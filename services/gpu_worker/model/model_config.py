@@ -52,6 +52,7 @@ class ModelConfig:
     original_max_position_embeddings: int | None = None   # Phi-3 longrope
     moe: MoESpec | None = None              # Mixtral, Qwen3-MoE: the sparse layers' experts and routing
     quant: QuantScheme | None = None        # a quantized checkpoint's scheme (model/quant/config.py); None: dense
+    first_layer: int = 0                    # a pipeline stage: its layers are [first_layer, + num_hidden_layers)
 
     @classmethod
     def from_dir(cls, path: pathlib.Path) -> ModelConfig:
