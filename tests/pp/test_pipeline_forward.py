@@ -10,6 +10,7 @@ import pytest
 
 from steploop.gpu_worker.distributed.pipeline import stage_layers
 from tests.pp.pp_ranks import PipelineGroup
+from tests.tp.tp_models import build_llama
 from tests.tp.moe_ranks import SCHEDULES
 from tests.worker.family_models import build_family_model, load_oracle
 from tests.worker.test_families import oracle, prompts, serve
@@ -18,18 +19,24 @@ CASES = [("llama", 1, 2), ("llama_tied", 1, 2), ("llama", 2, 2), ("mixtral", 1, 
          ("qwen3_moe", 2, 2)]   # 3 layers: 2 + 1, a dense layer between sparse ones, a replicated KV head
 
 
+BUILDERS = {"llama": lambda out, tok: build_llama(out, tok, 4, 2, tied=False),
+            "llama_tied": lambda out, tok: build_llama(out, tok, 4, 1, tied=True),
+            "mixtral": lambda out, tok: build_family_model("mixtral", out, tok),
+            "qwen3_moe": lambda out, tok: build_family_model("qwen3_moe", out, tok)}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, model_dir):
-    from tests.tp.tp_models import build_llama
-    built = {"llama": build_llama(tmp_path_factory.mktemp("pp-llama"), model_dir, 4, 2, tied=False),
-             "llama_tied": build_llama(tmp_path_factory.mktemp("pp-tied"), model_dir, 4, 1, tied=True),
-             "mixtral": build_family_model("mixtral", tmp_path_factory.mktemp("pp-mixtral"), model_dir),
-             "qwen3_moe": build_family_model("qwen3_moe", tmp_path_factory.mktemp("pp-qwen3-moe"), model_dir)}
-    expected = {}
-    for name, path in built.items():
-        hf_model = load_oracle(path)
-        expected[name] = [oracle(hf_model, p) for p in prompts()]
-    return built, expected
+    """name -> (folder, transformers' (tokens, logprobs) per prompt), built when a case first asks."""
+    built: dict = {}
+
+    def get(name: str):
+        if name not in built:
+            path = BUILDERS[name](tmp_path_factory.mktemp(f"pp-{name}"), model_dir)
+            hf_model = load_oracle(path)
+            built[name] = path, [oracle(hf_model, p) for p in prompts()]
+        return built[name]
+    return get
 
 
 # the first case runs in the fast suite; the others (about 10 s each on 2 shared cores) are slow
@@ -39,10 +46,10 @@ PARAMS = [pytest.param(*case, id=f"{case[0]}-tp{case[1]}-pp{case[2]}", marks=[py
 
 @pytest.mark.parametrize("name, tp, pp", PARAMS)
 def test_stages_equal_transformers(models, name, tp, pp):
-    built, expected = models
-    group = PipelineGroup(built[name], tp, pp)
+    path, expected = models(name)
+    group = PipelineGroup(path, tp, pp)
     try:
-        total = load_oracle(built[name]).config.num_hidden_layers
+        total = load_oracle(path).config.num_hidden_layers
         for r in group.runners:          # each stage builds, loads and caches its own layers only
             first, end = stage_layers(total, pp)[r.pipe.share.stage]
             assert [layer.self_attn.layer_idx for layer in r.model.model.layers] == list(range(first, end))
@@ -50,7 +57,7 @@ def test_stages_equal_transformers(models, name, tp, pp):
             assert (r.model.lm_head is None) == (r.pipe.share.stage < pp - 1)
         for chunk, preempt in SCHEDULES:
             got = serve(group, chunk, preempt)
-            for handle, (want_tokens, want_logprobs) in enumerate(expected[name]):
+            for handle, (want_tokens, want_logprobs) in enumerate(expected):
                 tokens, logprobs = got[handle]
                 where = f"{name} -tp {tp} -pp {pp} chunk {chunk} preempt {preempt} prompt {handle}"
                 assert tokens == want_tokens, f"{where}: {tokens} != {want_tokens}"
