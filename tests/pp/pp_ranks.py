@@ -28,8 +28,9 @@ class PipelineGroup:
         self.outbox: queue.Queue = queue.Queue()
         self.runners: list = [None] * self.world
         self.timeout = timeout
-        kwargs = {**dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, device="cpu", dtype="float32",
-                         num_threads=1), **config, "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+        kwargs = {"model": str(model_dir), "num_kv_blocks": 64, "max_model_len": 256, "device": "cpu",
+                  "dtype": "float32", "num_threads": 1, **config, "tensor_parallel_size": tp,
+                  "pipeline_parallel_size": pp}
         self.configs = [WorkerConfig(rank=r, **kwargs) for r in range(self.world)]
         self.threads = [threading.Thread(target=self._rank_main, args=(r,), daemon=True) for r in range(self.world)]
         for t in self.threads:

@@ -10,8 +10,8 @@ import pytest
 
 from steploop.gpu_worker.distributed.pipeline import stage_layers
 from tests.pp.pp_ranks import PipelineGroup
-from tests.tp.tp_models import build_llama
 from tests.tp.moe_ranks import SCHEDULES
+from tests.tp.tp_models import build_llama
 from tests.worker.family_models import build_family_model, load_oracle
 from tests.worker.test_families import oracle, prompts, serve
 

@@ -61,7 +61,7 @@ class StageShare:
             return f"model.layers.{layer - self.first_layer}.{rest}"
         if name.startswith("model.embed_tokens."):
             return name if self.holds_embedding else None
-        if name.startswith("model.norm.") or name.startswith("lm_head."):
+        if name.startswith(("model.norm.", "lm_head.")):
             return name if self.is_last else None
         return name
 
