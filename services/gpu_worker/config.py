@@ -205,7 +205,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     TlsConfig.add_cli_args(parser)
     add_tensor_parallel_flag(parser)
     add_pipeline_parallel_flag(parser)
-    add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its tensor-parallel group")
+    add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its group, 0..tp x pp - 1 (stage rank // tp)")
     add_flag(parser, "--tp-host", default="127.0.0.1",
              help="address the group's other ranks reach this worker at (rank 0 also serves the group's store)")
     add_flag(parser, "--enable-expert-parallel", type=bool, default=False,
