@@ -470,7 +470,9 @@ def _cuda_profile(model: LlamaForCausalLM, config: WorkerConfig, cfg: LlamaModel
             from steploop.gpu_worker.lora.manager import model_shapes
             lora = lora_slot_bytes(cfg.num_hidden_layers, model_shapes(cfg).targets, config.lora.max_loras,
                                    config.lora.max_lora_rank, elem)
-        return {"graph_pool": graph_pool, "lora_slots": lora, "nccl": nccl_bytes(config.tensor_parallel_size)}
+        pipeline = nccl_bytes(config.world_size) if config.pipeline_parallel_size > 1 else 0   # the stages' group
+        return {"graph_pool": graph_pool, "lora_slots": lora,
+                "nccl": nccl_bytes(config.tensor_parallel_size) + pipeline}
 
     return kv_cache.CudaProfile(
         forward=lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device, budget),

@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor:
+                attn_metadata: Any, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """input_ids/positions [T]; kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
         logits_indices [S] rows that need logits -> hidden [S, hidden]; None on a pipeline stage before the last
         (it sent its hidden states on)."""
