@@ -121,18 +121,22 @@ def ensure_model(model: str | None) -> None:
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
-    """-tp N whose shapes cannot split: refused from config.json, before any process starts or weight loads."""
-    if args.tensor_parallel_size == 1:
+    """-tp N / -pp N whose shapes cannot split: refused from config.json, before any process starts or weight
+    loads."""
+    pp = getattr(args, "pipeline_parallel_size", 1)
+    if args.tensor_parallel_size == 1 and pp == 1:
         return
+    from steploop.gpu_worker.distributed.pipeline import stage_layers
     from steploop.gpu_worker.distributed.shapes import check_splittable
     from steploop.gpu_worker.model.model_config import ModelConfig
-    check_splittable(ModelConfig.from_dir(model_path.resolve_model(args.model)), args.tensor_parallel_size,
-                     args.enable_expert_parallel)
+    cfg = ModelConfig.from_dir(model_path.resolve_model(args.model))
+    check_splittable(cfg, args.tensor_parallel_size, args.enable_expert_parallel)
+    stage_layers(cfg.num_hidden_layers, pp)
 
 
 def worker_specs(args: argparse.Namespace, env: dict[str, str]) -> list[ServiceSpec]:
     """One worker per rank: rank R gets STEPLOOP_RANK=R, its own metrics port, and its share of the CPUs."""
-    size = args.tensor_parallel_size
+    size = args.tensor_parallel_size * getattr(args, "pipeline_parallel_size", 1)
     if size == 1:
         return [ServiceSpec("worker", [sys.executable, "-m", "steploop.gpu_worker"], env)]
     specs = []

@@ -250,11 +250,17 @@ class WorkerInfo:
     tp_rendezvous: str = ""              # rank 0 of a group: host:port of its process-group store
     lora_shapes: LoraModelShapes | None = None   # with --enable-lora: what an adapter must fit
     expert_parallel: bool = False        # --enable-expert-parallel; the ranks of a group must agree
+    pipeline_parallel_size: int = 1      # -pp: world_size is tp x pp; the last stage's tp rank 0 answers with tokens
     kv_host_blocks: int = 0              # KV tiers below the pool (--kv-offloading-size, --kv-disk-size), in blocks
     kv_disk_blocks: int = 0
     kv_disk_hashes: tuple[bytes, ...] = ()   # block hashes on disk for this model's fingerprint, LRU first
     kv_block_bytes: int = 0              # bytes of one block over all layers
     accepts_images: bool = False         # a vision-language model (requests may carry images)
+
+    @property
+    def answer_rank(self) -> int:
+        """The rank whose step results carry the tokens: the last pipeline stage's tensor-parallel rank 0."""
+        return self.world_size - self.world_size // self.pipeline_parallel_size
 
     def to_pb(self) -> worker_pb2.WorkerHello:
         pb = worker_pb2.WorkerHello(
@@ -262,7 +268,7 @@ class WorkerInfo:
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, eos_token_ids=list(self.eos_token_ids), runner=self.runner,
             generation_defaults=self.generation_defaults.to_pb(), dtype=self.dtype, tp_rendezvous=self.tp_rendezvous,
-            expert_parallel=self.expert_parallel,
+            expert_parallel=self.expert_parallel, pipeline_parallel_size=self.pipeline_parallel_size,
             kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
             kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
             accepts_images=self.accepts_images)
@@ -290,7 +296,7 @@ class WorkerInfo:
                    pooling=PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    generation_defaults=GenerationDefaults.from_pb(pb.generation_defaults),
                    dtype=pb.dtype, tp_rendezvous=pb.tp_rendezvous, lora_shapes=shapes,
-                   expert_parallel=pb.expert_parallel,
+                   expert_parallel=pb.expert_parallel, pipeline_parallel_size=pb.pipeline_parallel_size or 1,
                    kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
                    kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
                    accepts_images=pb.accepts_images)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from steploop.common import lora_config
 from steploop.common.envs import add_flag
 from steploop.common.lora_config import LoraConfig
+from steploop.common.pipeline_parallel_flag import add_pipeline_parallel_flag
+from steploop.common.pipeline_parallel_flag import check_size as check_pp_size
 from steploop.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
 from steploop.common.tls import TlsConfig
 
@@ -46,7 +48,8 @@ class WorkerConfig:
     generation_config: str = "auto"          # auto | vllm | a folder: sampling defaults (generation_config.py)
     tls: TlsConfig = field(default_factory=TlsConfig)  # client cert + CA for the scheduler link (mutual TLS)
     tensor_parallel_size: int = 1            # ranks in this worker's group (1: no tensor parallelism)
-    rank: int = 0                            # this worker's rank in the group
+    pipeline_parallel_size: int = 1          # pipeline stages (1: none); the group is tp x pp ranks
+    rank: int = 0                            # this worker's rank in the group (stage rank // tp, tp rank rank % tp)
     tp_host: str = "127.0.0.1"               # address the other ranks reach this one at (process-group traffic)
     enable_expert_parallel: bool = False     # MoE: each rank holds E / N whole experts instead of 1/N of every one
     lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora: the slot table and host LRU sizes
@@ -56,6 +59,10 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
@@ -67,7 +74,8 @@ class WorkerConfig:
                    tune_kernels=args.tune_kernels, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    worker_id=args.worker_id, seed=args.seed, runner=args.runner,
                    generation_config=args.generation_config, tls=TlsConfig.from_args(args),
-                   tensor_parallel_size=args.tensor_parallel_size, rank=args.rank, tp_host=args.tp_host,
+                   tensor_parallel_size=args.tensor_parallel_size,
+                   pipeline_parallel_size=args.pipeline_parallel_size, rank=args.rank, tp_host=args.tp_host,
                    enable_expert_parallel=args.enable_expert_parallel, lora=LoraConfig.from_args(args),
                    kv_offloading_size=args.kv_offloading_size,
                    kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size)
@@ -126,8 +134,11 @@ def _validate(c: WorkerConfig) -> None:
           f"--attention-backend {c.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     check(c.runner in RUNNERS, f"--runner {c.runner!r} is not one of {', '.join(RUNNERS)}")
     check_size(c.tensor_parallel_size)
-    check(0 <= c.rank < c.tensor_parallel_size,
-          f"--rank {c.rank} must be in 0..{c.tensor_parallel_size - 1} for -tp {c.tensor_parallel_size}")
+    check_pp_size(c.pipeline_parallel_size)
+    check(0 <= c.rank < c.world_size,
+          f"--rank {c.rank} must be in 0..{c.world_size - 1} for -tp {c.tensor_parallel_size} -pp "
+          f"{c.pipeline_parallel_size}")
+    _check_pipeline(c, check)
     # Neither path has been built for sharded weights: a rank's projections are split, an adapter's A/B and the
     # pooled hidden state are not; refused rather than served unchecked.
     check(c.tensor_parallel_size == 1 or not c.lora.enable_lora,
@@ -144,6 +155,16 @@ def _validate(c: WorkerConfig) -> None:
     check(c.tensor_parallel_size == 1 or not c.kv_offloading_size,
           f"--kv-offloading-size with -tp {c.tensor_parallel_size}: KV tiers run on unsharded workers only (-tp 1)")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
+
+
+def _check_pipeline(c: WorkerConfig, check) -> None:
+    """What pipeline stages have not been built for: refused, never served unchecked."""
+    pp = c.pipeline_parallel_size
+    if pp == 1:
+        return
+    check(not c.lora.enable_lora, f"--enable-lora with -pp {pp}: LoRA adapters run without pipeline stages only")
+    check(c.runner == "generate", f"--runner {c.runner} with -pp {pp}: the pooling runner serves with -pp 1 only")
+    check(not c.kv_offloading_size, f"--kv-offloading-size with -pp {pp}: KV tiers run without pipeline stages only")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -183,7 +204,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   "vllm (none), or a folder holding a generation_config.json")
     TlsConfig.add_cli_args(parser)
     add_tensor_parallel_flag(parser)
-    add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its tensor-parallel group")
+    add_pipeline_parallel_flag(parser)
+    add_flag(parser, "--rank", type=int, default=0, help="this worker's rank in its group, 0..tp x pp - 1 (stage rank // tp)")
     add_flag(parser, "--tp-host", default="127.0.0.1",
              help="address the group's other ranks reach this worker at (rank 0 also serves the group's store)")
     add_flag(parser, "--enable-expert-parallel", type=bool, default=False,

@@ -78,6 +78,7 @@ class ModelRunner:
         self.pooler = pooler             # --runner pooling: steps pool hidden states instead of sampling
         self.structured = structured or StructuredOutput(None, self.vocab_size)   # None: no tokenizer folder
         self.tp_comm = getattr(model, "tp_comm", None)   # a tensor-parallel rank's collectives, else None
+        self.pipe = getattr(model, "pipe", None)         # a pipeline stage's link to the others, else None
         self.lora = lora                 # --enable-lora: adapters per request (lora/manager.py)
         self.threads: ThreadGovernor | None = None   # CPU: each step's thread count from measured step times
         self.weights: WeightUpdater | None = None   # /update_weights_from_disk (weight_update.py); from_config sets it
@@ -111,14 +112,17 @@ class ModelRunner:
         start = time.perf_counter()
         log.info("loading model %s (%d layers, %s on %s)", model_path, cfg.num_hidden_layers,
                  str(dtype).removeprefix("torch."), device)
-        model = load_model(model_path, backend, max_len, dtype, device, plan, rank.share, rank.comm)
+        model = load_model(model_path, backend, max_len, dtype, device, plan, rank.share, rank.comm, rank.stage,
+                           rank.pipe)
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, _num_params(model) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
         profile = _cuda_profile(model, config, local, max_len, dtype, device, plan)
-        rank.comm.local_only = True       # the memory profile runs before the group exists: shapes only
+        for comm in rank.comms:           # the memory profile runs before the group exists: shapes only
+            comm.local_only = True
         num_blocks = kv_cache.decide_num_blocks(config, local, max_len, dtype, device, profile)
-        rank.comm.local_only = False
+        for comm in rank.comms:
+            comm.local_only = False
         caches = kv_cache.allocate_kv_caches(local, num_blocks, config.block_size, dtype, device, plan.hugepages)
         log.info("decode steps: %s", model.bind_kv_caches(caches))
         if cfg.is_multimodal and (pooling is not None or config.lora.enable_lora):
@@ -132,7 +136,8 @@ class ModelRunner:
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=eos_ids, generation_defaults=defaults,
-                          rank=config.rank, world_size=config.tensor_parallel_size,
+                          rank=config.rank, world_size=config.world_size,
+                          pipeline_parallel_size=config.pipeline_parallel_size,
                           dtype=str(dtype).removeprefix("torch."), expert_parallel=config.enable_expert_parallel,
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None,
@@ -152,11 +157,13 @@ class ModelRunner:
         runner = cls(model, caches, config.block_size, max_len, info, config.seed,
                      StructuredOutput(model_path, cfg.vocab_size), graphs, Pooler(pooling) if pooling else None, lora)
         runner.tp_comm = rank.comm
+        runner.pipe = rank.pipe
         runner.tiers = tiers
         runner.kernel_tuning = tuning
         runner.threads = make_thread_governor(config, device, plan)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
-                                                                       rank.share, rank.comm), cfg, model_path)
+                                                                       rank.share, rank.comm, rank.stage, rank.pipe),
+                                       cfg, model_path)
         from steploop.gpu_worker.weight_receiver import WeightReceiver
         runner.receiver = WeightReceiver(runner, config.tp_host)
         runner.sleep_mode = SleepMode(runner, lambda: kv_cache.allocate_kv_caches(
@@ -207,6 +214,8 @@ class ModelRunner:
         result.failed = self.structured.take_failures()
         if self.tp_comm is not None:
             result.collective_seconds = self.tp_comm.take_seconds()[0]
+        if self.pipe is not None:
+            result.collective_seconds += self.pipe.take_seconds()[0]
         return result
 
     def prepare_step(self, plan: StepPlan, backend=None) -> PreparedStep:
@@ -217,12 +226,18 @@ class ModelRunner:
         step = self.staging.begin()
         staged = stage_step_inputs(self.batch, plan, self.block_size, self.max_model_len, step)
         attn_staged = backend.stage_metadata(staged.query_lens, staged.seq_lens, step)
-        rows = self._sampling_rows(staged.sampling) if staged.sampling and self.pooler is None else None
+        rows = self._sampling_rows(staged.sampling) if staged.sampling and self.pooler is None \
+            and self.samples_here else None
         sampling = StagedSampling.stage(rows.params, rows.index, self.vocab_size, step) if rows else None
         step.send()
         inputs = staged.finish(step, self.batch.table)
         meta = sampling.finish(step, *self._penalties_and_edits(rows, inputs)) if sampling else None
         return PreparedStep(inputs, step, attn_staged, meta)
+
+    @property
+    def samples_here(self) -> bool:
+        """False on a pipeline stage before the last: it takes the last stage's tokens instead."""
+        return self.pipe is None or self.pipe.share.is_last
 
     def _run(self, plan: StepPlan, with_lora: bool = False) -> StepResult:
         step = self.prepare_step(plan)
@@ -245,13 +260,19 @@ class ModelRunner:
         for handle, num_computed in inputs.num_computed_after.items():
             self.batch.requests[handle].num_computed_tokens = num_computed
         result = StepResult(step_id=plan.step_id)
+        if not self.samples_here:
+            if inputs.sampling:
+                self._take_stage_tokens(inputs)
+            return result
         if prompt_rows:
             num_sampling = len(inputs.logits_indices)
             result.prompt_logprobs = prompt_rows.compute(hidden[num_sampling:], self.model.compute_logits)
             hidden = hidden[:num_sampling]
         if inputs.sampling:
-            out = self.sampler(self.model.compute_logits(hidden), step.sampling)
-            self._record(inputs, out.to_host(), result)
+            out = self.sampler(self.model.compute_logits(hidden), step.sampling).to_host()
+            if self.pipe is not None:
+                self._share_stage_tokens(out)
+            self._record(inputs, out, result)
         return result
 
     def _apply_images(self, plan: StepPlan) -> None:
@@ -259,6 +280,19 @@ class ModelRunner:
             self.encoder.apply_plan(plan)
         elif any(new.mm_features for new in plan.new_requests):
             raise ValueError(f"{self.info.model_name} is a text-only model: it cannot take image inputs")
+
+    def _share_stage_tokens(self, out: HostSamplerOutput) -> None:
+        """The last stage: every rank appends what it sampled (pipeline.py). Drafts are refused with -pp, so one
+        row per sampling slot."""
+        self.pipe.share_tokens(torch.as_tensor(list(out.token_ids), dtype=torch.int64, device=self.device))
+
+    def _take_stage_tokens(self, inputs: StepInputs) -> None:
+        tokens = torch.zeros(len(inputs.sampling), dtype=torch.int64, device=self.device)
+        tokens = self.pipe.share_tokens(tokens).tolist()
+        for slot in inputs.sampling:
+            if slot.drafts:
+                raise ValueError("speculative drafts reached a pipeline stage: -pp serves without them")
+            self.batch.append_sampled(slot.handle, tokens[slot.first_row:slot.first_row + 1], slot.num_known_end)
 
     def _run_pooling(self, plan: StepPlan, step: PreparedStep) -> StepResult:
         """Forward for the rows the pooler needs; the requests whose prompt is complete get their vector."""
@@ -415,6 +449,8 @@ def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size:
     ids = torch.zeros(len(pos), dtype=torch.int64, device=device)
     last = torch.from_numpy(np.cumsum(seqs).astype(np.int64) - 1).to(device)
     hidden = model(ids, torch.from_numpy(pos).to(device), caches, model.backend.build_metadata(common), last)
+    if hidden is None:            # a pipeline stage before the last: no logits here
+        return None
     logits = model.compute_logits(hidden)
     del caches
     return logits
@@ -422,7 +458,9 @@ def _profile_forward(model: LlamaForCausalLM, cfg: LlamaModelConfig, block_size:
 
 def _profile_sampler(model: LlamaForCausalLM, rows: int, device: torch.device) -> torch.Tensor:
     """Logits and the sampler at full batch with every costly feature on (penalties, min-p, top-k/top-p sort,
-    per-row noise, top-20 logprobs): the peak of a step's sampling."""
+    per-row noise, top-20 logprobs): the peak of a step's sampling (none on a pipeline stage before the last)."""
+    if model.lm_head is None:
+        return None
     hidden = torch.zeros(rows, model.config.hidden_size, dtype=next(model.parameters()).dtype, device=device)
     logits = model.compute_logits(hidden)
     params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
@@ -454,7 +492,9 @@ def _cuda_profile(model: LlamaForCausalLM, config: WorkerConfig, cfg: LlamaModel
             from steploop.gpu_worker.lora.manager import model_shapes
             lora = lora_slot_bytes(cfg.num_hidden_layers, model_shapes(cfg).targets, config.lora.max_loras,
                                    config.lora.max_lora_rank, elem)
-        return {"graph_pool": graph_pool, "lora_slots": lora, "nccl": nccl_bytes(config.tensor_parallel_size)}
+        pipeline = nccl_bytes(config.world_size) if config.pipeline_parallel_size > 1 else 0   # the stages' group
+        return {"graph_pool": graph_pool, "lora_slots": lora,
+                "nccl": nccl_bytes(config.tensor_parallel_size) + pipeline}
 
     return kv_cache.CudaProfile(
         forward=lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device, budget),

@@ -50,7 +50,11 @@ class EngineLoop:
         self.scheduler: Scheduler | None = None     # built when the first worker says how many blocks it has
         self.worker_info: WorkerInfo | None = None  # of the first worker; later ones must match its model
         self.group: WorkerGroup | None = None       # --tensor-parallel-size ranks (one by default)
-        self.assembler = GroupAssembler(server_config.tensor_parallel_size, server_config.tp_collective_timeout)
+        if server_config.pipeline_parallel_size > 1 and sched_config.num_speculative_tokens:
+            raise ValueError(f"--speculative-ngram with -pp {server_config.pipeline_parallel_size}: drafts are "
+                             "verified only without pipeline stages")
+        self.assembler = GroupAssembler(server_config.tensor_parallel_size, server_config.tp_collective_timeout,
+                                        server_config.pipeline_parallel_size)
         self.streams: dict[str, OutputSink] = {}
         self.accepting = True                       # False once shutdown began: new requests get UNAVAILABLE
         self._pending: list[Request] = []           # arrived before any worker attached

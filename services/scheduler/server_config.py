@@ -9,6 +9,8 @@ from steploop.common import lora_config
 from steploop.common.envs import add_flag
 from steploop.common.lora_adapter import LoraAdapterError, read_adapter
 from steploop.common.lora_config import LoraConfig
+from steploop.common.pipeline_parallel_flag import add_pipeline_parallel_flag
+from steploop.common.pipeline_parallel_flag import check_size as check_pp_size
 from steploop.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
 from steploop.common.tls import TlsConfig
 
@@ -26,6 +28,7 @@ class ServerConfig:
     metrics_port: int = 0            # Prometheus /metrics over HTTP (0 = off; Engine.GetMetrics always answers)
     log_stats_interval: float = 10.0  # seconds between engine stats log lines (0 = off)
     tensor_parallel_size: int = 1    # ranks of the worker group; it serves once all have attached
+    pipeline_parallel_size: int = 1  # pipeline stages; the group is tp x pp ranks
     tp_collective_timeout: float = 30.0  # a group's collective that takes longer breaks the group
 
     def validate(self) -> "ServerConfig":
@@ -38,6 +41,7 @@ class ServerConfig:
             raise ValueError(f"--metrics-port must be in 0..65535 (0 = off) and --log-stats-interval >= 0, got "
                              f"{self.metrics_port} and {self.log_stats_interval}")
         check_size(self.tensor_parallel_size)
+        check_pp_size(self.pipeline_parallel_size)
         if self.tp_collective_timeout <= 0:
             raise ValueError(f"--tp-collective-timeout must be > 0 seconds, got {self.tp_collective_timeout}")
         if not 0 < self.port < 65536:
@@ -72,6 +76,7 @@ class ServerConfig:
         add_flag(parser, "--log-stats-interval", type=float, default=10.0,
                  help="seconds between engine stats log lines, when there was activity (0 = off)")
         add_tensor_parallel_flag(parser)
+        add_pipeline_parallel_flag(parser)
         add_flag(parser, "--tp-collective-timeout", type=float, default=30.0,
                  help="seconds a tensor-parallel collective may take before the group counts as broken")
         lora_config.add_cli_args(parser)
@@ -83,4 +88,4 @@ class ServerConfig:
                    tls=TlsConfig.from_args(args),
                    max_waiting=args.max_waiting, metrics_port=args.metrics_port,
                    log_stats_interval=args.log_stats_interval, tensor_parallel_size=args.tensor_parallel_size,
-                   tp_collective_timeout=args.tp_collective_timeout, lora=LoraConfig.from_args(args)).validate()
+                   pipeline_parallel_size=args.pipeline_parallel_size, tp_collective_timeout=args.tp_collective_timeout, lora=LoraConfig.from_args(args)).validate()

@@ -6,7 +6,8 @@
                               ranks first sends every rank TpGroupForm (rank 0's store address and a new generation
                               number) so they form their process group; a group of one has nothing to form.
     WorkerGroup.send(plan)    serializes the plan ONCE and writes the same bytes to every rank
-    WorkerGroup.recv(plan)    every rank's answer to it; rank 0's carries the tokens, the others' that they kept up
+    WorkerGroup.recv(plan)    every rank's answer to it; rank 0's carries the tokens (with -pp the last stage's
+                              tp rank 0's: WorkerInfo.answer_rank), the others' that they kept up
 
 Any rank's link breaking closes the whole group (every link, so the surviving ranks' streams end and they leave
 their process group); the step loop sees WorkerLost and preempts everything the group held.
@@ -35,6 +36,7 @@ class WorkerGroup:
         self._control_id = 0          # engine-control operations sent (engine_control.py)
         rank0 = links[0].info
         self.info, self._formed = rank0, None
+        self.answer_rank = rank0.answer_rank
         if self.world_size > 1:       # the ranks' process group; one rank computes alone
             self.info = dataclasses.replace(rank0, num_kv_blocks=min(link.info.num_kv_blocks for link in links),
                                             worker_id=f"tp-group-{generation}({rank0.worker_id}+{len(links) - 1})")
@@ -70,13 +72,15 @@ class WorkerGroup:
         """Rank by rank: a rank that is lost closes its link, and EngineLoop.detach closes the whole group, so
         waiting on rank 0 first never outlives a dead rank 1."""
         try:
-            result = await self.links[0].recv(plan)
-            errors = [ack.error for ack in [await link.recv_raw(plan) for link in self.links[1:]] if ack.error]
+            result = await self.links[self.answer_rank].recv(plan)
+            others = [link for rank, link in enumerate(self.links) if rank != self.answer_rank]
+            errors = [ack.error for ack in [await link.recv_raw(plan) for link in others] if ack.error]
         except WorkerLost as exc:
             self.close(str(exc))
             raise WorkerLost(self.close_reason) from exc
-        if errors and not result.error:      # a rank failed a step rank 0 did not: their states diverged
-            self.close(f"rank answered step {plan.step_id} with an error rank 0 did not have: {errors[0]}")
+        if errors and not result.error:      # a rank failed a step the answering rank did not: states diverged
+            self.close(f"rank answered step {plan.step_id} with an error rank {self.answer_rank} did not have: "
+                       f"{errors[0]}")
             raise WorkerLost(self.close_reason)
         return result
 
@@ -112,20 +116,23 @@ class WorkerGroup:
 class GroupAssembler:
     """Ranks attached so far for the next group."""
 
-    def __init__(self, world_size: int, collective_timeout: float):
-        self.world_size, self.collective_timeout = world_size, collective_timeout
+    def __init__(self, world_size: int, collective_timeout: float, pipeline_parallel_size: int = 1):
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.world_size, self.collective_timeout = world_size * pipeline_parallel_size, collective_timeout
         self.pending: dict[int, WorkerLink] = {}
         self.generation = 0
 
     def add(self, link: WorkerLink) -> WorkerGroup | None:
         """Raises InvalidRequestError for a rank that cannot join; returns the group once all ranks are in."""
         info = link.info
-        if info.world_size != self.world_size:
-            raise InvalidRequestError(f"worker {info.worker_id} was started with -tp {info.world_size}; this "
-                                      f"scheduler serves -tp {self.world_size}", param="world_size")
+        if info.world_size != self.world_size or info.pipeline_parallel_size != self.pipeline_parallel_size:
+            raise InvalidRequestError(f"worker {info.worker_id} was started with "
+                                      f"{_sizes(info.world_size, info.pipeline_parallel_size)}; this scheduler "
+                                      f"serves {_sizes(self.world_size, self.pipeline_parallel_size)}",
+                                      param="world_size")
         if info.rank >= self.world_size:
-            raise InvalidRequestError(f"worker {info.worker_id}: rank {info.rank} is not below -tp "
-                                      f"{self.world_size}", param="rank")
+            raise InvalidRequestError(f"worker {info.worker_id}: rank {info.rank} is not below the group's "
+                                      f"{self.world_size} ranks", param="rank")
         for rank, other in self.pending.items():
             if rank != info.rank:
                 _check_same(info, other.info)
@@ -146,6 +153,10 @@ class GroupAssembler:
     def discard(self, link: WorkerLink) -> None:
         if self.pending.get(link.info.rank) is link:
             del self.pending[link.info.rank]
+
+
+def _sizes(world_size: int, pp: int) -> str:
+    return f"-tp {world_size // pp}" + (f" -pp {pp}" if pp > 1 else "")
 
 
 def _check_same(info: WorkerInfo, other: WorkerInfo) -> None:

@@ -70,6 +70,8 @@ def make_tensor_parallel(model: nn.Module, share: RankShare, comm: TensorParalle
             layer.mlp = RowParallelReduce(layer.mlp, comm)
         else:
             layer.mlp.down_proj = RowParallelReduce(layer.mlp.down_proj, comm)
-    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, share.first_vocab_row, comm)
-    model.lm_head = GatheredLMHead(model.lm_head, full_vocab, comm)
+    if model.model.embed_tokens is not None:     # a pipeline stage may hold neither (distributed/pipeline.py)
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, share.first_vocab_row, comm)
+    if model.lm_head is not None:
+        model.lm_head = GatheredLMHead(model.lm_head, full_vocab, comm)
     model.tp_comm = comm

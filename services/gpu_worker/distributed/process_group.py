@@ -35,22 +35,45 @@ class GroupStore:
 def form_group(rank: int, world_size: int, rendezvous: str, generation: int, timeout: timedelta,
                tp_host: str, device: torch.device, master: GroupStore | None):
     """Blocks until every rank joined (or `timeout`); returns the ProcessGroup."""
+    store = _open_store(rank, world_size, rendezvous, timeout, master)
+    return _new_group(dist.PrefixStore(f"steploop-tp/{generation}", store), rank, world_size, timeout, tp_host,
+                      device, f"tensor-parallel group generation {generation} at {rendezvous}")
+
+
+def form_stage_groups(rank: int, tp_size: int, pp_size: int, rendezvous: str, generation: int, timeout: timedelta,
+                      tp_host: str, device: torch.device, master: GroupStore | None):
+    """A pipeline-parallel group (pipeline.py): (its stage's tensor-parallel group, None at -tp 1; the whole
+    group of tp x pp ranks, for the stages' sends and the token broadcast), both on rank 0's one store."""
+    world = tp_size * pp_size
+    store = _open_store(rank, world, rendezvous, timeout, master)
+    stage, tp_rank = divmod(rank, tp_size)
+    tp_group = None
+    if tp_size > 1:
+        tp_group = _new_group(dist.PrefixStore(f"steploop-tp/{generation}/stage-{stage}", store), tp_rank, tp_size,
+                              timeout, tp_host, device, f"stage {stage}'s tensor-parallel group generation "
+                              f"{generation}")
+    whole = _new_group(dist.PrefixStore(f"steploop-tp/{generation}/pipeline", store), rank, world, timeout, tp_host,
+                       device, f"pipeline group generation {generation} at {rendezvous}")
+    return tp_group, whole
+
+
+def _open_store(rank: int, world_size: int, rendezvous: str, timeout: timedelta, master: GroupStore | None):
     host, port = rendezvous.rsplit(":", 1)
     if rank == 0 and master is not None:
-        store = master.store
-    else:
-        store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"steploop-tp/{generation}", store)
+        return master.store
+    return dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+
+
+def _new_group(store, rank: int, size: int, timeout: timedelta, tp_host: str, device: torch.device, what: str):
     if device.type == "cuda":
         os.environ.update(NCCL_ENV)     # read when the group is built
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=tp_host)]
-        group = dist.ProcessGroupGloo(store, rank, world_size, options)
-    log.info("rank %d/%d joined tensor-parallel group generation %d at %s (%s)", rank, world_size, generation,
-             rendezvous, "nccl" if device.type == "cuda" else "gloo")
+        group = dist.ProcessGroupGloo(store, rank, size, options)
+    log.info("rank %d/%d joined %s (%s)", rank, size, what, "nccl" if device.type == "cuda" else "gloo")
     return group

@@ -129,7 +129,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)   # weight [vocab, hidden]
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, max_positions, plan)
-                                    for i in range(cfg.num_hidden_layers))
+                                    for i in range(cfg.first_layer, cfg.first_layer + cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plan.ops)
 
 
@@ -153,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
                                                 plan.ops, rotary_dim=rotary_dim)
         self.cpu_decoder = None   # cpu_kernels/decoder.py's CpuDecoder, from bind_kv_caches when the plan has one
         self.lora = None          # lora/layers.py's LoraLayers with --enable-lora: a step with adapters runs in Python
+        self.pipe = None          # a pipeline stage's PipelineComm (distributed/pipeline.py); None: every layer here
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> str:
         """Once the KV caches exist: the plan's C decoder (every layer in one call) points into them and the loaded
@@ -167,21 +168,28 @@ class LlamaForCausalLM(nn.Module):
         return [self.rotary] + ([self.local_rotary] if self.local_rotary is not None else [])
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any, logits_indices: torch.Tensor,
-                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """input_ids/positions [T] ([3, T] under M-RoPE); kv_caches [num_layers] x [2, blocks, block_size, Hk, D];
         logits_indices [S] rows that need logits; mm_embeds (rows [M], embeddings [M, hidden]): image embeddings
-        that replace the placeholder tokens' at those rows -> hidden [S, hidden]."""
-        x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
-        if mm_embeds is not None:
-            x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
-        if self.config.embedding_scale != 1.0:    # in the model dtype, as transformers' Gemma normalizer
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        that replace the placeholder tokens' at those rows -> hidden [S, hidden]; None on a pipeline stage before
+        the last (it sent its hidden states on)."""
+        pipe = self.pipe
+        if pipe is None or pipe.share.is_first:
+            x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
+            if mm_embeds is not None:
+                x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
+            if self.config.embedding_scale != 1.0:    # in the model dtype, as transformers' Gemma normalizer
+                x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        else:
+            x, residual = pipe.recv_hidden(input_ids.shape[0], self.config.hidden_size,
+                                           self.model.layers[0].post_attention_layernorm.weight.dtype,
+                                           input_ids.device)
         if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False) \
                 and self.cpu_decoder.serves(kv_caches) and not (self.lora is not None and self.lora.active):
             x, residual = self.cpu_decoder.forward(x, positions, attn_metadata.common)   # all layers in one C call
@@ -189,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.model.layers, kv_caches):
                 rotary = self.local_rotary if layer.uses_local_rope else self.rotary
                 x, residual = layer(positions, x, residual, rotary, kv_cache, attn_metadata)
+        if pipe is not None and not pipe.share.is_last:
+            pipe.send_hidden(x, residual)
+            return None
         x, _ = self.model.norm(x[logits_indices], residual[logits_indices])   # [S, hidden]
         return x
 

@@ -20,6 +20,7 @@ from steploop.common import envs
 from steploop.gpu_worker.attention.backend import AttentionBackend
 from steploop.gpu_worker.distributed.comm import TensorParallelComm
 from steploop.gpu_worker.distributed.parallel_layers import make_tensor_parallel
+from steploop.gpu_worker.distributed.pipeline import PipelineComm, StageShare, stage_config
 from steploop.gpu_worker.distributed.shapes import RankShare, local_config
 from steploop.gpu_worker.distributed.sharding import CheckpointSharder
 from steploop.gpu_worker.gguf.weights import gguf_source, load_gguf_weights
@@ -51,18 +52,28 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
                device: torch.device, plan: KernelPlan | None = None, tp_share: RankShare | None = None,
-               tp_comm: TensorParallelComm | None = None) -> LlamaForCausalLM:
+               tp_comm: TensorParallelComm | None = None, stage: StageShare | None = None,
+               pipe: PipelineComm | None = None) -> LlamaForCausalLM:
     """plan None: KernelPlan.reference (no C kernel). With plan.packed_linears the loaded weights are packed
     (or read from the packed-weight cache) before this returns. With tp_share the model is this rank's share
-    (its heads, MLP rows and vocabulary rows), wired to all-reduce / all-gather through tp_comm."""
+    (its heads, MLP rows and vocabulary rows), wired to all-reduce / all-gather through tp_comm. With stage, only
+    that pipeline stage's layers (and embedding / head, distributed/pipeline.py) are built and read; its hidden
+    states come and go through pipe."""
     full_cfg = LlamaModelConfig.from_dir(path)
-    if full_cfg.is_multimodal and (tp_share is not None or full_cfg.quant is not None or gguf_source(path)):
+    if full_cfg.is_multimodal and (tp_share is not None or stage is not None or full_cfg.quant is not None
+                                   or gguf_source(path)):
         raise ValueError(f"{full_cfg.model_type}: vision-language models run unquantized on one rank only "
-                         "(no --tensor-parallel-size > 1, quantized or GGUF checkpoint yet)")
-    cfg = full_cfg if tp_share is None else local_config(full_cfg, tp_share)
+                         "(no --tensor-parallel-size > 1, --pipeline-parallel-size > 1, quantized or GGUF "
+                         "checkpoint yet)")
+    if stage is not None and gguf_source(path) is not None:
+        raise ValueError(f"-pp {stage.num_stages} with a GGUF file: pipeline stages read safetensors folders only")
+    base = full_cfg if stage is None else stage_config(full_cfg, stage)
+    cfg = base if tp_share is None else local_config(base, tp_share)
     quant = None
     with torch.device("meta"):
         model = _model_class(cfg)(cfg, backend, max_positions, plan)
+        if stage is not None:       # never allocated: what other stages hold
+            _drop_unheld(model, stage)
         if cfg.quant is not None:     # before to_empty: the quantized linears never get an fp32 weight
             quant = QuantLoader.prepare(model, cfg, safetensors_files(path), device, _use_c(plan, device, dtype),
                                         _target)
@@ -79,12 +90,13 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         _check_complete(params, filled, cfg)
         log.info("%s", gguf_summary)
     else:
-        _load_weights(model, cfg, path, sharder, quant)
+        _load_weights(model, cfg, path, sharder, quant, stage)
         if quant is not None:
             log.info("%s", quant.check_done())
     if tp_share is not None:
         make_tensor_parallel(model, tp_share, tp_comm, full_cfg.vocab_size)
-        model.config = full_cfg      # the runner samples over the whole vocabulary
+        model.config = base          # the runner samples over the whole vocabulary
+    model.pipe = pipe
     if cfg.norm_offset:
         _fold_norm_offset(model, cfg.norm_offset)
     for rotary in model.rotaries():
@@ -124,19 +136,30 @@ def _fold_norm_offset(model: LlamaForCausalLM, offset: float) -> None:
                 module.weight.add_(offset)
 
 
+def _drop_unheld(model: LlamaForCausalLM, stage: StageShare) -> None:
+    if not stage.holds_embedding:
+        model.model.embed_tokens = None
+    if not stage.is_last:
+        model.model.norm, model.lm_head = None, None
+
+
 def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path,
-                  sharder: CheckpointSharder | None = None, quant: QuantLoader | None = None) -> None:
+                  sharder: CheckpointSharder | None = None, quant: QuantLoader | None = None,
+                  stage: StageShare | None = None) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     files = safetensors_files(path)
     for i, file in enumerate(files, 1):
         log.info("loading weights %d/%d: %s", i, len(files), file.name)
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = stored if stage is None else stage.local_name(stored)
+                if name is None:             # another pipeline stage's
+                    continue
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue
                 if quant is not None and quant.take(name):
-                    quant.put(name, f.get_tensor(name))
+                    quant.put(name, f.get_tensor(stored))
                     continue
                 target, expert, rows = _target(name, cfg)
                 if (target, expert, rows) == NOT_HELD:      # expert parallel: another rank's expert
@@ -145,7 +168,7 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a weight of this model_type)")
                 dest = params[target].data if expert is None else params[target].data[expert]
                 dest = dest if rows is None else dest[rows[0]:rows[1]]
-                tensor = f.get_tensor(name) if sharder is None else sharder.shard(name, f.get_tensor(name))
+                tensor = f.get_tensor(stored) if sharder is None else sharder.shard(name, f.get_tensor(stored))
                 if dest.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
                 dest.copy_(tensor)

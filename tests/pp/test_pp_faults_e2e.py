@@ -1,0 +1,62 @@
+"""Faults in a -pp 2 group (small random Llama, real processes: scheduler, gateway, one rank per stage): the last
+stage killed mid-stream, or SIGSTOPped (the first stage's wait for its tokens times out), breaks the group; every
+request is preempted and recomputed once the group re-forms, every stream ends with transformers' greedy text,
+every KV block is free at idle, nothing hangs (each wait has a deadline)."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from tests.integration.hf_reference import HFReference
+from tests.tp.test_tp_faults_e2e import _check, _fault_scenario, _wait_for_log
+from tests.tp.tp_cluster import TpCluster
+
+pytestmark = pytest.mark.slow
+
+
+def _reformed(path) -> bool:
+    joined = re.findall(r"joined pipeline group generation (\d+)", path.read_text(errors="replace"))
+    return any(int(g) >= 2 for g in joined)
+
+
+@pytest.fixture
+def pp2(tmp_path, pp_llama_dir):
+    cluster = TpCluster(tmp_path, 2, model=str(pp_llama_dir), collective_timeout=4.0, pipeline_parallel_size=2,
+                        scheduler_args=["--hang-timeout", "60"]).start()
+    try:
+        yield cluster, HFReference(pp_llama_dir), pp_llama_dir.name
+    finally:
+        cluster.stop()
+
+
+def test_killed_stage_breaks_the_group_and_it_reforms(pp2):
+    cluster, hf, model = pp2
+    assert "pipeline stage 1 of 2: layers 1-1, final norm + LM head" in (cluster.log_dir / "worker-1.log").read_text()
+
+    def kill_and_restart():
+        cluster.stop_service("worker-1", sig=signal.SIGKILL)
+        _wait_for_log(cluster.log_dir / "scheduler.log", "detached")      # the group broke; now it re-forms
+        cluster.start_service("worker-1")
+
+    _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart))
+    assert _reformed(cluster.log_dir / "worker-0.log")
+
+
+def test_stopped_stage_times_out_the_other_and_the_group_reforms(pp2):
+    cluster, hf, model = pp2
+
+    def stop_then_continue():
+        cluster.procs["worker-1"].send_signal(signal.SIGSTOP)
+        try:
+            _wait_for_log(cluster.log_dir / "worker-0.log", "tensor-parallel group broke")
+            _wait_for_log(cluster.log_dir / "scheduler.log", "detached")
+        finally:
+            cluster.procs["worker-1"].send_signal(signal.SIGCONT)
+
+    _check(cluster, hf, model, _fault_scenario(cluster, model, stop_then_continue))
+    assert _reformed(cluster.log_dir / "worker-0.log")
+    for rank in (0, 1):
+        assert cluster.procs[f"worker-{rank}"].poll() is None, f"worker-{rank} exited"
