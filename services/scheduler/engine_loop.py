@@ -92,7 +92,8 @@ class EngineLoop:
             raise InvalidRequestError("cache_salt may not contain a NUL character", param="cache_salt")
         lora_path = self.lora.resolve(req.lora_name) if req.lora_name else ""
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
-                          priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling,
+                          priority=req.priority, background=req.background, cache_salt=req.cache_salt or None,
+                          pooling=req.pooling,
                           output_token_ids=list(req.resume_output_token_ids),   # migrated: outputs, not prompt
                           lora_name=req.lora_name or None, lora_path=lora_path)
         if self.control.hold(request):      # paused: validated and queued on resume (admit_held)
