@@ -149,6 +149,35 @@ async def test_refused_weights_are_dropped_by_every_rank_and_the_old_ones_serve(
         await worker.kill()
 
 
+async def test_staged_weights_wait_for_switch_weights_to_commit_or_drop_them(service, engine):
+    """The two halves a router drives across replicas: stage (old weights serve on), then commit or drop."""
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address, step_delay=0.01).start()
+    try:
+        await until(lambda: service.loop.group is not None, "the worker attached")
+        with pytest.raises(grpc.aio.AioRpcError) as info:          # nothing staged yet
+            await stub.SwitchWeights(engine_pb2.SwitchWeightsRequest(commit=True))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no weights are staged" in info.value.details()
+        task, got = await _started(stub, "spans", 40)
+        state = await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/a",
+                                                                                         stage_only=True))
+        assert (state.weight_version, state.weights_staged, state.num_preempted) == ("0", True, 0)
+        assert [c.WhichOneof("op") for c in worker.controls] == ["weights_load"]
+        state = await stub.SwitchWeights(engine_pb2.SwitchWeightsRequest(commit=True, weight_version="rl-1"))
+        assert (state.weight_version, state.weight_updates, state.weights_staged) == ("rl-1", 1, False)
+        assert worker.controls[-1].weights_swap.commit
+        await asyncio.wait_for(task, 20)
+        assert got == expected(PROMPT, 40)                          # preempted at the switch, recomputed
+        await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/b",
+                                                                                 stage_only=True))
+        state = await stub.SwitchWeights(engine_pb2.SwitchWeightsRequest(commit=False))
+        assert (state.weight_version, state.weights_staged) == ("rl-1", False)
+        assert not worker.controls[-1].weights_swap.commit
+        await _idle_and_whole(service)
+    finally:
+        await worker.kill()
+
+
 async def test_weight_update_with_no_worker_is_unavailable(service, engine):
     stub, _ = engine
     with pytest.raises(grpc.aio.AioRpcError) as info:
