@@ -50,7 +50,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     weights_error: str = ""                        # if set, UpdateWeightsFromDisk is INVALID_ARGUMENT with it
     control_status: grpc.StatusCode | None = None  # if set, Pause and SwitchWeights fail with it (a broken replica)
     staged: str = ""                               # the model_path a stage_only update staged
-    updates: int = 0                               # staged updates committed (SwitchWeights)
+    updates: int = 0                               # weight updates applied
     _drop: asyncio.Event = field(default_factory=asyncio.Event)
     _drops: int = 0                                # drop_sessions calls so far
 
@@ -230,7 +230,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             self.staged = request.model_path
             return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                                  weight_updates=self.updates, weights_staged=True)
-        self.weight_version = request.weight_version or str(int(self.weight_version) + 1)
+        self.updates += 1
+        self.weight_version = request.weight_version or str(self.updates)
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                              weight_updates=1)
 
@@ -258,7 +259,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             self.staged = "distributed"
             return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                                  weights_staged=True)
-        self.weight_version = request.weight_version or str(int(self.weight_version) + 1)
+        self.updates += 1
+        self.weight_version = request.weight_version or str(self.updates)
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
 
     async def Sleep(self, request, context):
