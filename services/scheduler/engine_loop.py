@@ -384,7 +384,8 @@ class EngineLoop:
         if sched is None:
             return EngineLoad(num_waiting=self._num_waiting(), num_steps=self.num_steps,
                               counters=self._retired_counters, workers_attached=attached,
-                              paused=self.control.paused, weight_updates=self.control.weight_updates)
+                              paused=self.control.paused, weight_updates=self.control.weight_updates,
+                              weight_version=self.control.weight_version)
         kv = sched.kv
         return EngineLoad(
             num_running=sched.num_running, num_waiting=self._num_waiting(),
@@ -394,4 +395,5 @@ class EngineLoop:
             running_lora_adapters=tuple(sched.lora.running), waiting_lora_adapters=tuple({r.lora_name: None for r in sched.waiting if r.lora_name}),
             max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0,
             paused=self.control.paused, weight_updates=self.control.weight_updates,
+            weight_version=self.control.weight_version,
             kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else ())

@@ -126,6 +126,7 @@ async def test_weight_update_loads_then_switches_and_reports_the_version(service
         assert state.weight_version == "step-2"
         metrics = (await stub.GetMetrics(engine_pb2.MetricsRequest())).text
         assert 'steploop:weight_updates_total{model_name="fake-model"} 2.0' in metrics
+        assert 'steploop:weight_version_info{model_name="fake-model",version="step-2"} 1.0' in metrics
     finally:
         await worker.kill()
 
