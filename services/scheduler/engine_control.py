@@ -52,7 +52,8 @@ class EngineControl:
         self.weight_version = "0"
         self.weight_updates = 0
         self.sleep_level = 0       # 1 or 2 while the workers' memory is freed (sleep)
-        self.staged: tuple[WorkerGroup, str] | None = None   # (the group holding staged weights, their source)
+        self.staged: tuple[WorkerGroup, str, str] | None = None   # (group holding staged weights, source, folder)
+        self.weights_path: str | None = None   # the served weights' folder after updates from disk (None: collective)
         self._ops: deque[tuple[Op, asyncio.Future]] = deque()
         self._changed = asyncio.Event()   # a live request ended (pause(wait) re-checks)
 
@@ -118,7 +119,7 @@ class EngineControl:
 
     async def update_weights_from_disk(self, path: str, version: str, stage_only: bool = False) -> ControlState:
         load = worker_pb2.EngineControl(weights_load=worker_pb2.WeightsLoad(model_path=path))
-        return await self._update(load, version, f"from {path}", "model_path", stage_only)
+        return await self._update(load, version, f"from {path}", "model_path", stage_only, path)
 
     async def init_weights_update_group(self, request) -> ControlState:
         """Every rank joins the trainer's gloo group (blocks, at a step boundary, until the trainer formed it)."""
@@ -135,10 +136,10 @@ class EngineControl:
 
     async def update_weights_from_distributed(self, buckets, version: str, stage_only: bool = False) -> ControlState:
         receive = worker_pb2.EngineControl(weights_receive=worker_pb2.WeightsReceive(buckets=buckets))
-        return await self._update(receive, version, "from the weight-update group", "buckets", stage_only)
+        return await self._update(receive, version, "from the weight-update group", "buckets", stage_only, "")
 
     async def _update(self, prepare: worker_pb2.EngineControl, version: str, source: str,
-                      param: str, stage_only: bool) -> ControlState:
+                      param: str, stage_only: bool, path: str) -> ControlState:
         """Two phases on every rank: `prepare` (load or receive, staged beside the served weights), then commit on
         all ranks, or drop on all if any rank refused. stage_only: the commit waits for switch_weights."""
         self._check_awake(param)
@@ -153,10 +154,10 @@ class EngineControl:
                 raise InvalidRequestError(f"weights {source} refused, the old weights keep serving: {errors[0]}",
                                           param=param, code="invalid_checkpoint")
             if stage_only:
-                self.staged = (group, source)
+                self.staged = (group, source, path)
                 log.info("weights %s staged on every rank (the old weights serve until switch_weights)", source)
                 return self.state()
-            return await self._switch(group, version, source)
+            return await self._switch(group, version, source, path)
         return await self._at_boundary(update)
 
     async def switch_weights(self, commit: bool, version: str) -> ControlState:
@@ -173,10 +174,10 @@ class EngineControl:
                 await self._drop_staged(group)
                 log.info("staged weights %s dropped; the old weights serve on", staged[1])
                 return self.state()
-            return await self._switch(group, version, staged[1])
+            return await self._switch(group, version, staged[1], staged[2])
         return await self._at_boundary(switch)
 
-    async def _switch(self, group: WorkerGroup, version: str, source: str) -> ControlState:
+    async def _switch(self, group: WorkerGroup, version: str, source: str, path: str) -> ControlState:
         preempted = await self._preempt_running(group)
         errors = await self._on_ranks(group, worker_pb2.EngineControl(
             weights_swap=worker_pb2.WeightsSwap(commit=True)))
@@ -185,6 +186,7 @@ class EngineControl:
             raise WorkerLost(group.close_reason)
         self.weight_updates += 1
         self.weight_version = version or str(self.weight_updates)
+        self.weights_path = path or None
         log.info("weights updated %s: version %s, %d running requests preempted", source,
                  self.weight_version, preempted)
         return self.state(num_preempted=preempted)
@@ -243,6 +245,42 @@ class EngineControl:
         woke = await self._at_boundary(wake)
         await self.resume()
         return dataclasses.replace(woke, paused=False)
+
+    def restore_on_attach(self) -> None:
+        """A group that attaches after weight updates was started with its launch weights: before its first step
+        it loads the served ones (the last update's folder), or, if it cannot, it is closed (it must not serve other
+        weights under this version). After an update over the collective group, which no folder holds, the version
+        goes back to the launch weights' ("0"), with a warning, so nothing reports weights it does not serve."""
+        if not self.weight_updates or self.weight_version == "0":
+            return
+
+        async def restore(group: WorkerGroup | None) -> ControlState:
+            if group is None:
+                return self.state()
+            if self.weights_path is None:
+                log.warning("a new worker group serves the launch weights: weight version %s (received over the "
+                            "weight-update group) is gone with the old one; version is '0' until the next update",
+                            self.weight_version)
+                self.weight_version = "0"
+                return self.state()
+            errors = await self._on_ranks(group, worker_pb2.EngineControl(
+                weights_load=worker_pb2.WeightsLoad(model_path=self.weights_path)))
+            if errors:
+                await self._drop_staged(group)
+            else:
+                errors = await self._on_ranks(group, worker_pb2.EngineControl(
+                    weights_swap=worker_pb2.WeightsSwap(commit=True)))
+            if errors:
+                group.close(f"the new worker group cannot load the served weights (version {self.weight_version} "
+                            f"from {self.weights_path}): {errors[0]}")
+                raise WorkerLost(group.close_reason)
+            log.info("new worker group loaded the served weights: version %s from %s", self.weight_version,
+                     self.weights_path)
+            return self.state()
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())   # nobody awaits it: the log says
+        self._ops.appendleft((restore, future))       # before anything queued for the old group
+        self.loop.wake()
 
     # ---- between steps -----------------------------------------------------------------------------------------
     async def _at_boundary(self, op: Op) -> ControlState:

@@ -194,6 +194,7 @@ class EngineLoop:
         kv_tiers.retire(self._retired_tier_stats, self.scheduler.kv.tiers)
         self.scheduler.kv.attach_tiers(self._tiers_for(info))
         self.worker_info, self.group, self.lost_since = info, group, None
+        self.control.restore_on_attach()     # after weight updates: the served weights before its first step
         self.observer.on_attach(info)
         self.last_progress = time.monotonic()
         log.info("worker %s attached: %d KV blocks of %d tokens, max_model_len %d", info.worker_id,

@@ -71,6 +71,13 @@ async def test_weight_update_stages_on_every_replica_then_switches_all(replicas)
     for engine in replicas.engines:
         assert engine.controls == [("update_weights", "/ckpt/7", "", "stage"), ("switch_weights", True, "1")]
     assert [(r["weight_version"], r["fenced"]) for r in body["replicas"]] == [("1", None), ("1", None)]
+    restarted = replicas.engines[1]
+    restarted.weight_version = "0"                  # its worker restarted from weights no folder holds
+    status, body = await replicas.call("GET", "/get_weight_version")
+    assert body["weight_version"] == "1,0" and body["replicas"][1]["fenced"].startswith("weights at version 0")
+    before = len(restarted.requests)
+    assert [await replicas.complete(k) for k in range(6)] == [200] * 6
+    assert len(restarted.requests) == before
 
 
 async def test_a_refused_stage_drops_every_staged_copy(replicas):

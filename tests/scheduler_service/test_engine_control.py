@@ -179,6 +179,41 @@ async def test_staged_weights_wait_for_switch_weights_to_commit_or_drop_them(ser
         await worker.kill()
 
 
+async def test_a_worker_that_attaches_after_updates_serves_the_updated_weights(service, engine):
+    """A restarted worker starts from its launch weights: it loads the last update's folder before its first step;
+    after an update over the collective (no folder), the version honestly goes back to "0"."""
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address).start()
+    try:
+        await until(lambda: service.loop.group is not None, "the worker attached")
+        await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/a"))
+    finally:
+        await worker.kill()
+    await until(lambda: service.loop.group is None, "the worker was lost")
+    worker = FakeGrpcWorker(service.address).start()
+    try:
+        assert (await collect(stub, request("after", PROMPT, 4)))[0] == expected(PROMPT, 4)
+        assert [c.WhichOneof("op") for c in worker.controls] == ["weights_load", "weights_swap"]
+        assert worker.controls[0].weights_load.model_path == "/ckpt/a" and worker.controls[1].weights_swap.commit
+        state = await stub.GetEngineControlState(engine_pb2.EngineControlStateRequest())
+        assert (state.weight_version, state.weight_updates) == ("1", 1)
+        bucket = engine_pb2.WeightBucket(sha256="ab" * 32)
+        state = await stub.UpdateWeightsFromDistributed(engine_pb2.UpdateWeightsFromDistributedRequest(
+            buckets=[bucket], weight_version="rl-2"))
+        assert state.weight_version == "rl-2"
+    finally:
+        await worker.kill()
+    await until(lambda: service.loop.group is None, "the worker was lost")
+    worker = FakeGrpcWorker(service.address).start()
+    try:
+        assert (await collect(stub, request("again", PROMPT, 4)))[0] == expected(PROMPT, 4)
+        assert worker.controls == []                  # nothing to load: the collective's weights are gone
+        state = await stub.GetEngineControlState(engine_pb2.EngineControlStateRequest())
+        assert (state.weight_version, state.weight_updates) == ("0", 2)
+    finally:
+        await worker.kill()
+
+
 async def test_weight_update_with_no_worker_is_unavailable(service, engine):
     stub, _ = engine
     with pytest.raises(grpc.aio.AioRpcError) as info:

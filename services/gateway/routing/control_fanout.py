@@ -8,7 +8,7 @@ knows, so that the deployment changes state as one:
   commits, at one version (the caller's, or one more than the highest update count). A replica whose commit fails
   (its worker group lost meanwhile) is fenced: the router sends it no requests while its version differs from the
   others', so no client is served by mixed weights; a later update, or /get_weight_version finding it at the
-  deployment's version, lifts the fence.
+  deployment's version, lifts the fence (and fences a replica it finds at another version).
 - resume / wake_up: a replica that cannot is fenced (it would hold requests) until the same call reaches it.
 
 Every answer lists each replica's own state (ControlState.replicas), so a caller sees a split.
@@ -73,12 +73,18 @@ class ControlFanout:
         return self.merged(replicas, results)
 
     async def state(self) -> ControlState:
-        """Every replica's state; a fenced replica found at the deployment's weight version is routed to again."""
+        """Every replica's state. Once an update set the deployment's version, a replica found at another one (its
+        worker restarted from weights no folder holds) is fenced, and a fenced one found at it is routed to again."""
         replicas = self._targets()
         results = await self._call(replicas, "control_state")
         for replica, result in zip(replicas, results):
-            if (not isinstance(result, BaseException) and replica.fenced.startswith("weights")
-                    and result.weight_version == self.weight_version):
+            if isinstance(result, BaseException) or self.weight_version is None:
+                continue
+            if result.weight_version != self.weight_version and not replica.fenced:
+                replica.fenced = (f"weights at version {result.weight_version}, not the deployment's "
+                                  f"{self.weight_version}: it gets no requests until an update reaches it")
+                logger.error("scheduler %s: %s", replica.address, replica.fenced)
+            elif replica.fenced.startswith("weights") and result.weight_version == self.weight_version:
                 replica.fenced = ""
                 logger.info("scheduler %s serves weight version %s again: unfenced", replica.address,
                             self.weight_version)
