@@ -149,6 +149,8 @@ def victims_for_waiting(head: Request, running: RunningList, kv: KVCacheManager,
     max_new_tokens tokens, and only if preempting them would make it fit. The scheduler preempts them; head is
     admitted in the next step (a step that preempted admits nobody, see Scheduler.schedule)."""
     head_class = running.klass(head)
+    if not running or running.klass(running[-1]) <= head_class:    # the worst is no worse: O(1), most steps
+        return []
     worse = [r for r in running if running.klass(r) > head_class]   # the tail of running: ranked by class first
     if not worse:
         return []
