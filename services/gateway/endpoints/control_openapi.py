@@ -51,8 +51,9 @@ def paths(json_body, responses) -> dict[str, Any]:
         return [{"name": name, "in": "query", "required": False,
                  "schema": {"type": "string", "enum": values, "default": default}}]
 
-    flag = lambda name: {"type": "object", "required": [name], "properties": {  # noqa: E731
-        name: {"type": "boolean"}, "replicas": _REPLICAS}}
+    def flag(name: str) -> dict:
+        return {"type": "object", "required": [name], "properties": {name: {"type": "boolean"}, "replicas": _REPLICAS}}
+
     return {
         "/pause": {"post": op("pause", STATE, "abort: live requests end; wait: they finish first; keep: they are "
                               "preempted and recomputed on resume. Every scheduler replica pauses, or none.",
