@@ -84,8 +84,9 @@ class KernelPlan:
 
 
 def resolve_kernel_plan(config: WorkerConfig, device: torch.device, dtype: torch.dtype,
-                        cfg: LlamaModelConfig) -> KernelPlan:
-    """The plan for this worker: its flags, the STEPLOOP_CPU_* switches, the device and the model's shapes."""
+                        cfg: LlamaModelConfig, stored_quantized: bool = False) -> KernelPlan:
+    """The plan for this worker: its flags, the STEPLOOP_CPU_* switches, the device and the model's shapes.
+    stored_quantized: the checkpoint's weights are quantized (a quantization_config, a GGUF file read at width)."""
     backend = config.resolved_attention_backend(device.type)
     if device.type != "cpu":
         # graphs need the triton backend, whose kernel also serves sliding-window / soft-capped layers
@@ -93,7 +94,7 @@ def resolve_kernel_plan(config: WorkerConfig, device: torch.device, dtype: torch
                           cuda_graphs=config.use_cuda_graphs(device.type))
     why: dict[str, str | None] = {"huge pages": _why_no_hugepages()}
     if dtype == torch.float32:
-        why.update(_why_no_cpu_kernels(backend, cfg))
+        why.update(_why_no_cpu_kernels(backend, cfg, stored_quantized))
     else:
         why.update(dict.fromkeys(("C elementwise ops", "packed linears", "C attention kernel", "C decoder"),
                                  f"the C kernels are fp32 only (--dtype {str(dtype).removeprefix('torch.')})"))
@@ -113,9 +114,11 @@ def _why_no_hugepages() -> str | None:
     return None if hasattr(mmap, "MADV_HUGEPAGE") else "this OS has no MADV_HUGEPAGE"
 
 
-def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | None]:
+def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig, stored_quantized: bool) -> dict[str, str | None]:
     """Each C-kernel feature -> None (on) or why it is off, for fp32 on the CPU. A start-up probe times the packed
-    matmul against torch's on the model's shapes and keeps the faster (the log names both figures)."""
+    matmul against torch's on the model's shapes and keeps the faster (the log names both figures). Not for stored
+    quantized weights: they have no fp32 copy to weigh against (torch would first widen them, 4-8x the memory), so
+    whether they run packed can never hang on a timing taken on a busy machine."""
     def switch(*names: str) -> str | None:
         off = envs.switched_off(envs.CPU_KERNELS, *names)
         return f"{off}=0" if off else None
@@ -136,6 +139,8 @@ def _why_no_cpu_kernels(backend: str, cfg: LlamaModelConfig) -> dict[str, str | 
 
     def faster_than_torch() -> str | None:    # times both on the model's shapes (cpu_kernels/probe.py)
         from steploop.gpu_worker.cpu_kernels.probe import layer_shapes, probe_packed_linear
+        if stored_quantized:
+            return None
         if envs.switched_off(envs.CPU_KERNEL_PROBE):
             log.info("packed-linear probe skipped (%s=0)", envs.CPU_KERNEL_PROBE)
             return None

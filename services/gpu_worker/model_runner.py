@@ -31,6 +31,7 @@ from steploop.gpu_worker.cuda_graphs import StepGraphRunner
 from steploop.gpu_worker.distributed.comm import CollectiveError
 from steploop.gpu_worker.distributed.rank_setup import RankSetup
 from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
+from steploop.gpu_worker.gguf.weights import gguf_source
 from steploop.gpu_worker.input_batch import InputBatch
 from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
 from steploop.gpu_worker.kv_tier_mover import KvTierMover, model_identity
@@ -98,7 +99,8 @@ class ModelRunner:
         defaults = read_generation_defaults(config.generation_config, model_path)
         eos_ids = generation_eos_ids(config.generation_config, model_path, cfg.eos_token_ids)
         max_len = _max_model_len(config, cfg)
-        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg))
+        stored_quantized = cfg.quant is not None or gguf_source(model_path) is not None
+        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized))
         log.info("kernel plan: %s", plan.describe())
         local = rank.local_cfg
         backend = create_backend(plan.attention_backend, local.num_attention_heads, local.num_key_value_heads,

@@ -119,6 +119,10 @@ async def test_previous_response_id_chains_and_get_delete(gateway, tokenizer):
     with pytest.raises(openai.NotFoundError) as caught:
         await c.responses.retrieve(second.id)
     assert "was deleted" in caught.value.body["message"]
+    for gone in (second.id, "resp_nope"):       # deleting what is not there: a 404 with its reason, never a 500
+        with pytest.raises(openai.NotFoundError) as caught:
+            await c.responses.delete(gone)
+        assert ("was deleted" if gone == second.id else "never created") in caught.value.body["message"]
     unstored = await c.responses.create(model=SERVED_NAME, input="Hi", store=False)
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError) as caught:

@@ -87,3 +87,16 @@ def test_plan_follows_the_probe(monkeypatch, caplog):
     monkeypatch.setenv(envs.CPU_KERNEL_PROBE, "0")
     monkeypatch.setattr(probe, "probe_packed_linear", lambda shapes: slow)
     assert resolve_kernel_plan(WorkerConfig(device="cpu"), cpu, torch.float32, TINY).packed_linears
+
+
+@needs_kernels
+def test_stored_quantized_weights_run_packed_whatever_the_probe_would_say(monkeypatch):
+    """A GPTQ/AWQ/GGUF checkpoint has no fp32 copy: the probe (a timing, which a busy machine can tip) must not
+    decide whether its layers and the C decoder run, nor widen its weights to fp32."""
+    monkeypatch.delenv(envs.CPU_KERNEL_PROBE, raising=False)
+    for name in (envs.CPU_KERNELS, envs.CPU_PACKED_WEIGHTS, envs.CPU_DECODER, envs.CPU_ATTENTION_KERNEL):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(probe, "probe_packed_linear", lambda shapes: pytest.fail("probed a quantized checkpoint"))
+    plan = resolve_kernel_plan(WorkerConfig(device="cpu"), torch.device("cpu"), torch.float32, TINY,
+                               stored_quantized=True)
+    assert plan.packed_linears and plan.cpu_decoder

@@ -72,7 +72,7 @@ class ResponseStore:
         while len(self._gone) > self.forgotten_kept:
             self._gone.popitem(last=False)
 
-    def _not_found(self, response_id: str, param: str | None) -> APIError:
+    def _not_found(self, response_id: str, param: str | None = None) -> APIError:
         why = self._gone.get(response_id, "was never created by this gateway (or was forgotten long ago; each "
                                           "gateway process has its own store)")
         return APIError(404, f"Response with id '{response_id}' not found: it {why}.", param=param,
