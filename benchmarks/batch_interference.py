@@ -1,12 +1,14 @@
 """Interactive TTFT with and without a Batch API job running, in one run, alternating rounds.
 
-Starts `steploop serve` (default model, CPU, the scheduler under --scheduling-policy priority so batch lines, sent
-at the lowest priority, are admitted after interactive requests and preempted first), then per round: a baseline
+Starts `steploop serve` (default model, CPU, the scheduler under --scheduling-policy, fcfs by default: batch lines
+are background requests under every policy, admitted after interactive requests, preempted first, and their
+prompt chunks leave the step budget to waiting interactive requests), then per round: a baseline
 phase (interactive requests only) and a batch phase (the same interactive load while a batch of --batch-lines
 chat requests runs). Interactive load: --requests streamed completions, one every --interval s, each timed to
-its first token. Writes results/batch_interference.json with p50/p99 per phase and their ratio (goal p99 <= 1.3x).
+its first token. Writes results/batch_interference_<policy>.json with p50/p99 per phase and their ratio (goal p99
+<= 1.3x).
 
-    python -m benchmarks.batch_interference --rounds 2
+    python -m benchmarks.batch_interference --rounds 2 [--scheduling-policy priority]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import openai
 from benchmarks.machine import git_commit, machine_info
 
 MODEL = "SmolLM2-135M-Instruct"
-OUT = pathlib.Path(__file__).resolve().parent / "results" / "batch_interference.json"
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def _free_port() -> int:
@@ -120,13 +122,14 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=64)
     parser.add_argument("--batch-concurrency", type=int, default=8)
     parser.add_argument("--batch-dir", default=None, help="default: a fresh folder under /tmp")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     args = parser.parse_args()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     batch_dir = args.batch_dir or f"/tmp/steploop-bench-batches-{os.getpid()}"
     log = open(f"/tmp/steploop-bench-serve-{os.getpid()}.log", "wb")   # noqa: SIM115 - the server's whole life
     proc = subprocess.Popen([sys.executable, "-m", "steploop.cli", "serve", "--port", str(port),
-                             "--scheduler-port", str(_free_port()), "--scheduling-policy", "priority",
+                             "--scheduler-port", str(_free_port()), "--scheduling-policy", args.scheduling_policy,
                              "--batch-dir", batch_dir, "--batch-concurrency", str(args.batch_concurrency)],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -144,8 +147,9 @@ def main() -> None:
     summary["p50_ratio"] = summary["batch"]["p50_s"] / summary["baseline"]["p50_s"]
     result = {"machine": machine_info(), "commit": git_commit(), "args": vars(args), "summary": summary,
               "phases": phases}
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2))
+    out = RESULTS / f"batch_interference_{args.scheduling_policy}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2))
 
 

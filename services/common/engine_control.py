@@ -20,15 +20,28 @@ class ControlState:
     num_preempted: int = 0           # by this Pause (keep mode) or weight update
     sleep_level: int = 0             # 0 awake; 1 KV cache freed; 2 weights freed too
     worker_rss_bytes: tuple[int, ...] = ()   # Sleep / WakeUp: each rank's resident memory after it
+    weights_staged: bool = False     # an update staged with stage_only awaits SwitchWeights
+    # The gateway's router only (not on the wire): each replica's own answer, in replica order.
+    replicas: tuple[ReplicaControl, ...] = ()
 
     def to_pb(self) -> engine_pb2.EngineControlState:
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                              weight_updates=self.weight_updates, num_aborted=self.num_aborted,
                                              num_preempted=self.num_preempted, sleep_level=self.sleep_level,
-                                             worker_rss_bytes=list(self.worker_rss_bytes))
+                                             worker_rss_bytes=list(self.worker_rss_bytes),
+                                             weights_staged=self.weights_staged)
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.EngineControlState) -> ControlState:
         return cls(paused=pb.paused, weight_version=pb.weight_version or "0", weight_updates=pb.weight_updates,
                    num_aborted=pb.num_aborted, num_preempted=pb.num_preempted, sleep_level=pb.sleep_level,
-                   worker_rss_bytes=tuple(pb.worker_rss_bytes))
+                   worker_rss_bytes=tuple(pb.worker_rss_bytes), weights_staged=pb.weights_staged)
+
+
+@dataclass(frozen=True)
+class ReplicaControl:
+    """One scheduler replica's part of a control call made through the gateway's router."""
+    address: str
+    state: ControlState | None       # its answer; None when it failed
+    error: str = ""                  # why it failed
+    fenced: str = ""                 # set: the router sends it no requests, and why (weights differ, still paused)

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from steploop.common import model_path
 from steploop.gateway import metrics as gateway_metrics
+from steploop.gateway import request_class
 from steploop.gateway.admin_auth import admin_middleware
 from steploop.gateway.app_keys import (
     BATCHES,
@@ -113,7 +114,8 @@ def auth_middleware(api_key: str):
 def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: Tokenizer) -> web.Application:
     """The gateway app. On startup it asks the engine for model info (not fatal if the engine is not up yet)."""
     drain = Drain()
-    middlewares = [error_middleware, drain.middleware, route_header.middleware]   # route: x-steploop-replica
+    middlewares = [error_middleware, drain.middleware, route_header.middleware,   # route: x-steploop-replica
+                   request_class.middleware]                                      # Batch API lines: background
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
     if config.admin_api_key:

@@ -85,8 +85,9 @@ def admit(sched: Scheduler, plan: StepPlan, request: Request, num_hit: int) -> N
 
 
 def preempt_for_waiting(sched: Scheduler, plan: StepPlan) -> None:
-    """Priority policy: preempt the running requests the policy names so the waiting head fits next step, and
-    those whose adapter holds the seat the head's adapter needs (LoraSteps.victims_for)."""
+    """Preempt the running requests of a worse class the policy names so the waiting head fits next step (every
+    policy: background ones for an interactive head), and under the priority policy those whose adapter holds the
+    seat the head's adapter needs (LoraSteps.victims_for)."""
     config = sched.config
     max_new = config.max_num_batched_tokens
     if config.long_prefill_token_threshold > 0:
@@ -94,5 +95,7 @@ def preempt_for_waiting(sched: Scheduler, plan: StepPlan) -> None:
     for victim in policy.victims_for_waiting(sched.waiting.peek(), sched.running, sched.kv, config.max_num_seqs,
                                              sched.watermark_blocks, max_new):
         sched._preempt(victim, plan)
+    if config.scheduling_policy != "priority":
+        return
     for victim in sched.lora.victims_for(sched.waiting.peek(), sched.running):
         sched._preempt(victim, plan)

@@ -11,6 +11,9 @@
     update_weights_from_disk(path)   at a step boundary: every rank loads the checkpoint beside its weights
                   (shapes checked); if any rank refuses, all drop it and the old weights keep serving; else running
                   requests are preempted, the prefix cache cleared, and every rank switches
+    update_weights_*(..., stage_only=True)   the first half only: loaded beside and kept staged (old weights
+                  serve on); switch_weights(commit) then switches every rank to them, or drops them. A router
+                  updating several replicas stages on all of them before it commits any (routing/router.py).
 
 While paused, requests that arrive are held here (not scheduled; counted as waiting) until resume. Operations that
 need a step boundary are queued; the loop stops sending plans, waits for those in flight, and runs them
@@ -49,6 +52,8 @@ class EngineControl:
         self.weight_version = "0"
         self.weight_updates = 0
         self.sleep_level = 0       # 1 or 2 while the workers' memory is freed (sleep)
+        self.staged: tuple[WorkerGroup, str, str] | None = None   # (group holding staged weights, source, folder)
+        self.weights_path: str | None = None   # the served weights' folder after updates from disk (None: collective)
         self._ops: deque[tuple[Op, asyncio.Future]] = deque()
         self._changed = asyncio.Event()   # a live request ended (pause(wait) re-checks)
 
@@ -70,7 +75,8 @@ class EngineControl:
 
     def state(self, **counts: int) -> ControlState:
         return ControlState(paused=self.paused, weight_version=self.weight_version,
-                            weight_updates=self.weight_updates, sleep_level=self.sleep_level, **counts)
+                            weight_updates=self.weight_updates, sleep_level=self.sleep_level,
+                            weights_staged=self.staged is not None, **counts)
 
     # ---- the RPCs ----------------------------------------------------------------------------------------------
     async def pause(self, mode: str) -> ControlState:
@@ -111,9 +117,9 @@ class EngineControl:
         log.info("resumed: %d held requests queued", len(held))
         return self.state()
 
-    async def update_weights_from_disk(self, path: str, version: str) -> ControlState:
+    async def update_weights_from_disk(self, path: str, version: str, stage_only: bool = False) -> ControlState:
         load = worker_pb2.EngineControl(weights_load=worker_pb2.WeightsLoad(model_path=path))
-        return await self._update(load, version, f"from {path}", "model_path")
+        return await self._update(load, version, f"from {path}", "model_path", stage_only, path)
 
     async def init_weights_update_group(self, request) -> ControlState:
         """Every rank joins the trainer's gloo group (blocks, at a step boundary, until the trainer formed it)."""
@@ -128,40 +134,70 @@ class EngineControl:
             return self.state()
         return await self._at_boundary(join)
 
-    async def update_weights_from_distributed(self, buckets, version: str) -> ControlState:
+    async def update_weights_from_distributed(self, buckets, version: str, stage_only: bool = False) -> ControlState:
         receive = worker_pb2.EngineControl(weights_receive=worker_pb2.WeightsReceive(buckets=buckets))
-        return await self._update(receive, version, "from the weight-update group", "buckets")
+        return await self._update(receive, version, "from the weight-update group", "buckets", stage_only, "")
 
     async def _update(self, prepare: worker_pb2.EngineControl, version: str, source: str,
-                      param: str) -> ControlState:
+                      param: str, stage_only: bool, path: str) -> ControlState:
         """Two phases on every rank: `prepare` (load or receive, staged beside the served weights), then commit on
-        all ranks, or drop on all if any rank refused."""
-        if self.sleep_level:
-            raise InvalidRequestError("the engine is asleep: POST /wake_up first", param=param,
-                                      code="engine_asleep")
-        path = source
+        all ranks, or drop on all if any rank refused. stage_only: the commit waits for switch_weights."""
+        self._check_awake(param)
 
         async def update(group: WorkerGroup | None) -> ControlState:
             if group is None:
                 raise UnavailableError("no worker is attached to load the weights; retry once one is")
+            self.staged = None            # a new load replaces what was staged
             errors = await self._on_ranks(group, prepare)
             if errors:
-                await self._on_ranks(group, worker_pb2.EngineControl(
-                    weights_swap=worker_pb2.WeightsSwap(commit=False)))
+                await self._drop_staged(group)
                 raise InvalidRequestError(f"weights {source} refused, the old weights keep serving: {errors[0]}",
                                           param=param, code="invalid_checkpoint")
-            preempted = await self._preempt_running(group)
-            errors = await self._on_ranks(group, worker_pb2.EngineControl(
-                weights_swap=worker_pb2.WeightsSwap(commit=True)))
-            if errors:      # a rank could not switch: the group's ranks differ now, so it must not serve on
-                group.close(f"weight switch failed on a rank: {errors[0]}")
-                raise WorkerLost(group.close_reason)
-            self.weight_updates += 1
-            self.weight_version = version or str(self.weight_updates)
-            log.info("weights updated %s: version %s, %d running requests preempted", path,
-                     self.weight_version, preempted)
-            return self.state(num_preempted=preempted)
+            if stage_only:
+                self.staged = (group, source, path)
+                log.info("weights %s staged on every rank (the old weights serve until switch_weights)", source)
+                return self.state()
+            return await self._switch(group, version, source, path)
         return await self._at_boundary(update)
+
+    async def switch_weights(self, commit: bool, version: str) -> ControlState:
+        """The second half of a stage_only update: every rank serves the staged weights (commit) or drops them."""
+        self._check_awake("commit")
+
+        async def switch(group: WorkerGroup | None) -> ControlState:
+            staged, self.staged = self.staged, None
+            if staged is None or group is None or staged[0] is not group:
+                raise InvalidRequestError("no weights are staged on the attached worker group (none was, or the "
+                                          "group that staged them was lost): stage them again",
+                                          param="commit", code="no_staged_weights")
+            if not commit:
+                await self._drop_staged(group)
+                log.info("staged weights %s dropped; the old weights serve on", staged[1])
+                return self.state()
+            return await self._switch(group, version, staged[1], staged[2])
+        return await self._at_boundary(switch)
+
+    async def _switch(self, group: WorkerGroup, version: str, source: str, path: str) -> ControlState:
+        preempted = await self._preempt_running(group)
+        errors = await self._on_ranks(group, worker_pb2.EngineControl(
+            weights_swap=worker_pb2.WeightsSwap(commit=True)))
+        if errors:      # a rank could not switch: the group's ranks differ now, so it must not serve on
+            group.close(f"weight switch failed on a rank: {errors[0]}")
+            raise WorkerLost(group.close_reason)
+        self.weight_updates += 1
+        self.weight_version = version or str(self.weight_updates)
+        self.weights_path = path or None
+        log.info("weights updated %s: version %s, %d running requests preempted", source,
+                 self.weight_version, preempted)
+        return self.state(num_preempted=preempted)
+
+    async def _drop_staged(self, group: WorkerGroup) -> None:
+        await self._on_ranks(group, worker_pb2.EngineControl(weights_swap=worker_pb2.WeightsSwap(commit=False)))
+
+    def _check_awake(self, param: str) -> None:
+        if self.sleep_level:
+            raise InvalidRequestError("the engine is asleep: POST /wake_up first", param=param,
+                                      code="engine_asleep")
 
     async def sleep(self, level: int) -> ControlState:
         """Pauses as keep does, then every rank frees memory (level 1: its KV cache; 2: its weights too)."""
@@ -209,6 +245,42 @@ class EngineControl:
         woke = await self._at_boundary(wake)
         await self.resume()
         return dataclasses.replace(woke, paused=False)
+
+    def restore_on_attach(self) -> None:
+        """A group that attaches after weight updates was started with its launch weights: before its first step
+        it loads the served ones (the last update's folder), or, if it cannot, it is closed (it must not serve other
+        weights under this version). After an update over the collective group, which no folder holds, the version
+        goes back to the launch weights' ("0"), with a warning, so nothing reports weights it does not serve."""
+        if not self.weight_updates or self.weight_version == "0":
+            return
+
+        async def restore(group: WorkerGroup | None) -> ControlState:
+            if group is None:
+                return self.state()
+            if self.weights_path is None:
+                log.warning("a new worker group serves the launch weights: weight version %s (received over the "
+                            "weight-update group) is gone with the old one; version is '0' until the next update",
+                            self.weight_version)
+                self.weight_version = "0"
+                return self.state()
+            errors = await self._on_ranks(group, worker_pb2.EngineControl(
+                weights_load=worker_pb2.WeightsLoad(model_path=self.weights_path)))
+            if errors:
+                await self._drop_staged(group)
+            else:
+                errors = await self._on_ranks(group, worker_pb2.EngineControl(
+                    weights_swap=worker_pb2.WeightsSwap(commit=True)))
+            if errors:
+                group.close(f"the new worker group cannot load the served weights (version {self.weight_version} "
+                            f"from {self.weights_path}): {errors[0]}")
+                raise WorkerLost(group.close_reason)
+            log.info("new worker group loaded the served weights: version %s from %s", self.weight_version,
+                     self.weights_path)
+            return self.state()
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())   # nobody awaits it: the log says
+        self._ops.appendleft((restore, future))       # before anything queued for the old group
+        self.loop.wake()
 
     # ---- between steps -----------------------------------------------------------------------------------------
     async def _at_boundary(self, op: Op) -> ControlState:

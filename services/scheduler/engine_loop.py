@@ -96,7 +96,8 @@ class EngineLoop:
             raise InvalidRequestError("cache_salt may not contain a NUL character", param="cache_salt")
         lora_path = self.lora.resolve(req.lora_name) if req.lora_name else ""
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
-                          priority=req.priority, cache_salt=req.cache_salt or None, pooling=req.pooling,
+                          priority=req.priority, background=req.background, cache_salt=req.cache_salt or None,
+                          pooling=req.pooling,
                           output_token_ids=list(req.resume_output_token_ids),   # migrated: outputs, not prompt
                           lora_name=req.lora_name or None, lora_path=lora_path, mm_features=list(req.mm_features))
         if self.control.hold(request):      # paused: validated and queued on resume (admit_held)
@@ -200,6 +201,7 @@ class EngineLoop:
         kv_tiers.retire(self._retired_tier_stats, self.scheduler.kv.tiers)
         self.scheduler.kv.attach_tiers(self._tiers_for(info))
         self.worker_info, self.group, self.lost_since = info, group, None
+        self.control.restore_on_attach()     # after weight updates: the served weights before its first step
         self.observer.on_attach(info)
         self.last_progress = time.monotonic()
         log.info("worker %s attached: %d KV blocks of %d tokens, max_model_len %d", info.worker_id,
@@ -390,7 +392,8 @@ class EngineLoop:
         if sched is None:
             return EngineLoad(num_waiting=self._num_waiting(), num_steps=self.num_steps,
                               counters=self._retired_counters, workers_attached=attached,
-                              paused=self.control.paused, weight_updates=self.control.weight_updates)
+                              paused=self.control.paused, weight_updates=self.control.weight_updates,
+                              weight_version=self.control.weight_version)
         kv = sched.kv
         return EngineLoad(
             num_running=sched.num_running, num_waiting=self._num_waiting(),
@@ -400,4 +403,5 @@ class EngineLoop:
             running_lora_adapters=tuple(sched.lora.running), waiting_lora_adapters=tuple({r.lora_name: None for r in sched.waiting if r.lora_name}),
             max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0,
             paused=self.control.paused, weight_updates=self.control.weight_updates,
+            weight_version=self.control.weight_version,
             kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else ())

@@ -143,3 +143,7 @@ def _steploop(obs: Any, load: EngineLoad, labels: list[str]) -> Iterator:
                  float(load.paused))
     yield _counter("steploop:weight_updates", "Weight updates applied since start (the served weight version "
                    "is GET /get_weight_version).", labels, load.weight_updates)
+    version = GaugeMetricFamily("steploop:weight_version_info", "1, labelled with the served weights' version "
+                                "(set by each weight update; '0' as loaded at start).", labels=MODEL + ["version"])
+    version.add_metric(labels + [load.weight_version], 1.0)
+    yield version

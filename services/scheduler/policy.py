@@ -6,6 +6,11 @@
             running request is preempted first, and a waiting request may preempt running ones of a strictly
             worse priority when it cannot otherwise be admitted.
 
+Under both, background requests (the Batch API's, Request.background) form a class below every interactive
+request: they wait behind them (a lane of their own in fcfs), rank after them in the running list (so they are
+preempted first), and an interactive waiting head may preempt them when it cannot otherwise be admitted. The class
+is the first key of every rank, so the rest of the policy is unchanged within a class.
+
 The running list is kept sorted by rank as requests join (bisect), so a step never sorts it.
 """
 
@@ -25,68 +30,83 @@ RankKey = Callable[[Request], tuple]
 
 
 def fcfs_rank(request: Request) -> tuple:
-    return (request.arrival_time,)
+    return (request.background, request.arrival_time)
 
 
 def priority_rank(request: Request) -> tuple:
-    return (request.priority, request.arrival_time)
+    return (request.background, request.priority, request.arrival_time)
+
+
+def fcfs_class(request: Request) -> tuple:
+    """What may preempt what under fcfs: only an interactive request a background one."""
+    return (request.background,)
+
+
+def priority_class(request: Request) -> tuple:
+    return (request.background, request.priority)
 
 
 class FCFSQueue:
-    """Arrival order; `push_front` for preempted requests. O(1) at both ends."""
+    """Arrival order within two lanes, interactive before background; `push_front` for preempted requests (the
+    front of their own lane). O(1) at both ends."""
 
     def __init__(self) -> None:
-        self._q: deque[Request] = deque()
+        self._lanes: tuple[deque[Request], deque[Request]] = (deque(), deque())   # [interactive, background]
 
     def push(self, request: Request) -> None:
-        self._q.append(request)
+        self._lanes[request.background].append(request)
 
     def push_front(self, request: Request) -> None:
-        self._q.appendleft(request)
+        self._lanes[request.background].appendleft(request)
+
+    def _head_lane(self) -> deque[Request]:
+        return self._lanes[0] or self._lanes[1]
 
     def peek(self) -> Request:
-        return self._q[0]
+        return self._head_lane()[0]
 
     def pop(self) -> Request:
-        return self._q.popleft()
+        return self._head_lane().popleft()
 
     def remove(self, request: Request) -> None:
-        self._q.remove(request)
+        self._lanes[request.background].remove(request)
 
     def clear(self) -> None:
-        self._q.clear()
+        for lane in self._lanes:
+            lane.clear()
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._lanes[0]) + len(self._lanes[1])
 
     def __bool__(self) -> bool:
-        return bool(self._q)
+        return bool(self._lanes[0] or self._lanes[1])
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
+        return itertools.chain(*self._lanes)
 
 
 class PriorityQueue:
-    """A heap on (priority, arrival_time); a preempted request simply re-enters at its rank."""
+    """A heap on (background, priority, arrival_time); a preempted request simply re-enters at its rank."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
+        self._heap: list[tuple[bool, int, float, int, Request]] = []
         self._tie = itertools.count()        # equal ranks leave in insertion order; never compares Requests
 
     def push(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._tie), request))
+        heapq.heappush(self._heap, (request.background, request.priority, request.arrival_time, next(self._tie),
+                                    request))
 
     push_front = push
 
     def peek(self) -> Request:
-        return self._heap[0][3]
+        return self._heap[0][-1]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[-1]
 
     def remove(self, request: Request) -> None:
         # O(n): aborts of waiting requests are rare next to steps.
-        self._heap = [e for e in self._heap if e[3] is not request]
+        self._heap = [e for e in self._heap if e[-1] is not request]
         heapq.heapify(self._heap)
 
     def clear(self) -> None:
@@ -99,15 +119,16 @@ class PriorityQueue:
         return bool(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+        return (e[-1] for e in sorted(self._heap, key=lambda e: e[:-1]))
 
 
 class RunningList(list):
     """Running requests, best rank first (index 0), worst last: the preemption victim is always `self[-1]`."""
 
-    def __init__(self, rank: RankKey) -> None:
+    def __init__(self, rank: RankKey, klass: RankKey) -> None:
         super().__init__()
         self.rank = rank
+        self.klass = klass       # the part of the rank that lets a waiting request preempt (victims_for_waiting)
 
     def add(self, request: Request) -> None:
         insort(self, request, key=self.rank)
@@ -115,18 +136,22 @@ class RunningList(list):
 
 def make_queues(policy: str) -> tuple[FCFSQueue | PriorityQueue, RunningList]:
     if policy == "priority":
-        return PriorityQueue(), RunningList(priority_rank)
-    return FCFSQueue(), RunningList(fcfs_rank)
+        return PriorityQueue(), RunningList(priority_rank, priority_class)
+    return FCFSQueue(), RunningList(fcfs_rank, fcfs_class)
 
 
 def victims_for_waiting(head: Request, running: RunningList, kv: KVCacheManager, max_num_seqs: int,
                         watermark_blocks: int, max_new_tokens: int) -> list[Request]:
-    """Priority policy: the running requests (worst first) that the best waiting request `head` should preempt.
+    """The running requests (worst first) that the best waiting request `head` should preempt.
 
-    Only requests of a strictly worse priority, only when head cannot otherwise be admitted with up to
+    Only requests of a strictly worse class (running.klass: priority and background under the priority policy,
+    background alone under fcfs), only when head cannot otherwise be admitted with up to
     max_new_tokens tokens, and only if preempting them would make it fit. The scheduler preempts them; head is
     admitted in the next step (a step that preempted admits nobody, see Scheduler.schedule)."""
-    worse = [r for r in running if r.priority > head.priority]   # the tail of running: ranked by priority
+    head_class = running.klass(head)
+    if not running or running.klass(running[-1]) <= head_class:    # the worst is no worse: O(1), most steps
+        return []
+    worse = [r for r in running if running.klass(r) > head_class]   # the tail of running: ranked by class first
     if not worse:
         return []
     needed = kv.num_blocks_to_admit(head, max_new_tokens)

@@ -58,6 +58,7 @@ class Request:
     num_cached_tokens: int = 0           # of the prompt, found in the prefix cache (reported in usage)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # max_tokens resolved by add_request
     priority: int = 0                    # lower runs first (vLLM's convention); used by later policies
+    background: bool = False             # Batch API work: ranked after every interactive request (policy.py)
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None        # isolates this request's prefix-cache entries (mixed into block 0's key)
     lora_name: str | None = None         # its LoRA adapter (None: the base model); also in block 0's key

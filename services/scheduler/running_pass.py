@@ -32,7 +32,8 @@ def schedule_running(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
                 break
         request = running[i]
         num_new = sched._num_new_tokens(request, budget)
-        if num_new <= 0:
+        if num_new <= 0 or (request.background and sched.background_yields
+                            and num_new > 1 + len(request.spec_token_ids)):   # a prompt chunk yields (policy.py)
             i += 1
             continue
         computed = request.num_computed_tokens

@@ -72,6 +72,7 @@ class Scheduler:
         # The plain-decode runs of the two hot loops in C (fastpath/decode_loop.c), or None: Python throughout.
         self.c_loops = fastpath.load()
         self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens)   # images' encoder work
+        self.background_yields = False              # this step: an interactive request waits (schedule())
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -166,8 +167,11 @@ class Scheduler:
            preempted (the blocks just freed belong to the running requests that needed them). Nobody overtakes
            the head of the queue, except under the LoRA seat rule: at most `max_loras` distinct adapters run at
            once (lora_steps.py), and a request whose adapter has no free seat is set aside for the step while
-           the queue goes on. Under the priority policy a better waiting head that cannot fit, or whose adapter
-           has no seat, first preempts worse running requests (it is admitted next step).
+           the queue goes on. A waiting head of a better class that cannot fit first preempts running requests
+           of a worse class (it is admitted next step): background (Batch API) requests under every policy, and
+           under the priority policy those of a worse priority, or whose adapter holds the seat it needs.
+           While an interactive request waits, running background requests get no prompt chunk (their decodes
+           go on): the step's budget goes to the interactive ones first (policy.py).
         6. num_computed_tokens advances by the scheduled count as each request is scheduled, as if the step had
            run (the `_advance` hook), so the next schedule() sees the new gaps.
 
@@ -182,8 +186,10 @@ class Scheduler:
         self.lora.fill_plan(plan)
         if self.proposer is not None:
             running_pass.propose(self)
-        if self.config.scheduling_policy == "priority" and self.waiting and self.running:
+        if self.waiting and self.running:
             admission.preempt_for_waiting(self, plan)
+        # Background prompt chunks leave this step's budget to interactive requests that wait (policy.py)
+        self.background_yields = bool(self.waiting) and not self.waiting.peek().background
         scheduled: list[Request] = []
         ends: list[int] = []                     # num_computed_tokens each scheduled request reaches
         if self.pacer is not None:

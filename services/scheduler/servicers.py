@@ -103,8 +103,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def UpdateWeightsFromDisk(self, request, context):
         if not request.model_path:
             await abort_with(context, InvalidRequestError("model_path is required", param="model_path"))
-        return await self._control(context, self.loop.control.update_weights_from_disk(request.model_path,
-                                                                                      request.weight_version))
+        return await self._control(context, self.loop.control.update_weights_from_disk(
+            request.model_path, request.weight_version, request.stage_only))
 
     async def InitWeightsUpdateGroup(self, request, context):
         if not request.master_address or not request.master_port or request.world_size < 2:
@@ -116,7 +116,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if not request.buckets:
             await abort_with(context, InvalidRequestError("buckets is required", param="buckets"))
         return await self._control(context, self.loop.control.update_weights_from_distributed(
-            request.buckets, request.weight_version))
+            request.buckets, request.weight_version, request.stage_only))
+
+    async def SwitchWeights(self, request, context):
+        return await self._control(context, self.loop.control.switch_weights(request.commit, request.weight_version))
 
     async def Sleep(self, request, context):
         return await self._control(context, self.loop.control.sleep(request.level))

@@ -69,6 +69,7 @@ class EngineLoad(LoadReport):
     max_loras: int = 0                             # --max-loras with --enable-lora; 0 = LoRA off
     paused: bool = False                           # POST /pause (engine_control.py)
     weight_updates: int = 0                        # weight updates applied since start
+    weight_version: str = "0"                      # the served weights' version (steploop:weight_version_info)
     kv_tiers: tuple[KvTierLoad, ...] = ()          # KV media below the pool; () = none
 
 

@@ -48,6 +48,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     paused: bool = False
     weight_version: str = "0"
     weights_error: str = ""                        # if set, UpdateWeightsFromDisk is INVALID_ARGUMENT with it
+    control_status: grpc.StatusCode | None = None  # if set, Pause and SwitchWeights fail with it (a broken replica)
+    staged: str = ""                               # the model_path a stage_only update staged
+    updates: int = 0                               # weight updates applied
     _drop: asyncio.Event = field(default_factory=asyncio.Event)
     _drops: int = 0                                # drop_sessions calls so far
 
@@ -205,6 +208,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
 
     async def Pause(self, request, context):
         self.controls.append(("pause", engine_pb2.PauseMode.Name(request.mode)))
+        if self.control_status is not None:
+            await context.abort(self.control_status, "the scheduler cannot pause now")
         self.paused = True
         return engine_pb2.EngineControlState(paused=True, weight_version=self.weight_version)
 
@@ -220,9 +225,27 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.controls.append(("update_weights", request.model_path, request.weight_version))
         if self.weights_error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.weights_error)
-        self.weight_version = request.weight_version or str(int(self.weight_version) + 1)
+        if request.stage_only:
+            self.controls[-1] += ("stage",)
+            self.staged = request.model_path
+            return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
+                                                 weight_updates=self.updates, weights_staged=True)
+        self.updates += 1
+        self.weight_version = request.weight_version or str(self.updates)
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
                                              weight_updates=1)
+
+    async def SwitchWeights(self, request, context):
+        self.controls.append(("switch_weights", request.commit, request.weight_version))
+        if self.control_status is not None:
+            await context.abort(self.control_status, "the scheduler lost its worker group")
+        if not self.staged:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no weights are staged")
+        self.staged = ""
+        if request.commit:
+            self.updates += 1
+            self.weight_version = request.weight_version or str(self.updates)
+        return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
 
     async def InitWeightsUpdateGroup(self, request, context):
         self.controls.append(("init_group", request.master_address, request.master_port, request.rank_offset,
@@ -232,7 +255,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     async def UpdateWeightsFromDistributed(self, request, context):
         self.controls.append(("update_distributed", [(t.name, t.dtype, list(t.shape)) for b in request.buckets
                                                      for t in b.tensors], [b.sha256 for b in request.buckets]))
-        self.weight_version = request.weight_version or str(int(self.weight_version) + 1)
+        if request.stage_only:
+            self.staged = "distributed"
+            return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version,
+                                                 weights_staged=True)
+        self.updates += 1
+        self.weight_version = request.weight_version or str(self.updates)
         return engine_pb2.EngineControlState(paused=self.paused, weight_version=self.weight_version)
 
     async def Sleep(self, request, context):

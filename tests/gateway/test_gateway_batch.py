@@ -1,6 +1,7 @@
 """The Batch API through the real openai SDK against a real gateway (HTTP on a free port) in front of the fake
 engine: upload, create, retrieve until done, the output and error files (each custom_id answered once, in input
-order), list, cancel, the lowest priority on every line, and the limits."""
+order), list, cancel, every line background work at the lowest priority (and a client's own request
+interactive), and the limits."""
 
 from __future__ import annotations
 
@@ -81,8 +82,11 @@ async def test_openai_sdk_batch_round_trip(batch_gateway):
     errors = [json.loads(x) for x in (await client.files.content(batch.error_file_id)).text.splitlines()]
     assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [("req-7", 400)]
     assert errors[0]["error"]["message"]
-    assert {r.priority for r in batch_gateway.engine.requests} == {BATCH_PRIORITY}
+    assert {(r.priority, r.background) for r in batch_gateway.engine.requests} == {(BATCH_PRIORITY, True)}
     assert len(batch_gateway.engine.requests) == 7       # each line ran once (the 400 never reached the engine)
+    await client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=2)
+    assert not batch_gateway.engine.requests[-1].background    # a client's own request stays interactive
     listed = await client.batches.list()
     assert [b.id for b in listed.data] == [batch.id]
     files = await client.files.list()

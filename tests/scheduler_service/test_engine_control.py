@@ -126,6 +126,7 @@ async def test_weight_update_loads_then_switches_and_reports_the_version(service
         assert state.weight_version == "step-2"
         metrics = (await stub.GetMetrics(engine_pb2.MetricsRequest())).text
         assert 'steploop:weight_updates_total{model_name="fake-model"} 2.0' in metrics
+        assert 'steploop:weight_version_info{model_name="fake-model",version="step-2"} 1.0' in metrics
     finally:
         await worker.kill()
 
@@ -145,6 +146,70 @@ async def test_refused_weights_are_dropped_by_every_rank_and_the_old_ones_serve(
         state = await stub.GetEngineControlState(engine_pb2.EngineControlStateRequest())
         assert (state.weight_version, state.weight_updates) == ("0", 0)
         assert (await collect(stub, request("after", PROMPT, 4)))[0] == expected(PROMPT, 4)
+    finally:
+        await worker.kill()
+
+
+async def test_staged_weights_wait_for_switch_weights_to_commit_or_drop_them(service, engine):
+    """The two halves a router drives across replicas: stage (old weights serve on), then commit or drop."""
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address, step_delay=0.01).start()
+    try:
+        await until(lambda: service.loop.group is not None, "the worker attached")
+        with pytest.raises(grpc.aio.AioRpcError) as info:          # nothing staged yet
+            await stub.SwitchWeights(engine_pb2.SwitchWeightsRequest(commit=True))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no weights are staged" in info.value.details()
+        task, got = await _started(stub, "spans", 40)
+        state = await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/a",
+                                                                                         stage_only=True))
+        assert (state.weight_version, state.weights_staged, state.num_preempted) == ("0", True, 0)
+        assert [c.WhichOneof("op") for c in worker.controls] == ["weights_load"]
+        state = await stub.SwitchWeights(engine_pb2.SwitchWeightsRequest(commit=True, weight_version="rl-1"))
+        assert (state.weight_version, state.weight_updates, state.weights_staged) == ("rl-1", 1, False)
+        assert worker.controls[-1].weights_swap.commit
+        await asyncio.wait_for(task, 20)
+        assert got == expected(PROMPT, 40)                          # preempted at the switch, recomputed
+        await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/b",
+                                                                                 stage_only=True))
+        state = await stub.SwitchWeights(engine_pb2.SwitchWeightsRequest(commit=False))
+        assert (state.weight_version, state.weights_staged) == ("rl-1", False)
+        assert not worker.controls[-1].weights_swap.commit
+        await _idle_and_whole(service)
+    finally:
+        await worker.kill()
+
+
+async def test_a_worker_that_attaches_after_updates_serves_the_updated_weights(service, engine):
+    """A restarted worker starts from its launch weights: it loads the last update's folder before its first step;
+    after an update over the collective (no folder), the version honestly goes back to "0"."""
+    stub, _ = engine
+    worker = FakeGrpcWorker(service.address).start()
+    try:
+        await until(lambda: service.loop.group is not None, "the worker attached")
+        await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/a"))
+    finally:
+        await worker.kill()
+    await until(lambda: service.loop.group is None, "the worker was lost")
+    worker = FakeGrpcWorker(service.address).start()
+    try:
+        assert (await collect(stub, request("after", PROMPT, 4)))[0] == expected(PROMPT, 4)
+        assert [c.WhichOneof("op") for c in worker.controls] == ["weights_load", "weights_swap"]
+        assert worker.controls[0].weights_load.model_path == "/ckpt/a" and worker.controls[1].weights_swap.commit
+        state = await stub.GetEngineControlState(engine_pb2.EngineControlStateRequest())
+        assert (state.weight_version, state.weight_updates) == ("1", 1)
+        bucket = engine_pb2.WeightBucket(sha256="ab" * 32)
+        state = await stub.UpdateWeightsFromDistributed(engine_pb2.UpdateWeightsFromDistributedRequest(
+            buckets=[bucket], weight_version="rl-2"))
+        assert state.weight_version == "rl-2"
+    finally:
+        await worker.kill()
+    await until(lambda: service.loop.group is None, "the worker was lost")
+    worker = FakeGrpcWorker(service.address).start()
+    try:
+        assert (await collect(stub, request("again", PROMPT, 4)))[0] == expected(PROMPT, 4)
+        assert worker.controls == []                  # nothing to load: the collective's weights are gone
+        state = await stub.GetEngineControlState(engine_pb2.EngineControlStateRequest())
+        assert (state.weight_version, state.weight_updates) == ("0", 2)
     finally:
         await worker.kill()
 

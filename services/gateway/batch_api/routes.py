@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from steploop.gateway.app_keys import BATCHES
 from steploop.gateway.batch_api import protocol
@@ -30,15 +31,7 @@ async def create_file(request: web.Request) -> web.Response:
     files, _, _ = request.app[BATCHES].require()
     if not request.content_type.startswith("multipart/"):
         raise bad_request("upload the file as multipart/form-data with fields 'file' and 'purpose'", param="file")
-    reader = await request.multipart()
-    purpose, obj = None, None
-    while (part := await reader.next()) is not None:
-        if part.name == "purpose":
-            purpose = (await part.text()).strip()
-        elif part.name == "file" and obj is None:
-            obj = await files.upload(_chunks(part), part.filename or "upload.jsonl", "batch")
-        else:
-            await part.release()
+    purpose, obj = await _read_upload(request, files)
     if obj is not None and purpose != "batch":
         files.delete(obj["id"])
     if purpose is None:
@@ -49,6 +42,25 @@ async def create_file(request: web.Request) -> web.Response:
     if obj is None:
         raise bad_request("'file' is required", param="file", code="missing_required_parameter")
     return web.json_response(obj)
+
+
+async def _read_upload(request: web.Request, files) -> tuple[str | None, dict | None]:
+    """(purpose, the stored file object) from the multipart body; a malformed body is a 400 (nothing kept)."""
+    purpose, obj = None, None
+    try:
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file" and obj is None:
+                obj = await files.upload(_chunks(part), part.filename or "upload.jsonl", "batch")
+            else:
+                await part.release()
+    except (HttpProcessingError, ValueError, UnicodeDecodeError) as err:   # bad part headers, boundary, charset
+        if obj is not None:
+            files.delete(obj["id"])
+        raise bad_request(f"malformed multipart/form-data body: {err}", param="file") from None
+    return purpose, obj
 
 
 async def _chunks(part):

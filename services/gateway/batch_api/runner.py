@@ -1,7 +1,9 @@
 """BatchRunner: runs the batches of a JobStore, oldest first, one at a time, each line a request to this gateway's
 own endpoint over loopback HTTP (so a line is validated, tokenized, routed and answered exactly as the same request
-from a client), at most `concurrency` lines at once, at the lowest priority (`priority` 2**31-1: under
---scheduling-policy priority interactive requests are admitted first and batch requests are preempted first).
+from a client), at most `concurrency` lines at once, as background work: the `x-steploop-batch-id` header makes
+the gateway mark its engine requests background (request_class.py), so under every scheduling policy interactive
+requests are admitted first, take the step budget before batch prompt chunks, and batch requests are preempted
+first; they also carry the lowest `priority` (2**31-1), ordering them within the background class.
 
 Exactly once: a line's answer is appended to the batch's journal (fsynced) as it arrives, and only lines with no
 answer there are sent, once each in a process. After a crash (SIGKILL) the next start resumes every active batch

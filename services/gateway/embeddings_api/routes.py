@@ -14,6 +14,7 @@ from aiohttp import web
 from steploop.common.engine_contract import EngineRequest, FinishReason
 from steploop.common.pooling_params import PoolingParams
 from steploop.common.sampling_params import SamplingParams
+from steploop.gateway import request_class
 from steploop.gateway.app_keys import SERVING
 from steploop.gateway.embeddings_api.outputs import embeddings_body
 from steploop.gateway.embeddings_api.protocol import parse_embeddings
@@ -31,7 +32,8 @@ def _too_long(max_model_len: int, n: int, index: int) -> APIError:
 async def _embed_one(serving: Serving, request_id: str, prompt_ids: Sequence[int],
                      pooling: PoolingParams) -> tuple[list[float], int]:
     """(vector, prompt tokens) of one input; engine errors about the prompt name `input`."""
-    stream = serving.engine.generate(EngineRequest(request_id, list(prompt_ids), SamplingParams(), pooling=pooling))
+    stream = serving.engine.generate(EngineRequest(request_id, list(prompt_ids), SamplingParams(), pooling=pooling,
+                                                   background=request_class.is_background()))
     try:
         async with contextlib.aclosing(stream):   # leaving early (an error, a client gone) aborts the request
             async for chunk in stream:

@@ -32,7 +32,7 @@ import logging
 
 from aiohttp import web
 
-from steploop.common.engine_control import PAUSE_MODES, ControlState
+from steploop.common.engine_control import PAUSE_MODES, ControlState, ReplicaControl
 from steploop.gateway.app_keys import PAUSE_GATE, SERVING
 from steploop.gateway.errors import APIError, bad_request
 from steploop.gateway.http_io import validation as v
@@ -43,9 +43,23 @@ WEIGHT_VERSION_HEADER = "x-steploop-weight-version"
 
 
 def _state_body(state: ControlState) -> dict:
-    return {"paused": state.paused, "weight_version": state.weight_version, "num_aborted": state.num_aborted,
+    body = {"paused": state.paused, "weight_version": state.weight_version, "num_aborted": state.num_aborted,
             "num_preempted": state.num_preempted, "sleep_level": state.sleep_level,
             "worker_rss_bytes": list(state.worker_rss_bytes)}
+    if state.replicas:                   # several scheduler replicas (routing/control_fanout.py): each one's own
+        body["replicas"] = [_replica_body(r) for r in state.replicas]
+    return body
+
+
+def _replicas(state: ControlState) -> dict:
+    return {"replicas": [_replica_body(r) for r in state.replicas]} if state.replicas else {}
+
+
+def _replica_body(replica: ReplicaControl) -> dict:
+    s = replica.state
+    return {"address": replica.address, "error": replica.error or None, "fenced": replica.fenced or None,
+            "paused": s.paused if s else None, "weight_version": s.weight_version if s else None,
+            "sleep_level": s.sleep_level if s else None}
 
 
 async def pause(request: web.Request) -> web.Response:
@@ -72,7 +86,7 @@ async def resume(request: web.Request) -> web.Response:
 
 async def is_paused(request: web.Request) -> web.Response:
     state = await request.app[SERVING].engine.control_state()
-    return web.json_response({"is_paused": state.paused})
+    return web.json_response({"is_paused": state.paused, **_replicas(state)})
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -88,14 +102,14 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     logger.info("weights updated from %s: version %s (%d running requests preempted)", path, state.weight_version,
                 state.num_preempted)
     return web.json_response({"success": True, "message": f"weights loaded from {path}",
-                              "weight_version": state.weight_version, "num_preempted": state.num_preempted})
+                              **_state_body(state)})
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
     serving = request.app[SERVING]
     state = await serving.engine.control_state()
     serving.model.weight_version = state.weight_version
-    return web.json_response({"weight_version": state.weight_version})
+    return web.json_response({"weight_version": state.weight_version, **_replicas(state)})
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
@@ -129,8 +143,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     state = await serving.engine.update_weights_from_distributed(
         buckets, v.get_str(body, "weight_version") or "", v.get_str(body, "group_name") or "")
     serving.model.weight_version = state.weight_version
-    return web.json_response({"success": True, "message": "weights received", "weight_version": state.weight_version,
-                              "num_preempted": state.num_preempted})
+    return web.json_response({"success": True, "message": "weights received", **_state_body(state)})
 
 
 async def sleep(request: web.Request) -> web.Response:
@@ -158,7 +171,7 @@ async def wake_up(request: web.Request) -> web.Response:
 
 async def is_sleeping(request: web.Request) -> web.Response:
     state = await request.app[SERVING].engine.control_state()
-    return web.json_response({"is_sleeping": state.sleep_level > 0})
+    return web.json_response({"is_sleeping": state.sleep_level > 0, **_replicas(state)})
 
 
 async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:

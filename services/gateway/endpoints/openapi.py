@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from steploop.gateway.batch_api import openapi as batch_openapi
 from steploop.gateway.embeddings_api import openapi as embeddings_openapi
+from steploop.gateway.endpoints import control_openapi
 from steploop.gateway.http_io.validation import MAX_INT32, MAX_UINT32
 from steploop.gateway.messages_api import openapi as messages_openapi
 from steploop.gateway.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
@@ -154,16 +156,23 @@ def _responses(ok: dict, *, stream: bool = False) -> dict:
     return out
 
 
-def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
+def openapi_spec(server_url: str = "http://127.0.0.1:8000", *, batch: bool = True,
+                 control: bool = False) -> dict[str, Any]:
+    """batch: the Batch API routes (when this gateway serves them); control: the engine control routes (only with
+    --admin-api-key, behind the `admin` scheme)."""
     obj = {"type": "object"}
+    schemes = {"bearer": {"type": "http", "scheme": "bearer"},
+               "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    if control:
+        schemes["admin"] = {"type": "http", "scheme": "bearer", "description": "the --admin-api-key"}
     return {
         "openapi": "3.1.0",
         "info": {"title": "steploop", "version": "1",
                  "description": "OpenAI-compatible completions, chat completions, Responses and embeddings, "
-                                "Anthropic's Messages, plus vLLM's utility routes."},
+                                "Anthropic's Messages, the Batch API (files, batches), plus vLLM's utility routes and, with "
+                                "--admin-api-key, the engine control routes (pause, sleep, weight updates)."},
         "servers": [{"url": server_url}],
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
-                                           "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
+        "components": {"securitySchemes": schemes},
         "paths": {
             "/v1/completions": {"post": {"operationId": "createCompletion", "security": [{"bearer": []}, {}],
                                          "requestBody": _json_body(_COMPLETION_REQUEST),
@@ -201,5 +210,7 @@ def openapi_spec(server_url: str = "http://127.0.0.1:8000") -> dict[str, Any]:
             **messages_openapi.paths(_json_body),
             **responses_openapi.paths(_json_body, _responses),
             **embeddings_openapi.paths(_json_body, _responses),
+            **(batch_openapi.paths(_json_body, _responses) if batch else {}),
+            **(control_openapi.paths(_json_body, _responses) if control else {}),
         },
     }

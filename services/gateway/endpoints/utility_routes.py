@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from steploop.gateway.app_keys import CHAT_TEMPLATE, SERVING, TOOL_PARSER
+from steploop.gateway.app_keys import BATCHES, CHAT_TEMPLATE, SERVING, TOOL_PARSER
 from steploop.gateway.endpoints.openapi import openapi_spec
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
@@ -53,5 +53,9 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_spec(str(request.url.origin())))
+    """The routes this gateway serves: the Batch API when it runs, the control routes when they are registered."""
+    app = request.app
+    control = any(r.canonical == "/pause" for r in app.router.resources())
+    return web.json_response(openapi_spec(str(request.url.origin()), batch=app[BATCHES].runner is not None,
+                                          control=control))
 

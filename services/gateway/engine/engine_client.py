@@ -180,17 +180,25 @@ class EngineClient:
     async def control_state(self) -> ControlState:
         return await self._control("GetEngineControlState", engine_pb2.EngineControlStateRequest(), UNARY_TIMEOUT_S)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str = "") -> ControlState:
+    async def update_weights_from_disk(self, model_path: str, weight_version: str = "",
+                                       stage_only: bool = False) -> ControlState:
+        """stage_only: loaded beside the served weights and kept until switch_weights (engine.proto)."""
         return await self._control("UpdateWeightsFromDisk", engine_pb2.UpdateWeightsFromDiskRequest(
-            model_path=model_path, weight_version=weight_version))
+            model_path=model_path, weight_version=weight_version, stage_only=stage_only))
+
+    async def switch_weights(self, commit: bool, weight_version: str = "") -> ControlState:
+        """Commits (or drops) the weights a stage_only update staged."""
+        return await self._control("SwitchWeights", engine_pb2.SwitchWeightsRequest(
+            commit=commit, weight_version=weight_version))
 
     async def init_weights_update_group(self, group: dict) -> ControlState:
         """group: the request's fields (engine.proto InitWeightsUpdateGroupRequest), already validated."""
         return await self._control("InitWeightsUpdateGroup", engine_pb2.InitWeightsUpdateGroupRequest(**group))
 
     async def update_weights_from_distributed(self, buckets: list[dict], weight_version: str = "",
-                                              group_name: str = "") -> ControlState:
-        request = engine_pb2.UpdateWeightsFromDistributedRequest(weight_version=weight_version, group_name=group_name)
+                                              group_name: str = "", stage_only: bool = False) -> ControlState:
+        request = engine_pb2.UpdateWeightsFromDistributedRequest(weight_version=weight_version, group_name=group_name,
+                                                                 stage_only=stage_only)
         for bucket in buckets:
             pb = request.buckets.add(sha256=bucket["sha256"])
             for t in bucket["tensors"]:

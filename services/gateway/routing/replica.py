@@ -18,6 +18,7 @@ class Replica:
     healthy: bool = True                             # its last grpc health check said SERVING
     routed: int = 0                                  # requests sent here (for logs and tests)
     retired: bool = False                            # removed (discovery): no new requests; slot reusable
+    fenced: str = ""                                 # set (why): no new requests (control_fanout.py)
     cache: ReplicaCacheIndex = field(default_factory=ReplicaCacheIndex)   # from its KV events, when in sync
     watcher: KvEventWatcher | None = None
 
@@ -26,4 +27,4 @@ class Replica:
         return self.client.address
 
     def up(self, now: float) -> bool:
-        return self.healthy and not self.retired and now >= self.down_until
+        return self.healthy and not self.retired and not self.fenced and now >= self.down_until

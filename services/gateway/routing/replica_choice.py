@@ -45,7 +45,7 @@ class ReplicaChooser:
         "lora": what chose it). Records the choice in the affinity map."""
         cache_salt = first_block_extra(cache_salt, lora_name) or ""
         now = time.monotonic()
-        live = [i for i, r in enumerate(self.replicas) if not r.retired]
+        live = [i for i, r in enumerate(self.replicas) if not r.retired and not r.fenced]   # fenced: never
         up = [i for i in live if self.replicas[i].up(now)] or live
         hashes = self.affinity.block_hashes(prompt_ids, cache_salt)
         # Rendezvous order over the whole prompt: chat prompts share their first blocks (the template's header,

@@ -28,6 +28,7 @@ from steploop.gateway import errors
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.routing import route_header
 from steploop.gateway.routing.affinity import AffinityMap
+from steploop.gateway.routing.control_fanout import ControlFanout
 from steploop.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement
 from steploop.gateway.routing.replica import Replica
 from steploop.gateway.routing.replica_choice import ReplicaChooser
@@ -57,6 +58,7 @@ class EngineRouter:
         self.cooldown_s = cooldown_s
         self._learn_after = 0.0                      # monotonic time before which no model info is asked again
         self.migration = Migration(max_migrations)
+        self.control = ControlFanout(lambda: self.live)   # pause, resume, weight updates over every replica
 
     @property
     def live(self) -> list[Replica]:
@@ -99,6 +101,9 @@ class EngineRouter:
             await self._learn_block_size()
         order, matched, source = self.route(prompt_ids, cache_salt, lora_name)
         order = [i for i in order if self.replicas[i].address not in avoid]
+        if not order and all(r.fenced for r in self.live):
+            raise errors.engine_unavailable("every scheduler replica is fenced (" + "; ".join(
+                f"{r.address}: {r.fenced}" for r in self.live) + ")")
         if not order:
             raise errors.engine_unavailable(f"no scheduler replica other than {', '.join(sorted(avoid))} to move to")
         for attempt, index in enumerate(order):
@@ -173,27 +178,24 @@ class EngineRouter:
         await asyncio.gather(*(r.client.unload_lora_adapter(name) for r in self.live))
         self.chooser.lora_homes.forget(name)
 
-    # ---- engine control: every replica, so the whole deployment pauses, resumes and updates together ----
-    async def _on_all(self, call: str, *args) -> list:
-        self.pool.start()
-        live = self.live
-        if not live:
-            raise errors.engine_unavailable("no scheduler replica is known yet (discovery found none)")
-        return await asyncio.gather(*(getattr(r.client, call)(*args) for r in live))
-
+    # ---- engine control: every replica changes together, or none does (control_fanout.py) ----
     async def pause(self, mode: str) -> ControlState:
-        return _merge(await self._on_all("pause", mode))
+        self.pool.start()
+        return await self.control.all_or_none("pause", "resume", mode)
 
     async def resume(self) -> ControlState:
-        return _merge(await self._on_all("resume"))
+        self.pool.start()
+        return await self.control.reach_all("resume")
 
     async def control_state(self) -> ControlState:
-        return _merge(await self._on_all("control_state"))
+        self.pool.start()
+        return await self.control.state()
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str = "") -> ControlState:
-        """Every replica loads it (each checks it; the first refusal is the answer, the others may have switched:
-        the versions in the merged state then disagree, which control_routes reports)."""
-        return _merge(await self._on_all("update_weights_from_disk", model_path, weight_version))
+        self.pool.start()
+        return await self.control.update_weights(
+            lambda client: client.update_weights_from_disk(model_path, weight_version, stage_only=True),
+            weight_version)
 
     async def init_weights_update_group(self, group: dict) -> ControlState:
         """Replica after replica takes the next ranks: each joins from rank_offset + the worker ranks before it."""
@@ -203,17 +205,25 @@ class EngineRouter:
         for replica, info in zip(self.live, infos):
             states.append(replica.client.init_weights_update_group({**group, "rank_offset": offset}))
             offset += max(info.num_workers, 1)
-        return _merge(await asyncio.gather(*states))
+        return self.control.merged(self.live, await asyncio.gather(*states))
 
     async def update_weights_from_distributed(self, buckets: list[dict], weight_version: str = "",
                                               group_name: str = "") -> ControlState:
-        return _merge(await self._on_all("update_weights_from_distributed", buckets, weight_version, group_name))
+        """Every replica receives the same broadcast at once (the collective needs every rank), staged; then all
+        commit or all drop."""
+        self.pool.start()
+        return await self.control.update_weights(
+            lambda client: client.update_weights_from_distributed(buckets, weight_version, group_name,
+                                                                  stage_only=True),
+            weight_version)
 
     async def sleep(self, level: int) -> ControlState:
-        return _merge(await self._on_all("sleep", level))
+        self.pool.start()
+        return await self.control.all_or_none("sleep", "wake_up", level)
 
     async def wake_up(self) -> ControlState:
-        return _merge(await self._on_all("wake_up"))
+        self.pool.start()
+        return await self.control.reach_all("wake_up")
 
     async def health(self) -> bool:
         """Ready when any replica is (the others are routed around)."""
@@ -233,14 +243,3 @@ class EngineRouter:
     async def close(self) -> None:
         await self.pool.close()
 
-
-def _merge(states: list[ControlState]) -> ControlState:
-    """The replicas' states as one: paused if any is, counts summed, the version when all agree (else each
-    replica's, comma-separated, so a caller sees the split)."""
-    versions = list(dict.fromkeys(s.weight_version for s in states))
-    return ControlState(paused=any(s.paused for s in states), weight_version=",".join(versions),
-                        weight_updates=min(s.weight_updates for s in states),
-                        num_aborted=sum(s.num_aborted for s in states),
-                        num_preempted=sum(s.num_preempted for s in states),
-                        sleep_level=max(s.sleep_level for s in states),
-                        worker_rss_bytes=tuple(r for s in states for r in s.worker_rss_bytes))

@@ -15,6 +15,7 @@ from typing import Any
 
 from steploop.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from steploop.common.sampling_params import SamplingParams
+from steploop.gateway import request_class
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
 from steploop.gateway.grammar_check import rejected
@@ -80,7 +81,8 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
 
     stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
                                            choice.cache_salt, lora_name=choice.lora_name,
-                                           mm_features=list(choice.mm_features)))
+                                           mm_features=list(choice.mm_features),
+                                           background=request_class.is_background()))
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:
