@@ -54,12 +54,14 @@ class EngineRequest:
     # Migration: outputs another engine already delivered; this one continues after them (engine.proto).
     resume_output_token_ids: list[int] = field(default_factory=list)
     lora_name: str = ""                  # the LoRA adapter to run with; "" = the base model
+    disaggregation: str = ""             # "" (the scheduler's rule), "disaggregated" or "local" (pd_disagg.py)
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
         pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                                         sampling=self.sampling.to_pb(), priority=self.priority,
                                         cache_salt=self.cache_salt, lora_name=self.lora_name,
-                                        resume_output_token_ids=self.resume_output_token_ids)
+                                        resume_output_token_ids=self.resume_output_token_ids,
+                                        disaggregation=self.disaggregation)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -68,7 +70,7 @@ class EngineRequest:
     def from_pb(cls, pb: engine_pb2.GenerateRequest) -> "EngineRequest":
         return cls(pb.request_id, list(pb.prompt_token_ids), SamplingParams.from_pb(pb.sampling), pb.priority,
                    pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
-                   list(pb.resume_output_token_ids), pb.lora_name)
+                   list(pb.resume_output_token_ids), pb.lora_name, pb.disaggregation)
 
 
 @dataclass(slots=True)

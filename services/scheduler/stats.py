@@ -70,6 +70,7 @@ class EngineLoad(LoadReport):
     paused: bool = False                           # POST /pause (engine_control.py)
     weight_updates: int = 0                        # weight updates applied since start
     kv_tiers: tuple[KvTierLoad, ...] = ()          # KV media below the pool; () = none
+    pd: object = None                              # pd_disagg.PdStats: prefill/decode transfers; None = none
 
 
 @dataclass
