@@ -61,6 +61,7 @@ class PdStats:
     prefill_free_blocks: int = 0   # the prefill pool now (gauges)
     prefill_total_blocks: int = 0
     prefill_up: bool = False
+    prefill_requests: int = 0      # requests whose prompt is on the prefill group now
 
 
 @dataclass
@@ -335,6 +336,6 @@ class PdDisagg:
 
     def report(self) -> PdStats:
         sched = self.scheduler
-        return dataclasses.replace(self.stats, prefill_up=self.up,
+        return dataclasses.replace(self.stats, prefill_up=self.up, prefill_requests=len(self.jobs),
                                    prefill_free_blocks=sched.kv.num_free_blocks if sched is not None else 0,
                                    prefill_total_blocks=sched.kv.num_usable_blocks if sched is not None else 0)

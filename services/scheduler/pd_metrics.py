@@ -22,6 +22,8 @@ _FAMILIES = (
     ("steploop:pd_kv_transfer_seconds", "Prefill-worker time spent sending KV blocks.", "transfer_seconds",
      CounterMetricFamily),
     ("steploop:pd_prefill_group_up", "1 while a prefill group is attached.", "prefill_up", GaugeMetricFamily),
+    ("steploop:pd_prefill_requests", "Requests whose prompt is on the prefill group now.", "prefill_requests",
+     GaugeMetricFamily),
     ("steploop:pd_prefill_free_blocks", "Free KV blocks of the prefill group's pool.", "prefill_free_blocks",
      GaugeMetricFamily),
     ("steploop:pd_prefill_total_blocks", "Usable KV blocks of the prefill group's pool.", "prefill_total_blocks",
