@@ -136,13 +136,16 @@ class PdDisagg:
     # ---- per request
     def choose(self, request: Request, mode: str) -> bool:
         """Disaggregated, or local: forced by the request's field, else prompts of --disagg-min-prompt-tokens or
-        more; always local when either group cannot take part or the request needs what the prefill side lacks."""
+        more; always local when either group cannot take part or the request needs what the prefill side lacks
+        (weight updates reach the decode group only, so after one every prompt runs there)."""
         decode = self.engine.worker_info
         if mode == "local" or not self.up or decode is None or not decode.kv_transfer_address:
             return False
         sched = self.engine.scheduler
         if sched is None or sched.kv.tiers is None or not sched.kv.enable_prefix_caching:
             return False
+        if self.engine.control.weight_updates:
+            return False             # the prefill worker still holds the weights it started with
         if (request.lora_name or request.pooling is not None or request.sampling.prompt_logprobs >= 0
                 or request.output_token_ids or request.num_prompt_tokens <= decode.block_size):
             return False             # LoRA KV, pooling, prompt logprobs, a resumed request: decode group alone
@@ -167,10 +170,8 @@ class PdDisagg:
             found = len(kept) != len(self.ready)
             self.ready = deque(kept)
             return found
-        if self.scheduler is not None:
+        if self.scheduler is not None:  # a send in flight still answers: a landed one is discarded then
             self.scheduler.abort_requests([request_id])
-        if job.sent:                    # its send may have landed: the decode worker drops it
-            self.discards.append(request_id)
         self._wakeup.set()
         return True
 
