@@ -24,6 +24,7 @@ import threading
 import time
 import zlib
 
+import numpy
 import torch
 
 from steploop.common import envs
@@ -79,7 +80,8 @@ class KvSender:
             parts.append(data)
         with socket.create_connection((host, int(port)), timeout=self.timeout) as sock:
             sock.settimeout(self.timeout)
-            sock.sendall(b"".join(parts))
+            for part in parts:               # no joined copy of every block
+                sock.sendall(part)
             answer = _read_exact(sock, 1)
         if answer != b"\x01":
             raise ValueError("the receiver refused the transfer (checksum or size mismatch)")
@@ -87,8 +89,9 @@ class KvSender:
 
 
 class KvReceiver:
-    def __init__(self, host: str, port: int, block_size_bytes: int, lease: float):
+    def __init__(self, host: str, port: int, block_size_bytes: int, lease: float, max_blocks: int = 1 << 20):
         self.block_size_bytes, self.lease = block_size_bytes, lease
+        self.max_blocks = max_blocks          # staged at most (the host slots they could land in): more is refused
         self._staged: dict[str, tuple[float, list[tuple[int, bytes]]]] = {}
         self._lock = threading.Lock()
         self.refused = 0
@@ -119,21 +122,32 @@ class KvReceiver:
             (n,) = struct.unpack("<I", _read_exact(sock, 4))
             tid = _read_exact(sock, n).decode()
             count, size = _HEAD.unpack(_read_exact(sock, _HEAD.size))
-            ok = size == self.block_size_bytes or count == 0
-            blocks = []
+            if count and size != self.block_size_bytes:      # another model or layout: refused unread
+                self.refused += 1
+                log.warning("KV transfer %s refused: blocks of %d bytes, this worker's are %d", tid, size,
+                            self.block_size_bytes)
+                sock.sendall(b"\x00")
+                return
+            ok, blocks = True, []
             for _ in range(count):
                 (crc,) = struct.unpack("<I", _read_exact(sock, 4))
                 data = _read_exact(sock, size)
                 ok = ok and zlib.crc32(data) == crc
                 blocks.append((crc, data))
-            if ok:
+            if not ok:
+                self.refused += 1
+                log.warning("KV transfer %s refused: checksum mismatch", tid)
+            else:
                 with self._lock:
                     self._expire()
-                    self._staged[tid] = (time.monotonic(), blocks)
-            else:
-                self.refused += 1
-                log.warning("KV transfer %s refused: %s", tid, "checksum mismatch" if size == self.block_size_bytes
-                            else f"block of {size} bytes, this worker's are {self.block_size_bytes}")
+                    staged = sum(len(b) for _, b in self._staged.values())
+                    ok = staged + count <= self.max_blocks
+                    if ok:
+                        self._staged[tid] = (time.monotonic(), blocks)
+                if not ok:
+                    self.refused += 1
+                    log.warning("KV transfer %s refused: %d blocks staged already, at most %d", tid, staged,
+                                self.max_blocks)
             sock.sendall(b"\x01" if ok else b"\x00")
         except (OSError, ConnectionError, ValueError, UnicodeDecodeError) as exc:
             log.warning("KV transfer connection failed: %s", exc)
@@ -157,8 +171,7 @@ class KvReceiver:
                     if index >= len(blocks) or zlib.crc32(blocks[index][1]) != blocks[index][0]:
                         report.failed_recv_slots.append(slot)
                         continue
-                    flat = host[slot].view(-1).view(torch.uint8)
-                    flat.copy_(torch.frombuffer(bytearray(blocks[index][1]), dtype=torch.uint8))
+                    host[slot].view(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(blocks[index][1], numpy.uint8)
             for tid in moves.discards:
                 self._staged.pop(tid, None)
 

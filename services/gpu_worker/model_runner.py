@@ -136,7 +136,8 @@ class ModelRunner:
             sender = kv_transfer.KvSender(caches, config.kv_transfer_timeout)
         elif config.kv_role == "decode":
             receiver = kv_transfer.KvReceiver(config.kv_transfer_host, config.kv_transfer_port, tiers.block_bytes,
-                                              lease=max(60.0, 2 * config.kv_transfer_timeout))
+                                              lease=max(60.0, 2 * config.kv_transfer_timeout),
+                                              max_blocks=tiers.num_host_blocks)
             info = replace(info, kv_transfer_address=receiver.address)
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,

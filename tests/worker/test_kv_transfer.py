@@ -95,3 +95,25 @@ def test_transfers_cross_the_plan_stream():
     assert StepPlan.from_pb(StepPlan(step_id=4).to_pb()).pd_moves is None
     result = StepResult(step_id=3, pd_report=PdReport(["a"], ["b"], [6], 0.5, 100))
     assert StepResult.from_pb(result.to_pb()).pd_report == result.pd_report
+
+
+def test_more_than_the_receiver_may_stage_is_refused():
+    cs = caches()
+    receiver = KvReceiver("127.0.0.1", 0, BLOCK_BYTES, lease=60, max_blocks=3)
+    try:
+        report = PdReport()
+        KvSender(cs, timeout=10).apply(PdMoves(address=receiver.address, sends=[PdSend("a", [1, 2]),
+                                                                             PdSend("b", [3, 4])]), report)
+        assert report.sent == ["a"] and report.failed_sends == ["b"] and receiver.num_staged() == 1
+    finally:
+        receiver.close()
+
+
+def test_blocks_of_another_size_are_refused_unread():
+    receiver = KvReceiver("127.0.0.1", 0, BLOCK_BYTES * 2, lease=60)
+    try:
+        report = PdReport()
+        KvSender(caches(), timeout=10).apply(PdMoves(address=receiver.address, sends=[PdSend("a", [1])]), report)
+        assert report.failed_sends == ["a"] and receiver.refused == 1 and receiver.num_staged() == 0
+    finally:
+        receiver.close()
