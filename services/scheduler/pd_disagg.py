@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from steploop.common import tracing
 from steploop.common.block_hashing import get_block_hasher
 from steploop.common.pd_transfer import PdMoves, PdSend, PdReceive
 from steploop.common.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ from steploop.common.step_contract import StepPlan, StepResult
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
 from steploop.scheduler.prefix_cache import ensure_block_hashes
+from steploop.scheduler import tracing as request_tracing
 from steploop.scheduler.request import Request
 from steploop.scheduler.worker_group import GroupAssembler, WorkerGroup
 from steploop.scheduler.worker_link import WorkerLink, WorkerLost
@@ -298,6 +300,12 @@ class PdDisagg:
             self.stats.bytes += report.bytes_sent
         for send in plan.pd_moves.sends if plan.pd_moves else ():
             ok = send.transfer_id in sent
+            if tracing.ENABLED:          # one span per transfer; the send's time is the step's (several share it)
+                rec = getattr(self.engine.observer, "live", {}).get(send.transfer_id)
+                decode = self.engine.worker_info
+                request_tracing.kv_transfer(rec, send.transfer_id, len(send.block_ids),
+                                            len(send.block_ids) * (decode.kv_block_bytes if decode else 0),
+                                            report.seconds if report is not None else 0.0, ok)
             self.stats.transfers += ok
             if not ok:
                 self.stats.transfer_failures += 1

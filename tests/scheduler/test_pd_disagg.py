@@ -24,7 +24,8 @@ class FakeEngine:
                                              tp_collective_timeout=5.0)
         self.sched_config = None
         self.worker_info = SimpleNamespace(kv_transfer_address="127.0.0.1:9", block_size=BS, model_name="m",
-                                           dtype="float32")
+                                           dtype="float32", kv_block_bytes=100)
+        self.observer = SimpleNamespace(live={})
         self.scheduler = create_scheduler(num_blocks=20, block_size=BS)
         self.scheduler.kv.attach_tiers(KvTiers(8, 0, 100))
         self.control = SimpleNamespace(weight_updates=0)
@@ -132,3 +133,27 @@ def test_a_lost_prefill_group_and_an_expired_lease_fall_back():
     pd.start(req("c"))
     pd._expire()
     assert prefill_whole(pd) and pd.stats.fallbacks == 1
+
+
+def test_each_transfer_is_a_span_when_tracing_is_on():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from steploop.common import tracing
+
+    memory, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.enable(provider)
+    try:
+        _, pd = setup()
+        pd.start(req("a"))
+        pd.start(req("b"))
+        prefill_step(pd, FakeWorker(), send_ok=True)
+    finally:
+        tracing.disable()
+    spans = sorted(memory.get_finished_spans(), key=lambda s: s.attributes["steploop.request_id"])
+    assert [s.name for s in spans] == ["steploop.scheduler.kv_transfer"] * 2
+    assert [(s.attributes["steploop.request_id"], s.attributes["steploop.kv_transfer.blocks"],
+             s.attributes["steploop.kv_transfer.bytes"], s.attributes["steploop.kv_transfer.ok"]) for s in spans] == [
+        ("a", 4, 400, True), ("b", 4, 400, True)]
