@@ -107,7 +107,8 @@ class EngineLoop:
             self._pending.append(request)
         elif self.pd.choose(request, req.disaggregation):
             self._check(request)
-            self.pd.start(request)          # its prompt runs on the prefill group first (pd_disagg.py)
+            if not self.pd.start(request):  # its prompt runs on the prefill group first (pd_disagg.py)
+                self._admit(request)
         else:
             self._admit(request)
         self.observer.on_arrival(request)

@@ -38,7 +38,7 @@ from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
 from steploop.scheduler.prefix_cache import ensure_block_hashes
 from steploop.scheduler import tracing as request_tracing
-from steploop.scheduler.request import Request
+from steploop.scheduler.request import Request, RequestRejectedError
 from steploop.scheduler.worker_group import GroupAssembler, WorkerGroup
 from steploop.scheduler.worker_link import WorkerLink, WorkerLost
 
@@ -153,13 +153,19 @@ class PdDisagg:
             return False             # LoRA KV, pooling, prompt logprobs, a resumed request: decode group alone
         return mode == "disaggregated" or request.num_prompt_tokens >= self.min_prompt_tokens
 
-    def start(self, request: Request) -> None:
+    def start(self, request: Request) -> bool:
+        """Queues the prompt on the prefill group; False: that group cannot hold it (it runs locally)."""
         prefill = Request(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                           sampling=SamplingParams(max_tokens=1, ignore_eos=True), cache_salt=request.cache_salt)
-        self.scheduler.add_request(prefill)
+        try:
+            self.scheduler.add_request(prefill)
+        except RequestRejectedError as exc:
+            log.info("request %s runs locally: the prefill group cannot take it (%s)", request.request_id, exc)
+            return False
         self.jobs[request.request_id] = PdJob(request, prefill)
         self.stats.disaggregated += 1
         self._wakeup.set()
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Drops a request still on the prefill side (its blocks freed there); True when it was there."""

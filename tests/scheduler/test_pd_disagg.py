@@ -157,3 +157,9 @@ def test_each_transfer_is_a_span_when_tracing_is_on():
     assert [(s.attributes["steploop.request_id"], s.attributes["steploop.kv_transfer.blocks"],
              s.attributes["steploop.kv_transfer.bytes"], s.attributes["steploop.kv_transfer.ok"]) for s in spans] == [
         ("a", 4, 400, True), ("b", 4, 400, True)]
+
+
+def test_a_prompt_the_prefill_pool_cannot_hold_runs_locally():
+    engine, pd = setup()
+    assert not pd.start(req("a", 100))         # 16 blocks of 4 tokens: no room for 100
+    assert not pd.jobs and pd.stats.disaggregated == 0 and prefill_whole(pd)
