@@ -33,9 +33,13 @@ def pd_cluster(tmp_path, env: dict | None = None) -> Cluster:
                       modules={"prefill": "steploop.gpu_worker"})
     cluster.argv["prefill"] = ["--scheduler-address", cluster.scheduler_address, "--num-kv-blocks", "64",
                                "--max-model-len", "512", "--kv-role", "prefill", "--kv-transfer-timeout", "20"]
-    cluster.start_service("prefill")
-    cluster.start()
-    cluster._wait(lambda: metric(cluster, "steploop:pd_prefill_group_up") == 1.0, 600, "no prefill group")
+    try:
+        cluster.start_service("prefill")
+        cluster.start()
+        cluster._wait(lambda: metric(cluster, "steploop:pd_prefill_group_up") == 1.0, 600, "no prefill group")
+    except BaseException:
+        stop(cluster)                         # a start that failed leaves no process behind
+        raise
     return cluster
 
 
