@@ -45,7 +45,8 @@ def pd_cluster(tmp_path, env: dict | None = None) -> Cluster:
 
 def stop(cluster: Cluster) -> None:
     cluster.stop()
-    cluster.stop_service("prefill", timeout=15)
+    if "prefill" in cluster.procs:
+        cluster.stop_service("prefill", timeout=15)
 
 
 def metric(cluster: Cluster, name: str) -> float:
