@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
         metrics_port = next(a for a in parser._actions if a.dest == "metrics_port")
         metrics_port.default = SERVE_METRICS_PORT
         metrics_port.help = metrics_port.help.replace("default 0)", f"default {SERVE_METRICS_PORT} here)")
+    envs.add_flag(parser, "--disaggregated-prefill", type=bool, default=False,
+                  help="start a second worker as the scheduler's prefill group (--kv-role prefill) and the first as "
+                       "its decode group (--kv-role decode; needs --kv-offloading-size for received blocks): long "
+                       "prompts (--disagg-min-prompt-tokens) are computed there and their KV sent over TCP")
     envs.add_flag(parser, "--ready-timeout", type=float, default=600.0,
                   help="seconds to wait for the whole path to answer /health before giving up")
     # Replaces the gateway's and worker's --scheduler-address (conflict_handler="resolve"), hidden from --help.
@@ -102,6 +106,13 @@ def validate_configs(args: argparse.Namespace) -> None:
         args.scheduler_address = own_scheduler_address(args)
     for config in (SchedulerConfig, ServerConfig, WorkerConfig, GatewayConfig):
         config.from_args(args)
+    if getattr(args, "disaggregated_prefill", False):
+        if args.kv_role:
+            raise ValueError("--disaggregated-prefill sets each worker's --kv-role itself; drop --kv-role")
+        if args.tensor_parallel_size != 1 or getattr(args, "pipeline_parallel_size", 1) != 1 or \
+                args.kv_offloading_size <= 0:
+            raise ValueError("--disaggregated-prefill needs -tp 1, -pp 1 and --kv-offloading-size > 0 (the decode worker "
+                             "receives the prompt's blocks into host memory, checked, before its pool loads them)")
     observability.validate(args)
     check_ports_free(serve_ports(args))
 
@@ -137,6 +148,19 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
 def worker_specs(args: argparse.Namespace, env: dict[str, str]) -> list[ServiceSpec]:
     """One worker per rank: rank R gets STEPLOOP_RANK=R, its own metrics port, and its share of the CPUs."""
     size = args.tensor_parallel_size * getattr(args, "pipeline_parallel_size", 1)
+    if getattr(args, "disaggregated_prefill", False):     # a decode worker and a prefill worker, -tp 1 each
+        role = envs.env_name("--kv-role")
+        prefill_env = dict(env, **{role: "prefill", envs.env_name("--kv-offloading-size"): "0",
+                                   envs.env_name("--kv-disk-path"): "", envs.env_name("--kv-disk-size"): "0"})
+        if args.worker_metrics_port:
+            prefill_env[envs.env_name("--worker-metrics-port")] = str(args.worker_metrics_port + 1)
+        if args.num_threads is None:
+            prefill_env[envs.env_name("--num-threads")] = str(max(1, len(os.sched_getaffinity(0)) // 2))
+        decode_env = dict(env, **{role: "decode"})
+        if args.num_threads is None:
+            decode_env[envs.env_name("--num-threads")] = prefill_env[envs.env_name("--num-threads")]
+        return [ServiceSpec("worker", [sys.executable, "-m", "steploop.gpu_worker"], decode_env),
+                ServiceSpec("worker-prefill", [sys.executable, "-m", "steploop.gpu_worker"], prefill_env)]
     if size == 1:
         return [ServiceSpec("worker", [sys.executable, "-m", "steploop.gpu_worker"], env)]
     specs = []

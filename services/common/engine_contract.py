@@ -57,6 +57,7 @@ class EngineRequest:
     lora_name: str = ""                  # the LoRA adapter to run with; "" = the base model
     mm_features: list[MultiModalFeature] = field(default_factory=list)   # its images (vision-language models)
     background: bool = False             # Batch API work: yields to interactive requests under every policy
+    disaggregation: str = ""             # "" (the scheduler's rule), "disaggregated" or "local" (pd_disagg.py)
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
         pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
@@ -64,7 +65,8 @@ class EngineRequest:
                                         cache_salt=self.cache_salt, lora_name=self.lora_name,
                                         resume_output_token_ids=self.resume_output_token_ids,
                                         mm_features=[f.to_pb() for f in self.mm_features],
-                                        background=self.background)
+                                        background=self.background,
+                                        disaggregation=self.disaggregation)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         return pb
@@ -74,7 +76,8 @@ class EngineRequest:
         return cls(pb.request_id, list(pb.prompt_token_ids), SamplingParams.from_pb(pb.sampling), pb.priority,
                    pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    list(pb.resume_output_token_ids), pb.lora_name,
-                   [MultiModalFeature.from_pb(f) for f in pb.mm_features], pb.background)
+                   [MultiModalFeature.from_pb(f) for f in pb.mm_features], pb.background,
+                   pb.disaggregation)
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ CPU_ISA = PREFIX + "CPU_ISA"                             # avx512 / avx2 / gener
 CPU_ADAPTIVE_THREADS = PREFIX + "CPU_ADAPTIVE_THREADS"   # 0: the worker keeps its thread count (no probing of fewer)
 SCHEDULER_C_LOOPS = PREFIX + "SCHEDULER_C_LOOPS"           # 0: the scheduler's plain-decode loops stay Python (no gcc build)
 SCHEDULER_GC_TUNING = PREFIX + "SCHEDULER_GC_TUNING"       # 0: the scheduler keeps CPython's GC thresholds (no freeze)
+TEST_CORRUPT_KV_TRANSFER = PREFIX + "TEST_CORRUPT_KV_TRANSFER"   # test hook, 1: a prefill worker flips a byte of each transfer's first block after its checksum
 
 
 def switched_off(*names: str) -> str | None:

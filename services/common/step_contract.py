@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.common.kv_moves import KvMoveReport, KvMoves
+from steploop.common.pd_transfer import PdMoves, PdReport
 from steploop.common.lora_adapter import LoraModelShapes
 from steploop.common.lora_config import LoraModule
 from steploop.common.mm_inputs import MultiModalFeature
@@ -102,6 +103,7 @@ class StepPlan:
     lora_drops: list[str] = field(default_factory=list)             # adapters to forget
     kv_moves: KvMoves | None = None      # KV tier moves done before the forward (kv_moves.py); None = none
     encoder_free_hashes: list[str] = field(default_factory=list)   # encoder cache entries no request needs
+    pd_moves: PdMoves | None = None      # prefill/decode transfers (pd_transfer.py); None = none
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -116,6 +118,8 @@ class StepPlan:
             lora_drops=self.lora_drops, encoder_free_hashes=self.encoder_free_hashes)
         if self.kv_moves:
             self.kv_moves.fill_pb(pb)
+        if self.pd_moves:
+            self.pd_moves.fill_pb(pb)
         if self.draft_token_ids:
             drafts = [self.draft_token_ids.get(h, []) for h in self.scheduled_handles]
             pb.num_draft_tokens.extend(len(d) for d in drafts)
@@ -135,7 +139,8 @@ class StepPlan:
                    num_scheduled_tokens=list(pb.num_scheduled_tokens), draft_token_ids=drafts,
                    finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles),
                    lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops),
-                   kv_moves=KvMoves.from_pb(pb), encoder_free_hashes=list(pb.encoder_free_hashes))
+                   kv_moves=KvMoves.from_pb(pb), encoder_free_hashes=list(pb.encoder_free_hashes),
+                   pd_moves=PdMoves.from_pb(pb))
 
 
 @dataclass
@@ -182,6 +187,7 @@ class StepResult:
     # handle -> why it cannot be served as asked; such a request samples nothing and ends alone (the others go on).
     failed: dict[int, RequestFailure] = field(default_factory=dict)
     kv_moves: KvMoveReport | None = None   # the plan's KV tier moves: failures and time (None: none)
+    pd_report: PdReport | None = None      # the plan's prefill/decode transfers (None: none)
 
     def to_pb(self) -> worker_pb2.StepResult:
         handles = list(self.sampled)
@@ -205,6 +211,8 @@ class StepResult:
             pb.request_failures.add(handle=h, code=failure.code, message=failure.message, param=failure.param)
         if self.kv_moves is not None:
             self.kv_moves.fill_pb(pb)
+        if self.pd_report is not None:
+            self.pd_report.fill_pb(pb)
         return pb
 
     @classmethod
@@ -227,7 +235,8 @@ class StepResult:
         failed = {f.handle: RequestFailure(f.code, f.message, f.param) for f in pb.request_failures}
         return cls(step_id=pb.step_id, sampled=sampled, logprobs=logprobs, error=pb.error,
                    forward_seconds=pb.forward_seconds, prompt_logprobs=prompt_logprobs, pooled=pooled,
-                   collective_seconds=pb.collective_seconds, failed=failed, kv_moves=KvMoveReport.from_pb(pb))
+                   collective_seconds=pb.collective_seconds, failed=failed, kv_moves=KvMoveReport.from_pb(pb),
+                   pd_report=PdReport.from_pb(pb))
 
 
 @dataclass(frozen=True)
@@ -255,6 +264,8 @@ class WorkerInfo:
     kv_disk_blocks: int = 0
     kv_disk_hashes: tuple[bytes, ...] = ()   # block hashes on disk for this model's fingerprint, LRU first
     kv_block_bytes: int = 0              # bytes of one block over all layers
+    kv_role: str = ""                    # --kv-role: "" (everything), "prefill" or "decode" (pd_disagg.py)
+    kv_transfer_address: str = ""        # a decode worker's block receiver, host:port
     accepts_images: bool = False         # a vision-language model (requests may carry images)
 
     @property
@@ -271,7 +282,7 @@ class WorkerInfo:
             expert_parallel=self.expert_parallel, pipeline_parallel_size=self.pipeline_parallel_size,
             kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
             kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
-            accepts_images=self.accepts_images)
+            accepts_images=self.accepts_images, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -299,4 +310,4 @@ class WorkerInfo:
                    expert_parallel=pb.expert_parallel, pipeline_parallel_size=pb.pipeline_parallel_size or 1,
                    kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
                    kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
-                   accepts_images=pb.accepts_images)
+                   accepts_images=pb.accepts_images, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address)

@@ -88,6 +88,7 @@ class Serving:
                                       prompt_text=prompt_text,
                                       drop_output=sampling.max_tokens == 0, priority=sampling.priority,
                                       cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name,
+                                      disaggregation=sampling.disaggregation,
                                       constraint_param=constraint_field(sampling),
                                       prompt_logprobs=sampling.prompt_logprobs, mm_features=tuple(mm_features)))
         return choices

@@ -56,6 +56,10 @@ class WorkerConfig:
     kv_offloading_size: float = 0.0          # GiB of host memory for KV blocks below the pool (0: no host tier)
     kv_disk_path: str = ""                   # folder of the disk KV tier ("" : none); survives restarts
     kv_disk_size: float = 0.0                # GiB of block files the disk tier may hold
+    kv_role: str = ""                        # prefill/decode disaggregation: "" (both), "prefill" or "decode"
+    kv_transfer_host: str = "127.0.0.1"      # decode: the address prefill workers reach its block receiver at
+    kv_transfer_port: int = 0                # decode: the receiver's port (0: any free one; said in the hello)
+    kv_transfer_timeout: float = 30.0        # prefill: seconds a send may take until the receiver's answer
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -78,7 +82,9 @@ class WorkerConfig:
                    pipeline_parallel_size=args.pipeline_parallel_size, rank=args.rank, tp_host=args.tp_host,
                    enable_expert_parallel=args.enable_expert_parallel, lora=LoraConfig.from_args(args),
                    kv_offloading_size=args.kv_offloading_size,
-                   kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size)
+                   kv_disk_path=args.kv_disk_path, kv_disk_size=args.kv_disk_size, kv_role=args.kv_role,
+                   kv_transfer_host=args.kv_transfer_host, kv_transfer_port=args.kv_transfer_port,
+                   kv_transfer_timeout=args.kv_transfer_timeout)
 
     @property
     def resolved_worker_id(self) -> str:
@@ -154,6 +160,13 @@ def _validate(c: WorkerConfig) -> None:
     check(not c.kv_disk_size or c.kv_disk_path, "--kv-disk-size needs --kv-disk-path")
     check(c.tensor_parallel_size == 1 or not c.kv_offloading_size,
           f"--kv-offloading-size with -tp {c.tensor_parallel_size}: KV tiers run on unsharded workers only (-tp 1)")
+    check(c.kv_role in ("", "prefill", "decode"), f"--kv-role {c.kv_role!r} must be prefill or decode")
+    check(not c.kv_role or c.tensor_parallel_size == 1,
+          f"--kv-role with -tp {c.tensor_parallel_size}: prefill/decode groups are unsharded workers (-tp 1) here")
+    check(c.kv_role != "decode" or c.kv_offloading_size > 0,
+          "--kv-role decode needs --kv-offloading-size > 0: received blocks land in host slots, checked, before "
+          "the pool loads them")
+    check(c.kv_transfer_timeout > 0, f"--kv-transfer-timeout {c.kv_transfer_timeout} must be > 0 (seconds)")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
 
 
@@ -219,4 +232,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="folder for a disk KV tier below host memory (one checksummed file per block; survives "
                   "restarts; needs --kv-offloading-size and --kv-disk-size)")
     add_flag(parser, "--kv-disk-size", type=float, default=0.0, help="GiB of block files the disk KV tier may hold")
+    add_flag(parser, "--kv-role", default="", choices=("", "prefill", "decode"),
+             help="prefill/decode disaggregation: join the scheduler's prefill group (computes prompts and sends "
+                  "their KV blocks) or its decode group (receives them; needs --kv-offloading-size); default: a "
+                  "worker that serves everything")
+    add_flag(parser, "--kv-transfer-host", default="127.0.0.1",
+             help="--kv-role decode: the address prefill workers reach this worker's KV block receiver at")
+    add_flag(parser, "--kv-transfer-port", type=int, default=0,
+             help="--kv-role decode: the KV block receiver's port (0: any free port, told to the scheduler)")
+    add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0,
+             help="--kv-role prefill: seconds a KV transfer may take until the receiver answers (then the "
+                  "request is recomputed on the decode group)")
     return parser

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from steploop.common.model_path import served_model_name
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
-from steploop.gpu_worker import kv_cache, kv_tier_mover
+from steploop.gpu_worker import kv_cache, kv_tier_mover, kv_transfer
 from steploop.gpu_worker.attention.selector import create_backend
 from steploop.gpu_worker.capture_plan import graph_plan
 from steploop.gpu_worker.config import WorkerConfig
@@ -85,6 +85,8 @@ class ModelRunner:
         self.sleep_mode: SleepMode | None = None     # /sleep, /wake_up (sleep_mode.py); from_config sets it
         self.receiver = None     # update_weights_from_distributed (weight_receiver.py); from_config sets it
         self.tiers: KvTierMover | None = None        # KV tiers below the pool (kv_tier_mover.py)
+        self.kv_sender = None        # --kv-role prefill: sends prompts' blocks after the forward (kv_transfer.py)
+        self.kv_receiver = None      # --kv-role decode: stages received blocks for the plans to claim
         self.kernel_tuning: dict | None = None     # CUDA + triton: the launch configs chosen and variants warmed
         # vision-language models: images, M-RoPE positions and the encoder cache (encoder_cache.py)
         self.encoder = EncoderCache(model, self.device) if getattr(model.config, "is_multimodal", False) else None
@@ -142,7 +144,15 @@ class ModelRunner:
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None,
                           accepts_images=cfg.is_multimodal,
-                          **kv_tier_mover.hello_fields(tiers))
+                          **kv_tier_mover.hello_fields(tiers), kv_role=config.kv_role)
+        sender = receiver = None
+        if config.kv_role == "prefill":
+            sender = kv_transfer.KvSender(caches, config.kv_transfer_timeout)
+        elif config.kv_role == "decode":
+            receiver = kv_transfer.KvReceiver(config.kv_transfer_host, config.kv_transfer_port, tiers.block_bytes,
+                                              lease=max(60.0, 2 * config.kv_transfer_timeout),
+                                              max_blocks=tiers.num_host_blocks)
+            info = replace(info, kv_transfer_address=receiver.address)
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
@@ -159,6 +169,7 @@ class ModelRunner:
         runner.tp_comm = rank.comm
         runner.pipe = rank.pipe
         runner.tiers = tiers
+        runner.kv_sender, runner.kv_receiver = sender, receiver
         runner.kernel_tuning = tuning
         runner.threads = make_thread_governor(config, device, plan)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
@@ -184,16 +195,17 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
-        moved = None
+        moved = pd = None
         try:
             moved = kv_tier_mover.apply(self.tiers, plan)      # before the forward: stores read, loads write
+            pd = kv_transfer.apply(self, plan)                 # received blocks into host slots, after the moves
             self.batch.apply_plan(plan)
             self._apply_images(plan)
             if self.lora is not None:
                 self.lora.apply_plan(plan)
             self.structured.check_new(plan.new_requests, self.batch.requests)   # a bad grammar fails its request
             if not plan.scheduled_handles:
-                return StepResult(step_id=plan.step_id, kv_moves=moved)
+                return StepResult(step_id=plan.step_id, kv_moves=moved, pd_report=pd)
             with_lora = self.lora is not None and self.lora.begin_step(plan)
             if self.threads is not None:
                 self.threads.before_step()
@@ -208,9 +220,11 @@ class ModelRunner:
             raise
         except Exception as exc:     # a failed step is reported, the worker lives on
             log.exception("step %d failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}", kv_moves=moved)
+            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}", kv_moves=moved,
+                              pd_report=pd)
         result.forward_seconds = time.perf_counter() - start
         result.kv_moves = moved
+        result.pd_report = kv_transfer.send_after(self, plan, pd)   # the prompt's KV is written: send it
         result.failed = self.structured.take_failures()
         if self.tp_comm is not None:
             result.collective_seconds = self.tp_comm.take_seconds()[0]

@@ -32,7 +32,9 @@ from steploop.scheduler.kv_tiers import KvTiers, TierStats
 from steploop.scheduler.lora_registry import LoraRegistry
 from steploop.scheduler.lora_steps import LoraSteps
 from steploop.scheduler.metrics import make_observer
+from steploop.scheduler.pd_disagg import MODES as PD_MODES, PdDisagg
 from steploop.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
+from steploop.scheduler.request_outputs import validate_request
 from steploop.scheduler.request_stream import FailedOutput, OutputSink, RequestStream
 from steploop.scheduler.scheduler import Scheduler
 from steploop.scheduler.server_config import ServerConfig
@@ -71,6 +73,7 @@ class EngineLoop:
         self.kv_events = (KvEventHub(sched_config.kv_events, algo, hasher_root(algo))
                           if sched_config.kv_events.enable_kv_cache_events else None)
         self.control = EngineControl(self)          # pause / resume / weight updates (engine_control.py)
+        self.pd = PdDisagg(self)                    # the prefill group, when --kv-role prefill workers attach
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest,
@@ -95,6 +98,9 @@ class EngineLoop:
         if "\x00" in req.cache_salt:        # NUL separates salt and adapter in block 0's key (block_hashing.py)
             raise InvalidRequestError("cache_salt may not contain a NUL character", param="cache_salt")
         lora_path = self.lora.resolve(req.lora_name) if req.lora_name else ""
+        if req.disaggregation not in PD_MODES:
+            raise InvalidRequestError(f"disaggregation {req.disaggregation!r} must be 'disaggregated' or 'local'",
+                                      param="disaggregation")
         request = Request(request_id=request_id, prompt_token_ids=prompt, sampling=req.sampling,
                           priority=req.priority, background=req.background, cache_salt=req.cache_salt or None,
                           pooling=req.pooling,
@@ -104,6 +110,10 @@ class EngineLoop:
             pass
         elif self.scheduler is None:
             self._pending.append(request)
+        elif self.pd.choose(request, req.disaggregation):
+            self._check(request)
+            if not self.pd.start(request):  # its prompt runs on the prefill group first (pd_disagg.py)
+                self._admit(request)
         else:
             self._admit(request)
         self.observer.on_arrival(request)
@@ -113,6 +123,14 @@ class EngineLoop:
 
     def _admit(self, request: Request) -> None:
         """Checks the prompt against the model; the scheduler resolves max_tokens and checks the context."""
+        self._check(request)
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param, code=exc.code) from exc
+
+    def _check(self, request: Request) -> None:
+        """What _admit refuses, without queueing (a disaggregated request is queued here after its prefill)."""
         info = self.worker_info
         sampling = request.sampling
         if len(sampling.constraint_fields) > 1:
@@ -132,9 +150,20 @@ class EngineLoop:
             raise InvalidRequestError(f"model {info.model_name!r} is a text-only model: it does not take images",
                                       param="messages", code="invalid_value")
         try:
-            self.scheduler.add_request(request)
+            validate_request(request, self.scheduler.kv, self.scheduler.max_model_len)
         except RequestRejectedError as exc:
             raise InvalidRequestError(str(exc), param=exc.param, code=exc.code) from exc
+
+    def admit_handed_off(self, request: Request) -> None:
+        """A disaggregated request's prompt is done on the prefill group (or fell back): it joins the queue."""
+        if self.scheduler is None:
+            self._pending.append(request)
+            return
+        try:
+            self._admit(request)
+        except InvalidRequestError as exc:
+            self.observer.on_abort(request.request_id, "rejected", "error")
+            self._fail(request.request_id, exc)
 
     def admit_held(self, request: Request) -> None:
         """A request held while paused joins the queue (resume); one that cannot run ends with its error."""
@@ -149,7 +178,7 @@ class EngineLoop:
 
     def _num_waiting(self) -> int:
         queued = self.scheduler.num_waiting if self.scheduler is not None else 0
-        return len(self._pending) + len(self.control.held) + queued
+        return len(self._pending) + len(self.control.held) + queued + self.pd.num_held()
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -162,6 +191,7 @@ class EngineLoop:
         self._pending = [r for r in self._pending if r.request_id != request_id]
         self.control.drop(request_id)
         self.control.request_ended()
+        self.pd.abort(request_id)           # still on the prefill side: its blocks there are freed
         outputs = self.scheduler.abort_requests([request_id]) if self.scheduler is not None else []
         if stream is not None:
             stream.put(outputs[0] if outputs else RequestOutput(request_id, [], None, RequestStatus.FINISHED_ABORTED,
@@ -183,6 +213,9 @@ class EngineLoop:
         """A worker (one rank) says hello and joins the group being assembled; the group attaches once all its
         ranks are in (a single worker at once). A rank that arrives while a group serves breaks that group (a
         restarted worker reconnects before its old stream's end is noticed), whose requests are then recomputed."""
+        if link.info.kv_role == "prefill":
+            self.pd.attach(link)
+            return
         if self.worker_info is not None and link.info.model_name != self.worker_info.model_name:
             raise InvalidRequestError(f"worker serves {link.info.model_name!r}, this scheduler serves "
                                       f"{self.worker_info.model_name!r}", param="model")
@@ -244,6 +277,9 @@ class EngineLoop:
     def detach(self, link: WorkerLink, reason: str) -> None:
         """A rank's stream ended (the Attach handler): it leaves the group being assembled, and one rank lost is
         the whole serving group lost."""
+        if link.info.kv_role == "prefill":
+            self.pd.detach(link, reason)
+            return
         link.close(reason)
         self.assembler.discard(link)
         if self.group is not None and link in self.group.links:
@@ -255,6 +291,7 @@ class EngineLoop:
         group, self.group, self.lost_since = self.group, None, time.monotonic()
         group.close(reason)
         self.observer.on_detach()
+        self.pd.on_decode_lost()
         if self.scheduler is not None:
             self.scheduler.preempt_all()
         if self.kv_events is not None:
@@ -264,7 +301,8 @@ class EngineLoop:
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._pending) or (self.scheduler is not None and self.scheduler.has_unfinished_requests())
+        return bool(self._pending) or self.pd.has_ready() or (
+            self.scheduler is not None and self.scheduler.has_unfinished_requests())
 
     def can_step(self) -> bool:
         """Work that may run now: not while paused (engine_control.py) or while a control operation waits for the
@@ -272,6 +310,10 @@ class EngineLoop:
         return self.has_work() and not self.control.frozen and not self.control.has_pending
 
     async def run(self) -> None:
+        """The decode (or only) group's loop, and the prefill group's beside it (pd_disagg.py)."""
+        await asyncio.gather(self._run(), self.pd.run())
+
+    async def _run(self) -> None:
         """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied."""
         outstanding: deque[tuple[StepPlan, int]] = deque()   # plans sent, with their size in bytes
         window = 2 if self.sched_config.async_scheduling else 1
@@ -285,9 +327,11 @@ class EngineLoop:
                     await self.control.run_pending(group)
                     continue
                 if len(outstanding) < window and self.can_step():
+                    self.pd.admit_ready()
                     plan = self.scheduler.schedule()
+                    self.pd.fill_plan(plan)
                     if (plan.scheduled_handles or plan.finished_handles or plan.preempted_handles
-                            or plan.kv_moves is not None):
+                            or plan.kv_moves is not None or plan.pd_moves is not None):
                         self.observer.on_plan(plan, self.scheduler.new_request_ids(plan))
                         bytes_before = group.bytes_sent
                         await group.send(plan)
@@ -320,6 +364,7 @@ class EngineLoop:
         self.last_progress = time.monotonic()
         if result.error:
             log.error("step %d failed on the worker: %s", plan.step_id, result.error)
+        self.pd.on_decode_result(plan, result)
         outputs = self.scheduler.update_from_output(plan, result)
         self.observer.on_step(StepStats(plan.step_id, plan.total_num_scheduled_tokens, result.forward_seconds,
                                         plan_bytes, outputs))
@@ -404,4 +449,5 @@ class EngineLoop:
             max_loras=self.server_config.lora.max_loras if self.server_config.lora.enable_lora else 0,
             paused=self.control.paused, weight_updates=self.control.weight_updates,
             weight_version=self.control.weight_version,
-            kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else ())
+            kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else (),
+            pd=self.pd.report())

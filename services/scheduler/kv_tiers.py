@@ -112,6 +112,7 @@ class KvTiers:
         self.moves = KvMoves()                       # of the plan being built
         self.seconds_per_block = 0.0                 # EWMA of the worker's move time per block moved
         self._promoting: dict[str, list[bytes]] = {}  # request id -> hashes promoted for it (it waits for them)
+        self.receiving: dict[str, list[bytes]] = {}    # request id -> hashes a P/D transfer fills (pd_disagg.py)
         if self.disk is not None:
             self.index_disk(disk_hashes)
 
@@ -183,6 +184,8 @@ class KvTiers:
         promoted = self._promoting.get(request_id)
         if promoted is not None and any(h in self.host.pending for h in promoted):
             return None
+        if any(h in self.host.pending for h in self.receiving.get(request_id, ())):
+            return None                              # its prompt's blocks are being received into host slots
         slots, i, host = [], first, self.host
         while i < max_blocks and (slot := host.entries.get(hashes[i])) is not None and hashes[i] not in host.pending:
             slots.append(slot)
@@ -226,6 +229,7 @@ class KvTiers:
         stats = self.stats["CPU"]
         stats.queries += num_tokens - num_pool_hit
         stats.hits += num_restored
+        self.receiving.pop(request_id, None)
         promoted = self._promoting.pop(request_id, None)
         if promoted is not None:
             disk = self.stats["DISK"]
@@ -234,6 +238,40 @@ class KvTiers:
 
     def forget(self, request_id: str) -> None:
         self._promoting.pop(request_id, None)
+        self.receiving.pop(request_id, None)
+
+    # ---- prefill/decode transfers (pd_disagg.py): host slots a transfer is received into, like promotions
+    def reserve_receive(self, request_id: str, hashes: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """Host slots for the transfer's blocks 0, 1, ... (stops at the first the host holds already or cannot
+        take): (block indexes, slots). They are pending until the receiving plan's result (`on_receive`)."""
+        indexes, slots = [], []
+        for i, key in enumerate(hashes):
+            if key in self.host.entries:
+                break
+            slot = self._host_slot()
+            if slot is None:
+                break
+            self.host.insert(key, slot)
+            self.host.pending.add(key)
+            self._count("CPU", blocks_in=1)
+            indexes.append(i)
+            slots.append(slot)
+        self.receiving[request_id] = [hashes[i] for i in indexes]
+        return indexes, slots
+
+    def on_receive(self, received: Sequence[tuple[bytes, int]], failed_slots: set[int]) -> int:
+        """A receiving plan's result: the (hash, slot) entries it filled become loadable, those it could not
+        fill go. Returns how many failed."""
+        failed = 0
+        for key, slot in received:
+            if self.host.entries.get(key) != slot or key not in self.host.pending:
+                continue
+            if slot in failed_slots:
+                self.host.remove(key)
+                failed += 1
+            else:
+                self.host.pending.discard(key)
+        return failed
 
     # ---- the plan and its result
     def take_moves(self) -> KvMoves | None:
@@ -282,6 +320,7 @@ class KvTiers:
             tier.clear()
         self.moves = KvMoves()
         self._promoting.clear()
+        self.receiving.clear()
 
     def _count(self, medium: str, blocks_in: int = 0, blocks_out: int = 0) -> None:
         stats = self.stats[medium]

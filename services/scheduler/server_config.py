@@ -30,6 +30,10 @@ class ServerConfig:
     tensor_parallel_size: int = 1    # ranks of the worker group; it serves once all have attached
     pipeline_parallel_size: int = 1  # pipeline stages; the group is tp x pp ranks
     tp_collective_timeout: float = 30.0  # a group's collective that takes longer breaks the group
+    # Prefill/decode disaggregation (pd_disagg.py): a prompt at least this long runs on the prefill group when one
+    # is attached (0: every prompt); a transfer not confirmed within the lease is recomputed on the decode group.
+    disagg_min_prompt_tokens: int = 256
+    kv_transfer_lease: float = 60.0
 
     def validate(self) -> "ServerConfig":
         for name in ("worker_timeout", "hang_timeout", "shutdown_timeout"):
@@ -44,6 +48,9 @@ class ServerConfig:
         check_pp_size(self.pipeline_parallel_size)
         if self.tp_collective_timeout <= 0:
             raise ValueError(f"--tp-collective-timeout must be > 0 seconds, got {self.tp_collective_timeout}")
+        if self.disagg_min_prompt_tokens < 0 or self.kv_transfer_lease <= 0:
+            raise ValueError(f"--disagg-min-prompt-tokens must be >= 0 and --kv-transfer-lease > 0 seconds, got "
+                             f"{self.disagg_min_prompt_tokens} and {self.kv_transfer_lease}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
         for module in self.lora.lora_modules:     # the scheduler reads the folders: a bad one is a flag to fix
@@ -79,6 +86,13 @@ class ServerConfig:
         add_pipeline_parallel_flag(parser)
         add_flag(parser, "--tp-collective-timeout", type=float, default=30.0,
                  help="seconds a tensor-parallel collective may take before the group counts as broken")
+        add_flag(parser, "--disagg-min-prompt-tokens", type=int, default=256,
+                 help="prefill/decode disaggregation: prompts at least this long run on the prefill group (workers "
+                      "started with --kv-role prefill) when one is attached, shorter ones on the decode group "
+                      "(0: every prompt); a request's `disaggregation` field forces either")
+        add_flag(parser, "--kv-transfer-lease", type=float, default=60.0,
+                 help="seconds a disaggregated prompt may take from arrival to its KV blocks confirmed on the "
+                      "decode group; past that it is recomputed there")
         lora_config.add_cli_args(parser)
 
     @classmethod
@@ -88,4 +102,7 @@ class ServerConfig:
                    tls=TlsConfig.from_args(args),
                    max_waiting=args.max_waiting, metrics_port=args.metrics_port,
                    log_stats_interval=args.log_stats_interval, tensor_parallel_size=args.tensor_parallel_size,
-                   pipeline_parallel_size=args.pipeline_parallel_size, tp_collective_timeout=args.tp_collective_timeout, lora=LoraConfig.from_args(args)).validate()
+                   pipeline_parallel_size=args.pipeline_parallel_size,
+                   tp_collective_timeout=args.tp_collective_timeout, lora=LoraConfig.from_args(args),
+                   disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+                   kv_transfer_lease=args.kv_transfer_lease).validate()

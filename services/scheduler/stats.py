@@ -71,6 +71,7 @@ class EngineLoad(LoadReport):
     weight_updates: int = 0                        # weight updates applied since start
     weight_version: str = "0"                      # the served weights' version (steploop:weight_version_info)
     kv_tiers: tuple[KvTierLoad, ...] = ()          # KV media below the pool; () = none
+    pd: object = None                              # pd_disagg.PdStats: prefill/decode transfers; None = none
 
 
 @dataclass

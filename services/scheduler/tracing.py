@@ -50,3 +50,17 @@ def finish(rec: Any, reason: str, num_prompt: int, num_output: int, num_cached: 
         from opentelemetry.trace import Status, StatusCode
         span.set_status(Status(StatusCode.ERROR, rec.request.error or "engine error"))
     span.end()
+
+
+def kv_transfer(rec: Any, request_id: str, num_blocks: int, num_bytes: int, seconds: float, ok: bool) -> None:
+    """A prefill/decode KV transfer (pd_disagg.py): a child span of the request's, over the prefill worker's send
+    (it ended when its result arrived; the worker measured how long it took)."""
+    from opentelemetry import trace
+    end = time.time_ns()
+    parent = trace.set_span_in_context(rec.span) if rec is not None and getattr(rec, "span", None) else None
+    span = tracing.tracer().start_span("steploop.scheduler.kv_transfer", context=parent,
+                                       start_time=end - int(seconds * 1e9), attributes={
+                                           tracing.SERVICE: "scheduler", "steploop.request_id": request_id,
+                                           "steploop.kv_transfer.blocks": num_blocks,
+                                           "steploop.kv_transfer.bytes": num_bytes, "steploop.kv_transfer.ok": ok})
+    span.end(end_time=end)

@@ -62,6 +62,7 @@ class SamplingFields:
     constrained_by: str = ""   # the request field that set the constraint above ("" when none did)
     priority: int = 0        # vLLM's extra: lower runs first under --scheduling-policy priority
     cache_salt: str = ""     # vLLM's extra: mixed into the prefix-cache hash, so tenants share no cached blocks
+    disaggregation: str = ""  # steploop's extra: "disaggregated" / "local" forces where the prompt runs (P/D)
     truncate_prompt_tokens: int | None = None   # vLLM's extra: keep the prompt's last k tokens (-1: the context)
     prompt_logprobs: int = -1   # vLLM's extra: -1 none; k >= 0 each prompt token's logprob and rank, plus the top k
     allowed_token_ids: tuple[int, ...] = ()     # vLLM's extra: only these may be sampled (token_controls.py)
@@ -177,6 +178,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         constrained_by=constraint.field,
         priority=v.get_int(body, "priority", 0, lo=-2**31, hi=2**31 - 1),
         cache_salt=v.get_str(body, "cache_salt", "") or "",
+        disaggregation=_parse_disaggregation(body),
         truncate_prompt_tokens=_parse_truncation(body),
         prompt_logprobs=_parse_prompt_logprobs(body, stream),
         allowed_token_ids=parse_allowed_token_ids(body, vocab_size),
@@ -191,6 +193,13 @@ def _parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int:
     if k is not None and stream:
         raise bad_request("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
     return -1 if k is None else k
+
+
+def _parse_disaggregation(body: dict[str, Any]) -> str:
+    mode = v.get_str(body, "disaggregation", "") or ""
+    if mode not in ("", "disaggregated", "local"):
+        raise bad_request(f"'disaggregation' must be 'disaggregated' or 'local', got {mode!r}", param="disaggregation")
+    return mode
 
 
 def _parse_truncation(body: dict[str, Any]) -> int | None:

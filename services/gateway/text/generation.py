@@ -41,6 +41,7 @@ class Choice:
     drop_output: bool = False        # max_tokens 0 with echo: the one token the engine samples is dropped
     priority: int = 0
     cache_salt: str = ""             # tenants with different salts share no prefix-cache blocks
+    disaggregation: str = ""         # "" (the scheduler's rule), "disaggregated" or "local" (prefill/decode groups)
     prompt_param: str = "prompt"     # the request field an engine error about the prompt names ("messages": chat)
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
@@ -82,7 +83,8 @@ async def generate_choice(engine: EngineClient, tokenizer: Decoder, choice: Choi
     stream = engine.generate(EngineRequest(choice.request_id, list(choice.prompt_ids), choice.params, choice.priority,
                                            choice.cache_salt, lora_name=choice.lora_name,
                                            mm_features=list(choice.mm_features),
-                                           background=request_class.is_background()))
+                                           background=request_class.is_background(),
+                                           disaggregation=choice.disaggregation))
     try:
         async with contextlib.aclosing(stream):   # leaving this block cancels the call, i.e. aborts the request
             async for chunk in stream:

@@ -1,0 +1,40 @@
+"""Prefill/decode disaggregation as Prometheus families (pd_disagg.PdStats): transfers, bytes, failures,
+fallbacks to local recompute, transfer time, and the prefill pool."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from steploop.scheduler.stats import EngineLoad
+
+_FAMILIES = (
+    ("steploop:pd_disaggregated_requests", "Requests whose prompt ran on the prefill group.", "disaggregated",
+     CounterMetricFamily),
+    ("steploop:pd_kv_transfers", "KV transfers the decode worker confirmed (every block checksum verified).",
+     "transfers", CounterMetricFamily),
+    ("steploop:pd_kv_transfer_failures", "KV transfers that failed, timed out, or arrived corrupted.",
+     "transfer_failures", CounterMetricFamily),
+    ("steploop:pd_fallbacks", "Disaggregated requests recomputed on the decode group instead.", "fallbacks",
+     CounterMetricFamily),
+    ("steploop:pd_kv_transfer_bytes", "Bytes of confirmed KV transfers.", "bytes", CounterMetricFamily),
+    ("steploop:pd_kv_transfer_seconds", "Prefill-worker time spent sending KV blocks.", "transfer_seconds",
+     CounterMetricFamily),
+    ("steploop:pd_prefill_group_up", "1 while a prefill group is attached.", "prefill_up", GaugeMetricFamily),
+    ("steploop:pd_prefill_requests", "Requests whose prompt is on the prefill group now.", "prefill_requests",
+     GaugeMetricFamily),
+    ("steploop:pd_prefill_free_blocks", "Free KV blocks of the prefill group's pool.", "prefill_free_blocks",
+     GaugeMetricFamily),
+    ("steploop:pd_prefill_total_blocks", "Usable KV blocks of the prefill group's pool.", "prefill_total_blocks",
+     GaugeMetricFamily),
+)
+
+
+def pd_families(load: EngineLoad, labels: list[str]) -> Iterator:
+    if load.pd is None:
+        return
+    for name, doc, field, kind in _FAMILIES:
+        family = kind(name, doc, labels=["model_name"])
+        family.add_metric(labels, float(getattr(load.pd, field)))
+        yield family
