@@ -44,6 +44,8 @@ class Choice:
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
     prompt_logprobs: int = -1        # vLLM's prompt_logprobs (k >= 0): they come in the choice's first event
+    beam: Any = None                 # a BeamConfig: this prompt's choices are its best beams (beam_generation.py)
+    prompt_index: int = 0            # which of the request's prompts it is (its beams are searched once)
 
 
 @dataclass(frozen=True)
