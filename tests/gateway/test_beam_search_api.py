@@ -124,6 +124,6 @@ async def test_best_of_without_beam_search_is_refused(gateway):
 
 async def test_beam_search_off_is_sampling(gateway):
     body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 3, "use_beam_search": False, "length_penalty": 2}
-    status, reply, _ = await post(gateway, "/v1/completions", body)
+    status, _, _ = await post(gateway, "/v1/completions", body)
     assert status == 200 and len(gateway.engine.requests) == 1
     assert gateway.engine.requests[0].sampling.max_tokens == 3

@@ -48,7 +48,7 @@ class BeamConfig:
 @dataclass
 class Beam:
     tokens: list[int] = field(default_factory=list)        # generated so far (after the prompt)
-    score: np.float32 = np.float32(0.0)                    # cumulative logprob
+    score: np.float32 = field(default_factory=np.float32)  # cumulative logprob (0 at the start)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # each token's logprob and the top K beside it
 
 
@@ -84,21 +84,15 @@ async def beam_search(step: StepFn, config: BeamConfig, max_tokens: int,
         last = t + 1 == max_tokens
         gen_len = t + 1
         ends = [last or c[3] in stop_ids for c in cands]
-
-        def extend(c) -> Beam:
-            parent, top = running[c[1]], tops[c[1]]
-            lp = TokenLogprob(float(c[4]), [tok for tok, _ in top], [x for _, x in top])
-            return Beam(parent.tokens + [c[3]], c[0], parent.logprobs + [lp])
-
         for c, end in zip(cands[:width], ends[:width]):
             if end:
-                beam = extend(c)
+                beam = _extend(running, tops, c)
                 score = float(np.float32(c[0] / np.float32(gen_len ** penalty)))
                 reason = "stop" if c[3] in stop_ids else "length"
                 finished.append(Hypothesis(beam.tokens, float(c[0]), score, reason, beam.logprobs))
         finished.sort(key=lambda h: -h.score)        # stable: an earlier hypothesis wins a tie, as topk's merge
         del finished[width:]
-        running = [extend(c) for c, end in zip(cands, ends) if not end][:width]
+        running = [_extend(running, tops, c) for c, end in zip(cands, ends) if not end][:width]
         if last or not running or all(ends):
             break
         if len(finished) == width:
@@ -109,3 +103,10 @@ async def beam_search(step: StepFn, config: BeamConfig, max_tokens: int,
             if not best_possible > min(h.score for h in finished):
                 break
     return finished
+
+
+def _extend(running: list[Beam], tops: list[list[tuple[int, float]]], cand: tuple) -> Beam:
+    """The beam a candidate (score, parent index, rank, token, logprob) makes: its parent plus the token."""
+    parent, top = running[cand[1]], tops[cand[1]]
+    lp = TokenLogprob(float(cand[4]), [tok for tok, _ in top], [x for _, x in top])
+    return Beam(parent.tokens + [cand[3]], cand[0], parent.logprobs + [lp])
