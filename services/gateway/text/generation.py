@@ -18,6 +18,7 @@ from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
 from steploop.gateway.grammar_check import rejected
+from steploop.gateway.text.beam_search import BeamConfig
 from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
 from steploop.gateway.text.logprobs import TokenInfo, TokenNamer, vllm_prompt_logprobs
 from steploop.gateway.text.stop_strings import StopStringMatcher
@@ -44,7 +45,7 @@ class Choice:
     lora_name: str = ""              # the LoRA adapter it runs with ("" = the base model)
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
     prompt_logprobs: int = -1        # vLLM's prompt_logprobs (k >= 0): they come in the choice's first event
-    beam: Any = None                 # a BeamConfig: this prompt's choices are its best beams (beam_generation.py)
+    beam: BeamConfig | None = None   # this prompt's choices are its best beams (beam_generation.py)
     prompt_index: int = 0            # which of the request's prompts it is (its beams are searched once)
 
 
