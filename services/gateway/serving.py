@@ -14,6 +14,7 @@ from steploop.gateway.model_state import ModelState
 from steploop.gateway.openai_api.protocol import SamplingFields, choice_params
 from steploop.gateway.openai_api.token_controls import bad_words_token_ids
 from steploop.gateway.pause_gate import PauseGate
+from steploop.gateway.text.beam_generation import beam_choices
 from steploop.gateway.text.generation import Choice, TextEvent, generate_choice, merge
 from steploop.gateway.text.tokenizer import Tokenizer
 
@@ -90,11 +91,33 @@ class Serving:
                                       cache_salt=sampling.cache_salt, prompt_param=param, lora_name=lora_name,
                                       disaggregation=sampling.disaggregation,
                                       constraint_param=constraint_field(sampling),
-                                      prompt_logprobs=sampling.prompt_logprobs, mm_features=tuple(mm_features)))
+                                      prompt_logprobs=sampling.prompt_logprobs, mm_features=tuple(mm_features),
+                                      beam=sampling.beam, prompt_index=p))
         return choices
 
     def run(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:
+        if choices and choices[0].beam is not None:
+            groups: dict[int, list[Choice]] = {}
+            for c in choices:
+                groups.setdefault(c.prompt_index, []).append(c)
+            return merge([self._beams(group) for group in groups.values()])
         return merge([generate_choice(self.engine, self.tokenizer, c) for c in choices])
+
+    def _beams(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:
+        """One prompt's beam search: ends on EOS (unless ignore_eos) and stop_token_ids, as sampled choices do;
+        max_tokens unset is what fits in the context."""
+        params = choices[0].params
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.model.eos_token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.model.max_model_len - len(choices[0].prompt_ids)
+        if max_tokens < 1:
+            raise bad_request(f"the prompt ({len(choices[0].prompt_ids)} tokens) leaves no room in the context "
+                              f"({self.model.max_model_len}) for a beam", param=choices[0].prompt_param)
+        if self.model.max_model_len and len(choices[0].prompt_ids) + max_tokens > self.model.max_model_len:
+            raise bad_request(f"'max_tokens' ({max_tokens}) and the prompt ({len(choices[0].prompt_ids)} tokens) "
+                              f"exceed the context ({self.model.max_model_len})", param="max_tokens")
+        return beam_choices(self.engine, self.tokenizer, choices, choices[0].beam, max_tokens, stop_ids)
 
 
 def model_not_found(name: str) -> APIError:

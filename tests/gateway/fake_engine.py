@@ -37,6 +37,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     fail_after: int | None = None                  # if set, ends with FINISH_REASON_ERROR after this many tokens
     reject_after: int | None = None                # if set, ends with FINISH_REASON_REJECTED after this many tokens
     reply_fn: Callable[[engine_pb2.GenerateRequest], Sequence[int]] | None = None
+    # if set: (top ids, their logprobs) for the next token after a request's prompt, most likely first (a tiny
+    # deterministic "model" for beam search); the token sent is the first top id, its logprob the first logprob
+    top_fn: Callable[[Sequence[int]], tuple[Sequence[int], Sequence[float]]] | None = None
     generation_defaults: dict = field(default_factory=dict)   # GetModelInfo's model sampling defaults
     requests: list = field(default_factory=list)   # GenerateRequests received
     finished: list = field(default_factory=list)   # request ids streamed to their end
@@ -167,7 +170,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 part = ids[start:start + self.tokens_per_chunk]
                 chunk = engine_pb2.GenerateChunk(token_ids=part)
                 k = request.sampling.logprobs
-                if k >= 0:   # scripted logprobs: -0.5 for the token, top k ids 0..k-1 at -1, -2, ...
+                if k >= 0 and self.top_fn is not None:
+                    ids_k, lps_k = self.top_fn(list(request.prompt_token_ids))
+                    chunk.token_ids[:] = [ids_k[0]]
+                    chunk.logprobs.append(engine_pb2.TokenLogprob(logprob=lps_k[0], top_token_ids=ids_k[:k],
+                                                                  top_logprobs=lps_k[:k]))
+                elif k >= 0:   # scripted logprobs: -0.5 for the token, top k ids 0..k-1 at -1, -2, ...
                     chunk.logprobs.extend(engine_pb2.TokenLogprob(logprob=-0.5, top_token_ids=range(k),
                                                                   top_logprobs=[-1.0 - i for i in range(k)])
                                           for _ in part)

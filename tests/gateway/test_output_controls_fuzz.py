@@ -1,5 +1,6 @@
 """A fuzz of the output-control fields (allowed_token_ids, bad_words, prompt_logprobs, guided_grammar,
-structural_tag, structured_outputs) on both endpoints, valid and malformed values mixed, against the fake engine:
+structural_tag, structured_outputs, and beam search's use_beam_search, best_of, n, length_penalty,
+early_stopping) on both endpoints, valid and malformed values mixed, against the fake engine:
 never a 5xx, and every 400 names the field at fault."""
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ FIELDS = {
     "logit_bias": st.one_of(st.none(), st.dictionaries(st.sampled_from(["1", "5", "49151"]),
                                                        st.integers(-100, 100), max_size=2)),
     "stream": st.booleans(),
+    "use_beam_search": st.one_of(st.booleans(), st.booleans(), JUNK),
+    "best_of": st.one_of(st.integers(0, 20), JUNK),
+    "n": st.integers(1, 5),
+    "length_penalty": st.one_of(st.floats(-12, 12, allow_nan=False), JUNK),
+    "early_stopping": st.one_of(st.booleans(), st.just("never"), JUNK),
 }
 BASES = {"/v1/completions": {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2},
          "/v1/chat/completions": {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],

@@ -15,8 +15,7 @@ from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 
 COMPLETION = {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 2}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-SET = {"use_beam_search": True,
-       "logits_processors": ["x"],
+SET = {"logits_processors": ["x"],
        "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False, "mm_processor_kwargs": {"a": 1},
        "chat_template": "{{ messages }}", "documents": [{"text": "d"}]}
 

@@ -11,6 +11,7 @@ from steploop.gateway.embeddings_api import openapi as embeddings_openapi
 from steploop.gateway.endpoints import control_openapi
 from steploop.gateway.http_io.validation import MAX_INT32, MAX_UINT32
 from steploop.gateway.messages_api import openapi as messages_openapi
+from steploop.gateway.openai_api.beam_fields import MAX_BEAM_WIDTH
 from steploop.gateway.openai_api.protocol import COMPLETIONS_DEFAULT_MAX_TOKENS, MAX_LOGPROBS, MAX_N
 from steploop.gateway.openai_api.token_controls import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
 from steploop.gateway.openai_api.vllm_extras import MAX_CHOICES
@@ -72,6 +73,12 @@ _SAMPLING: dict[str, Any] = {
                   "maxItems": MAX_BAD_WORDS},
     # logprob, rank and top k of each prompt token (not with stream)
     "prompt_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS},
+    # beam search (beam_fields.py): best_of (default n) beams, the n best returned; not with stop, penalties,
+    # logit_bias, token controls, a grammar, min_tokens, prompt_logprobs or echo
+    "use_beam_search": {"type": ["boolean", "null"]},
+    "best_of": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_BEAM_WIDTH},
+    "length_penalty": {**_NUM, "minimum": -10, "maximum": 10},
+    "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }
 # Unset: what fits in the context. Prompt + max_tokens over the context is a 400 (context_length_exceeded).
 _MAX_TOKENS = {"type": "integer", "minimum": 1}

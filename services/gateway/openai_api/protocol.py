@@ -3,7 +3,7 @@
 Fields outside OpenAI's API that vLLM also accepts (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, include_stop_str_in_output, skip_special_tokens, add_generation_prompt, continue_final_message)
 are accepted; unknown fields are ignored, as OpenAI's SDK passes extra_body through. Features not built (best_of
-> 1, suffix, the deprecated functions, vLLM's extras in vllm_extras.py) fail with a 400 naming the field, rather
+> 1 without beam search, suffix, the deprecated functions, vLLM's extras in vllm_extras.py) fail with a 400 naming the field, rather
 than being silently ignored. Tools: tools.py.
 """
 
@@ -18,8 +18,10 @@ from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
 from steploop.gateway.media.parts import openai_image_part
+from steploop.gateway.openai_api.beam_fields import parse_beam, refuse_with_beams
 from steploop.gateway.openai_api.token_controls import parse_allowed_token_ids, parse_bad_words
 from steploop.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
+from steploop.gateway.text.beam_search import BeamConfig
 from steploop.gateway.tool_parsers import ToolParser
 from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
 
@@ -67,6 +69,7 @@ class SamplingFields:
     prompt_logprobs: int = -1   # vLLM's extra: -1 none; k >= 0 each prompt token's logprob and rank, plus the top k
     allowed_token_ids: tuple[int, ...] = ()     # vLLM's extra: only these may be sampled (token_controls.py)
     bad_words: tuple[str, ...] = ()             # vLLM's extra: never generated (tokenized by Serving)
+    beam: BeamConfig | None = None              # vLLM's use_beam_search (beam_fields.py); None: sampling
 
     def to_sampling_params(self, max_tokens: int | None,
                            bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
@@ -143,13 +146,11 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
     stream_options = v.get_object(body, "stream_options")
     if stream_options and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    for name in ("best_of",):
-        if v.get_int(body, name, 1, lo=1, hi=None) != 1:
-            raise not_supported(name)
     refuse_not_built(body)
     stop_token_ids = body.get("stop_token_ids")
     constraint = _parse_response_format(body) or Constraint("")
-    return SamplingFields(
+    n = v.get_int(body, "n", 1, lo=1, hi=MAX_N)
+    fields = SamplingFields(
         max_tokens=max_tokens,
         temperature=v.get_number(body, "temperature", defaults.get("temperature", 1.0), lo=0.0, hi=2.0),
         top_p=v.get_number(body, "top_p", defaults.get("top_p", 1.0), lo=0.0, hi=1.0, lo_exclusive=True),
@@ -160,7 +161,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         frequency_penalty=v.get_number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=v.get_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0), lo=0.0,
                                         lo_exclusive=True),
-        n=v.get_int(body, "n", 1, lo=1, hi=MAX_N),
+        n=n,
         stop=v.get_stop(body),
         stop_token_ids=() if stop_token_ids is None else v.get_token_ids(stop_token_ids, "stop_token_ids", vocab_size),
         ignore_eos=v.get_bool(body, "ignore_eos", False),
@@ -183,7 +184,11 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int
         prompt_logprobs=_parse_prompt_logprobs(body, stream),
         allowed_token_ids=parse_allowed_token_ids(body, vocab_size),
         bad_words=parse_bad_words(body),
+        beam=parse_beam(body, n),
     )
+    if fields.beam is not None:
+        refuse_with_beams(body, fields)
+    return fields
 
 
 def _parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int:
@@ -391,6 +396,9 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
     sampling = parse_sampling(body, max_tokens, vocab_size, defaults)
     tools = parse_tools(body, sampling.constrained_by, tool_parser)
     forced = tools.guided_schema() if tools is not None else ""
+    if forced and sampling.beam is not None:
+        raise bad_request("a forced tool call ('tool_choice') cannot be used with 'use_beam_search' (beam search "
+                          "ranks the model's own logprobs)", param="tool_choice")
     if forced:   # a forced call: the worker's grammar writes valid calls
         sampling = replace(sampling, json_schema=forced)
     elif tools is not None and tool_parser.needs_special_tokens:   # its marker must survive detokenizing

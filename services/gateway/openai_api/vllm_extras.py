@@ -28,7 +28,6 @@ from steploop.gateway.http_io import validation as v
 
 # field -> the values that mean "not used" (sent by clients that fill every field)
 NOT_BUILT: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (None, False),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),

@@ -19,6 +19,7 @@ from steploop.gateway import request_class
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
 from steploop.gateway.grammar_check import rejected
+from steploop.gateway.text.beam_search import BeamConfig
 from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
 from steploop.gateway.text.logprobs import TokenInfo, TokenNamer, vllm_prompt_logprobs
 from steploop.gateway.text.stop_strings import StopStringMatcher
@@ -47,6 +48,8 @@ class Choice:
     constraint_param: str = ""       # the request field of its structured-output constraint (a REJECTED 400 names it)
     prompt_logprobs: int = -1        # vLLM's prompt_logprobs (k >= 0): they come in the choice's first event
     mm_features: tuple = ()          # its images (common/mm_inputs.py MultiModalFeature), placeholders expanded
+    beam: BeamConfig | None = None   # this prompt's choices are its best beams (beam_generation.py)
+    prompt_index: int = 0            # which of the request's prompts it is (its beams are searched once)
 
 
 @dataclass(frozen=True)
