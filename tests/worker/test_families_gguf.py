@@ -25,6 +25,9 @@ GGUF_CONFIGS = {
     "qwen2": ("Qwen2Config", {**_SHAPE, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {**_SHAPE, "num_key_value_heads": 1, "head_dim": 128, "tie_word_embeddings": False}),
     "gemma2": ("Gemma2Config", {**_SHAPE, "head_dim": 64, "sliding_window": 16, "num_hidden_layers": 4}),
+    "gemma3_text": ("Gemma3TextConfig", {**_SHAPE, "head_dim": 64, "sliding_window": 16, "num_hidden_layers": 4,
+                                         "query_pre_attn_scalar": 64}),
+    "phi3": ("Phi3Config", {**_SHAPE, "tie_word_embeddings": False}),
 }
 
 
