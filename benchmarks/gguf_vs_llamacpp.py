@@ -47,8 +47,9 @@ def run_steploop(path: str, streams: int, threads: int, prompt_len: int, new_tok
     from steploop.gpu_worker.gguf_convert import convert_gguf
     folder = convert_gguf(path)
     before = rss_mib()
-    engine = InProcessEngine(folder, num_kv_blocks=max(64, streams * (prompt_len + new_tokens) // 16 + 16),
-                             num_threads=threads)
+    per_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256             # as llama_cpp_baseline sizes a slot
+    engine = InProcessEngine(folder, num_kv_blocks=streams * per_seq // 16 + 2, num_threads=threads,
+                             max_model_len=per_seq)
     loaded = rss_mib()
     engine.run(prompts(1, prompt_len, 4))                       # warm-up, not timed
     metrics, _ = engine.run(prompts(streams, prompt_len, new_tokens), max_concurrency=streams)
