@@ -13,8 +13,7 @@ from gguf import quants as gguf_quants
 
 from steploop.gpu_worker.cpu_kernels import build
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
-from steploop.gpu_worker.cpu_kernels.packed_weights import (Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, Q8_0_16, Q8_1,
-                                                               Q8_1_16, unpack)
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, Q8_0_16, Q8_1, Q8_1_16, unpack
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from tests.worker.c_kernels import needs_c_kernels
