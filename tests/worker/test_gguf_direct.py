@@ -1,4 +1,4 @@
-"""`--model FILE.gguf` read at its own bit width (gpu_worker/gguf/): small random Llama, Qwen2 and Gemma 2 models written as
+"""`--model FILE.gguf` read at its own bit width (gpu_worker/gguf/): small random Llama, Qwen2, Gemma 2 / 3 and Phi-3 models written as
 GGUF with a different block type per tensor (every type steploop reads; the k-quants as random valid blocks), served
 by the ModelRunner from the file's blocks: greedy tokens equal and logprobs within 1e-4 of transformers fp32 on the
 same file (its GGUF loader dequantizes with gguf-py), also under chunked prefill and preemption. The converted folder
@@ -52,10 +52,18 @@ def _gemma2_types(name: str, w) -> T:
             "ffn_gate": T.Q6_K, "ffn_up": T.Q6_K, "ffn_down": T.Q4_K}[name.split(".")[-2]]
 
 
+def _phi3_types(name: str, w) -> T:
+    """Phi-3's q/k/v and gate/up come fused in the file (one tensor each)"""
+    return {"token_embd": T.Q8_0, "output": T.Q4_K, "attn_qkv": T.Q6_K, "attn_output": T.Q5_K, "ffn_up": T.Q4_K,
+            "ffn_down": T.Q6_K}[name.split(".")[-2]]
+
+
 MODELS = {"llama": ("LlamaConfig", {"tie_word_embeddings": False}, _llama_types),
+          "phi3": ("Phi3Config", {"tie_word_embeddings": False}, _phi3_types),
           "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}, _qwen2_types),
           "gemma2": ("Gemma2Config", {"head_dim": 64, "sliding_window": 16, "query_pre_attn_scalar": 48,
-                                      "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}, _gemma2_types)}
+                                      "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}, _gemma2_types),
+          "gemma3_text": ("Gemma3TextConfig", {"head_dim": 64, "sliding_window": 16}, _gemma2_types)}
 
 
 @pytest.fixture(autouse=True)
