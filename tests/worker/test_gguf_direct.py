@@ -77,9 +77,9 @@ def gguf_file(family: str, folder, model_dir):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, name)(**{**_COMMON, **_SHAPE, **kwargs}), dtype=torch.float32)
-    with torch.no_grad():            # norms off their init (Gemma's zeros, stored as 1 + w) so each one counts
+    with torch.no_grad():            # Gemma's norms off their init (zeros, stored as 1 + w) so each one counts
         for param_name, p in model.named_parameters():
-            if "norm" in param_name:
+            if "norm" in param_name and family.startswith("gemma"):
                 p.add_(torch.randn_like(p) * 0.1)
     return write_gguf(model, folder / f"{family}-mixed.gguf", model_dir, qtype_of=types)
 
