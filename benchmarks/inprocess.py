@@ -22,14 +22,15 @@ from steploop.scheduler.request import Request
 
 class InProcessEngine:
     def __init__(self, model_dir, num_kv_blocks: int, sched_config: SchedulerConfig | None = None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, max_model_len: int | None = None):
         from steploop.gpu_worker.config import WorkerConfig
         from steploop.gpu_worker.model_runner import ModelRunner
 
         self.sched_config = sched_config or SchedulerConfig()
         self.runner = ModelRunner.from_config(
             WorkerConfig(model=str(model_dir), num_kv_blocks=num_kv_blocks, device="cpu",
-                         num_threads=num_threads), model_dir)
+                         num_threads=num_threads, **({"max_model_len": max_model_len} if max_model_len else {})),
+            model_dir)
 
     def _new_scheduler(self):
         info = self.runner.info

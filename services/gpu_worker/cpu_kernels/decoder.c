@@ -15,10 +15,13 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
                            int64_t N, int64_t K, int kind, int num_threads);
 int steploop_packed_linear_q8b(float *y, const float *x, const int8_t *qs, const float *d, const float *m,
                                int64_t M, int64_t N, int64_t K, int bs, int num_threads);
-/* packed_weights.py's kinds read by steploop_packed_linear_q8b (GGUF Q5_1 / Q5_K, Q6_K) */
+/* packed_weights.py kinds beyond Q4_1 / Q8_0: int8 blocks (q8b: GGUF Q5_1, or fused parts of mixed types), and
+   the GGUF k-quants at their width (Q4_K, Q5_K, Q6_K) */
 int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
                                int64_t M, int64_t N, int64_t K, int num_threads);
-enum { KIND_Q8_1 = 200, KIND_Q8_0_16 = 201, KIND_Q8_1_16 = 202, KIND_Q4_K = 203 };
+int steploop_packed_linear_kquant(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
+                                  int64_t M, int64_t N, int64_t K, int q6, int num_threads);
+enum { KIND_Q8_1 = 200, KIND_Q8_0_16 = 201, KIND_Q8_1_16 = 202, KIND_Q4_K = 203, KIND_Q5_K = 204, KIND_Q6_K = 205 };
 int steploop_rms_norm(float *y, float *x, float *residual, const float *w, int64_t T, int64_t H, float eps,
                       int num_threads);
 int steploop_rotary_neox(float *q, float *k, const int64_t *positions, const float *cos_table,
@@ -72,6 +75,9 @@ static int linear(float *y, const float *x, const PackedMatrix *w, int64_t T, in
     if (w->kind == KIND_Q4_K)
         return steploop_packed_linear_q4k(y, x, w->qs, w->d, (const uint8_t *)w->m, T, w->out_features,
                                           w->in_features, num_threads);
+    if (w->kind == KIND_Q5_K || w->kind == KIND_Q6_K)
+        return steploop_packed_linear_kquant(y, x, w->qs, w->d, (const uint8_t *)w->m, T, w->out_features,
+                                             w->in_features, w->kind == KIND_Q6_K, num_threads);
     if (w->kind == KIND_Q8_1 || w->kind == KIND_Q8_0_16 || w->kind == KIND_Q8_1_16)
         return steploop_packed_linear_q8b(y, x, w->qs, w->d, w->kind == KIND_Q8_0_16 ? NULL : w->m, T,
                                           w->out_features, w->in_features, w->kind == KIND_Q8_1 ? 32 : 16,

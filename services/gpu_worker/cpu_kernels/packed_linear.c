@@ -302,14 +302,15 @@ static const float *transposed_x(const float *x, int64_t M, int64_t K)
 }
 
 /* One packed weight as the tile path reads it: its form and the arrays that form has. */
-enum { TILE_Q4_1, TILE_Q8_0, TILE_Q8B, TILE_Q4K };
+enum { TILE_Q4_1, TILE_Q8_0, TILE_Q8B, TILE_Q4K, TILE_Q5K, TILE_Q6K };
 typedef struct {
     int form;
     const void *qs;
     const float *d, *m;              /* Q4_1, Q8_0 (no m), q8b (m may be NULL); Q4_K: d per 256 */
     int bs;                          /* q8b: weights per scale (16 or 32) */
     const uint8_t *sc, *mn;          /* Q4_K: 6-bit scales and mins per 32 */
-    const float *dmin;               /* Q4_K: dmin per 256 */
+    const float *dmin;               /* Q4_K, Q5_K: dmin per 256 */
+    const uint8_t *qh;               /* Q5_K: fifth bits, Q6_K: fifth and sixth bits (planes after the nibbles) */
 } tile_weight;
 
 static void dequant_q8b_dispatch(int bs, const int8_t *qs, const float *d, const float *m, int64_t s, int64_t K,
@@ -320,6 +321,10 @@ static void dequant_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
                         int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col);
 static void prefetch_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, int64_t s, int64_t K, int64_t k0,
                          int64_t kc);
+static void dequant_q5k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col);
+static void dequant_q6k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col);
+static void prefetch_q5k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc);
+static void prefetch_q6k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc);
 
 /* slice s's weights for k0 .. k0 + kc into the tile at column col */
 static inline void tile_dequant(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile,
@@ -329,7 +334,9 @@ static inline void tile_dequant(const tile_weight *w, int64_t s, int64_t K, int6
     case TILE_Q4_1: dequant_q4_1(w->qs, w->d, w->m, s, K, k0, kc, tile, col); break;
     case TILE_Q8_0: dequant_q8_0(w->qs, w->d, s, K, k0, kc, tile, col); break;
     case TILE_Q8B: dequant_q8b_dispatch(w->bs, w->qs, w->d, w->m, s, K, k0, kc, tile, col); break;
-    default: dequant_q4k(w->qs, w->sc, w->mn, w->d, w->dmin, s, K, k0, kc, tile, col); break;
+    case TILE_Q4K: dequant_q4k(w->qs, w->sc, w->mn, w->d, w->dmin, s, K, k0, kc, tile, col); break;
+    case TILE_Q5K: dequant_q5k(w, s, K, k0, kc, tile, col); break;
+    default: dequant_q6k(w, s, K, k0, kc, tile, col); break;
     }
 }
 
@@ -339,7 +346,9 @@ static inline void tile_prefetch(const tile_weight *w, int64_t s, int64_t K, int
     case TILE_Q4_1: prefetch_chunk(KIND_Q4_1, w->qs, w->d, w->m, s, K, k0, kc); break;
     case TILE_Q8_0: prefetch_chunk(KIND_Q8_0, w->qs, w->d, w->m, s, K, k0, kc); break;
     case TILE_Q8B: prefetch_q8b(w->qs, w->d, w->m, w->bs, s, K, k0, kc); break;
-    default: prefetch_q4k(w->qs, w->sc, w->mn, s, K, k0, kc); break;
+    case TILE_Q4K: prefetch_q4k(w->qs, w->sc, w->mn, s, K, k0, kc); break;
+    case TILE_Q5K: prefetch_q5k(w, s, K, k0, kc); break;
+    default: prefetch_q6k(w, s, K, k0, kc); break;
     }
 }
 
@@ -422,7 +431,7 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         }
         return 0;
     }
-    tile_weight w = {kind == KIND_Q4_1 ? TILE_Q4_1 : TILE_Q8_0, qs, d, m, 0, NULL, NULL, NULL};
+    tile_weight w = {kind == KIND_Q4_1 ? TILE_Q4_1 : TILE_Q8_0, qs, d, m, 0, NULL, NULL, NULL, NULL};
     return tile_matmul(y, x, M, N, K, &w, num_threads);
 }
 
@@ -536,7 +545,7 @@ int steploop_packed_linear_q8b(float *y, const float *x, const int8_t *qs, const
         }
         return 0;
     }
-    tile_weight w = {TILE_Q8B, qs, d, m, bs, NULL, NULL, NULL};
+    tile_weight w = {TILE_Q8B, qs, d, m, bs, NULL, NULL, NULL, NULL};
     return tile_matmul(y, x, M, N, K, &w, num_threads);
 }
 
@@ -661,6 +670,178 @@ int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, cons
         }
         return 0;
     }
-    tile_weight w = {TILE_Q4K, qs, d, NULL, 0, sc, mn, dmin};
+    tile_weight w = {TILE_Q4K, qs, d, NULL, 0, sc, mn, dmin, NULL};
+    return tile_matmul(y, x, M, N, K, &w, num_threads);
+}
+
+/* ---- GGUF Q5_K and Q6_K at their file width: the nibble plane of the Q4_1 form plus a plane of high bits ----
+
+   Layout, per group of 16 output rows (N rows, K along the row):
+     Q5_K (5.75 bits a weight; the file's: 5.5): qs uint8 = nibbles [N/16][K/2][16] as Q4_1's, then fifth bits
+       [N/16][K/8][16] (bit j of a byte: weight k + j, k a multiple of 8); sc, mn and d, dmin as the Q4_K form's.
+       w = q * (d sc) - dmin mn, q = nibble | fifth bit << 4 in 0..31: gguf-py's d * q - dm (the product exact:
+       11 x 6 x 5 significant bits), one rounding.
+     Q6_K (6.625 bits; the file's: 6.5625): qs uint8 = nibbles [N/16][K/2][16], then two high bits
+       [N/16][K/4][16] (bits 2j, 2j + 1 of a byte: weight k + j, k a multiple of 4); sc int8 [N/16][K/16][16];
+       d float [N/16][K/256][16]. w = (q - 32) * (d sc), q = nibble | high bits << 4 in 0..63: gguf-py's
+       (d * scales) * q, exact (11 + 7 + 6 = 24 significant bits at most), so no rounding at all.
+   Each output is one fma chain over k in order, as in every form above. */
+
+static inline int64_t sub16_at(int64_t s, int64_t K, int64_t b) { return (s * VL / G * (K / 16) + b) * G + s * VL % G; }
+static inline int64_t q1_at(int64_t s, int64_t K, int64_t k) { return (s * VL / G * (K / 8) + k / 8) * G + s * VL % G; }
+static inline int64_t q2_at(int64_t s, int64_t K, int64_t k) { return (s * VL / G * (K / 4) + k / 4) * G + s * VL % G; }
+
+/* Q5_K: slice s's weights k .. k + 7 (k a multiple of 8) with sub-block scale db and offset mb */
+static inline __attribute__((always_inline)) void q5k_w8(const uint8_t *lo, const uint8_t *hi, int64_t s, int64_t K,
+                                                         int64_t k, vf db, vf mb, vf w[8])
+{
+    vi h = widen_u8(hi + q1_at(s, K, k));
+    for (int p = 0; p < 4; p++) {
+        vi iv = widen_u8(lo + q4_at(s, K, k + 2 * p));
+        w[2 * p] = __builtin_convertvector((iv & 15) | (((h >> (2 * p)) & 1) << 4), vf) * db + mb;
+        w[2 * p + 1] = __builtin_convertvector((iv >> 4) | (((h >> (2 * p + 1)) & 1) << 4), vf) * db + mb;
+    }
+}
+
+/* Q6_K: slice s's weights k .. k + 3 (k a multiple of 4) with sub-block scale db and mb = -32 db: q db + mb is
+   (q - 32) db exactly (q db, 32 db and their difference all fit fp32's 24 bits), one fma instead of a subtract
+   and a multiply */
+static inline __attribute__((always_inline)) void q6k_w4(const uint8_t *lo, const uint8_t *hi, int64_t s, int64_t K,
+                                                         int64_t k, vf db, vf mb, vf w[4])
+{
+    vi a = widen_u8(lo + q4_at(s, K, k)), b = widen_u8(lo + q4_at(s, K, k + 2)), h = widen_u8(hi + q2_at(s, K, k));
+    w[0] = __builtin_convertvector((a & 15) | ((h << 4) & 48), vf) * db + mb;
+    w[1] = __builtin_convertvector((a >> 4) | ((h << 2) & 48), vf) * db + mb;
+    w[2] = __builtin_convertvector((b & 15) | (h & 48), vf) * db + mb;
+    w[3] = __builtin_convertvector((b >> 4) | ((h >> 2) & 48), vf) * db + mb;
+}
+
+/* Q6_K sub-block b (16 weights) of slice s: d * sc */
+static inline vf q6k_db(const tile_weight *w, int64_t s, int64_t K, int64_t b)
+{
+    return loadv(w->d + superblock_at(s, K, b / (QK_K / 16))) *
+           __builtin_convertvector(widen_s8((const int8_t *)w->sc + sub16_at(s, K, b)), vf);
+}
+
+static void dequant_q5k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col)
+{
+    for (int64_t b = k0 / QK; b < (k0 + kc) / QK; b++) {
+        vf db, mb, wv[8];
+        q4k_dm(w->sc, w->mn, w->d, w->dmin, s, K, b, &db, &mb);
+        for (int64_t k = b * QK; k < b * QK + QK; k += 8) {
+            q5k_w8(w->qs, w->qh, s, K, k, db, mb, wv);
+            for (int j = 0; j < 8; j++)
+                storev(tile + (k + j - k0) * NR + col, wv[j]);
+        }
+    }
+}
+
+static void dequant_q6k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col)
+{
+    for (int64_t b = k0 / 16; b < (k0 + kc) / 16; b++) {
+        vf db = q6k_db(w, s, K, b), mb = db * -32.0f, wv[4];
+        for (int64_t k = b * 16; k < b * 16 + 16; k += 4) {
+            q6k_w4(w->qs, w->qh, s, K, k, db, mb, wv);
+            for (int j = 0; j < 4; j++)
+                storev(tile + (k + j - k0) * NR + col, wv[j]);
+        }
+    }
+}
+
+static void prefetch_q5k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc)
+{
+    prefetch_q4k(w->qs, w->sc, w->mn, s, K, k0, kc);
+    prefetch_range(w->qh + q1_at(s, K, k0), (kc / 8 - 1) * G + VL);
+}
+
+static void prefetch_q6k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc)
+{
+    prefetch_range(w->sc + sub16_at(s, K, k0 / 16), (kc / 16 - 1) * G + VL);
+    prefetch_range(w->qs + q4_at(s, K, k0), (kc / 2 - 1) * G + VL);
+    prefetch_range(w->qh + q2_at(s, K, k0), (kc / 4 - 1) * G + VL);
+}
+
+/* One or two rows: NS slices side by side (as fused_q4k_side), each weight dequantized in registers and used at
+   once. q6 picks the form: 1 Q6_K, 0 Q5_K. */
+static inline __attribute__((always_inline)) void fused_k_side(int q6, int mr, int ns, const float *restrict xt,
+                                                               int64_t K, const tile_weight *w, int64_t s0,
+                                                               float *restrict y, int64_t N)
+{
+    enum { STEP = 8 };                       /* weights per inner step: one Q5_K fifth-bit byte, two Q6_K ones */
+    vf acc[NS][REGISTER_MAX_M];
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            acc[i][r] = (vf){0};
+    const int64_t bs = q6 ? 16 : QK;
+    for (int64_t b = 0; b < K / bs; b++) {
+        vf db[NS], mb[NS];
+        for (int i = 0; i < ns; i++) {
+            if (q6) {
+                db[i] = q6k_db(w, s0 + i, K, b);
+                mb[i] = db[i] * -32.0f;
+            } else
+                q4k_dm(w->sc, w->mn, w->d, w->dmin, s0 + i, K, b, &db[i], &mb[i]);
+        }
+        for (int64_t k = b * bs; k < b * bs + bs; k += STEP) {
+            for (int i = 0; i < ns; i++) {
+                vf wv[STEP];
+                if (q6) {
+                    q6k_w4(w->qs, w->qh, s0 + i, K, k, db[i], mb[i], wv);
+                    q6k_w4(w->qs, w->qh, s0 + i, K, k + 4, db[i], mb[i], wv + 4);
+                } else {
+                    q5k_w8(w->qs, w->qh, s0 + i, K, k, db[i], mb[i], wv);
+                }
+                for (int j = 0; j < STEP; j++)
+                    for (int r = 0; r < mr; r++)
+                        acc[i][r] += xt[(k + j) * mr + r] * wv[j];
+            }
+        }
+    }
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            storev(y + r * N + (s0 + i) * VL, acc[i][r]);
+}
+
+static void fused_k_side_dispatch(int q6, int mr, int ns, const float *xt, int64_t K, const tile_weight *w,
+                                  int64_t s0, float *y, int64_t N)
+{
+#define K_CASE(Q, R, S)                                               \
+    if (q6 == Q && mr == R && ns == S) {                              \
+        fused_k_side(Q, R, S, xt, K, w, s0, y, N);                    \
+        return;                                                       \
+    }
+    K_CASE(0, 1, 1) K_CASE(0, 1, 2) K_CASE(0, 1, 3) K_CASE(0, 1, 4)
+    K_CASE(0, 2, 1) K_CASE(0, 2, 2) K_CASE(0, 2, 3) K_CASE(0, 2, 4)
+    K_CASE(1, 1, 1) K_CASE(1, 1, 2) K_CASE(1, 1, 3) K_CASE(1, 1, 4)
+    K_CASE(1, 2, 1) K_CASE(1, 2, 2) K_CASE(1, 2, 3) K_CASE(1, 2, 4)
+#undef K_CASE
+}
+
+/* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 256 == 0. q6: 1 for the Q6_K form (qs: nibbles then high
+   bits; scales: int8 sc per 16; dd: d per 256), 0 for Q5_K (qs: nibbles then fifth bits; scales: sc then mn per 32;
+   dd: d then dmin per 256). Returns 0, or -1 on bad sizes or no memory. */
+int steploop_packed_linear_kquant(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
+                                  int64_t M, int64_t N, int64_t K, int q6, int num_threads)
+{
+    if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK_K)
+        return -1;
+    if (M == 0)
+        return 0;
+    tile_weight w = {q6 ? TILE_Q6K : TILE_Q5K, qs, dd, NULL, 0, scales, q6 ? NULL : scales + N * (K / QK),
+                     q6 ? NULL : dd + N * (K / QK_K), qs + N * K / 2};
+    q6 = !!q6;
+    if (M <= REGISTER_MAX_M) {
+        const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
+        if (!xt)
+            return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
+            int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
+            if (s0 + ns < N / VL)
+                tile_prefetch(&w, s0 + ns, K, 0, K);
+            fused_k_side_dispatch(q6, (int)M, (int)ns, xt, K, &w, s0, y, N);
+        }
+        return 0;
+    }
     return tile_matmul(y, x, M, N, K, &w, num_threads);
 }

@@ -1,4 +1,4 @@
-"""ctypes front end of packed_linear.c: y = x @ W.T in fp32 with W read from its packed Q4_1 / Q8_0 form.
+"""ctypes front end of packed_linear.c: y = x @ W.T in fp32 with W read from its packed form (packed_weights.py's kinds).
 
     if available():                       # builds/loads the library on first call
         y = packed_linear(x, packed, num_threads)      # packed: packed_weights.pack(weight)
@@ -13,7 +13,7 @@ import functools
 import torch
 
 from steploop.gpu_worker.cpu_kernels.build import function
-from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q8B_BLOCK, PackedWeight
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q5_K, Q6_K, Q8B_BLOCK, PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -33,6 +33,11 @@ def _q4k_kernel(isa: str | None = None):
     return function("steploop_packed_linear_q4k", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int], isa=isa)
 
 
+@functools.cache
+def _kquant_kernel(isa: str | None = None):
+    return function("steploop_packed_linear_kquant", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int], isa=isa)
+
+
 def available(isa: str | None = None) -> bool:
     return _kernel(isa) is not None
 
@@ -49,10 +54,15 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
     if y.shape != (x2.shape[0], packed.out_features) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError(f"packed_linear: out must be a contiguous fp32 [{x2.shape[0]}, {packed.out_features}]")
     q8b = packed.kind in Q8B_BLOCK
-    kernel = _q4k_kernel(isa) if packed.kind == Q4_K else _q8b_kernel(isa) if q8b else _kernel(isa)
+    kquant = packed.kind in (Q5_K, Q6_K)
+    kernel = (_q4k_kernel(isa) if packed.kind == Q4_K else _kquant_kernel(isa) if kquant else
+              _q8b_kernel(isa) if q8b else _kernel(isa))
     if kernel is None:
         raise RuntimeError("the packed linear library is not available (see build.py's warning)")
-    if packed.kind == Q4_K:          # GGUF Q4_K at its width
+    if kquant:              # GGUF Q5_K / Q6_K at their width
+        rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(), packed.m.data_ptr(),
+                    x2.shape[0], packed.out_features, packed.in_features, int(packed.kind == Q6_K), num_threads)
+    elif packed.kind == Q4_K:          # GGUF Q4_K at its width
         rc = kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), packed.d.data_ptr(), packed.m.data_ptr(),
                     x2.shape[0], packed.out_features, packed.in_features, num_threads)
     elif q8b:              # int8 blocks of 16 / 32 with an optional m (GGUF Q5_1, Q5_K, Q6_K)

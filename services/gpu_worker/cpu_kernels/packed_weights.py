@@ -22,8 +22,13 @@ Q4_1, Q8_0 = 0, 1
 # (Q8_1/16: a fused layer whose parts mix Q6_K with a type that has m, e.g. Q4_K_M's q, k (Q4_K) and v (Q6_K))
 # Q4_K: GGUF Q4_K at its width (steploop_packed_linear_q4k): qs as Q4_1's; d = fp32 [2, N/16, K/256, 16] (d, dmin
 # per super-block), m = uint8 [2, N/16, K/32, 16] (6-bit scale, min per 32); w = d sc q - dmin mn
-Q8_1, Q8_0_16, Q8_1_16, Q4_K = 200, 201, 202, 203
-KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_1: "Q8_1", Q8_0_16: "Q8_0/16", Q8_1_16: "Q8_1/16", Q4_K: "Q4_K"}
+# Q5_K, Q6_K: GGUF Q5_K / Q6_K at their width (steploop_packed_linear_kquant): qs uint8 1-D, the nibble plane
+# [N/16, K/2, 16] as Q4_1's, then the high bits ([N/16, K/8, 16] fifth bits / [N/16, K/4, 16] two bits a weight).
+# Q5_K: d and m as Q4_K's; w = d sc q - dmin mn. Q6_K: d = fp32 [N/16, K/256, 16], m = int8 sc [N/16, K/16, 16];
+# w = d sc (q - 32)
+Q8_1, Q8_0_16, Q8_1_16, Q4_K, Q5_K, Q6_K = 200, 201, 202, 203, 204, 205
+KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_1: "Q8_1", Q8_0_16: "Q8_0/16", Q8_1_16: "Q8_1/16", Q4_K: "Q4_K",
+              Q5_K: "Q5_K", Q6_K: "Q6_K"}
 Q8B_BLOCK = {Q8_1: 32, Q8_0_16: 16, Q8_1_16: 16}     # weights per d (and m) along K
 
 
@@ -126,12 +131,18 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 def unpack(packed: PackedWeight) -> torch.Tensor:
     """The fp32 weight [N, K] back (tests and checks)."""
     n, k = packed.out_features, packed.in_features
-    if packed.kind == Q4_K:
+    if packed.kind in (Q4_K, Q5_K):
         d, dmin = (t.permute(0, 2, 1).reshape(n, k // 256, 1).repeat_interleave(8, 1) for t in packed.d)
         sc, mn = (t.permute(0, 2, 1).reshape(n, k // QK, 1).float() for t in packed.m)
-        qs = packed.qs.permute(0, 2, 1).reshape(n, k // 2)
-        q = torch.stack([qs & 15, qs >> 4], dim=-1).reshape(n, k // QK, QK).float()
+        q = _nibble_plane(packed).reshape(n, k // QK, QK).float()
+        if packed.kind == Q5_K:
+            q = q + 16 * _high_plane(packed, 1).reshape(n, k // QK, QK).float()
         return (d * sc * q - dmin * mn).reshape(n, k)
+    if packed.kind == Q6_K:
+        d = packed.d.permute(0, 2, 1).reshape(n, k // 256, 1).repeat_interleave(16, 1)
+        sc = packed.m.permute(0, 2, 1).reshape(n, k // 16, 1).float()
+        q = (_nibble_plane(packed) | (_high_plane(packed, 2) << 4)).reshape(n, k // 16, 16).float() - 32
+        return (d * sc * q).reshape(n, k)
     if packed.kind in Q8B_BLOCK:
         bs = Q8B_BLOCK[packed.kind]
         q = packed.qs.permute(0, 2, 1).reshape(n, k // bs, bs).float()
@@ -147,3 +158,19 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
         return (d * q + m).reshape(n, k)
     q = packed.qs.permute(0, 2, 1).reshape(n, k // QK, QK).float()
     return (d * q).reshape(n, k)
+
+
+def _nibble_plane(packed: PackedWeight) -> torch.Tensor:
+    """Q5_K / Q6_K: the low four bits of every weight, [N, K] uint8"""
+    n, k = packed.out_features, packed.in_features
+    qs = packed.qs[:n * k // 2].view(n // GROUP, k // 2, GROUP).permute(0, 2, 1).reshape(n, k // 2)
+    return torch.stack([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+
+
+def _high_plane(packed: PackedWeight, bits: int) -> torch.Tensor:
+    """Q5_K (bits 1) / Q6_K (bits 2): the bits above the nibble of every weight, [N, K] uint8"""
+    n, k = packed.out_features, packed.in_features
+    per = 8 // bits
+    hb = packed.qs[n * k // 2:].view(n // GROUP, k // per, GROUP).permute(0, 2, 1).reshape(n, k // per, 1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((hb >> shifts) & ((1 << bits) - 1)).reshape(n, k)

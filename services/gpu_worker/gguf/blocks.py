@@ -31,7 +31,8 @@ class Decoded:
     d: np.ndarray               # fp32 [rows, k / block]
     m: np.ndarray | None        # fp32 [rows, k / block], or None (w = d * q)
     block: int                  # weights per scale: 32, or 16 (Q6_K)
-    k4: tuple | None = None     # Q4_K's own scales: (sc, mn uint8 [rows, k/32], d, dmin fp32 [rows, k/256])
+    k4: tuple | None = None     # Q4_K / Q5_K's own scales: (sc, mn uint8 [rows, k/32], d, dmin fp32 [rows, k/256])
+    k6: tuple | None = None     # Q6_K's own scales: (sc int8 [rows, k/16], d fp32 [rows, k/256])
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -96,13 +97,14 @@ def decode(raw: np.ndarray, qtype: T, k: int) -> Decoded:
         q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)
         dd = (d * scales.view(np.int8).astype(np.float32)).reshape(-1)
         mm = None
+        k6 = (scales.view(np.int8).reshape(rows, -1), d.reshape(rows, -1))
     else:
         raise ValueError(f"GGUF type {qtype.name} is not read at its block width")
     block = 16 if qtype == T.Q6_K else 32
     q = np.ascontiguousarray(q).reshape(rows, k)
     return Decoded(q, np.asarray(dd, np.float32).reshape(rows, k // block),
                    None if mm is None else np.asarray(mm, np.float32).reshape(rows, k // block), block,
-                   k4 if qtype == T.Q4_K else None)
+                   k4 if qtype in (T.Q4_K, T.Q5_K) else None, k6 if qtype == T.Q6_K else None)
 
 
 def dequantize(decoded: Decoded) -> np.ndarray:
@@ -125,4 +127,5 @@ def decode_rows(raw: np.ndarray, qtype: T, k: int, rows_per_chunk: int = 1024) -
     def cat(get):
         return None if get(chunks[0]) is None else np.concatenate([get(c) for c in chunks], axis=0)
     k4 = None if chunks[0].k4 is None else tuple(cat(lambda c, i=i: c.k4[i]) for i in range(4))
-    return Decoded(cat(lambda c: c.q), cat(lambda c: c.d), cat(lambda c: c.m), chunks[0].block, k4)
+    k6 = None if chunks[0].k6 is None else tuple(cat(lambda c, i=i: c.k6[i]) for i in range(2))
+    return Decoded(cat(lambda c: c.q), cat(lambda c: c.d), cat(lambda c: c.m), chunks[0].block, k4, k6)

@@ -84,10 +84,17 @@ def _shape(tensor) -> tuple[int, ...]:
     return tuple(int(x) for x in reversed(tensor.shape.tolist()))
 
 
-def _fp32(tensor, data: np.ndarray) -> torch.Tensor:
-    """gguf-py's dequantize (the oracle's own) of one tensor's rows, shaped as stored."""
-    return torch.from_numpy(np.array(gguf_quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
-                            ).reshape(_shape(tensor))      # a copy: F32 data is a view of the read-only map
+# architectures whose norm weights llama.cpp stores as 1 + w (transformers' Gemma2TensorProcessor subtracts 1)
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+
+
+def _fp32(tensor, data: np.ndarray, arch: str) -> torch.Tensor:
+    """gguf-py's dequantize (the oracle's own) of one tensor's rows, shaped as stored; Gemma's norms less 1 in
+    fp32, as transformers' reader computes them."""
+    w = np.array(gguf_quants.dequantize(data, tensor.tensor_type), dtype=np.float32)   # a copy: F32 data is a
+    if arch in _NORM_PLUS_ONE and "norm.weight" in tensor.name:                        # view of the read-only map
+        w = w - np.float32(1)
+    return torch.from_numpy(w).reshape(_shape(tensor))
 
 
 def hf_name_map(folder: pathlib.Path) -> dict[str, str]:
@@ -228,7 +235,7 @@ def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_l
 
 
 def _copy_fp32(param, part: _Part, arch: str, cfg, sharder, stats: LoadStats) -> None:
-    tensor = _fp32(part.tensor, _rows(part.tensor, arch, cfg))
+    tensor = _fp32(part.tensor, _rows(part.tensor, arch, cfg), arch)
     if sharder is not None:
         tensor = sharder.shard(part.hf_name, tensor)
     dest = param.data if part.expert is None else param.data[part.expert]

@@ -1,0 +1,139 @@
+"""The same GGUF file decoded by steploop (read at its own width, in-process ModelRunner) and by llama.cpp
+(llama-cpp-python, its own multi-sequence batching), alternating engine by engine in one run:
+    python -m benchmarks.gguf_vs_llamacpp [--layers 16] [--streams 1 16] [--rounds 2] [--file F.gguf]
+        [--llama-python .venv-llamacpp/bin/python]
+
+Default file: benchmarks/gguf_memory.py's Llama-3.2-1B-shaped Q4_K_M-like file (Q4_K, Q6_K for attn_v, ffn_down
+and the output; random valid blocks). Each measurement runs in a fresh process (so its resident size is its own):
+greedy, EOS masked, random prompt ids, a closed loop of `streams` concurrent requests, the same threads for both.
+Reports output tok/s, the resident size after loading and the peak (ru_maxrss), and steploop / llama.cpp ratios
+(the best round of each). llama-cpp-python may live in its own venv (--llama-python); steploop runs in this one.
+Writes benchmarks/results/gguf_vs_llamacpp.json with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "gguf_vs_llamacpp.json"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def prompts(streams: int, prompt_len: int, new_tokens: int) -> list[tuple[list[int], int]]:
+    import random
+    rng = random.Random(0)
+    requests = 2 * streams if streams > 1 else 2
+    return [([rng.randrange(100, 40000) for _ in range(prompt_len)], new_tokens) for _ in range(requests)]
+
+
+def run_steploop(path: str, streams: int, threads: int, prompt_len: int, new_tokens: int) -> dict:
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+    torch.set_num_threads(threads)
+    from benchmarks.inprocess import InProcessEngine
+    from steploop.gpu_worker.gguf_convert import convert_gguf
+    folder = convert_gguf(path)
+    before = rss_mib()
+    per_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256             # as llama_cpp_baseline sizes a slot
+    engine = InProcessEngine(folder, num_kv_blocks=streams * per_seq // 16 + 2, num_threads=threads,
+                             max_model_len=per_seq)
+    loaded = rss_mib()
+    engine.run(prompts(1, prompt_len, 4))                       # warm-up, not timed
+    metrics, _ = engine.run(prompts(streams, prompt_len, new_tokens), max_concurrency=streams)
+    return {"output_throughput": metrics["output_throughput"], "rss_before_load_mib": before,
+            "rss_after_load_mib": loaded}
+
+
+def run_llama_cpp(path: str, streams: int, threads: int, prompt_len: int, new_tokens: int) -> dict:
+    from benchmarks.llama_cpp_baseline import batched
+    before = rss_mib()
+    out = batched(prompts(streams, prompt_len, new_tokens), n_parallel=streams, threads=threads, gguf_path=path)
+    return {"output_throughput": out["output_throughput"], "rss_before_load_mib": before}
+
+
+def child(args) -> int:
+    run = run_steploop if args.engine == "steploop" else run_llama_cpp
+    result = run(str(args.file), args.streams[0], args.threads, args.prompt_len, args.tokens)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def measure(engine: str, python: str, args, streams: int) -> dict:
+    cmd = [python, "-m", "benchmarks.gguf_vs_llamacpp", "--engine", engine, "--file", str(args.file), "--streams",
+           str(streams), "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--tokens",
+           str(args.tokens)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"{engine} at {streams} streams failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--file", type=pathlib.Path, default=None)
+    parser.add_argument("--layers", type=int, default=16, help="layers of the written file (no --file)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/gguf-vs-llamacpp"))
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--llama-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
+    parser.add_argument("--engine", choices=["steploop", "llama.cpp"], help=argparse.SUPPRESS)    # a child run
+    args = parser.parse_args(argv)
+    if args.engine:
+        return child(args)
+    if args.file is None:
+        from benchmarks.gguf_memory import write_file
+        from steploop.common.model_path import default_model_dir
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.file = args.out / f"llama-1b-shaped-{args.layers}l-q4_k_m.gguf"
+        if not args.file.is_file():
+            write_file(args.file, args.layers, default_model_dir())
+    from benchmarks.machine import machine_info
+    machine = machine_info()
+    engines = {"steploop": sys.executable, "llama.cpp": args.llama_python}
+    best: dict[tuple[str, int], dict] = {}
+    for _ in range(args.rounds):
+        for streams in args.streams:
+            for engine, python in engines.items():            # alternate engines within each round
+                r = measure(engine, python, args, streams)
+                print(f"{engine:9s} {streams:3d} streams: {r['output_throughput']:7.1f} out tok/s, peak RSS "
+                      f"{r['peak_rss_mib']:.0f} MiB", flush=True)
+                key = (engine, streams)
+                if key not in best or r["output_throughput"] > best[key]["output_throughput"]:
+                    best[key] = r
+    results = []
+    for streams in args.streams:
+        ours, theirs = best[("steploop", streams)], best[("llama.cpp", streams)]
+        results.append({"streams": streams, "steploop": ours, "llama_cpp": theirs,
+                        "throughput_ratio": ours["output_throughput"] / theirs["output_throughput"],
+                        "peak_rss_ratio": ours["peak_rss_mib"] / theirs["peak_rss_mib"]})
+        print(f"{streams:3d} streams: steploop / llama.cpp = {results[-1]['throughput_ratio']:.2f}x tok/s, "
+              f"{results[-1]['peak_rss_ratio']:.2f}x peak RSS")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"machine": machine, "file": args.file.name,
+                                   "file_mib": round(args.file.stat().st_size / 2**20, 1), "threads": args.threads,
+                                   "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
+                                   "results": results, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
