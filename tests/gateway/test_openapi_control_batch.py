@@ -41,12 +41,19 @@ async def _spec(url: str) -> dict:
         return await resp.json()
 
 
-async def test_the_document_lists_the_routes_this_gateway_serves(full_gateway, gateway):
+async def test_the_document_lists_the_routes_this_gateway_serves(full_gateway, fake_engine, tokenizer, tmp_path):
     spec = await _spec(full_gateway.url)
     assert CONTROL | BATCH <= set(spec["paths"])
     assert spec["paths"]["/pause"]["post"]["security"] == [{"admin": []}]
     assert "admin" in spec["components"]["securitySchemes"]
-    plain = await _spec(gateway.url)                 # no --admin-api-key, and no Batch API runner started
+    # No --admin-api-key, and its batch folder is the one full_gateway holds: this gateway serves neither
+    plain_config = GatewayConfig(port=0, served_model_name=SERVED_NAME, batch_dir=str(tmp_path / "batches"))
+    server, address, _ = await start_fake_engine(fake_engine)
+    try:
+        async with serving_app(EngineClient(address), tokenizer, plain_config) as (url, _):
+            plain = await _spec(url)
+    finally:
+        await server.stop(None)
     assert not (CONTROL | BATCH) & set(plain["paths"])
 
 
