@@ -156,17 +156,11 @@ class EngineLoop:
 
     def admit_handed_off(self, request: Request) -> None:
         """A disaggregated request's prompt is done on the prefill group (or fell back): it joins the queue."""
-        if self.scheduler is None:
-            self._pending.append(request)
-            return
-        try:
-            self._admit(request)
-        except InvalidRequestError as exc:
-            self.observer.on_abort(request.request_id, "rejected", "error")
-            self._fail(request.request_id, exc)
+        self.admit_held(request)
 
     def admit_held(self, request: Request) -> None:
-        """A request held while paused joins the queue (resume); one that cannot run ends with its error."""
+        """A request held (while paused, or on the prefill group) joins the queue; one that cannot run ends with
+        its error."""
         if self.scheduler is None:
             self._pending.append(request)
             return

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -103,14 +102,6 @@ class ImagePrompts:
 
 
 def _image_processor(folder: pathlib.Path) -> Any:
-    saved = {k: os.environ.get(k) for k in ("USE_TORCH", "USE_TF", "USE_FLAX")}
-    os.environ.update({"USE_TORCH": "0", "USE_TF": "0", "USE_FLAX": "0"})
-    try:
-        from transformers import AutoImageProcessor  # lazy: see the module docstring
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return AutoImageProcessor.from_pretrained(str(folder), local_files_only=True, use_fast=False)
+    from steploop.gateway.text.tokenizer import import_without_torch   # lazy: see the module docstring
+    return import_without_torch("AutoImageProcessor").from_pretrained(str(folder), local_files_only=True,
+                                                                      use_fast=False)

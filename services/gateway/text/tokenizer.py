@@ -21,18 +21,24 @@ from typing import Any
 _NO_FRAMEWORKS = {"USE_TORCH": "0", "USE_TF": "0", "USE_FLAX": "0", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
-def _import_auto_tokenizer() -> Any:
+def import_without_torch(name: str) -> Any:
+    """transformers' `name` (AutoTokenizer, AutoImageProcessor), imported with every framework switched off, so the
+    gateway process never loads torch."""
     saved = {key: os.environ.get(key) for key in _NO_FRAMEWORKS}
     os.environ.update(_NO_FRAMEWORKS)
     try:
-        from transformers import AutoTokenizer  # noqa: PLC0415 - deliberately lazy, see the module docstring
+        import transformers  # noqa: PLC0415 - deliberately lazy, see the module docstring
+        return getattr(transformers, name)
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return AutoTokenizer
+
+
+def _import_auto_tokenizer() -> Any:
+    return import_without_torch("AutoTokenizer")
 
 
 class Tokenizer:
