@@ -144,6 +144,10 @@ def flag_variables() -> dict[str, set[str]]:
                       if flag.startswith("--")} for command, parser in parsers().items()}
 
 
+# the images' healthcheck reads the server name (deploy/docker/healthcheck.py); the cache folder (README)
+NON_FLAG_VARIABLES = {"STEPLOOP_TLS_SERVER_NAME", "STEPLOOP_CACHE_DIR"}
+
+
 def test_every_variable_names_a_flag(certs):
     """Each STEPLOOP_* setting the overrides give a scheduler, worker or gateway is one its command reads (a
     misspelt name would be ignored silently); the rest of the STEPLOOP_* names are compose's own substitutions."""
@@ -154,5 +158,5 @@ def test_every_variable_names_a_flag(certs):
                 command = "gateway" if name == "gateway" else "scheduler" if name.startswith("scheduler") else \
                     "worker" if name != "model" else None
                 for variable in svc.get("environment") or {}:
-                    if command and variable.startswith("STEPLOOP_"):
+                    if command and variable.startswith("STEPLOOP_") and variable not in NON_FLAG_VARIABLES:
                         assert variable in known[command], (files, name, variable)
