@@ -29,7 +29,11 @@ sign() {   # name, CN, extended key usage, subjectAltName
 }
 
 sans="DNS:localhost,IP:127.0.0.1,DNS:scheduler,DNS:scheduler-2,DNS:engine,DNS:engine-headless"
-for d in "$ns.svc" "$ns.svc.cluster.local"; do sans="$sans,DNS:engine.$d,DNS:engine-headless.$d,DNS:*.engine-headless.$d"; done
+# *.engine.NS...: a LeaderWorkerSet's leader pods (overlays/tp, pd), which its other pods dial at $LWS_LEADER_ADDRESS
+sans="$sans,DNS:*.engine.$ns"
+for d in "$ns.svc" "$ns.svc.cluster.local"; do
+  sans="$sans,DNS:engine.$d,DNS:engine-headless.$d,DNS:*.engine-headless.$d,DNS:*.engine.$d"
+done
 for extra in "$@"; do sans="$sans,DNS:$extra"; done
 sign scheduler steploop-scheduler serverAuth,clientAuth "$sans"
 sign gateway steploop-gateway clientAuth ""

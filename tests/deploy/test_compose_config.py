@@ -57,7 +57,7 @@ def host_form(name: str) -> list[str]:
 
 
 def test_every_file_is_covered():
-    assert {"replicas.yml", "tp.yml"} <= set(OVERRIDES), OVERRIDES
+    assert {"pd.yml", "replicas.yml", "tp.yml"} <= set(OVERRIDES), OVERRIDES
     for path in COMPOSE.glob("*-host-network.yml"):
         assert path.name.replace("-host-network", "") in OVERRIDES, f"{path.name} forms no override's host form"
 
@@ -83,7 +83,7 @@ def test_host_networking_covers_every_service(certs, files, profiles):
         env = svc.get("environment") or {}
         for address in filter(None, env.get("STEPLOOP_SCHEDULER_ADDRESS", "").split(",")):
             assert address.startswith("127.0.0.1:"), (files, name, address)
-        for key in ("STEPLOOP_HOST", "STEPLOOP_SCHEDULER_HOST", "STEPLOOP_TP_HOST"):
+        for key in ("STEPLOOP_HOST", "STEPLOOP_SCHEDULER_HOST", "STEPLOOP_TP_HOST", "STEPLOOP_KV_TRANSFER_HOST"):
             assert env.get(key, "127.0.0.1") == "127.0.0.1", (files, name, key, env[key])
         if "STEPLOOP_SCHEDULER_PORT" in env:
             ports.append(env["STEPLOOP_SCHEDULER_PORT"])
@@ -112,3 +112,51 @@ def test_long_running_services_restart_after_a_crash(certs):
     which no policy overrides (deploy/compose/README.md)."""
     for name, svc in config(certs, host_form("replicas.yml"))["services"].items():
         assert svc["restart"] == ("no" if name == "model" else "unless-stopped"), name
+
+
+@pytest.mark.parametrize("host_network", [False, True], ids=["bridge", "host-network"])
+@pytest.mark.parametrize("profiles", ["cpu", "gpu"])
+def test_pd_runs_one_decode_and_one_prefill_worker(certs, profiles, host_network):
+    """pd.yml: the profile's worker decodes (a host KV tier for the blocks it receives, its receiver on an address
+    the prefill worker can reach), one prefill worker dials the same scheduler, the scheduler is told the rule."""
+    files = host_form("pd.yml") if host_network else ["pd.yml"]
+    services = config(certs, files, profiles)["services"]
+    roles = {name: svc["environment"].get("STEPLOOP_KV_ROLE") for name, svc in services.items()
+             if "STEPLOOP_KV_ROLE" in (svc.get("environment") or {})}
+    decode_name = "worker" if profiles == "cpu" else "worker-gpu"
+    assert roles == {decode_name: "decode", "prefill" if profiles == "cpu" else "prefill-gpu": "prefill"}, roles
+    decode = services[decode_name]["environment"]
+    assert float(decode["STEPLOOP_KV_OFFLOADING_SIZE"]) > 0 and int(decode["STEPLOOP_KV_TRANSFER_PORT"]) > 0
+    assert decode["STEPLOOP_KV_TRANSFER_HOST"] == ("127.0.0.1" if host_network else decode_name)
+    prefill = next(services[n]["environment"] for n, role in roles.items() if role == "prefill")
+    assert prefill["STEPLOOP_SCHEDULER_ADDRESS"] == decode["STEPLOOP_SCHEDULER_ADDRESS"]
+    assert int(services["scheduler"]["environment"]["STEPLOOP_DISAGG_MIN_PROMPT_TOKENS"]) >= 0
+    if profiles == "gpu":   # two GPUs: the prefill worker does not share the decode worker's
+        (device,) = services["prefill-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == ["1"] and "count" not in device
+
+
+def flag_variables() -> dict[str, set[str]]:
+    """command -> the STEPLOOP_* variable of every flag its parser takes (STEPLOOP_ + the long flag's name)."""
+    from scripts.readme_flags import options, parsers
+    from services.common.envs import env_name
+    return {command: {env_name(flag) for action in options(parser) for flag in action.option_strings
+                      if flag.startswith("--")} for command, parser in parsers().items()}
+
+
+# the images' healthcheck reads the server name (deploy/docker/healthcheck.py); the cache folder (README)
+NON_FLAG_VARIABLES = {"STEPLOOP_TLS_SERVER_NAME", "STEPLOOP_CACHE_DIR"}
+
+
+def test_every_variable_names_a_flag(certs):
+    """Each STEPLOOP_* setting the overrides give a scheduler, worker or gateway is one its command reads (a
+    misspelt name would be ignored silently); the rest of the STEPLOOP_* names are compose's own substitutions."""
+    known = flag_variables()
+    for files in [[]] + [host_form(name) for name in OVERRIDES]:
+        for profiles in ("cpu", "gpu"):
+            for name, svc in config(certs, files, profiles)["services"].items():
+                command = "gateway" if name == "gateway" else "scheduler" if name.startswith("scheduler") else \
+                    "worker" if name != "model" else None
+                for variable in svc.get("environment") or {}:
+                    if command and variable.startswith("STEPLOOP_") and variable not in NON_FLAG_VARIABLES:
+                        assert variable in known[command], (files, name, variable)

@@ -302,3 +302,79 @@ def test_the_gateway_stays_ready_without_an_engine(rendered):
         if name == "gateway":
             (gateway,) = spec["containers"]
             assert gateway["readinessProbe"]["httpGet"]["path"] == "/version", folder
+
+
+def lws_of(rendered, folder: str) -> dict:
+    (lws,) = [d for d in rendered[folder] if d["kind"] == "LeaderWorkerSet"]
+    assert not [d for d in rendered[folder] if d["kind"] == "StatefulSet"], folder
+    return lws["spec"]["leaderWorkerTemplate"]
+
+
+def group_containers(group: dict) -> list[tuple[str, dict]]:
+    return [(which, c) for which in ("leaderTemplate", "workerTemplate") for c in group[which]["spec"]["containers"]]
+
+
+@pytest.mark.parametrize("folder, tp, pp, expert", [("overlays/tp", 3, 1, False), ("overlays/tp-pp", 3, 2, False),
+                                                    ("overlays/ep", 2, 1, True)])
+def test_parallel_groups_agree_on_their_shape(rendered, folder, tp, pp, expert):
+    """A group is -tp x -pp pods; the scheduler and every rank are told the same sizes (the scheduler refuses a
+    rank that differs), and expert parallelism is on for every rank or none."""
+    group = lws_of(rendered, folder)
+    assert group["size"] == tp * pp, folder
+    for which, c in group_containers(group):
+        env = env_of(c)
+        assert env["STEPLOOP_TENSOR_PARALLEL_SIZE"] == str(tp), (folder, which, c["name"])
+        assert env.get("STEPLOOP_PIPELINE_PARALLEL_SIZE", "1") == str(pp), (folder, which, c["name"])
+        if c["name"] == "worker":
+            assert env.get("STEPLOOP_ENABLE_EXPERT_PARALLEL", "false") == str(expert).lower(), (folder, which)
+
+
+def test_the_pd_overlay_pairs_a_prefill_pod_with_each_scheduler(rendered):
+    """overlays/pd: each group is the scheduler + a decode worker (loopback, with a host KV tier) and one prefill
+    pod dialling its own leader; the decode worker's receiver is on its pod IP at a named port that only the
+    group's pods may reach; the pod templates validate as Kubernetes PodTemplateSpecs."""
+    group = lws_of(rendered, "overlays/pd")
+    assert group["size"] == 2
+    for which in ("leaderTemplate", "workerTemplate"):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": which},
+                                      "template": group[which]}, KUBERNETES_VERSION, strict=True)
+    leader = {c["name"]: c for c in group["leaderTemplate"]["spec"]["containers"]}
+    decode = {e["name"]: e for e in leader["worker"]["env"]}
+    assert decode["STEPLOOP_KV_ROLE"]["value"] == "decode" and decode["STEPLOOP_SCHEDULER_ADDRESS"]["value"] == \
+        "127.0.0.1:50051"
+    assert float(decode["STEPLOOP_KV_OFFLOADING_SIZE"]["value"]) > 0
+    assert decode["STEPLOOP_KV_TRANSFER_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    port = int(decode["STEPLOOP_KV_TRANSFER_PORT"]["value"])
+    assert {"name": "kv-transfer", "containerPort": port} in leader["worker"]["ports"]
+    assert "STEPLOOP_DISAGG_MIN_PROMPT_TOKENS" in env_of(leader["scheduler"])
+    (prefill,) = group["workerTemplate"]["spec"]["containers"]
+    assert env_of(prefill)["STEPLOOP_KV_ROLE"] == "prefill"
+    assert env_of(prefill)["STEPLOOP_SCHEDULER_ADDRESS"] == "$(LWS_LEADER_ADDRESS):50051"
+    assert group["workerTemplate"]["metadata"]["labels"]["app.kubernetes.io/component"] != "engine"  # not served
+    for _, c in group_containers(group):
+        assert not {"STEPLOOP_TENSOR_PARALLEL_SIZE", "STEPLOOP_RANK"} & set(env_of(c)), c["name"]
+    policy = next(d for d in rendered["overlays/pd"] if d["metadata"]["name"] == "engine-pd-group")
+    peers = [{"podSelector": {"matchLabels": {"leaderworkerset.sigs.k8s.io/name": "engine"}}}]
+    (ingress,) = policy["spec"]["ingress"]
+    assert ingress["from"] == peers and {"protocol": "TCP", "port": port} in ingress["ports"]
+    assert policy["spec"]["egress"][0]["to"] == peers
+
+
+# STEPLOOP_* variables that are not flags: the images' healthcheck's server name (deploy/docker/healthcheck.py)
+# and the cache folder (README "Quick start")
+IMAGE_VARIABLES = {"STEPLOOP_TLS_SERVER_NAME", "STEPLOOP_CACHE_DIR"}
+
+
+def test_every_variable_names_a_flag(rendered):
+    """Every STEPLOOP_* variable a scheduler, worker or gateway container is given is a flag its command reads
+    (STEPLOOP_ + the long flag's name): a misspelt one would be ignored without a word."""
+    from scripts.readme_flags import options, parsers
+    from services.common.envs import env_name
+    known = {command: {env_name(flag) for a in options(p) for flag in a.option_strings if flag.startswith("--")}
+             for command, p in parsers().items()}
+    for folder, name, spec in pod_specs(rendered):
+        for c in spec["containers"]:
+            command = {"scheduler": "scheduler", "worker": "worker", "gateway": "gateway"}.get(c["name"])
+            for variable in env_of(c) if command else ():
+                if variable.startswith("STEPLOOP_") and variable not in IMAGE_VARIABLES:
+                    assert variable in known[command], (folder, name, c["name"], variable)
