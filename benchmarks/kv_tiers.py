@@ -4,8 +4,10 @@
 
 1. multi-turn chat, working set ~4x the pool: mean TTFT of the returning turns (their prefix left the pool), and
    tokens per second over the whole chat;
-2. preemption-heavy: requests that together need ~3x a small pool, all at once: total time and p99 TTFT (swap =
-   preempted blocks kept in host memory and restored, vs recompute);
+2. preemption-heavy: a pool of ~1.5 full sequences (4 requests of 0.45 pool prompt + 0.2 pool output, all at once):
+   total time and p99 TTFT, swap (tiers on: preempted blocks demoted to host and restored) vs recompute (tiers off,
+   prefix caching on: the engine's default, which keeps a preempted request's blocks that the pool did not reuse)
+   vs amnesia (prefix caching off too: the whole context recomputed), with where the time went;
 3. no hits at all (unique prompts through a small pool, every eviction still stored below): throughput ratio;
 4. disk after a restart: a long prompt's TTFT cold vs restored from the disk files a previous worker left.
 
@@ -45,10 +47,11 @@ def build_runner(model_dir, num_blocks: int, host_gib: float, disk: str):
     return ModelRunner.from_config(config, model_dir)
 
 
-def scheduler(runner, tiers: bool, max_num_seqs: int = 8):
-    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_num_seqs, enable_prefix_caching=True)
+def scheduler(runner, tiers: bool, max_num_seqs: int = 8, prefix_caching: bool = True):
+    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_num_seqs,
+                             enable_prefix_caching=prefix_caching)
     info = runner.info
-    kv = KVCacheManager(info.num_kv_blocks, BLOCK, True)
+    kv = KVCacheManager(info.num_kv_blocks, BLOCK, prefix_caching)
     sched = make_scheduler(config, kv, info.max_model_len, list(info.eos_token_ids))
     if tiers:
         m = runner.tiers
@@ -102,15 +105,44 @@ def multi_turn(runner, tiers: bool, convs: int, first: int, added: int, turns: i
             "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if tiers else 0}
 
 
-def preemption_heavy(runner, tiers: bool, n: int, prompt: int, output: int) -> dict:
+def preemption_heavy(runner, mode: str, n: int, prompt: int, output: int) -> dict:
+    """mode: "on" (swap), "off" (tiers off, prefix caching on), "amnesia" (prefix caching off). Besides the totals:
+    prompt tokens computed again after a preemption, and the seconds of decode-only steps vs steps with prompt work."""
     rng = random.Random(2)
-    sched = scheduler(runner, tiers, max_num_seqs=n)
+    sched = scheduler(runner, mode == "on", max_num_seqs=n, prefix_caching=mode != "amnesia")
     reqs = [Request(f"p{i}", rand_tokens(rng, prompt), sampling=greedy(output)) for i in range(n)]
-    ttft, wall, tokens = drive(runner, sched, reqs)
+    start = time.perf_counter()
+    for r in reqs:
+        sched.add_request(r)
+    ttft: dict[str, float] = {}
+    reached = {r.request_id: 0 for r in reqs}        # the furthest each request's KV ever got
+    tokens = recomputed = decode_steps = 0
+    decode_s = prompt_s = 0.0
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        for handle, k in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+            r = sched.handles.by_handle[handle]
+            recomputed += max(0, min(reached[r.request_id], r.num_computed_tokens) - (r.num_computed_tokens - k))
+            reached[r.request_id] = max(reached[r.request_id], r.num_computed_tokens)
+        t = time.perf_counter()
+        result = runner.execute(plan)
+        seconds = time.perf_counter() - t
+        assert not result.error, result.error
+        if max(plan.num_scheduled_tokens, default=0) > 1:
+            prompt_s += seconds
+        else:
+            decode_s, decode_steps = decode_s + seconds, decode_steps + 1
+        tokens += plan.total_num_scheduled_tokens
+        now = time.perf_counter()
+        for out in sched.update_from_output(plan, result):
+            if out.new_token_ids and out.request_id not in ttft:
+                ttft[out.request_id] = now - start
+    wall = time.perf_counter() - start
     ts = sorted(ttft.values())
     return {"total_s": wall, "p99_ttft_s": ts[min(len(ts) - 1, int(0.99 * len(ts)))], "computed_tokens": tokens,
-            "preemptions": sched.num_preemptions,
-            "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if tiers else 0}
+            "recomputed_tokens": recomputed, "preemptions": sched.num_preemptions,
+            "decode_only_steps": decode_steps, "decode_only_s": decode_s, "prompt_steps_s": prompt_s,
+            "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if mode == "on" else 0}
 
 
 def no_hits(runner, tiers: bool, n: int, prompt: int, output: int) -> dict:
@@ -147,11 +179,13 @@ def progress(name: str, result: dict) -> None:
     print(name, json.dumps(result), flush=True)
 
 
-def alternate(fn, rounds: int) -> dict:
-    runs = {"off": [], "on": []}
+def alternate(fn, rounds: int, modes: tuple[str, ...] = ("off", "on"), flag: bool = True) -> dict:
+    """Run fn per mode, the order reversed every other round (ABBA); fn gets mode == "on", or the mode itself
+    when flag is False."""
+    runs = {mode: [] for mode in modes}
     for r in range(rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            runs[mode].append(fn(mode == "on"))
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            runs[mode].append(fn(mode == "on" if flag else mode))
     return {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
 
 
@@ -177,8 +211,10 @@ def main() -> None:
         first, added = int(pool * 0.68), pool // 8
         scenarios = {
             "multi_turn": lambda: alternate(lambda on: multi_turn(runner, on, 5, first, added, 3), args.rounds),
-            "preemption": lambda: alternate(lambda on: preemption_heavy(runner, on, 6, pool // 4, pool // 12),
-                                            args.rounds),
+            # A sequence is 0.65 pool: the pool holds ~1.5 of them, so two run and one is preempted as they grow.
+            "preemption": lambda: alternate(lambda mode: preemption_heavy(runner, mode, 4, int(pool * 0.45),
+                                                                          int(pool * 0.2)),
+                                            args.rounds, ("amnesia", "off", "on"), flag=False),
             "no_hits": lambda: alternate(lambda on: no_hits(runner, on, 12, pool // 3, 16), args.rounds),
             "disk_restart": lambda: disk_restart(runner, int(pool * 0.78))}
         for name in args.only.split(","):
@@ -189,7 +225,10 @@ def main() -> None:
         ratios["returning_ttft_off_over_on"] = (out["multi_turn"]["off"]["mean_returning_ttft_s"]
                                                 / out["multi_turn"]["on"]["mean_returning_ttft_s"])
     if "preemption" in out:
-        ratios["preemption_total_off_over_on"] = out["preemption"]["off"]["total_s"] / out["preemption"]["on"]["total_s"]
+        pre = out["preemption"]
+        ratios["preemption_total_off_over_on"] = pre["off"]["total_s"] / pre["on"]["total_s"]
+        ratios["preemption_p99_ttft_off_over_on"] = pre["off"]["p99_ttft_s"] / pre["on"]["p99_ttft_s"]
+        ratios["preemption_total_amnesia_over_on"] = pre["amnesia"]["total_s"] / pre["on"]["total_s"]
     if "no_hits" in out:
         ratios["no_hits_throughput_on_over_off"] = out["no_hits"]["on"]["tok_s"] / out["no_hits"]["off"]["tok_s"]
     if "disk_restart" in out:

@@ -200,3 +200,26 @@ def test_kv_events_carry_the_medium_and_the_router_counts_any_tier():
     a_keys = block_hashes(A, BS, None, hash_block)
     assert not set(a_keys) & index.keys, "a's blocks left the pool"
     assert index.matched_tokens(A, "", {}) == 16, "but they are on disk: a hit for the router"
+
+
+def _resumes(sched, worker) -> tuple[list[tuple[int, int]], int]:
+    """Two requests that outgrow a pool of ~1.5 sequences: (num_computed_tokens, num_tokens) of each resume of a
+    preempted request, and the prompt-chunk tokens the run computed again."""
+    a, b = req("a", A[:12], max_tokens=12), req("b", B[:12], max_tokens=12)
+    run = serve(sched, worker, a, b)
+    resumes = [(new.num_computed_tokens, len(new.prompt_token_ids) + len(new.output_token_ids))
+               for p in run.plans for new in p.new_requests if new.output_token_ids]
+    return resumes, sum(p.total_num_scheduled_tokens for p in run.plans)
+
+
+def test_preemption_swaps_every_full_block_and_recomputes_only_the_partial_one():
+    # 9 blocks of 4 (8 usable): a and b (24 tokens = 6 blocks each) cannot both finish, so one is preempted and
+    # the other's growth reuses its tail blocks. With tiers those are demoted and restored on resume: everything
+    # up to the last full block comes back; without, the reused blocks are computed again.
+    swapped, computed_on = _resumes(*setup(host=16, num_blocks=9))
+    amnesic, computed_off = _resumes(*setup(host=0, num_blocks=9))
+    assert swapped and amnesic, "the load must preempt"
+    for num_computed, num_tokens in swapped:
+        assert num_computed == (num_tokens - 1) // BS * BS, swapped
+    assert any(num_computed < (num_tokens - 1) // BS * BS for num_computed, num_tokens in amnesic), amnesic
+    assert computed_on < computed_off
