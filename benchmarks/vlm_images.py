@@ -20,6 +20,8 @@ import statistics
 import tempfile
 import time
 
+import torch
+
 from benchmarks.machine import git_commit, machine_info
 from steploop.common.sampling_params import SamplingParams
 from steploop.scheduler.async_scheduler import make_scheduler
@@ -148,8 +150,11 @@ def main() -> None:
     ap.add_argument("--image-px", type=int, default=336, help="square images: (px/28)^2 placeholder tokens")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-decode-slowdown", type=float, default=2.0, help="prefill pacing (0 = off)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a shared few-core machine more threads make timings bimodal)")
     ap.add_argument("--out", default="benchmarks/results/vlm_images.json")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     info = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
         runner = build_runner(build_qwen2_5_vl(pathlib.Path(tmp)))
