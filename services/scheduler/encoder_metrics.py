@@ -29,8 +29,8 @@ def encoder_families(load: EngineLoad, labels: list[str]) -> Iterator:
              GaugeMetricFamily),
             ("steploop:encoder_cache_tokens", "Embeddings (image placeholder tokens) the encoder cache holds now.",
              used, GaugeMetricFamily),
-            ("steploop:encoder_cache_capacity_tokens", "Embeddings the encoder cache may hold "
-             "(--encoder-cache-size).", capacity, GaugeMetricFamily),
+            ("steploop:encoder_cache_capacity_tokens", "Embeddings the encoder cache may hold (--encoder-cache-size).",
+             capacity, GaugeMetricFamily),
             ("steploop:encoder_cache_usage_perc", "Encoder-cache usage. 1 means 100 percent usage.",
              used / capacity if capacity else 0.0, GaugeMetricFamily)):
         family = kind(name, doc, labels=MODEL)
