@@ -39,9 +39,7 @@ class GatewayMetrics:
                                 ["handler", "method", "status"], registry=self.registry)
         self.latency = Histogram("http_request_duration_seconds", "Latency of HTTP requests (whole stream).",
                                  ["handler", "method"], buckets=HTTP_BUCKETS, registry=self.registry)
-        # requests that carry images only (vLLM has no such family); fed by ImagePrompts.prepare
-        self.request_images = Histogram("steploop:request_images", "Images per request that carries images.",
-                                        buckets=IMAGE_BUCKETS, registry=self.registry)
+        self.request_images: Histogram | None = None   # install(): with metrics on and a model that takes images
 
     @web.middleware
     async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -121,7 +119,10 @@ def install(app: web.Application, engine: Any, model: Any) -> GatewayMetrics:
     gm = app[METRICS] = GatewayMetrics(engine, model)
     if metrics.ENABLED:
         app.middlewares.insert(0, gm.middleware)      # outermost: sees the final status of every request
-        if IMAGE_PROMPTS in app:
+        if IMAGE_PROMPTS in app and app[IMAGE_PROMPTS].processor is not None:
+            # requests that carry images only (vLLM has no such family); fed by ImagePrompts.prepare
+            gm.request_images = Histogram("steploop:request_images", "Images per request that carries images.",
+                                          buckets=IMAGE_BUCKETS, registry=gm.registry)
             app[IMAGE_PROMPTS].on_images = gm.request_images.observe
     app.router.add_get("/metrics", gm.handle)
     return gm
