@@ -19,12 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from steploop.common import metrics, tracing
 from steploop.gateway import tracing as gateway_tracing
+from steploop.gateway.app_keys import IMAGE_PROMPTS
 from steploop.gateway.routing.router import EngineRouter
 
 log = logging.getLogger(__name__)
 
 # prometheus-fastapi-instrumentator's names and buckets (what vLLM's API server exposes).
 HTTP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+IMAGE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 UNMATCHED = "none"
 
 
@@ -37,6 +39,7 @@ class GatewayMetrics:
                                 ["handler", "method", "status"], registry=self.registry)
         self.latency = Histogram("http_request_duration_seconds", "Latency of HTTP requests (whole stream).",
                                  ["handler", "method"], buckets=HTTP_BUCKETS, registry=self.registry)
+        self.request_images: Histogram | None = None   # install(): with metrics on and a model that takes images
 
     @web.middleware
     async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
@@ -116,5 +119,10 @@ def install(app: web.Application, engine: Any, model: Any) -> GatewayMetrics:
     gm = app[METRICS] = GatewayMetrics(engine, model)
     if metrics.ENABLED:
         app.middlewares.insert(0, gm.middleware)      # outermost: sees the final status of every request
+        if IMAGE_PROMPTS in app and app[IMAGE_PROMPTS].processor is not None:
+            # requests that carry images only (vLLM has no such family); fed by ImagePrompts.prepare
+            gm.request_images = Histogram("steploop:request_images", "Images per request that carries images.",
+                                          buckets=IMAGE_BUCKETS, registry=gm.registry)
+            app[IMAGE_PROMPTS].on_images = gm.request_images.observe
     app.router.add_get("/metrics", gm.handle)
     return gm

@@ -13,11 +13,13 @@ tokens scheduled this step.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from steploop.common import tracing
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.step_contract import StepPlan
 from steploop.gpu_worker.input_batch import InputBatch
@@ -29,6 +31,7 @@ class _RequestImages:
     features: list[MultiModalFeature]
     prompt_positions: np.ndarray          # [3, num_prompt] int64
     delta: int                            # a token at index i >= num_prompt sits at i + delta
+    traceparent: str = ""                 # the request's trace (tracing on): its images' encode spans join it
 
 
 class EncoderCache:
@@ -47,7 +50,7 @@ class EncoderCache:
         for new in plan.new_requests:
             positions, delta = mrope_positions(len(new.prompt_token_ids), new.mm_features,
                                                self.model.spatial_merge_size)
-            self.requests[new.handle] = _RequestImages(list(new.mm_features), positions, delta)
+            self.requests[new.handle] = _RequestImages(list(new.mm_features), positions, delta, new.traceparent)
 
     def reset(self) -> None:
         self.requests.clear()
@@ -65,7 +68,7 @@ class EncoderCache:
                 lo, hi = max(f.offset, c), min(f.end, c + n)
                 if lo < hi:
                     rows.append(np.arange(base + lo - c, base + hi - c))
-                    embeds.append(self._embeddings(f)[lo - f.offset:hi - f.offset])
+                    embeds.append(self._embeddings(f, images.traceparent)[lo - f.offset:hi - f.offset])
             base += n
         positions = torch.from_numpy(np.concatenate(pos_parts, axis=1)).to(self.device)
         if not rows:
@@ -85,9 +88,21 @@ class EncoderCache:
         out[:, in_prompt] = images.prompt_positions[:, idx[in_prompt]]
         return out
 
-    def _embeddings(self, feature: MultiModalFeature) -> torch.Tensor:
+    def _embeddings(self, feature: MultiModalFeature, traceparent: str) -> torch.Tensor:
         cached = self.entries.get(feature.hash)
         if cached is None:
-            cached = self.entries[feature.hash] = self.model.encode_image(feature)
+            with _encode_span(feature, traceparent):
+                cached = self.entries[feature.hash] = self.model.encode_image(feature)
             self.num_encoded += 1
         return cached
+
+
+def _encode_span(feature: MultiModalFeature, traceparent: str):
+    """A "steploop.worker.encode_image" span in the request's trace (tracing on and the request traced): the
+    vision tower's run on one image. On a GPU it times the kernel launches (the step's forward waits for them)."""
+    if not tracing.ENABLED or not traceparent:
+        return contextlib.nullcontext()
+    return tracing.tracer().start_as_current_span(
+        "steploop.worker.encode_image", context=tracing.context_from_traceparent(traceparent),
+        attributes={tracing.SERVICE: "worker", "steploop.image_hash": feature.hash,
+                    "steploop.image_tokens": feature.length, "steploop.image_grid_thw": list(feature.grid_thw)})

@@ -30,6 +30,12 @@ class EncoderBudget:
         self.left = budget                      # of this step's encoder budget
         self._freed: list[str] = []
         self.num_encoded = 0                    # images sent to the encoder since start (metrics, tests)
+        self.num_queries = 0                    # images a request's chunk first reached (metrics)
+        self.num_hits = 0                       # of those, already in the cache: not encoded again
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.sizes)
 
     @property
     def used(self) -> int:
@@ -64,6 +70,9 @@ class EncoderBudget:
     def commit(self, request: Request, start: int, num_new: int) -> None:
         end = start + num_new
         for f in _reached(request.mm_features, start, end):
+            if request.request_id not in self.users.get(f.hash, ()):    # its first chunk reaching this image
+                self.num_queries += 1
+                self.num_hits += f.hash in self.sizes or f.hash in self._freed
             if f.hash in self._freed:            # freed by an earlier commit, the worker not told yet: keep it
                 self._freed.remove(f.hash)
                 self.sizes[f.hash], self.users[f.hash] = f.length, set()

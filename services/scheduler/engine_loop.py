@@ -444,4 +444,5 @@ class EngineLoop:
             paused=self.control.paused, weight_updates=self.control.weight_updates,
             weight_version=self.control.weight_version,
             kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else (),
-            pd=self.pd.report())
+            pd=self.pd.report(),
+            encoder_cache=(sched.encoder.num_entries, sched.encoder.used, sched.encoder.cache_size))

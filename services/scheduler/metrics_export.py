@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from steploop.scheduler.encoder_metrics import encoder_families
 from steploop.scheduler.kv_tier_metrics import kv_tier_families
 from steploop.scheduler.pd_metrics import pd_families
 from steploop.scheduler.lora_metrics import lora_requests_info
@@ -94,6 +95,7 @@ def families(obs: Any, labels: list[str]) -> Iterator:
     yield from _pacing(load, labels)
     yield from kv_tier_families(load, labels)
     yield from pd_families(load, labels)
+    yield from encoder_families(load, labels)
 
 
 def _spec_decode(counts: SchedulerCounters, labels: list[str]) -> Iterator:

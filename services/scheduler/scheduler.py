@@ -133,7 +133,9 @@ class Scheduler:
             preemptions=stats.num_preemptions, prefix_queries=prefix.queries, prefix_hits=prefix.hits,
             spec_drafts=stats.num_spec_steps, draft_tokens=stats.num_draft_tokens,
             accepted_tokens=stats.num_accepted_tokens, paced_steps=pacer.num_paced_steps if pacer else 0,
-            deferred_prompt_tokens=pacer.num_deferred_tokens if pacer else 0)
+            deferred_prompt_tokens=pacer.num_deferred_tokens if pacer else 0,
+            encoder_queries=self.encoder.num_queries, encoder_hits=self.encoder.num_hits,
+            images_encoded=self.encoder.num_encoded)
 
     def step_cost(self) -> tuple[float, float] | None:
         """Prefill pacing's learned step time (base seconds, seconds per token); None until it has one."""

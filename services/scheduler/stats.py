@@ -38,6 +38,9 @@ class SchedulerCounters:
     accepted_tokens: int = 0
     paced_steps: int = 0              # steps in which prefill pacing cut a prompt chunk
     deferred_prompt_tokens: int = 0   # prompt tokens pacing held back, summed over steps
+    encoder_queries: int = 0          # images a chunk first reached (vision-language models)
+    encoder_hits: int = 0             # of those, whose embeddings the encoder cache held
+    images_encoded: int = 0           # images sent to the encoder
 
     def __add__(self, other: SchedulerCounters) -> SchedulerCounters:
         return SchedulerCounters(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -72,6 +75,7 @@ class EngineLoad(LoadReport):
     weight_version: str = "0"                      # the served weights' version (steploop:weight_version_info)
     kv_tiers: tuple[KvTierLoad, ...] = ()          # KV media below the pool; () = none
     pd: object = None                              # pd_disagg.PdStats: prefill/decode transfers; None = none
+    encoder_cache: tuple[int, int, int] = (0, 0, 0)  # (entries, embeddings held, capacity) of the encoder cache
 
 
 @dataclass

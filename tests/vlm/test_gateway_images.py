@@ -76,3 +76,21 @@ async def test_pixels_too_large_for_one_request_are_a_400(served, monkeypatch):
             {"role": "user", "content": [image_part(png_bytes(112, 84, 1))]}])
     assert "MiB of processed pixels" in exc.value.message and exc.value.code == "image_too_large"
     assert engine.requests == []
+
+
+async def test_images_per_request_histogram_counts_served_requests(served):
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+    client, _, _ = served
+    await client.chat.completions.create(model="vlm", max_tokens=4, messages=[{"role": "user", "content": [
+        image_part(png_bytes(112, 84, 1)), image_part(png_bytes(56, 140, 3))]}])
+    await client.chat.completions.create(model="vlm", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    async with aiohttp.ClientSession() as session, session.get(f"{root}/metrics") as resp:
+        text = await resp.text()
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "steploop:request_images"]
+    samples = {(s.name, s.labels.get("le")): s.value for s in family.samples}
+    assert samples[("steploop:request_images_count", None)] == 1          # the text-only request is not counted
+    assert samples[("steploop:request_images_sum", None)] == 2
+    assert samples[("steploop:request_images_bucket", "1.0")] == 0
+    assert samples[("steploop:request_images_bucket", "2.0")] == 1

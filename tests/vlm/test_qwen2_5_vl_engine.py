@@ -129,3 +129,33 @@ def test_an_image_larger_than_the_encoder_budget_is_refused(two_image_prompt):
     sched = create_scheduler(max_num_batched_tokens=64, block_size=BLOCK, max_num_encoder_input_tokens=8)
     with pytest.raises(RequestRejectedError, match="encoder budget"):
         sched.add_request(request("a", ids, features))
+
+
+def test_encoding_is_traced_in_the_request_trace(runner, two_image_prompt):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from steploop.common import tracing
+    ids, features = two_image_prompt
+    memory, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.enable(provider)
+    sched = create_scheduler(max_num_batched_tokens=256, block_size=BLOCK, num_blocks=128,
+                             enable_prefix_caching=False, max_num_encoder_input_tokens=24)
+    try:
+        parent = tracing.tracer().start_span("request")
+        sched.add_request(request("traced", ids, features))
+        while sched.has_unfinished_requests():
+            plan = sched.schedule()
+            for new in plan.new_requests:
+                new.traceparent = tracing.traceparent_of(parent)
+            sched.update_from_output(plan, runner.execute(plan))
+        runner.execute(sched.schedule())
+        parent.end()
+    finally:
+        tracing.disable()
+    spans = [s for s in memory.get_finished_spans() if s.name == "steploop.worker.encode_image"]
+    assert sorted(s.attributes["steploop.image_hash"] for s in spans) == sorted(f.hash for f in features)
+    assert {s.attributes["steploop.image_tokens"] for s in spans} == {f.length for f in features}
+    assert all(s.parent.span_id == parent.context.span_id for s in spans)

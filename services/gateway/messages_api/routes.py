@@ -50,7 +50,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     messages, prefill = parse_conversation(body)
     tools = parse_tool_request(body, request.app[TOOL_PARSER])
     image_prompts = request.app[IMAGE_PROMPTS]
-    images = await image_prompts.prepare(images_of(messages))      # images count as the tokens they expand to
+    images = await image_prompts.prepare(images_of(messages), served=False)   # images count as the tokens they expand to
     prompt = await request.app[CHAT_TEMPLATE].render(messages, add_generation_prompt=not prefill,
                                                      continue_final_message=prefill, tools=tools)
     if images:

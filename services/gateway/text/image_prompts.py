@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,7 @@ class ImagePrompts:
         """processor None: a text-only model (an image is a 400 saying so)."""
         self.model_name, self.policy, self.processor = model_name, policy, processor
         self.image_token_id, self.merge_size = image_token_id, merge_size
+        self.on_images: Callable[[int], None] | None = None   # images per served request (gateway metrics.py)
 
     @classmethod
     def load(cls, folder: pathlib.Path, model_name: str, policy: MediaPolicy) -> ImagePrompts:
@@ -62,13 +63,17 @@ class ImagePrompts:
         processor = _image_processor(folder)
         return cls(model_name, policy, processor, int(config[key]), int(getattr(processor, "merge_size", 1)))
 
-    async def prepare(self, refs: list[ImageRef]) -> list[LoadedImage]:
+    async def prepare(self, refs: list[ImageRef], served: bool = True) -> list[LoadedImage]:
+        """served False: only counted (count_tokens), not in the images-per-request metric."""
         if not refs:
             return []
         if self.processor is None:
             raise bad_request(f"model {self.model_name!r} is a text-only model: it does not take images",
                               param=refs[0].param, code="invalid_value")
-        return await load_images(refs, self.policy)
+        images = await load_images(refs, self.policy)
+        if served and self.on_images is not None:
+            self.on_images(len(images))
+        return images
 
     async def expand(self, prompt: list[int], images: list[LoadedImage],
                      param: str = "messages") -> tuple[list[int], list[MultiModalFeature]]:
