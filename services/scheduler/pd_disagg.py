@@ -58,6 +58,7 @@ class PdStats:
     transfers: int = 0             # transfers the decode worker confirmed (every checksum verified)
     transfer_failures: int = 0     # sends that failed, timed out or were refused, and receives that failed
     fallbacks: int = 0             # disaggregated requests recomputed on the decode group instead
+    local: int = 0                 # requests run on the decode group alone while a prefill group was attached
     bytes: int = 0                 # bytes of confirmed transfers
     transfer_seconds: float = 0.0  # prefill-worker time spent sending
     prefill_free_blocks: int = 0   # the prefill pool now (gauges)
@@ -139,7 +140,14 @@ class PdDisagg:
     def choose(self, request: Request, mode: str) -> bool:
         """Disaggregated, or local: forced by the request's field, else prompts of --disagg-min-prompt-tokens or
         more; always local when either group cannot take part or the request needs what the prefill side lacks
-        (weight updates reach the decode group only, so after one every prompt runs there)."""
+        (weight updates reach the decode group only, so after one every prompt runs there). With a prefill
+        group attached, a local choice is counted (`local`): a LoRA request says so instead of vanishing."""
+        chosen = self._choose(request, mode)
+        if not chosen and self.up:
+            self.stats.local += 1
+        return chosen
+
+    def _choose(self, request: Request, mode: str) -> bool:
         decode = self.engine.worker_info
         if mode == "local" or not self.up or decode is None or not decode.kv_transfer_address:
             return False
@@ -161,6 +169,7 @@ class PdDisagg:
             self.scheduler.add_request(prefill)
         except RequestRejectedError as exc:
             log.info("request %s runs locally: the prefill group cannot take it (%s)", request.request_id, exc)
+            self.stats.local += 1
             return False
         self.jobs[request.request_id] = PdJob(request, prefill)
         self.stats.disaggregated += 1

@@ -18,6 +18,8 @@ _FAMILIES = (
      "transfer_failures", CounterMetricFamily),
     ("steploop:pd_fallbacks", "Disaggregated requests recomputed on the decode group instead.", "fallbacks",
      CounterMetricFamily),
+    ("steploop:pd_local_requests", "Requests run on the decode group alone while a prefill group was attached "
+     "(short prompts, forced local, LoRA, prompt logprobs, resumed).", "local", CounterMetricFamily),
     ("steploop:pd_kv_transfer_bytes", "Bytes of confirmed KV transfers.", "bytes", CounterMetricFamily),
     ("steploop:pd_kv_transfer_seconds", "Prefill-worker time spent sending KV blocks.", "transfer_seconds",
      CounterMetricFamily),

@@ -74,8 +74,10 @@ def test_the_rule_long_prompts_go_disaggregated_short_and_forced_ones_stay():
     lora = req("e")
     lora.lora_name = "x"
     assert not pd.choose(lora, "disaggregated")
+    assert pd.stats.local == 3                     # b, d and the LoRA request: counted as local
     pd.group.is_closed = True                      # the prefill group is down: local
     assert not pd.choose(req("f"), "disaggregated")
+    assert pd.stats.local == 3                     # no prefill group attached: nothing to count against
     pd.group.is_closed = False
     engine.control.weight_updates = 1              # only the decode group got the new weights
     assert not pd.choose(req("g"), "disaggregated")
