@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING
 
 from steploop.common import tracing
 from steploop.common.block_hashing import get_block_hasher
-from steploop.common.pd_transfer import PdMoves, PdSend, PdReceive
+from steploop.common.pd_transfer import PdMoves, PdReceive, PdSend
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler import tracing as request_tracing
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
 from steploop.scheduler.prefix_cache import ensure_block_hashes
-from steploop.scheduler import tracing as request_tracing
 from steploop.scheduler.request import Request, RequestRejectedError
 from steploop.scheduler.worker_group import GroupAssembler, WorkerGroup
 from steploop.scheduler.worker_link import WorkerLink, WorkerLost

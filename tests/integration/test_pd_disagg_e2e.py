@@ -1,12 +1,20 @@
 """Prefill/decode disaggregation on a real cluster: one scheduler, a decode worker (--kv-role decode, host tier for
-received blocks), a prefill worker (--kv-role prefill), a gateway. Greedy text equals transformers' for plain,
-streamed and n=2 requests whose prompts ran on the prefill group and whose KV moved over TCP; a block corrupted in
-flight (the test hook) is refused by its checksum and recomputed on the decode group (counted); a SIGKILLed
-prefill worker leaves its requests to complete locally. Every case ends with no KV block held on either side."""
+received blocks), a prefill worker (--kv-role prefill), a gateway. Greedy output equals a one-group run (transformers,
+or the same request forced local) for plain, streamed, n=2, json_schema and top-5 logprobs requests whose prompts
+ran on the prefill group and whose KV moved over TCP; a LoRA request runs on the decode group alone (the prefill
+worker loads no adapters), exact against transformers + peft and counted as local; a client that disconnects while
+its prompt is on the prefill group leaves no request and no block behind; a block corrupted in flight (the test
+hook) is refused by its checksum and recomputed on the decode group (counted); a SIGKILLed prefill worker leaves
+its requests to complete locally. Every case ends with no KV block held on either side.
+
+The tests on the module's cluster share it in file order; the SIGKILL test goes last (it takes the prefill group
+down)."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -15,22 +23,44 @@ import pytest
 
 from tests.integration.api_helpers import client
 from tests.integration.cluster import Cluster, assert_healthy_and_no_leak
+from tests.lora.adapters import RECIPES, PeftReference, make_adapter
 from tests.observability.scrape import parse, value_or_zero
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
+ADAPTER = RECIPES[0]                    # attention-only, rank 8
 PROMPTS = [f"Chapter {i}. The old harbour town woke slowly: fishermen mended their nets, the baker opened his "
            f"shutters, and the {w} walked down to the pier to watch the boats come in, as every morning."
            for i, w in enumerate(["teacher", "doctor", "mayor", "painter"])]      # ~45 tokens: 2+ full blocks
 LONG = [p * 7 for p in PROMPTS[:3]]     # ~300 tokens: prefills that take a while on the CPU
+SCHEMA = {"type": "object", "properties": {"job": {"type": "string", "enum": ["teacher", "doctor", "mayor"]},
+                                           "boats": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["job", "boats"], "additionalProperties": False}
 
 
-def pd_cluster(tmp_path, env: dict | None = None) -> Cluster:
-    cluster = Cluster(tmp_path, scheduler_args=["--disagg-min-prompt-tokens", "32"], env=env,
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir, tmp_path_factory):
+    return make_adapter(model_dir, tmp_path_factory.mktemp("pd-adapter"), ADAPTER)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, adapter_dir):
+    lora = ["--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"{ADAPTER.name}={adapter_dir}"]
+    cluster = pd_cluster(tmp_path_factory.mktemp("pd-cluster"), lora=lora)
+    try:
+        yield cluster
+    finally:
+        stop(cluster)
+
+
+def pd_cluster(tmp_path, env: dict | None = None, lora: list[str] = ()) -> Cluster:
+    """lora: the adapter flags, for the scheduler, the decode worker and the gateway (the prefill worker gets none:
+    LoRA requests stay on the decode group)."""
+    cluster = Cluster(tmp_path, scheduler_args=["--disagg-min-prompt-tokens", "32", *lora], env=env,
                       num_kv_blocks=160, worker_args=["--kv-role", "decode", "--kv-offloading-size", "0.02",
-                                                     "--max-model-len", "512"],
-                      modules={"prefill": "steploop.gpu_worker"})
+                                                     "--max-model-len", "512", *lora],
+                      gateway_args=lora[:1], modules={"prefill": "steploop.gpu_worker"})
     cluster.argv["prefill"] = ["--scheduler-address", cluster.scheduler_address, "--num-kv-blocks", "64",
                                "--max-model-len", "512", "--kv-role", "prefill", "--kv-transfer-timeout", "20"]
     try:
@@ -69,49 +99,121 @@ def assert_both_pools_whole(cluster: Cluster) -> None:
         time.sleep(0.2)                      # a poll interval
 
 
-def test_disaggregated_requests_match_one_group(tmp_path, model_dir, hf):
-    cluster = pd_cluster(tmp_path)
-    try:
-        want = [hf.greedy_text(hf.text_ids(p), 8) for p in PROMPTS]
-        assert complete(cluster, PROMPTS[0]) == [want[0]]
-        assert metric(cluster, "steploop:pd_kv_transfers_total") >= 1, "the prompt did not go through the prefill group"
-        assert complete(cluster, PROMPTS[1], n=2) == [want[1], want[1]]
-        stream = client(cluster).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
-                                                    stream=True)
-        assert "".join(chunk.choices[0].text for chunk in stream) == want[2]
-        assert complete(cluster, PROMPTS[3], disaggregation="local") == [want[3]]
-        results: dict[int, list[str]] = {}          # concurrent: prefills and decodes overlap
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(cluster, PROMPTS[i])))
-                   for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert [results[i] for i in range(len(PROMPTS))] == [[w] for w in want]
-        assert metric(cluster, "steploop:pd_fallbacks_total") == 0
-        assert metric(cluster, "steploop:pd_kv_transfer_bytes_total") > 0
-        assert_both_pools_whole(cluster)
+def test_disaggregated_requests_match_one_group(pd, hf):
+    cluster = pd
+    fallbacks = metric(cluster, "steploop:pd_fallbacks_total")
+    want = [hf.greedy_text(hf.text_ids(p), 8) for p in PROMPTS]
+    assert complete(cluster, PROMPTS[0]) == [want[0]]
+    assert metric(cluster, "steploop:pd_kv_transfers_total") >= 1, "the prompt did not go through the prefill group"
+    assert complete(cluster, PROMPTS[1], n=2) == [want[1], want[1]]
+    stream = client(cluster).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                                stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == want[2]
+    assert complete(cluster, PROMPTS[3], disaggregation="local") == [want[3]]
+    results: dict[int, list[str]] = {}          # concurrent: prefills and decodes overlap
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(cluster, PROMPTS[i])))
+               for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [results[i] for i in range(len(PROMPTS))] == [[w] for w in want]
+    assert metric(cluster, "steploop:pd_fallbacks_total") == fallbacks
+    assert metric(cluster, "steploop:pd_kv_transfer_bytes_total") > 0
+    assert_both_pools_whole(cluster)
 
-        # SIGKILL the prefill worker while prompts are on it: every request completes, via local prefill.
-        results.clear()
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(cluster, LONG[i], 8)))
-                   for i in range(len(LONG))]
-        for t in threads:
-            t.start()
+
+def chat(cluster: Cluster, mode: str, salt: str, body: dict | None = None, **extra):
+    """A greedy chat request on PROMPTS[0], forced `mode`; its own cache salt, so a local run and a disaggregated
+    one share no cached block and each computes the prompt itself."""
+    return client(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
+        extra_body={"disaggregation": mode, "cache_salt": salt, **(body or {})}, **extra)
+
+
+def test_json_schema_and_logprobs_match_a_local_run(pd):
+    cluster = pd
+    transfers, fallbacks = (metric(cluster, f"steploop:pd_{m}_total") for m in ("kv_transfers", "fallbacks"))
+    fmt = {"type": "json_schema", "json_schema": {"name": "morning", "schema": SCHEMA}}
+    local, disagg = (chat(cluster, mode, f"json-{mode}", max_tokens=32, response_format=fmt).choices[0]
+                     for mode in ("local", "disaggregated"))
+    assert disagg.message.content == local.message.content and disagg.finish_reason == local.finish_reason
+    if local.finish_reason == "stop":
+        assert set(json.loads(local.message.content)) == {"job", "boats"}
+
+    def top5(mode):
+        choice = chat(cluster, mode, f"lp-{mode}", {"return_tokens_as_token_ids": True}, max_tokens=8,
+                      logprobs=True, top_logprobs=5).choices[0]       # tokens as "token_id:N": ids compared
+        return [(t.token, t.logprob, {a.token: a.logprob for a in t.top_logprobs}) for t in choice.logprobs.content]
+
+    local, disagg = top5("local"), top5("disaggregated")
+    assert [t for t, _, _ in disagg] == [t for t, _, _ in local] and len(local) == 8
+    assert all(t.startswith("token_id:") for t, _, _ in local)
+    for (_, lp_d, top_d), (_, lp_l, top_l) in zip(disagg, local):
+        assert abs(lp_d - lp_l) <= 1e-4 and len(top_l) == 5 and set(top_d) == set(top_l)
+        assert all(abs(top_d[t] - top_l[t]) <= 1e-4 for t in top_l)
+    assert metric(cluster, "steploop:pd_kv_transfers_total") == transfers + 2, "not both disaggregated"
+    assert metric(cluster, "steploop:pd_fallbacks_total") == fallbacks
+    assert_both_pools_whole(cluster)
+
+
+def test_a_lora_request_runs_locally_exact_and_counted(pd, model_dir, adapter_dir):
+    cluster = pd
+    names = ("disaggregated_requests", "local_requests", "kv_transfers")
+    before = {m: metric(cluster, f"steploop:pd_{m}_total") for m in names}
+    peft = PeftReference(model_dir, {ADAPTER.name: adapter_dir})
+    want = peft.greedy_text(ADAPTER.name, peft.tokenizer(PROMPTS[1]).input_ids, 8)
+    assert want != peft.greedy_text(None, peft.tokenizer(PROMPTS[1]).input_ids, 8), "the adapter changed nothing"
+    status, body = cluster.post("/v1/completions", {"model": ADAPTER.name, "prompt": PROMPTS[1], "max_tokens": 8,
+                                                    "temperature": 0, "disaggregation": "disaggregated"})
+    assert status == 200 and body["choices"][0]["text"] == want, body
+    after = {m: metric(cluster, f"steploop:pd_{m}_total") for m in names}
+    assert after == {**before, "local_requests": before["local_requests"] + 1}
+    assert_both_pools_whole(cluster)
+
+
+def test_a_client_gone_while_its_prompt_is_on_the_prefill_group_frees_both_sides(pd):
+    cluster = pd
+    body = json.dumps({"model": MODEL, "prompt": LONG[0], "max_tokens": 200, "temperature": 0, "stream": True,
+                       "ignore_eos": True, "disaggregation": "disaggregated"}).encode()
+    sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 120
-        while metric(cluster, "steploop:pd_prefill_requests") < 2:
+        while metric(cluster, "steploop:pd_prefill_requests") < 1:
             assert time.monotonic() < deadline, cluster.logs()
             time.sleep(0.02)                 # a poll interval
-        cluster.stop_service("prefill", sig=signal.SIGKILL)
-        for t in threads:
-            t.join(300)
-        assert [results[i] for i in range(len(LONG))] == [[hf.greedy_text(hf.text_ids(p), 8)] for p in LONG]
-        assert metric(cluster, "steploop:pd_fallbacks_total") >= 1
-        assert complete(cluster, PROMPTS[0]) == [want[0]]    # the prefill group is down: local
-        assert metric(cluster, "steploop:pd_prefill_group_up") == 0
-        assert_healthy_and_no_leak(cluster, "Hello", 4, timeout=60)
     finally:
-        stop(cluster)
+        sock.close()                         # gone before a token (200 of them, no EOS: only an abort ends it)
+    deadline = time.monotonic() + 60
+    while metric(cluster, "steploop:pd_prefill_requests") > 0:
+        assert time.monotonic() < deadline, "the aborted request is still on the prefill group"
+        time.sleep(0.05)                     # a poll interval
+    assert_both_pools_whole(cluster)         # no request left: not decoding its 200 tokens either
+
+
+def test_a_sigkilled_prefill_worker_leaves_its_requests_to_complete_locally(pd, hf):
+    cluster = pd
+    fallbacks = metric(cluster, "steploop:pd_fallbacks_total")
+    results: dict[int, list[str]] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(cluster, LONG[i], 8)))
+               for i in range(len(LONG))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while metric(cluster, "steploop:pd_prefill_requests") < 2:
+        assert time.monotonic() < deadline, cluster.logs()
+        time.sleep(0.02)                 # a poll interval
+    cluster.stop_service("prefill", sig=signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    assert [results[i] for i in range(len(LONG))] == [[hf.greedy_text(hf.text_ids(p), 8)] for p in LONG]
+    assert metric(cluster, "steploop:pd_fallbacks_total") >= fallbacks + 1
+    want = hf.greedy_text(hf.text_ids(PROMPTS[0]), 8)
+    assert complete(cluster, PROMPTS[0]) == [want]    # the prefill group is down: local
+    assert metric(cluster, "steploop:pd_prefill_group_up") == 0
+    assert_healthy_and_no_leak(cluster, "Hello", 4, timeout=60)
 
 
 def test_corrupted_block_is_recomputed_and_counted(tmp_path, model_dir, hf):
