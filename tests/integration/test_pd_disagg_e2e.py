@@ -123,12 +123,12 @@ def test_disaggregated_requests_match_one_group(pd, hf):
     assert_both_pools_whole(cluster)
 
 
-def chat(cluster: Cluster, mode: str, salt: str, body: dict | None = None, **extra):
+def chat(cluster: Cluster, mode: str, salt: str, **extra):
     """A greedy chat request on PROMPTS[0], forced `mode`; its own cache salt, so a local run and a disaggregated
     one share no cached block and each computes the prompt itself."""
     return client(cluster).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
-        extra_body={"disaggregation": mode, "cache_salt": salt, **(body or {})}, **extra)
+        extra_body={"disaggregation": mode, "cache_salt": salt}, **extra)
 
 
 def test_json_schema_and_logprobs_match_a_local_run(pd):
@@ -142,16 +142,16 @@ def test_json_schema_and_logprobs_match_a_local_run(pd):
         assert set(json.loads(local.message.content)) == {"job", "boats"}
 
     def top5(mode):
-        choice = chat(cluster, mode, f"lp-{mode}", {"return_tokens_as_token_ids": True}, max_tokens=8,
-                      logprobs=True, top_logprobs=5).choices[0]       # tokens as "token_id:N": ids compared
-        return [(t.token, t.logprob, {a.token: a.logprob for a in t.top_logprobs}) for t in choice.logprobs.content]
+        choice = chat(cluster, mode, f"lp-{mode}", max_tokens=8, logprobs=True, top_logprobs=5).choices[0]
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in choice.logprobs.content]
 
+    # steploop has no return_tokens_as_token_ids: tokens are compared as their text, position by position
     local, disagg = top5("local"), top5("disaggregated")
     assert [t for t, _, _ in disagg] == [t for t, _, _ in local] and len(local) == 8
-    assert all(t.startswith("token_id:") for t, _, _ in local)
     for (_, lp_d, top_d), (_, lp_l, top_l) in zip(disagg, local):
-        assert abs(lp_d - lp_l) <= 1e-4 and len(top_l) == 5 and set(top_d) == set(top_l)
-        assert all(abs(top_d[t] - top_l[t]) <= 1e-4 for t in top_l)
+        assert abs(lp_d - lp_l) <= 1e-4 and len(top_l) == 5
+        assert [t for t, _ in top_d] == [t for t, _ in top_l], (top_d, top_l)
+        assert all(abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(top_d, top_l)), (top_d, top_l)
     assert metric(cluster, "steploop:pd_kv_transfers_total") == transfers + 2, "not both disaggregated"
     assert metric(cluster, "steploop:pd_fallbacks_total") == fallbacks
     assert_both_pools_whole(cluster)
@@ -174,6 +174,7 @@ def test_a_lora_request_runs_locally_exact_and_counted(pd, model_dir, adapter_di
 
 def test_a_client_gone_while_its_prompt_is_on_the_prefill_group_frees_both_sides(pd):
     cluster = pd
+    aborts, fallbacks = (metric(cluster, n) for n in ("steploop:request_aborts_total", "steploop:pd_fallbacks_total"))
     body = json.dumps({"model": MODEL, "prompt": LONG[0], "max_tokens": 200, "temperature": 0, "stream": True,
                        "ignore_eos": True, "disaggregation": "disaggregated"}).encode()
     sock = socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30)
@@ -191,6 +192,8 @@ def test_a_client_gone_while_its_prompt_is_on_the_prefill_group_frees_both_sides
         assert time.monotonic() < deadline, "the aborted request is still on the prefill group"
         time.sleep(0.05)                     # a poll interval
     assert_both_pools_whole(cluster)         # no request left: not decoding its 200 tokens either
+    assert metric(cluster, "steploop:request_aborts_total") == aborts + 1   # ended by the abort, not a fallback
+    assert metric(cluster, "steploop:pd_fallbacks_total") == fallbacks
 
 
 def test_a_sigkilled_prefill_worker_leaves_its_requests_to_complete_locally(pd, hf):
