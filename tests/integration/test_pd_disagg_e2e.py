@@ -157,13 +157,13 @@ def test_json_schema_and_logprobs_match_a_local_run(pd):
     assert_both_pools_whole(cluster)
 
 
-def test_a_lora_request_runs_locally_exact_and_counted(pd, model_dir, adapter_dir):
+def test_a_lora_request_runs_locally_exact_and_counted(pd, hf, model_dir, adapter_dir):
     cluster = pd
     names = ("disaggregated_requests", "local_requests", "kv_transfers")
     before = {m: metric(cluster, f"steploop:pd_{m}_total") for m in names}
     peft = PeftReference(model_dir, {ADAPTER.name: adapter_dir})
     want = peft.greedy_text(ADAPTER.name, peft.tokenizer(PROMPTS[1]).input_ids, 8)
-    assert want != peft.greedy_text(None, peft.tokenizer(PROMPTS[1]).input_ids, 8), "the adapter changed nothing"
+    assert want != hf.greedy_text(hf.text_ids(PROMPTS[1]), 8), "the adapter changed nothing"
     status, body = cluster.post("/v1/completions", {"model": ADAPTER.name, "prompt": PROMPTS[1], "max_tokens": 8,
                                                     "temperature": 0, "disaggregation": "disaggregated"})
     assert status == 200 and body["choices"][0]["text"] == want, body
