@@ -14,8 +14,9 @@ enough steps nothing is capped.
 Images (vision-language models) count too: a chunk that reaches an image not yet encoded pays the image's whole
 encoder run in this step, e * its encoder tokens (the model learns e as it learns the per-token cost). The chunk
 stops before an image the allowance left cannot pay for, so the image waits for a step with room. An image
-larger than a whole step's allowance runs anyway when its chunk gets the `min_chunk` progress guarantee, which
-spends the allowance: it runs with the decodes and no other prompt chunk rather than never.
+larger than a whole step's allowance runs anyway when its chunk gets the `min_chunk` progress guarantee as the
+step's first prompt work; that spends the allowance, so it runs with the decodes and no other prompt chunk rather
+than never (a guaranteed chunk after other prompt work stops before an unpaid image).
 
 The decode part of the step being built is not known until the running queue has been walked, so the allowance
 is derived from the previous step's decodes (one token of context apart, the same), scaled down to the requests
@@ -35,6 +36,7 @@ class PrefillPacer:
         self.min_chunk = min_chunk
         self.cost = cost or StepCostModel()
         self._allowance: float | None = None       # seconds of prompt work left in this step; None = no cap
+        self._full_allowance = 0.0                 # what it was when the step began
         self._min_left = 0                         # tokens still guaranteed this step (progress)
         self._coef: tuple[float, float, float] | None = None
         self._decode_tokens = 0                    # this step's decodes, tallied while it is built
@@ -65,7 +67,7 @@ class PrefillPacer:
             return
         a, b, c = self._coef
         self._encoder_seconds = self.cost.encoder_token_seconds()
-        self._allowance = (self.ratio - 1.0) * (a + b * decodes + c * pairs)
+        self._allowance = self._full_allowance = (self.ratio - 1.0) * (a + b * decodes + c * pairs)
         self._min_left = self.min_chunk
 
     def clip(self, num_new: int, start: int, images: list[tuple[int, int]] = ()) -> int:
@@ -73,9 +75,15 @@ class PrefillPacer:
         images: (offset, encoder tokens) of the images the whole chunk would encode (EncoderBudget.to_encode)."""
         if self._allowance is None or num_new <= 0:
             return num_new
-        k = self._within_allowance(num_new, start, images)
+        k = paid = self._within_allowance(num_new, start, images)
         if k < self._min_left:
             k = min(num_new, self._min_left)
+            if self._allowance < self._full_allowance:
+                # An earlier chunk spent part of this step: an image the allowance did not pay for waits for a
+                # step whose allowance it opens (then the guarantee carries it, alone with the decodes).
+                unpaid = [o for o, _ in images if (paid == 0 or o >= start + paid) and o < start + k]
+                if unpaid:
+                    k = max(unpaid[0] - start, paid)
         self._min_left = max(self._min_left - k, 0)
         if k < num_new:
             self.num_deferred_tokens += num_new - k
@@ -83,7 +91,7 @@ class PrefillPacer:
                 self._cut_this_step = True
                 self.num_paced_steps += 1
         _, b, c = self._coef
-        encoder = sum(length for offset, length in images if offset < start + k)
+        encoder = sum(length for offset, length in images if offset < start + k) if k else 0
         spent = b * k + c * attention_pairs(k, start + k) + self._encoder_seconds * encoder
         self._allowance = max(self._allowance - spent, 0.0)
         return k
