@@ -7,8 +7,11 @@ class decides, per step, which chunks may reach an image:
     clip(request, start, n):  the chunk [start, start + n) stops before the first image it reaches that is not
                               cached (nor encoded earlier this step) when encoding it would exceed the step's
                               encoder budget (`max_num_encoder_input_tokens`) or the cache size (`encoder_cache_size`)
+    to_encode(request, start, n): the images the chunk [start, start + n) reaches that the worker would encode
+                              (prefill pacing counts their encoder time: prefill_pacing.py)
     commit(request, start, n): the chunk is in the plan: its new images are charged to the budget and cached;
-                              images whose placeholder range the chunk completes no longer need this request
+                              images whose placeholder range the chunk completes no longer need this request.
+                              Returns the encoder tokens the step will compute for it
     release(request):         finished or preempted: it needs none of its images any more
 
 An entry no live request needs is freed, and the next plan tells the worker (StepPlan.encoder_free_hashes): never
@@ -67,8 +70,14 @@ class EncoderBudget:
             new_hashes.add(f.hash)
         return num_new
 
-    def commit(self, request: Request, start: int, num_new: int) -> None:
-        end = start + num_new
+    def to_encode(self, request: Request, start: int, num_new: int) -> list[tuple[int, int]]:
+        """(offset, encoder tokens) of each image the chunk reaches that is neither cached nor encoded earlier
+        this step, in placeholder order."""
+        return [(f.offset, f.length) for f in _reached(request.mm_features, start, start + num_new)
+                if f.hash not in self.sizes and f.hash not in self._freed]
+
+    def commit(self, request: Request, start: int, num_new: int) -> int:
+        end, encoded = start + num_new, 0
         for f in _reached(request.mm_features, start, end):
             if request.request_id not in self.users.get(f.hash, ()):    # its first chunk reaching this image
                 self.num_queries += 1
@@ -80,10 +89,12 @@ class EncoderBudget:
                 self.sizes[f.hash], self.users[f.hash] = f.length, set()
                 self.left -= f.length
                 self.num_encoded += 1
+                encoded += f.length
             if f.end > end:
                 self.users[f.hash].add(request.request_id)
             else:
                 self._drop_user(f.hash, request.request_id)
+        return encoded
 
     def release(self, request: Request) -> None:
         for f in request.mm_features:

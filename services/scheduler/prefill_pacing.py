@@ -11,6 +11,13 @@ of extra predicted time. Steps without decodes (nothing is streaming) keep the w
 gets at least `min_chunk` prompt tokens so prompts progress however small the allowance. Until the model has seen
 enough steps nothing is capped.
 
+Images (vision-language models) count too: a chunk that reaches an image not yet encoded pays the image's whole
+encoder run in this step, e * its encoder tokens (the model learns e as it learns the per-token cost). The chunk
+stops before an image the allowance left cannot pay for, so the image waits for a step with room. An image
+larger than a whole step's allowance runs anyway when its chunk gets the `min_chunk` progress guarantee as the
+step's first prompt work; that spends the allowance, so it runs with the decodes and no other prompt chunk rather
+than never (a guaranteed chunk after other prompt work stops before an unpaid image).
+
 The decode part of the step being built is not known until the running queue has been walked, so the allowance
 is derived from the previous step's decodes (one token of context apart, the same), scaled down to the requests
 still running.
@@ -29,13 +36,16 @@ class PrefillPacer:
         self.min_chunk = min_chunk
         self.cost = cost or StepCostModel()
         self._allowance: float | None = None       # seconds of prompt work left in this step; None = no cap
+        self._full_allowance = 0.0                 # what it was when the step began
         self._min_left = 0                         # tokens still guaranteed this step (progress)
         self._coef: tuple[float, float, float] | None = None
         self._decode_tokens = 0                    # this step's decodes, tallied while it is built
         self._decode_pairs = 0.0
         self._step_tokens = 0                      # this step's whole shape, for the observation
         self._step_pairs = 0.0
-        self._shapes: dict[int, tuple[int, float]] = {}    # step_id -> shape, until its result arrives
+        self._step_encoder = 0                     # encoder tokens of the images this step encodes
+        self._encoder_seconds = 0.0                # e: seconds per encoder token, this step
+        self._shapes: dict[int, tuple[int, float, int]] = {}    # step_id -> shape, until its result arrives
         self.num_paced_steps = 0                   # steps in which pacing cut a prompt chunk (metrics)
         self.num_deferred_tokens = 0               # per step, prompt tokens held back by those cuts, summed
         self._cut_this_step = False
@@ -45,6 +55,7 @@ class PrefillPacer:
         """num_running: requests running now; fewer than last step's decodes means some of those finished."""
         decodes, pairs = self._decode_tokens, self._decode_pairs
         self._decode_tokens, self._decode_pairs, self._step_tokens, self._step_pairs = 0, 0.0, 0, 0.0
+        self._step_encoder = 0
         self._allowance = None
         self._cut_this_step = False
         if decodes > num_running:
@@ -55,16 +66,24 @@ class PrefillPacer:
         if self._coef is None:
             return
         a, b, c = self._coef
-        self._allowance = (self.ratio - 1.0) * (a + b * decodes + c * pairs)
+        self._encoder_seconds = self.cost.encoder_token_seconds()
+        self._allowance = self._full_allowance = (self.ratio - 1.0) * (a + b * decodes + c * pairs)
         self._min_left = self.min_chunk
 
-    def clip(self, num_new: int, start: int) -> int:
-        """A prompt chunk of up to num_new tokens from position `start`: the tokens the allowance leaves it."""
+    def clip(self, num_new: int, start: int, images: list[tuple[int, int]] = ()) -> int:
+        """A prompt chunk of up to num_new tokens from position `start`: the tokens the allowance leaves it.
+        images: (offset, encoder tokens) of the images the whole chunk would encode (EncoderBudget.to_encode)."""
         if self._allowance is None or num_new <= 0:
             return num_new
-        k = min(num_new, self._tokens_within(self._allowance, start))
+        k = paid = self._within_allowance(num_new, start, images)
         if k < self._min_left:
             k = min(num_new, self._min_left)
+            if self._allowance < self._full_allowance:
+                # An earlier chunk spent part of this step: an image the allowance did not pay for waits for a
+                # step whose allowance it opens (then the guarantee carries it, alone with the decodes).
+                unpaid = [o for o, _ in images if (paid == 0 or o >= start + paid) and o < start + k]
+                if unpaid:
+                    k = max(unpaid[0] - start, paid)
         self._min_left = max(self._min_left - k, 0)
         if k < num_new:
             self.num_deferred_tokens += num_new - k
@@ -72,21 +91,40 @@ class PrefillPacer:
                 self._cut_this_step = True
                 self.num_paced_steps += 1
         _, b, c = self._coef
-        self._allowance = max(self._allowance - (b * k + c * attention_pairs(k, start + k)), 0.0)
+        encoder = sum(length for offset, length in images if offset < start + k) if k else 0
+        spent = b * k + c * attention_pairs(k, start + k) + self._encoder_seconds * encoder
+        self._allowance = max(self._allowance - spent, 0.0)
         return k
+
+    def _within_allowance(self, num_new: int, start: int, images) -> int:
+        """Largest k <= num_new whose tokens plus the images they reach fit the allowance; a chunk that cannot
+        pay for an image stops before it."""
+        left = self._allowance
+        for offset, length in images:
+            before = max(offset - start, 0)
+            if before >= num_new or self._tokens_within(left, start) <= before:
+                break                                  # the chunk ends before this image
+            left -= self._encoder_seconds * length
+            if self._tokens_within(left, start) <= before:
+                return before
+        return min(num_new, self._tokens_within(left, start))
 
     def _tokens_within(self, seconds: float, start: int) -> int:
         """Largest k with b*k + c*k*(start + (k + 1)/2) <= seconds (the chunk's matmul and attention time)."""
+        if seconds <= 0.0:
+            return 0
         _, b, c = self._coef
         lin = b + c * (start + 0.5)
         if c <= 0.0:
             return int(seconds / lin) if lin > 0.0 else 1 << 30
         return int((-lin + math.sqrt(lin * lin + 2.0 * c * seconds)) / c)
 
-    def tally(self, num_new: int, context_end: int, is_decode: bool) -> None:
-        """A request was added to the step being built with num_new tokens ending at context_end."""
+    def tally(self, num_new: int, context_end: int, is_decode: bool, encoder_tokens: int = 0) -> None:
+        """A request was added to the step being built with num_new tokens ending at context_end (and images of
+        encoder_tokens to encode)."""
         pairs = num_new * (context_end - (num_new - 1) * 0.5)      # attention_pairs, inlined: once per request
         self._step_tokens += num_new
+        self._step_encoder += encoder_tokens
         self._step_pairs += pairs
         if is_decode:
             self._decode_tokens += num_new
@@ -102,13 +140,13 @@ class PrefillPacer:
 
     def end_step(self, step_id: int) -> None:
         if self._step_tokens:
-            self._shapes[step_id] = (self._step_tokens, self._step_pairs)
+            self._shapes[step_id] = (self._step_tokens, self._step_pairs, self._step_encoder)
 
     # ---------------------------------------------------------------- results
     def observe(self, step_id: int, forward_seconds: float) -> None:
         shape = self._shapes.pop(step_id, None)
         if shape is not None:
-            self.cost.observe(shape[0], shape[1], forward_seconds)
+            self.cost.observe(shape[0], shape[1], forward_seconds, shape[2])
 
     def forget_in_flight(self) -> None:
         """Plans sent to a lost worker never report back."""

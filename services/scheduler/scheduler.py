@@ -213,11 +213,10 @@ class Scheduler:
         """Put num_new tokens of the request into the plan, then advance it (`_advance`)."""
         plan.scheduled_handles.append(request.handle)
         plan.num_scheduled_tokens.append(num_new)
-        if request.mm_features:
-            self.encoder.commit(request, request.num_computed_tokens, num_new)
+        encoded = self.encoder.commit(request, request.num_computed_tokens, num_new) if request.mm_features else 0
         if self.pacer is not None:
             self.pacer.tally(num_new, request.num_computed_tokens + num_new,
-                             is_decode=num_new <= 1 + len(request.spec_token_ids))
+                             is_decode=num_new <= 1 + len(request.spec_token_ids), encoder_tokens=encoded)
         if request.spec_token_ids:
             # Drafts are the last tokens of the gap; send those that fall inside this step's tokens.
             known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
@@ -276,9 +275,11 @@ class Scheduler:
         # KV is needed for positions < max_model_len - 1 only: sampling from the last position would overflow.
         # An embedding request samples nothing: its prompt may fill the context.
         num_new = min(gap, budget, self.max_model_len - (request.pooling is None) - computed)
+        images = request.mm_features and computed < request.mm_features[-1].end
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
-            num_new = self.pacer.clip(num_new, computed)
-        if request.mm_features and computed < request.mm_features[-1].end:   # the encoder's budget and cache
+            num_new = self.pacer.clip(num_new, computed,
+                                      self.encoder.to_encode(request, computed, num_new) if images else ())
+        if images:                                                # the encoder's budget and cache
             num_new = self.encoder.clip(request, computed, num_new)
         return num_new
 
