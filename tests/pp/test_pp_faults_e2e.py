@@ -6,12 +6,11 @@ every KV block is free at idle, nothing hangs (each wait has a deadline)."""
 from __future__ import annotations
 
 import re
-import signal
 
 import pytest
 
 from tests.integration.hf_reference import HFReference
-from tests.tp.test_tp_faults_e2e import _check, _fault_scenario, _wait_for_log
+from tests.tp.test_tp_faults_e2e import _check, _fault_scenario, kill_and_restart, stop_until_detached
 from tests.tp.tp_cluster import TpCluster
 
 pytestmark = pytest.mark.slow
@@ -35,28 +34,13 @@ def pp2(tmp_path, pp_llama_dir):
 def test_killed_stage_breaks_the_group_and_it_reforms(pp2):
     cluster, hf, model = pp2
     assert "pipeline stage 1 of 2: layers 1-1, final norm + LM head" in (cluster.log_dir / "worker-1.log").read_text()
-
-    def kill_and_restart():
-        cluster.stop_service("worker-1", sig=signal.SIGKILL)
-        _wait_for_log(cluster.log_dir / "scheduler.log", "detached")      # the group broke; now it re-forms
-        cluster.start_service("worker-1")
-
-    _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart))
+    _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart(cluster)))
     assert _reformed(cluster.log_dir / "worker-0.log")
 
 
 def test_stopped_stage_times_out_the_other_and_the_group_reforms(pp2):
     cluster, hf, model = pp2
-
-    def stop_then_continue():
-        cluster.procs["worker-1"].send_signal(signal.SIGSTOP)
-        try:
-            _wait_for_log(cluster.log_dir / "worker-0.log", "tensor-parallel group broke")
-            _wait_for_log(cluster.log_dir / "scheduler.log", "detached")
-        finally:
-            cluster.procs["worker-1"].send_signal(signal.SIGCONT)
-
-    _check(cluster, hf, model, _fault_scenario(cluster, model, stop_then_continue))
+    _check(cluster, hf, model, _fault_scenario(cluster, model, stop_until_detached(cluster)))
     assert _reformed(cluster.log_dir / "worker-0.log")
     for rank in (0, 1):
         assert cluster.procs[f"worker-{rank}"].poll() is None, f"worker-{rank} exited"

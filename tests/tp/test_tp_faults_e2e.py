@@ -58,6 +58,27 @@ def _fault_scenario(cluster: TpCluster, model: str, fault) -> list[str]:
     return asyncio.run(scenario())
 
 
+def kill_and_restart(cluster: TpCluster, service: str = "worker-1"):
+    """The fault: SIGKILL a rank, wait until the scheduler detached the broken group, start the rank again."""
+    def fault():
+        cluster.stop_service(service, sig=signal.SIGKILL)
+        _wait_for_log(cluster.log_dir / "scheduler.log", "detached")      # the group broke; now it re-forms
+        cluster.start_service(service)
+    return fault
+
+
+def stop_until_detached(cluster: TpCluster, service: str = "worker-1"):
+    """The fault: SIGSTOP a rank until its peer's collective timed out and the scheduler detached the group."""
+    def fault():
+        cluster.procs[service].send_signal(signal.SIGSTOP)
+        try:
+            _wait_for_log(cluster.log_dir / "worker-0.log", "tensor-parallel group broke")
+            _wait_for_log(cluster.log_dir / "scheduler.log", "detached")
+        finally:
+            cluster.procs[service].send_signal(signal.SIGCONT)
+    return fault
+
+
 @pytest.fixture
 def tp2(tmp_path, tp2_model_dir):
     cluster = TpCluster(tmp_path, 2, model=str(tp2_model_dir), collective_timeout=4.0,
@@ -79,27 +100,12 @@ def _check(cluster, hf, model, texts) -> None:
 
 def test_killed_rank_breaks_the_group_and_it_reforms(tp2):
     cluster, hf, model = tp2
-
-    def kill_and_restart():
-        cluster.stop_service("worker-1", sig=signal.SIGKILL)
-        _wait_for_log(cluster.log_dir / "scheduler.log", "detached")      # the group broke; now it re-forms
-        cluster.start_service("worker-1")
-
-    _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart))
+    _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart(cluster)))
     assert _reformed(cluster.log_dir / "worker-0.log")
 
 
 def test_stopped_rank_times_out_its_peer_and_the_group_reforms(tp2):
     cluster, hf, model = tp2
-
-    def stop_then_continue():
-        cluster.procs["worker-1"].send_signal(signal.SIGSTOP)
-        try:
-            _wait_for_log(cluster.log_dir / "worker-0.log", "tensor-parallel group broke")
-            _wait_for_log(cluster.log_dir / "scheduler.log", "detached")
-        finally:
-            cluster.procs["worker-1"].send_signal(signal.SIGCONT)
-
-    _check(cluster, hf, model, _fault_scenario(cluster, model, stop_then_continue))
+    _check(cluster, hf, model, _fault_scenario(cluster, model, stop_until_detached(cluster)))
     for rank in (0, 1):
         assert cluster.procs[f"worker-{rank}"].poll() is None, f"worker-{rank} exited"
