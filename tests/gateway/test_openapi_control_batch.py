@@ -9,12 +9,13 @@ import time
 
 import aiohttp
 import pytest_asyncio
-
 from steploop.gateway.config import GatewayConfig
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.server import start_batches
+
 from tests.gateway.conftest import SERVED_NAME, Gateway, serving_app
 from tests.gateway.fake_engine import start_fake_engine
+from tests.openapi_fuzz import fuzz_operation
 
 ADMIN = "admin-secret"
 CONTROL = {"/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/update_weights_from_disk",
@@ -57,26 +58,6 @@ async def test_the_document_lists_the_routes_this_gateway_serves(full_gateway, f
     assert not (CONTROL | BATCH) & set(plain["paths"])
 
 
-def _fuzz_one(op, base_url: str, headers: dict, failures: list[str], deadline: float) -> None:
-    from hypothesis import HealthCheck, given, settings
-
-    @settings(max_examples=12, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(case=op.as_strategy())
-    def check(case):
-        if time.monotonic() > deadline:
-            return
-        try:
-            response = case.call(base_url=base_url, headers=headers, timeout=30)
-        except Exception as exc:  # noqa: BLE001
-            failures.append(f"{op.label} {case.body!r} -> {type(exc).__name__}: {exc}")
-            return
-        if response.status_code >= 500:
-            failures.append(f"{op.label} {case.body!r} -> {response.status_code} {response.text[:200]}")
-
-    check()
-
-
 def _fuzz(spec: dict, base_url: str) -> list[str]:
     """Up to 12 generated requests per operation, with the admin key; a 5xx, a timeout or a dropped connection
     is a failure."""
@@ -88,7 +69,7 @@ def _fuzz(spec: dict, base_url: str) -> list[str]:
     for operation in schemathesis.openapi.from_dict(spec).get_all_operations():
         op = operation.ok()
         if op.path in CONTROL | BATCH:
-            _fuzz_one(op, base_url, headers, failures, deadline)
+            fuzz_operation(op, base_url, failures, deadline, examples=12, headers=headers, timeout=30)
     return failures
 
 

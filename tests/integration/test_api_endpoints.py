@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from tests.integration.api_helpers import MODEL, client
+from tests.openapi_fuzz import fuzz_operation
 
 pytestmark = pytest.mark.slow
 
@@ -75,27 +76,8 @@ def test_grpc_client_generate_and_abort(cluster, hf):
     asyncio.run(run())
 
 
-def _fuzz(op, base_url: str, failures: list[str], deadline: float) -> None:
-    """Up to N generated requests for one operation; a 5xx, a timeout or a dropped connection is a failure."""
-    from hypothesis import HealthCheck, given, settings
-
-    examples = 40 if op.path in ("/v1/completions", "/v1/chat/completions") else 10
-
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(case=op.as_strategy())
-    def check(case):
-        if time.monotonic() > deadline:
-            return
-        try:
-            response = case.call(base_url=base_url, timeout=60)
-        except Exception as exc:  # noqa: BLE001
-            failures.append(f"{op.label} {case.body!r} -> {type(exc).__name__}")
-            return
-        if response.status_code >= 500 and not (op.path == "/health" and response.status_code == 503):
-            failures.append(f"{op.label} {case.body!r} -> {response.status_code} {response.text[:200]}")
-
-    check()
+def _health_503(op, status: int) -> bool:
+    return op.path == "/health" and status == 503   # /health's contract: 503 while the engine is not ready
 
 
 def _narrowed_for_speed(spec: dict) -> dict:
@@ -129,7 +111,9 @@ def test_schemathesis_finds_no_server_errors_and_leaks_nothing(cluster):
     failures: list[str] = []
     deadline = time.monotonic() + 50
     for operation in schema.get_all_operations():
-        _fuzz(operation.ok(), cluster.base_url, failures, deadline)
+        op = operation.ok()
+        examples = 40 if op.path in ("/v1/completions", "/v1/chat/completions") else 10
+        fuzz_operation(op, cluster.base_url, failures, deadline, examples=examples, allowed_5xx=_health_503)
     assert failures == []
     # Still answers correctly, and once idle every KV block is free (cached prefix blocks count as free).
     r = client(cluster).completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=3)
