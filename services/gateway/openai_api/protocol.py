@@ -384,6 +384,10 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
                defaults: GenerationDefaults = NO_DEFAULTS) -> ChatRequest:
     """`tool_parser`: the format an "auto" tool call is written in (--tool-call-parser)."""
     body = v.require_object(body)
+    # vLLM's chat `echo` puts the last assistant message in front of the reply; steploop does not build it, and
+    # dropping it would shape the answer other than asked (echo is built for /v1/completions).
+    if v.get_bool(body, "echo", False):
+        raise not_supported("echo")
     logprobs = v.get_bool(body, "logprobs", False)
     top_logprobs = v.get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not logprobs:
