@@ -77,6 +77,10 @@ def assert_error(body, param=None, code=None):
     ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    # audio output was ignored and a text-only reply sent instead
+    ({**CHAT, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({**CHAT, "modalities": "text"}, "modalities"),
+    ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])
 async def test_chat_bad_parameters(gateway, body, param):
     status, resp, _ = await post(gateway, "/v1/chat/completions", body)
@@ -84,6 +88,11 @@ async def test_chat_bad_parameters(gateway, body, param):
     assert_error(resp, param=param)
     assert resp["error"]["type"] == "invalid_request_error"
     assert gateway.engine.requests == []
+
+
+async def test_text_only_modalities_are_accepted(gateway):
+    for extra in ({"modalities": ["text"]}, {"modalities": None, "audio": None}):
+        assert (await post(gateway, "/v1/chat/completions", {**CHAT, **extra}))[0] == 200
 
 
 @pytest.mark.parametrize("body, param", [

@@ -380,6 +380,20 @@ def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...
     return messages, add_generation_prompt, continue_final
 
 
+def _refuse_audio_output(body: dict[str, Any]) -> None:
+    """OpenAI's `modalities: ["text", "audio"]` and `audio` ask for a spoken reply in `message.audio`; a text-only
+    answer to them would be silently other than asked, so they are a 400 (["text"] and null are accepted)."""
+    modalities = body.get("modalities")
+    if modalities is not None:
+        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+            raise v.type_error("modalities", "an array of strings", modalities)
+        if any(m != "text" for m in modalities):
+            raise bad_request(f"'modalities' {modalities} asks for output steploop cannot produce: only 'text' is "
+                              "supported", param="modalities", code="unsupported_parameter")
+    if body.get("audio") is not None:
+        raise not_supported("audio")
+
+
 def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
                defaults: GenerationDefaults = NO_DEFAULTS) -> ChatRequest:
     """`tool_parser`: the format an "auto" tool call is written in (--tool-call-parser)."""
@@ -388,6 +402,7 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
     # dropping it would shape the answer other than asked (echo is built for /v1/completions).
     if v.get_bool(body, "echo", False):
         raise not_supported("echo")
+    _refuse_audio_output(body)
     logprobs = v.get_bool(body, "logprobs", False)
     top_logprobs = v.get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not logprobs:
