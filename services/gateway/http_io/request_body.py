@@ -10,7 +10,6 @@ from aiohttp import web
 
 from steploop.gateway.errors import bad_request
 
-
 # Deeper than any real request (a JSON schema in a tool or response_format nests a few dozen levels at most); the
 # validators and schema compilers walk bodies recursively, so a deeper one would exhaust Python's stack there.
 MAX_JSON_DEPTH = 128
