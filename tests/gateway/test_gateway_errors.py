@@ -15,7 +15,7 @@ from steploop.gateway import errors
 from steploop.gateway.app import create_app
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.server import bound_port, start_site
-from tests.gateway.conftest import SERVED_NAME, serving_app, wait_for
+from tests.gateway.conftest import SERVED_NAME, sent_prompt, serving_app, wait_for
 from tests.gateway.fake_engine import start_fake_engine
 
 CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}]}
@@ -77,6 +77,10 @@ def assert_error(body, param=None, code=None):
     ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    # audio output was ignored and a text-only reply sent instead
+    ({**CHAT, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({**CHAT, "modalities": "text"}, "modalities"),
+    ({**CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])
 async def test_chat_bad_parameters(gateway, body, param):
     status, resp, _ = await post(gateway, "/v1/chat/completions", body)
@@ -84,6 +88,32 @@ async def test_chat_bad_parameters(gateway, body, param):
     assert_error(resp, param=param)
     assert resp["error"]["type"] == "invalid_request_error"
     assert gateway.engine.requests == []
+
+
+async def test_assistant_refusal_parts_reach_the_template_as_text(gateway, tokenizer):
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I will not say that."}]},
+                {"role": "user", "content": "ok"}]
+    status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert status == 200, resp   # was a 400 claiming "images and audio are not supported"
+    assert "I will not say that." in sent_prompt(gateway, tokenizer)
+
+
+@pytest.mark.parametrize("part, says", [
+    ({"type": "text", "text": 5}, "its 'text' is not a string"),
+    ({"type": "refusal", "refusal": "no"}, "got type 'refusal'"),     # only an assistant turn may refuse
+    ({"type": "input_audio"}, "got type 'input_audio'"),
+    ("plain", "got string"),
+])
+async def test_a_bad_content_part_is_named_for_what_it_is(gateway, part, says):
+    status, resp, _ = await post(gateway, "/v1/chat/completions",
+                                 {**CHAT, "messages": [{"role": "system", "content": [part]}]})
+    assert status == 400 and says in resp["error"]["message"], resp
+
+
+async def test_text_only_modalities_are_accepted(gateway):
+    for extra in ({"modalities": ["text"]}, {"modalities": None, "audio": None}):
+        assert (await post(gateway, "/v1/chat/completions", {**CHAT, **extra}))[0] == 200
 
 
 @pytest.mark.parametrize("body, param", [

@@ -42,6 +42,20 @@ async def test_their_off_values_are_accepted(gateway):
     assert (await post(gateway, "/v1/completions", {**COMPLETION, **off}))[0] == 200
 
 
+async def test_chat_echo_is_refused_not_dropped(gateway):
+    # vLLM's chat echo prefixes the reply with the last assistant message; it was ignored, shaping the answer
+    # other than asked
+    body = {**CHAT, "max_tokens": 2, "messages": [*CHAT["messages"], {"role": "assistant", "content": "Hel"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+    status, resp, _ = await post(gateway, "/v1/chat/completions", {**body, "echo": True})
+    assert status == 400, resp
+    assert_error(resp, param="echo", code="unsupported_parameter")
+    assert gateway.engine.requests == []
+    for off in (False, None):
+        assert (await post(gateway, "/v1/chat/completions", {**body, "echo": off}))[0] == 200
+    assert (await post(gateway, "/v1/chat/completions", {**body, "echo": "yes"}))[0] == 400
+
+
 @pytest.mark.parametrize("extra, schema, json_object", [
     ({"guided_json": SCHEMA}, SCHEMA, False),
     ({"guided_json": json.dumps(SCHEMA)}, SCHEMA, False),                      # vLLM also takes the JSON text

@@ -17,11 +17,11 @@ MAX_UINT32, MAX_INT32 = 2**32 - 1, 2**31 - 1
 
 def require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}", code="invalid_type")
+        raise bad_request(f"the request body must be a JSON object, got {json_type(body)}", code="invalid_type")
     return body
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -32,7 +32,7 @@ def _json_type(value: Any) -> str:
 
 
 def type_error(name: str, expected: str, value: Any, param: str | None = None) -> Exception:
-    return bad_request(f"'{name}' must be {expected}, got {_json_type(value)}", param=param or name,
+    return bad_request(f"'{name}' must be {expected}, got {json_type(value)}", param=param or name,
                        code="invalid_type")
 
 

@@ -286,18 +286,32 @@ def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _message_text(content: Any, where: str) -> str:
+def _message_text(content: Any, where: str, role: str = "user") -> str:
+    """A message's text. An assistant turn may hold OpenAI's refusal parts too; the template gets their text."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}.content[{i}] must be a text part {{'type': 'text', 'text': str}}; "
-                                  f"images and audio are not supported", param="messages")
-            texts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+                texts.append(part["refusal"])
+            else:
+                raise bad_request(f"{where}.content[{i}] must be a text part {{'type': 'text', 'text': str}}"
+                                  + (" or a refusal part {'type': 'refusal', 'refusal': str}" if role == "assistant"
+                                     else "") + _part_problem(part, kind, role), param="messages")
         return "".join(texts)
     raise v.type_error(f"{where}.content", "a string or an array of text parts", content, param="messages")
+
+
+def _part_problem(part: Any, kind: Any, role: str) -> str:
+    if not isinstance(part, dict):
+        return f", got {v.json_type(part)}"
+    if kind == "text" or (kind == "refusal" and role == "assistant"):
+        return f"; its '{kind}' is not a string"
+    return f"; got type {kind!r} (images and audio are not supported here)"
 
 
 def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
@@ -318,13 +332,14 @@ def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
                               code="missing_required_parameter" if "role" not in message else "invalid_value")
         if role == "assistant" and (message.get("tool_calls") or message.get("content") is None):
             content = message.get("content")   # null: an assistant turn that only called tools
-            entry = {"role": role, "content": "" if content is None else _message_text(content, where)}
+            entry = {"role": role, "content": "" if content is None else _message_text(content, where, role)}
             if message.get("tool_calls"):
                 entry["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
             out.append(entry)
             continue
         entry = {"role": "system" if role == "developer" else role,   # OpenAI's newer name; templates know "system"
-                 "content": (_user_content if role == "user" else _message_text)(message.get("content"), where)}
+                 "content": (_user_content(message.get("content"), where) if role == "user"
+                             else _message_text(message.get("content"), where, role))}
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):
@@ -380,10 +395,29 @@ def parse_chat_messages(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...
     return messages, add_generation_prompt, continue_final
 
 
+def _refuse_audio_output(body: dict[str, Any]) -> None:
+    """OpenAI's `modalities: ["text", "audio"]` and `audio` ask for a spoken reply in `message.audio`; a text-only
+    answer to them would be silently other than asked, so they are a 400 (["text"] and null are accepted)."""
+    modalities = body.get("modalities")
+    if modalities is not None:
+        if not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities):
+            raise v.type_error("modalities", "an array of strings", modalities)
+        if any(m != "text" for m in modalities):
+            raise bad_request(f"'modalities' {modalities} asks for output steploop cannot produce: only 'text' is "
+                              "supported", param="modalities", code="unsupported_parameter")
+    if body.get("audio") is not None:
+        raise not_supported("audio")
+
+
 def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
                defaults: GenerationDefaults = NO_DEFAULTS) -> ChatRequest:
     """`tool_parser`: the format an "auto" tool call is written in (--tool-call-parser)."""
     body = v.require_object(body)
+    # vLLM's chat `echo` puts the last assistant message in front of the reply; steploop does not build it, and
+    # dropping it would shape the answer other than asked (echo is built for /v1/completions).
+    if v.get_bool(body, "echo", False):
+        raise not_supported("echo")
+    _refuse_audio_output(body)
     logprobs = v.get_bool(body, "logprobs", False)
     top_logprobs = v.get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs is not None and not logprobs:

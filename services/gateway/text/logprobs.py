@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from steploop.gateway.text.detokenizer import Decoder
+from steploop.gateway.text.token_bytes import piece_bytes
 
 _NEG_INF_STANDIN = -9999.0   # JSON has no -inf; OpenAI clients expect a number
 
@@ -26,6 +27,10 @@ class TokenInfo:
     token: str
     logprob: float | None                    # None: the first prompt token (nothing precedes it)
     top: tuple[tuple[str, float], ...]       # [k] most likely first
+    # The token's bytes where its text is not them (part of a multi-byte character decodes to U+FFFD), then
+    # the same for each of `top`; None: the text's own UTF-8 bytes are right.
+    token_bytes: bytes | None = None
+    top_bytes: tuple[bytes | None, ...] = ()
 
 
 def _finite(x: float) -> float:
@@ -38,6 +43,7 @@ class TokenNamer:
     def __init__(self, tokenizer: Decoder) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, bytes | None] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -47,21 +53,31 @@ class TokenNamer:
                 self._cache.clear()
         return text
 
+    def raw_bytes(self, token_id: int) -> bytes | None:
+        """The token's own bytes when its decoded text lost them to U+FFFD; None otherwise."""
+        if token_id not in self._bytes:
+            if len(self._bytes) > 100_000:
+                self._bytes.clear()
+            self._bytes[token_id] = piece_bytes(self._tokenizer, token_id) if "\ufffd" in self(token_id) else None
+        return self._bytes[token_id]
+
     def info(self, token_id: int, lp: Any | None) -> TokenInfo:
         """lp: an engine TokenLogprob (pb) or None (first prompt token)."""
         if lp is None:
-            return TokenInfo(self(token_id), None, ())
+            return TokenInfo(self(token_id), None, (), self.raw_bytes(token_id))
         top = tuple((self(t), _finite(x)) for t, x in zip(lp.top_token_ids, lp.top_logprobs))
-        return TokenInfo(self(token_id), _finite(lp.logprob), top)
+        return TokenInfo(self(token_id), _finite(lp.logprob), top, self.raw_bytes(token_id),
+                         tuple(self.raw_bytes(t) for t in lp.top_token_ids))
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+def _bytes(text: str, raw: bytes | None) -> list[int]:
+    return list(raw if raw is not None else text.encode("utf-8"))
 
 
 def chat_logprobs(tokens: Sequence[TokenInfo]) -> dict[str, Any]:
-    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token),
-                         "top_logprobs": [{"token": s, "logprob": x, "bytes": _bytes(s)} for s, x in t.top]}
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token, t.token_bytes),
+                         "top_logprobs": [{"token": s, "logprob": x, "bytes": _bytes(s, raw)}
+                                          for (s, x), raw in zip(t.top, t.top_bytes or (None,) * len(t.top))]}
                         for t in tokens]}
 
 
