@@ -84,9 +84,9 @@ def make_scheduler(config, kv, max_model_len: int, eos_token_ids=(), pooling=Non
     """The scheduler class the config asks for: PipelineScheduler for pipeline stages (one plan in flight per
     stage, pipeline_scheduler.py), else AsyncScheduler when async_scheduling is on."""
     if pipeline_parallel_size > 1:
-        cls = PipelineScheduler
-    else:
-        cls = AsyncScheduler if config.async_scheduling else Scheduler
+        return PipelineScheduler(config, kv, max_model_len, eos_token_ids, pooling, lora,
+                                 num_stages=pipeline_parallel_size)
+    cls = AsyncScheduler if config.async_scheduling else Scheduler
     return cls(config, kv, max_model_len, eos_token_ids, pooling, lora)
 
 

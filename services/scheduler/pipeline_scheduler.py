@@ -7,6 +7,10 @@ batches still in flight, so no request ever has two steps in flight:
     stage 1:                 plan 0 (A, B)  plan 1 (C, D)  plan 2 (A, B) ...
                              └─ result 0 is back before plan 2 is built, so plan 2 knows A's and B's tokens
 
+Each plan takes at most ceil(R / N) requests, R the live ones (running, and waiting up to max_num_seqs), so the
+batches balance: without the cap the first plan would take every request and the next one none, and the stages
+would alternate after all.
+
 A request is *busy* from the plan that schedules it until that plan's result is applied: it gets no tokens
 (`_num_new_tokens` 0), even as the head of the waiting queue after a preemption (its stale step must come back
 first, or its result could land on its recomputation). The scheduling itself is the synchronous Scheduler's:
@@ -24,15 +28,19 @@ from steploop.scheduler.scheduler import Scheduler
 
 
 class PipelineScheduler(Scheduler):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, num_stages: int = 2, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._num_stages = num_stages               # -pp: plans in flight at most
         # Scheduled by a plan whose result is pending -> whether that step is a prompt chunk that leaves tokens to
         # compute (its gap stays > 0 while it is busy); _num_busy_chunks counts the True ones.
         self._busy: dict[Request, bool] = {}
         self._num_busy_chunks = 0
         self._stage_known: dict[Request, int] = {}  # tokens the stages before the last hold, per request
+        self._cap = self._num_planned = 0           # requests this plan may take, and has taken so far
 
     def schedule(self) -> StepPlan:
+        live = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        self._cap, self._num_planned = -(-live // self._num_stages), 0
         plan = super().schedule()
         in_flight = self._in_flight.get(plan.step_id)
         if in_flight is None:
@@ -58,18 +66,26 @@ class PipelineScheduler(Scheduler):
         return outputs
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        if request in self._busy:
+        if request in self._busy or self._num_planned >= self._cap:
             return 0
         return super()._num_new_tokens(request, budget)
+
+    def _advance(self, plan: StepPlan, request: Request, num_new: int) -> int:
+        self._num_planned += 1
+        return super()._advance(plan, request, num_new)
 
     def _schedule_decodes(self, plan: StepPlan, i: int, budget: int, scheduled: list[Request],
                           ends: list[int]) -> tuple[int, int]:
         # The C loop takes any request whose gap is 1 for a plain decode; a busy prompt chunk may have a gap of 1
         # left, so while one is in flight every request takes the Python path (rare: long prompts only). A busy
-        # decode has a gap of 0, which C hands back to Python.
-        if self._num_busy_chunks:
+        # decode has a gap of 0, which C hands back to Python. A decode is one token, so the cap is a budget.
+        room = min(budget, self._cap - self._num_planned)
+        if self._num_busy_chunks or room <= 0:
             return i, budget
-        return super()._schedule_decodes(plan, i, budget, scheduled, ends)
+        before = len(scheduled)
+        i, left = super()._schedule_decodes(plan, i, room, scheduled, ends)
+        self._num_planned += len(scheduled) - before
+        return i, budget - (room - left)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._stage_known.pop(request, None)

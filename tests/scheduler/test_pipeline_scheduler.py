@@ -75,6 +75,7 @@ class PipelineDriver:
                 assert not in_flight & set(plan.scheduled_handles), "a request has two steps in flight"
                 self.first.execute(plan)
                 self.out.append(plan)
+                self.run.plans.append(plan)
                 self.full_steps += len(self.out) == self.window
                 sent = True
         if self.out and (len(self.out) == self.window or not sent):
@@ -119,6 +120,17 @@ def test_outputs_equal_the_model_with_one_plan_per_stage_in_flight(pp, num_block
     assert driver.full_steps > run.steps // 3, "the stages did not overlap"
     if num_blocks == 40:
         assert sched.num_preemptions > 0, "the pool was meant to be too small"
+
+
+@pytest.mark.parametrize("c_loops", [True, False])
+def test_the_batches_balance_so_every_stage_has_work(c_loops):
+    sched = create_pipeline(max_num_batched_tokens=256)
+    if not c_loops:
+        sched.c_loops = None
+    for r in create_requests(16, prompt_len=4, max_tokens=20, ignore_eos=True):
+        sched.add_request(r)
+    run = PipelineDriver(sched, 2).until_idle()
+    assert [len(p.scheduled_handles) for p in run.plans if p.scheduled_handles] == [8] * 40   # 16 x 20 in halves
 
 
 def test_a_busy_request_is_not_scheduled_and_its_token_reaches_the_first_stage_in_its_next_plan():
