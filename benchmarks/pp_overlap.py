@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="ABAB rounds of the two modes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage")
     parser.add_argument("--tick", type=float, default=0.02, help="timeline resolution, seconds")
-    parser.add_argument("--fan-out-rounds", type=int, default=3)
+    parser.add_argument("--fan-out-rounds", type=int, default=7, help="interleaved 1-vs-4 rounds (median kept)")
     args = parser.parse_args()
     from benchmarks.machine import machine_info
     from steploop.common.model_path import default_model_dir
