@@ -168,3 +168,9 @@ def test_a_request_preempted_while_busy_waits_for_its_stale_step_before_it_is_re
     plan4 = sched.schedule()
     assert [n.handle for n in plan4.new_requests] == [a.handle] and not plan4.stage_token_ids
     sched.check_integrity()
+
+
+def test_the_engine_loop_keeps_one_plan_per_stage_in_flight():
+    sync, asyn = SchedulerConfig(async_scheduling=False), SchedulerConfig(async_scheduling=True)
+    assert [plans_in_flight(sync), plans_in_flight(asyn), plans_in_flight(asyn, 2), plans_in_flight(sync, 3)] \
+        == [1, 2, 2, 3]
