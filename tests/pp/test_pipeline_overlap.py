@@ -1,7 +1,8 @@
 """-pp 2 with the stages overlapping: the real PipelineScheduler keeps one plan per stage in flight (disjoint
 batches) over a group of ModelRunners (one thread per rank, real gloo groups: pp_ranks.py), as the engine loop does.
 Greedy tokens equal transformers' generate and every logprob is within 1e-4, with whole prompts, chunked prefill and
-preemption; the first stage runs plan N + 1 while the last stage still runs plan N."""
+preemption, for a dense Llama at -pp 2 and Mixtral at -tp 2 -pp 2; the first stage runs plan N + 1 while the last
+stage still runs plan N."""
 
 from __future__ import annotations
 
@@ -54,22 +55,29 @@ def serve_overlapped(group: PipelineGroup, budget: int, threshold: int, num_bloc
     return [got[str(i)] for i in range(len(prompts()))], sched.num_preemptions
 
 
-def overlapped_once(spans) -> bool:
-    """Some plan N + 1 began on stage 0 (rank 0) before plan N ended on stage 1 (rank 1)."""
-    ends = {step: ended for rank, step, _, ended in spans if rank == 1}
+def overlapped_once(spans, tp: int) -> bool:
+    """Some plan N + 1 began on stage 0 (rank 0) before plan N ended on stage 1 (rank tp, its tp rank 0)."""
+    ends = {step: ended for rank, step, _, ended in spans if rank == tp}
     return any(rank == 0 and step - 1 in ends and began < ends[step - 1] for rank, step, began, _ in spans)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_overlapped_stages_equal_transformers(models, schedule):
-    path, expected = models("llama")
-    group = PipelineGroup(path, 1, 2)
+# a dense model at -pp 2 in the fast suite; a mixture of experts at -tp 2 -pp 2 (four ranks) in the slow one
+CASES = [pytest.param("llama", 1, schedule, id=f"llama-tp1-{schedule}") for schedule in SCHEDULES] + [
+    pytest.param("mixtral", 2, schedule, id=f"mixtral-tp2-{schedule}", marks=pytest.mark.slow)
+    for schedule in SCHEDULES]
+
+
+@pytest.mark.parametrize("name, tp, schedule", CASES)
+def test_overlapped_stages_equal_transformers(models, name, tp, schedule):
+    path, expected = models(name)
+    group = PipelineGroup(path, tp, 2)
     try:
         got, preemptions = serve_overlapped(group, *SCHEDULES[schedule])
         for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(got, expected)):
-            assert tokens == want_tokens, f"{schedule} prompt {i}: {tokens} != {want_tokens}"
-            assert logprobs == pytest.approx(want_logprobs, abs=1e-4), f"{schedule} prompt {i}"
+            where = f"{name} -tp {tp} -pp 2 {schedule} prompt {i}"
+            assert tokens == want_tokens, f"{where}: {tokens} != {want_tokens}"
+            assert logprobs == pytest.approx(want_logprobs, abs=1e-4), where
         assert (preemptions > 0) == (schedule == "preempting")
-        assert overlapped_once(group.spans), "stage 0 never ran a plan while stage 1 ran the one before"
+        assert overlapped_once(group.spans, tp), "stage 0 never ran a plan while stage 1 ran the one before"
     finally:
         group.close()
