@@ -9,6 +9,7 @@ checked against the DESIGN.md invariants and the scheduler's integrity after eve
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -174,3 +175,29 @@ def test_the_engine_loop_keeps_one_plan_per_stage_in_flight():
     sync, asyn = SchedulerConfig(async_scheduling=False), SchedulerConfig(async_scheduling=True)
     assert [plans_in_flight(sync), plans_in_flight(asyn), plans_in_flight(asyn, 2), plans_in_flight(sync, 3)] \
         == [1, 2, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_aborts_of_busy_and_waiting_requests_leak_nothing(seed):
+    rng = random.Random(seed)
+    sched = create_pipeline(num_blocks=40, max_num_batched_tokens=24, long_prefill_token_threshold=6,
+                            enable_prefix_caching=True)
+    requests = create_requests(12, prompt_len=[rng.randrange(3, 30) for _ in range(12)], max_tokens=10, seed=seed)
+    for r in requests:
+        sched.add_request(r)
+    driver = PipelineDriver(sched, 2)
+    aborted = set()
+    while sched.has_unfinished_requests() or driver.out:
+        driver.step()
+        live = [r for r in requests if r.request_id in sched.requests]
+        if live and rng.random() < 0.1:               # busy or not, running or waiting
+            victim = rng.choice(live)
+            sched.abort_requests([victim.request_id])
+            aborted.add(victim.request_id)
+            sched.check_integrity()
+        assert driver.run.steps < 5000, "no progress"
+    assert_idle(sched)
+    assert aborted
+    for r in requests:
+        if r.request_id not in aborted:
+            assert driver.run.tokens[r.request_id] == expected_output(r)[0], r.request_id
