@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import statistics
 import time
 from collections import deque
@@ -200,6 +201,11 @@ def summarize(run: dict, tick: float) -> dict:
             }
 
 
+def compact(text: str) -> str:
+    """The timeline's [plans, stage 0, stage 1] triples on one line each, not five."""
+    return re.sub(r"\[\s+(\d+),\s+(\d+),\s+(\d+)\s+\]", r"[\1, \2, \3]", text)
+
+
 def fan_out_ratio(rounds: int, num_running: int, steps: int) -> dict:
     from benchmarks.tp_plan_cost import fan_out
 
@@ -247,7 +253,7 @@ def main() -> None:
               "same_tokens_in_every_run": same, "pp2": pp,
               "fan_out": fan_out_ratio(args.fan_out_rounds, 256, 200)}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    RESULTS.write_text(compact(json.dumps(report, indent=1)) + "\n")
     for mode, rows in pp.items():
         for row in rows:
             print(f"{mode:12s} {row['output_tok_s']:7.1f} tok/s  wall {row['wall_s']:6.2f} s  steps {row['steps']:4d}  "
