@@ -1,10 +1,11 @@
 """The worker seam's StepResult survives the wire, per-request failures included: a request the worker cannot serve
-as asked travels as (handle, code, message, param) beside the tokens of the requests that did sample."""
+as asked travels as (handle, code, message, param) beside the tokens of the requests that did sample; a StepPlan's
+stage tokens (-pp) travel as packed (handle, token) pairs, in order."""
 
 from __future__ import annotations
 
 from steploop.common.pb.steploop.v1 import worker_pb2
-from steploop.common.step_contract import RequestFailure, StepResult, TokenLogprob
+from steploop.common.step_contract import RequestFailure, StepPlan, StepResult, TokenLogprob
 
 
 def round_trip(result: StepResult) -> StepResult:
@@ -32,3 +33,11 @@ def test_failures_on_the_wire():
     pb = StepResult(step_id=3, failed={4: RequestFailure("c", "m", "p")}).to_pb()
     assert [(f.handle, f.code, f.message, f.param) for f in pb.request_failures] == [(4, "c", "m", "p")]
     assert not pb.error
+
+
+def test_plan_stage_tokens_round_trip_in_order():
+    plan = StepPlan(step_id=4, scheduled_handles=[1, 2], num_scheduled_tokens=[1, 1],
+                    stage_token_handles=[2, 1, 2], stage_token_ids=[40, 41, 42])
+    back = StepPlan.from_pb(worker_pb2.StepPlan.FromString(plan.to_pb().SerializeToString()))
+    assert back == plan
+    assert StepPlan.from_pb(StepPlan(step_id=5).to_pb()).stage_token_ids == []

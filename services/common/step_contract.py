@@ -104,6 +104,9 @@ class StepPlan:
     kv_moves: KvMoves | None = None      # KV tier moves done before the forward (kv_moves.py); None = none
     encoder_free_hashes: list[str] = field(default_factory=list)   # encoder cache entries no request needs
     pd_moves: PdMoves | None = None      # prefill/decode transfers (pd_transfer.py); None = none
+    # -pp: tokens the stages before the last append before this step (the last stage sampled them).
+    stage_token_handles: list[int] = field(default_factory=list)    # [k] a handle may repeat (tokens in order)
+    stage_token_ids: list[int] = field(default_factory=list)        # [k]
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -115,7 +118,8 @@ class StepPlan:
             scheduled_handles=self.scheduled_handles, num_scheduled_tokens=self.num_scheduled_tokens,
             finished_handles=self.finished_handles, preempted_handles=self.preempted_handles,
             lora_loads=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.lora_loads],
-            lora_drops=self.lora_drops, encoder_free_hashes=self.encoder_free_hashes)
+            lora_drops=self.lora_drops, encoder_free_hashes=self.encoder_free_hashes,
+            stage_token_handles=self.stage_token_handles, stage_token_ids=self.stage_token_ids)
         if self.kv_moves:
             self.kv_moves.fill_pb(pb)
         if self.pd_moves:
@@ -140,7 +144,8 @@ class StepPlan:
                    finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles),
                    lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops),
                    kv_moves=KvMoves.from_pb(pb), encoder_free_hashes=list(pb.encoder_free_hashes),
-                   pd_moves=PdMoves.from_pb(pb))
+                   pd_moves=PdMoves.from_pb(pb), stage_token_handles=list(pb.stage_token_handles),
+                   stage_token_ids=list(pb.stage_token_ids))
 
 
 @dataclass

@@ -103,6 +103,21 @@ class InputBatch:
             num_computed_tokens=new.num_computed_tokens, sampling=new.sampling, pooling=new.pooling)
         self.table.add(new.handle, list(new.block_ids))
 
+    def take_stage_tokens(self, plan: StepPlan, verify: bool) -> None:
+        """-pp: the tokens the last stage sampled since the plan before (StepPlan.stage_token_*). A stage before
+        the last appends them; the last stage (verify) already has them and checks they are the same."""
+        if verify:
+            expected: dict[int, list[int]] = {}
+            for handle, token in zip(plan.stage_token_handles, plan.stage_token_ids):
+                expected.setdefault(handle, []).append(token)
+            for handle, tokens in expected.items():
+                if self[handle].token_ids[-len(tokens):] != tokens:
+                    raise ValueError(f"handle {handle}: the plan's stage tokens {tokens} are not the last stage's "
+                                     f"{self[handle].token_ids[-len(tokens):]}")
+            return
+        for handle, token in zip(plan.stage_token_handles, plan.stage_token_ids):
+            self[handle].token_ids.append(token)
+
     def append_sampled(self, handle: int, tokens: list[int], num_computed_tokens: int) -> None:
         """Record tokens this worker sampled, and how many tokens now have KV."""
         state = self.requests[handle]

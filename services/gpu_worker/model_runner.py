@@ -199,6 +199,8 @@ class ModelRunner:
         try:
             moved = kv_tier_mover.apply(self.tiers, plan)      # before the forward: stores read, loads write
             pd = kv_transfer.apply(self, plan)                 # received blocks into host slots, after the moves
+            if self.pipe is not None:
+                self.batch.take_stage_tokens(plan, verify=self.samples_here)
             self.batch.apply_plan(plan)
             self._apply_images(plan)
             if self.lora is not None:
@@ -275,8 +277,7 @@ class ModelRunner:
             self.batch.requests[handle].num_computed_tokens = num_computed
         result = StepResult(step_id=plan.step_id)
         if not self.samples_here:
-            if inputs.sampling:
-                self._take_stage_tokens(inputs)
+            self._skip_sampling(inputs)
             return result
         if prompt_rows:
             num_sampling = len(inputs.logits_indices)
@@ -284,8 +285,6 @@ class ModelRunner:
             hidden = hidden[:num_sampling]
         if inputs.sampling:
             out = self.sampler(self.model.compute_logits(hidden), step.sampling).to_host()
-            if self.pipe is not None:
-                self._share_stage_tokens(out)
             self._record(inputs, out, result)
         return result
 
@@ -295,18 +294,13 @@ class ModelRunner:
         elif any(new.mm_features for new in plan.new_requests):
             raise ValueError(f"{self.info.model_name} is a text-only model: it cannot take image inputs")
 
-    def _share_stage_tokens(self, out: HostSamplerOutput) -> None:
-        """The last stage: every rank appends what it sampled (pipeline.py). Drafts are refused with -pp, so one
-        row per sampling slot."""
-        self.pipe.share_tokens(torch.as_tensor(list(out.token_ids), dtype=torch.int64, device=self.device))
-
-    def _take_stage_tokens(self, inputs: StepInputs) -> None:
-        tokens = torch.zeros(len(inputs.sampling), dtype=torch.int64, device=self.device)
-        tokens = self.pipe.share_tokens(tokens).tolist()
+    def _skip_sampling(self, inputs: StepInputs) -> None:
+        """A stage before the last: the rows that sample there have their KV now; the token comes with the
+        request's next plan (StepPlan.stage_token_ids), so this stage goes on to the next plan meanwhile."""
         for slot in inputs.sampling:
             if slot.drafts:
                 raise ValueError("speculative drafts reached a pipeline stage: -pp serves without them")
-            self.batch.append_sampled(slot.handle, tokens[slot.first_row:slot.first_row + 1], slot.num_known_end)
+            self.batch.requests[slot.handle].num_computed_tokens = slot.num_known_end
 
     def _run_pooling(self, plan: StepPlan, step: PreparedStep) -> StepResult:
         """Forward for the rows the pooler needs; the requests whose prompt is complete get their vector."""

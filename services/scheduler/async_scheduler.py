@@ -27,6 +27,7 @@ from __future__ import annotations
 from steploop.common.step_contract import StepPlan
 from steploop.scheduler import running_pass
 from steploop.scheduler.lora_steps import LoraSteps
+from steploop.scheduler.pipeline_scheduler import PipelineScheduler
 from steploop.scheduler.request import Request, RequestStatus
 from steploop.scheduler.scheduler import Scheduler
 
@@ -79,7 +80,18 @@ class AsyncScheduler(Scheduler):
 
 
 def make_scheduler(config, kv, max_model_len: int, eos_token_ids=(), pooling=None,
-                   lora: LoraSteps | None = None) -> Scheduler:
-    """The scheduler class the config asks for (AsyncScheduler when async_scheduling is on)."""
+                   lora: LoraSteps | None = None, pipeline_parallel_size: int = 1) -> Scheduler:
+    """The scheduler class the config asks for: PipelineScheduler for pipeline stages (one plan in flight per
+    stage, pipeline_scheduler.py), else AsyncScheduler when async_scheduling is on."""
+    if pipeline_parallel_size > 1:
+        return PipelineScheduler(config, kv, max_model_len, eos_token_ids, pooling, lora,
+                                 num_stages=pipeline_parallel_size)
     cls = AsyncScheduler if config.async_scheduling else Scheduler
     return cls(config, kv, max_model_len, eos_token_ids, pooling, lora)
+
+
+def plans_in_flight(config, pipeline_parallel_size: int = 1) -> int:
+    """How many plans the step loop keeps outstanding: one per pipeline stage, two under async scheduling."""
+    if pipeline_parallel_size > 1:
+        return pipeline_parallel_size
+    return 2 if config.async_scheduling else 1

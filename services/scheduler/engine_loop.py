@@ -23,7 +23,7 @@ from steploop.common.engine_contract import EngineRequest
 from steploop.common.errors import EngineError, InvalidRequestError, OverloadedError, UnavailableError
 from steploop.common.step_contract import StepPlan, StepResult, WorkerInfo
 from steploop.scheduler import kv_tiers
-from steploop.scheduler.async_scheduler import make_scheduler
+from steploop.scheduler.async_scheduler import make_scheduler, plans_in_flight
 from steploop.scheduler.config import SchedulerConfig
 from steploop.scheduler.engine_control import EngineControl
 from steploop.scheduler.kv_cache_manager import KVCacheManager
@@ -248,7 +248,7 @@ class EngineLoop:
             self._retired_counters += old.counters()
         lora = LoraSteps(self.server_config.lora.max_loras, self.lora.unloaded)
         self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids),
-                                        info.pooling, lora)
+                                        info.pooling, lora, self.server_config.pipeline_parallel_size)
         self.worker_info = info
         carried = self._pending + ([] if old is None else old.drain_requests())
         self._pending = []
@@ -308,9 +308,10 @@ class EngineLoop:
         await asyncio.gather(self._run(), self.pd.run())
 
     async def _run(self) -> None:
-        """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied."""
+        """schedule, send, await, update. With async scheduling plan N+1 is sent before result N is applied; with
+        -pp N up to N plans are outstanding, one per stage (pipeline_scheduler.py), answered in order."""
         outstanding: deque[tuple[StepPlan, int]] = deque()   # plans sent, with their size in bytes
-        window = 2 if self.sched_config.async_scheduling else 1
+        window = plans_in_flight(self.sched_config, self.server_config.pipeline_parallel_size)
         group: WorkerGroup | None = None
         while True:
             if not outstanding:         # plans in flight are answered by the group they went to, or not at all

@@ -6,7 +6,8 @@ the requests' way in and out, and the hooks a variant overrides; the passes of a
 running_pass.py (drafts and running requests), admission.py (the waiting queue), step_update.py (a step's
 result), with policy.py (queue order, victims), kv_cache_manager.py + prefix_cache.py (blocks, hits),
 ngram_proposer.py (drafts), handles.py, stop_rule.py (stops), request_outputs.py (outputs, validation) and
-fastpath/ (plain decodes in C). async_scheduler.py subclasses this for one plan in flight.
+fastpath/ (plain decodes in C). async_scheduler.py subclasses this for one plan in flight, pipeline_scheduler.py
+for one per pipeline stage.
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ kept up (no error)."""
 
 from __future__ import annotations
 
+import collections
 import pathlib
 import queue
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -28,6 +30,8 @@ class PipelineGroup:
         self.outbox: queue.Queue = queue.Queue()
         self.runners: list = [None] * self.world
         self.timeout = timeout
+        self._early = [collections.deque() for _ in range(self.world)]   # answers taken, per rank (collect)
+        self.spans: list[tuple[int, int, float, float]] = []   # (rank, step id, began, ended) of submitted plans
         kwargs = {"model": str(model_dir), "num_kv_blocks": 64, "max_model_len": 256, "device": "cpu",
                   "dtype": "float32", "num_threads": 1, **config, "tensor_parallel_size": tp,
                   "pipeline_parallel_size": pp}
@@ -90,6 +94,30 @@ class PipelineGroup:
             assert not answer.error, f"rank {rank}: {answer.error}"
         for rank, answer in answers.items():      # the last stage's tp ranks sample the same; the others none
             assert answer.sampled in ({}, answers[self.answer].sampled), f"rank {rank} sampled other tokens"
+        return answers[self.answer]
+
+    def submit(self, plan) -> None:
+        """Queues the plan on every rank without waiting. A rank runs its plans in order, so with two submitted the
+        first stage runs the second while the last stage still runs the first, as under the scheduler's window."""
+        def job(runner, rank):
+            began = time.perf_counter()
+            result = runner.execute(plan)
+            self.spans.append((rank, plan.step_id, began, time.perf_counter()))
+            return result
+        for rank, inbox in enumerate(self.inboxes):
+            inbox.put(lambda runner, rank=rank: job(runner, rank))
+
+    def collect(self, plan):
+        """The answering rank's result of `plan`, the oldest plan submitted and not collected (every rank answers
+        its plans in order; the others' answers must be error-free)."""
+        while any(not self._early[r] for r in range(self.world)):
+            rank, answer = self._take()
+            self._early[rank].append(answer)
+        answers = {r: self._early[r].popleft() for r in range(self.world)}
+        for rank, answer in answers.items():
+            if isinstance(answer, BaseException):
+                raise answer
+            assert answer.step_id == plan.step_id and not answer.error, f"rank {rank}: {answer}"
         return answers[self.answer]
 
     def reset(self) -> None:

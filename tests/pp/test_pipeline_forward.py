@@ -11,32 +11,11 @@ import pytest
 from steploop.gpu_worker.distributed.pipeline import stage_layers
 from tests.pp.pp_ranks import PipelineGroup
 from tests.tp.moe_ranks import SCHEDULES
-from tests.tp.tp_models import build_llama
-from tests.worker.family_models import build_family_model, load_oracle
-from tests.worker.test_families import oracle, prompts, serve
+from tests.worker.family_models import load_oracle
+from tests.worker.test_families import serve
 
 CASES = [("llama", 1, 2), ("llama_tied", 1, 2), ("llama", 2, 2), ("mixtral", 1, 2), ("mixtral", 2, 2),
          ("qwen3_moe", 2, 2)]   # 3 layers: 2 + 1, a dense layer between sparse ones, a replicated KV head
-
-
-BUILDERS = {"llama": lambda out, tok: build_llama(out, tok, 4, 2, tied=False),
-            "llama_tied": lambda out, tok: build_llama(out, tok, 4, 1, tied=True),
-            "mixtral": lambda out, tok: build_family_model("mixtral", out, tok),
-            "qwen3_moe": lambda out, tok: build_family_model("qwen3_moe", out, tok)}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, model_dir):
-    """name -> (folder, transformers' (tokens, logprobs) per prompt), built when a case first asks."""
-    built: dict = {}
-
-    def get(name: str):
-        if name not in built:
-            path = BUILDERS[name](tmp_path_factory.mktemp(f"pp-{name}"), model_dir)
-            hf_model = load_oracle(path)
-            built[name] = path, [oracle(hf_model, p) for p in prompts()]
-        return built[name]
-    return get
 
 
 # the first case runs in the fast suite; the others (about 10 s each on 2 shared cores) are slow

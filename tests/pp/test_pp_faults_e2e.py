@@ -1,7 +1,8 @@
 """Faults in a -pp 2 group (small random Llama, real processes: scheduler, gateway, one rank per stage): the last
-stage killed mid-stream, or SIGSTOPped (the first stage's wait for its tokens times out), breaks the group; every
-request is preempted and recomputed once the group re-forms, every stream ends with transformers' greedy text,
-every KV block is free at idle, nothing hangs (each wait has a deadline)."""
+stage killed mid-stream, or SIGSTOPped (the first stage's send of a step's hidden states times out: a gloo send
+completes only once the receiver posted its receive), breaks the group; every request is preempted and recomputed
+once the group re-forms, every stream ends with transformers' greedy text, every KV block is free at idle, nothing
+hangs (each wait has a deadline)."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ class DriverRequest:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     sent: bool = False
+    stage_known: int = 0                  # tokens a pipeline's stages before the last hold (StepPlan.stage_token_*)
     mm_features: list = field(default_factory=list)   # its images (vision-language models)
 
     @property
@@ -59,11 +60,15 @@ class Driver:
             new_blocks = self._grow(req, req.num_computed + n)
             if req.sent:
                 plan.cached.append(req.handle, req.num_computed, new_blocks)
+                for token in req.tokens[req.stage_known:]:     # sampled since: -pp stages append them
+                    plan.stage_token_handles.append(req.handle)
+                    plan.stage_token_ids.append(token)
             else:
                 plan.new_requests.append(NewRequestData(req.handle, req.prompt, req.output, req.sampling,
                                                         list(req.blocks), req.num_computed,
                                                         mm_features=req.mm_features))
                 req.sent = True
+            req.stage_known = len(req.tokens)
             plan.scheduled_handles.append(req.handle)
             plan.num_scheduled_tokens.append(n)
         result = self.runner.execute(plan)

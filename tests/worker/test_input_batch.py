@@ -47,3 +47,17 @@ def test_bad_deltas_raise():
     with pytest.raises(ValueError, match="knows only 4"):
         batch.apply_plan(StepPlan(3, cached=cached))
     assert len(batch.buffer("x", 1000)) == 1000
+
+
+def test_stage_tokens_appended_before_the_last_stage_and_checked_on_it():
+    plan = StepPlan(1, scheduled_handles=[1], num_scheduled_tokens=[1], stage_token_handles=[1], stage_token_ids=[77])
+    early, last = InputBatch(), InputBatch()
+    for batch in (early, last):
+        batch.apply_plan(StepPlan(0, new_requests=[new(1, range(4), [1])]))
+    last.append_sampled(1, [77], 4)               # the last stage sampled it; the first has only the prompt
+    early.take_stage_tokens(plan, verify=False)
+    last.take_stage_tokens(plan, verify=True)
+    assert early[1].token_ids == last[1].token_ids == [0, 1, 2, 3, 77]
+    wrong = StepPlan(2, stage_token_handles=[1], stage_token_ids=[78])
+    with pytest.raises(ValueError, match=r"stage tokens \[78\] are not the last stage's \[77\]"):
+        last.take_stage_tokens(wrong, verify=True)

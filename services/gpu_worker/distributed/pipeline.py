@@ -7,12 +7,14 @@ head is tied to it). Every rank gets the same plan and keeps the same batch stat
 
     stage s < last    forward its layers, send (hidden, residual) [T, hidden] to the same tp rank of stage s + 1
     stage s > first   receive them from stage s - 1 instead of embedding the ids
-    last stage        samples, then broadcasts the sampled ids to every rank, which appends them as its own
-                      (under async scheduling step N+1's input is step N's token, known before the scheduler sees it)
+    last stage        samples; the stages before it get each sampled token in the plan of the request's next step
+                      (StepPlan.stage_token_ids), so no stage waits for the last one within a step
 
-One plan runs through the pipe at a time: stage s + 1 waits for stage s within the step (no micro-batches yet).
-Every send / receive / broadcast is bounded by the group's timeout (comm.py): a dead stage raises CollectiveError
-on its neighbours, which leave the group, and the scheduler re-forms it; never a hang.
+The scheduler keeps one plan in flight per stage, with disjoint batches (scheduler/pipeline_scheduler.py): while
+stage 1 runs plan N, stage 0 runs plan N + 1. A gloo send completes only once its receiver posted the receive, so
+stage s is at most one plan ahead of stage s + 1. Every send / receive is bounded by the group's timeout (comm.py):
+a dead or stopped stage raises CollectiveError on its neighbours, which leave the group, and the scheduler
+re-forms it; never a hang.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from steploop.gpu_worker.distributed.comm import TensorParallelComm
 from steploop.gpu_worker.model.model_config import ModelConfig
 
-TOKEN_TAG, HIDDEN_TAG, RESIDUAL_TAG = 0, 1, 2
+HIDDEN_TAG, RESIDUAL_TAG = 1, 2
 
 
 class PipelineShapeError(ValueError):
@@ -119,9 +121,3 @@ class PipelineComm(TensorParallelComm):
         x, residual = x.contiguous(), residual.contiguous()
         self._run(lambda g: g.send([x], dst, HIDDEN_TAG), host_wait=True)
         self._run(lambda g: g.send([residual], dst, RESIDUAL_TAG), host_wait=True)
-
-    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [n] int64, meaningful on the last stage: every rank returns the last stage's (tp rank 0's)."""
-        root = self._peer(self.share.num_stages - 1) - self.rank % self.tp_size
-        self._run(lambda g: g.broadcast(tokens, root), host_wait=True)
-        return tokens

@@ -43,7 +43,7 @@ def form_group(rank: int, world_size: int, rendezvous: str, generation: int, tim
 def form_stage_groups(rank: int, tp_size: int, pp_size: int, rendezvous: str, generation: int, timeout: timedelta,
                       tp_host: str, device: torch.device, master: GroupStore | None):
     """A pipeline-parallel group (pipeline.py): (its stage's tensor-parallel group, None at -tp 1; the whole
-    group of tp x pp ranks, for the stages' sends and the token broadcast), both on rank 0's one store."""
+    group of tp x pp ranks, for the stages' sends and receives), both on rank 0's one store."""
     world = tp_size * pp_size
     store = _open_store(rank, world, rendezvous, timeout, master)
     stage, tp_rank = divmod(rank, tp_size)
