@@ -71,7 +71,8 @@ class Scheduler:
         self.stop_rules = StopRules(self.eos_token_ids, max_model_len)
         # The plain-decode runs of the two hot loops in C (fastpath/decode_loop.c), or None: Python throughout.
         self.c_loops = fastpath.load()
-        self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens)   # images' encoder work
+        step_tokens = min(t for t in (config.max_num_batched_tokens, config.long_prefill_token_threshold) if t > 0)
+        self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens, step_tokens)   # images
         self.background_yields = False              # this step: an interactive request waits (schedule())
 
     # ----------------------------------------------------------------- requests in and out
