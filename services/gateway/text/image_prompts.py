@@ -33,8 +33,8 @@ from steploop.gateway.media.policy import MediaPolicy
 # a quarter of a gRPC message, so a plan still fits beside other new requests.
 MAX_PIXEL_BYTES = MAX_MESSAGE_BYTES // 4
 
-# model_type -> the config.json key of its image placeholder token id
-IMAGE_TOKEN_KEYS = {"qwen2_5_vl": "image_token_id"}
+# model_type -> the config.json key of its image placeholder token id (the token its chat template places)
+IMAGE_TOKEN_KEYS = {"qwen2_5_vl": "image_token_id", "gemma3": "boi_token_index"}
 
 
 def images_of(messages: Sequence[dict[str, Any]]) -> list[ImageRef]:
@@ -61,6 +61,10 @@ class ImagePrompts:
         if key is None or not (folder / "preprocessor_config.json").is_file():
             return cls(model_name, policy)
         processor = _image_processor(folder)
+        if config["model_type"] == "gemma3":      # its placeholder text is replaced before tokenizing
+            from steploop.gateway.text.gemma3_image_prompts import Gemma3ImagePrompts
+            from steploop.gateway.text.tokenizer import load_tokenizer
+            return Gemma3ImagePrompts(model_name, policy, processor, load_tokenizer(folder).hf, config)
         return cls(model_name, policy, processor, int(config[key]), int(getattr(processor, "merge_size", 1)))
 
     async def prepare(self, refs: list[ImageRef], served: bool = True) -> list[LoadedImage]:
