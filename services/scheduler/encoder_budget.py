@@ -139,6 +139,17 @@ def whole_image_chunk(features: list[MultiModalFeature], start: int, num_new: in
     return num_new
 
 
+def paced_whole_image(features: list[MultiModalFeature], start: int, unpaced: int, paced: int) -> int:
+    """Prefill pacing's chunk for a whole-image model: cut inside an image that starts at `start` (or before it,
+    after a prefix hit) it could never advance while streams decode, so the rest of that image runs (as an image
+    larger than a whole allowance does: with the decodes); cut inside a later image it stops before it (clip)."""
+    end = start + paced
+    for f in features:
+        if 0 < paced and f.offset <= start and end < f.end <= start + unpaced:
+            return f.end - start
+    return paced
+
+
 def _reached(features: list[MultiModalFeature], start: int, end: int) -> list[MultiModalFeature]:
     """The images whose placeholder range meets tokens [start, end)."""
     return [f for f in features if f.offset < end and start < f.end]

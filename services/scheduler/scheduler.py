@@ -19,7 +19,7 @@ from steploop.common.pooling_params import PoolingConfig
 from steploop.common.step_contract import StepPlan, StepResult
 from steploop.scheduler import admission, fastpath, policy, running_pass, step_update
 from steploop.scheduler.config import SchedulerConfig
-from steploop.scheduler.encoder_budget import EncoderBudget
+from steploop.scheduler.encoder_budget import EncoderBudget, paced_whole_image
 from steploop.scheduler.handles import HandleTable
 from steploop.scheduler.integrity import check_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
@@ -278,8 +278,11 @@ class Scheduler:
         num_new = min(gap, budget, self.max_model_len - (request.pooling is None) - computed)
         images = request.mm_features and computed < request.mm_features[-1].end
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
-            num_new = self.pacer.clip(num_new, computed,
-                                      self.encoder.to_encode(request, computed, num_new) if images else ())
+            paced = self.pacer.clip(num_new, computed,
+                                    self.encoder.to_encode(request, computed, num_new) if images else ())
+            if images and self.encoder.whole_images:      # Gemma 3: never stuck inside an image while decodes run
+                paced = paced_whole_image(request.mm_features, computed, num_new, paced)
+            num_new = paced
         if images:                                                # the encoder's budget and cache
             num_new = self.encoder.clip(request, computed, num_new)
         return num_new

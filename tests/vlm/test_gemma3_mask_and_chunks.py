@@ -15,7 +15,7 @@ from steploop.common.step_contract import StepResult
 from steploop.gpu_worker.attention.metadata import build_common_metadata
 from steploop.gpu_worker.encoder_cache import _whole_span
 from steploop.gpu_worker.model.windowed_attention import WindowedAttention
-from steploop.scheduler.encoder_budget import whole_image_chunk
+from steploop.scheduler.encoder_budget import paced_whole_image, whole_image_chunk
 from steploop.scheduler.request import Request, RequestRejectedError
 from tests.scheduler.sched_factories import create_scheduler
 
@@ -93,6 +93,18 @@ def test_a_chunk_stops_before_an_image_it_cannot_finish():
     assert whole_image_chunk(images, 12, 5) == 0            # starts inside a (a prefix hit) and cannot finish: waits
     assert whole_image_chunk(images, 12, 9) == 9            # finishes a from inside
     assert whole_image_chunk(images, 21, 9) == 9            # text only
+
+
+def test_prefill_pacing_never_leaves_a_request_stuck_inside_an_image():
+    """While streams decode the pacer may give a prompt chunk fewer tokens than an image: at the image's start (or
+    inside it) the rest of the image runs; before it, the chunk keeps its paced length (clip stops it at the image)."""
+    images = [feature("a", 5, 16)]
+    assert paced_whole_image(images, 5, 40, 6) == 16           # at the image: all of it
+    assert paced_whole_image(images, 12, 40, 3) == 9           # inside it (a prefix hit): its rest
+    assert paced_whole_image(images, 5, 10, 6) == 6            # the unpaced budget cannot hold it either: clip waits
+    assert paced_whole_image(images, 0, 40, 8) == 8            # before it: whole_image_chunk stops the chunk at 5
+    assert paced_whole_image(images, 5, 40, 30) == 30          # not cut inside it
+    assert paced_whole_image(images, 21, 40, 4) == 4           # after it
 
 
 def request(rid: str, features, n: int = 60) -> Request:
