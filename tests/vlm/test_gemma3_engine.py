@@ -128,3 +128,26 @@ def test_different_images_never_share_a_block(runner, gemma3_oracle, gemma3_fold
     assert b.num_cached_tokens == image_block * BLOCK
     assert out["a"] == oracle_generate(gemma3_oracle, ids_a, feats_a, MAX_TOKENS)
     assert out["b"] == oracle_generate(gemma3_oracle, ids_b, feats_b, MAX_TOKENS)
+
+
+def test_preempted_image_request_recomputes_the_same_tokens(runner, gemma3_oracle, gemma3_folder, pngs):
+    ids, features = prompt_with_images([pngs[0], pngs[2]], [5, 7, 6], gemma3_folder, seed=1)
+    want = oracle_generate(gemma3_oracle, ids, features, MAX_TOKENS)
+    sched = scheduler(runner, 21, enable_prefix_caching=False)
+    r = request("a", ids, features)
+    sched.add_request(r)
+    for _ in range(3):                      # past the first image, before the second is done
+        plan = sched.schedule()
+        sched.update_from_output(plan, runner.execute(plan))
+    assert features[0].end <= r.num_computed_tokens < features[1].end
+    runner.execute(sched.preempt_running())
+    assert r.num_preemptions == 1
+    assert run(sched, runner, [])["a"] == want
+
+
+def test_gemma3_images_are_refused_on_cuda(gemma3_folder, monkeypatch):
+    """The Triton / CUDA path has no same-image mask: the worker refuses at start rather than serve other tokens."""
+    monkeypatch.setattr(WorkerConfig, "resolved_device", lambda self: "cuda")
+    with pytest.raises(ValueError, match="CPU only"):
+        ModelRunner.from_config(WorkerConfig(model=str(gemma3_folder), max_model_len=256, block_size=BLOCK),
+                                gemma3_folder)
