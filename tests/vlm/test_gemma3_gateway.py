@@ -1,7 +1,7 @@
 """Gemma 3 image parts through the gateway (a fake engine behind it), with the tiny model's own folder (tokenizer
 with Gemma 3's image tokens, chat template, Gemma3ImageProcessor): the engine gets exactly the token ids and pixels
-transformers' Gemma3Processor makes from the rendered prompt and the images, and each feature covers one image's
-<image_soft_token> run."""
+transformers' Gemma3Processor makes from the rendered prompt and the images (OpenAI chat and Anthropic messages), and
+each feature covers one image's <image_soft_token> run."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ async def served(gemma3_with_tokenizer):
     config = GatewayConfig(port=0, model=str(gemma3_with_tokenizer), served_model_name="gemma3")
     try:
         async with serving_app(EngineClient(address), tokenizer, config) as (url, _app):
-            yield openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), engine
+            yield openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), engine, url
     finally:
         await server.stop(None)
 
@@ -57,7 +57,7 @@ def processor_inputs(folder, parts: list, pngs: list[bytes]):
 
 
 async def test_image_parts_reach_the_engine_as_gemma3_processor_makes_them(served, gemma3_with_tokenizer):
-    client, engine = served
+    client, engine, _ = served
     pngs = [png_bytes(40, 30, 1), png_bytes(24, 36, 3)]
     parts = [image_part(pngs[0]), {"type": "text", "text": "and\n"}, image_part(pngs[1]),
              {"type": "text", "text": "compare"}]           # an image right after "user\n", one after a newline
@@ -76,9 +76,26 @@ async def test_image_parts_reach_the_engine_as_gemma3_processor_makes_them(serve
 
 
 async def test_image_tokens_typed_in_the_text_are_a_400(served):
-    client, engine = served
+    client, engine, _ = served
     with pytest.raises(openai.BadRequestError) as exc:
         await client.chat.completions.create(model="gemma3", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "text", "text": "<image_soft_token>"}, image_part(png_bytes(40, 30, 1))]}])
     assert "image tokens of its own" in exc.value.message
     assert engine.requests == []
+
+
+async def test_anthropic_base64_image_reaches_the_engine_as_the_processor_makes_it(served, gemma3_with_tokenizer):
+    import anthropic
+    _, engine, url = served
+    png = png_bytes(24, 36, 4)
+    client = anthropic.AsyncAnthropic(base_url=url, api_key="none", max_retries=0)
+    await client.messages.create(model="gemma3", max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(png).decode()}},
+        {"type": "text", "text": "What is it?"}]}])
+    sent = engine.requests[-1]
+    want_ids, want_pixels = processor_inputs(gemma3_with_tokenizer, [image_part(png),
+                                                                     {"type": "text", "text": "What is it?"}], [png])
+    assert list(sent.prompt_token_ids) == want_ids and len(sent.mm_features) == 1
+    got = np.frombuffer(sent.mm_features[0].pixel_values, "<f4").reshape(tuple(sent.mm_features[0].pixel_shape))
+    np.testing.assert_array_equal(got, want_pixels[0])
