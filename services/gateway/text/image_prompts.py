@@ -15,7 +15,6 @@ numpy ("slow") ones.
 from __future__ import annotations
 
 import asyncio
-import json
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,22 +49,6 @@ class ImagePrompts:
         self.model_name, self.policy, self.processor = model_name, policy, processor
         self.image_token_id, self.merge_size = image_token_id, merge_size
         self.on_images: Callable[[int], None] | None = None   # images per served request (gateway metrics.py)
-
-    @classmethod
-    def load(cls, folder: pathlib.Path, model_name: str, policy: MediaPolicy) -> ImagePrompts:
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError):
-            return cls(model_name, policy)
-        key = IMAGE_TOKEN_KEYS.get(config.get("model_type", ""))
-        if key is None or not (folder / "preprocessor_config.json").is_file():
-            return cls(model_name, policy)
-        processor = _image_processor(folder)
-        if config["model_type"] == "gemma3":      # its placeholder text is replaced before tokenizing
-            from steploop.gateway.text.gemma3_image_prompts import Gemma3ImagePrompts
-            from steploop.gateway.text.tokenizer import load_tokenizer
-            return Gemma3ImagePrompts(model_name, policy, processor, load_tokenizer(folder).hf, config)
-        return cls(model_name, policy, processor, int(config[key]), int(getattr(processor, "merge_size", 1)))
 
     async def prepare(self, refs: list[ImageRef], served: bool = True) -> list[LoadedImage]:
         """served False: only counted (count_tokens), not in the images-per-request metric."""
@@ -110,7 +93,7 @@ class ImagePrompts:
         return np.asarray(out["pixel_values"], dtype=np.float32), grid
 
 
-def _image_processor(folder: pathlib.Path) -> Any:
+def image_processor(folder: pathlib.Path) -> Any:
     from steploop.gateway.text.tokenizer import import_without_torch   # lazy: see the module docstring
     return import_without_torch("AutoImageProcessor").from_pretrained(str(folder), local_files_only=True,
                                                                       use_fast=False)
