@@ -272,6 +272,7 @@ class WorkerInfo:
     kv_role: str = ""                    # --kv-role: "" (everything), "prefill" or "decode" (pd_disagg.py)
     kv_transfer_address: str = ""        # a decode worker's block receiver, host:port
     accepts_images: bool = False         # a vision-language model (requests may carry images)
+    images_whole: bool = False           # its images attend both ways (Gemma 3): chunks never end inside one
 
     @property
     def answer_rank(self) -> int:
@@ -287,7 +288,8 @@ class WorkerInfo:
             expert_parallel=self.expert_parallel, pipeline_parallel_size=self.pipeline_parallel_size,
             kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
             kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
-            accepts_images=self.accepts_images, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address)
+            accepts_images=self.accepts_images,
+            images_whole=self.images_whole, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -315,4 +317,5 @@ class WorkerInfo:
                    expert_parallel=pb.expert_parallel, pipeline_parallel_size=pb.pipeline_parallel_size or 1,
                    kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
                    kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
-                   accepts_images=pb.accepts_images, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address)
+                   accepts_images=pb.accepts_images,
+                   images_whole=pb.images_whole, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address)

@@ -44,7 +44,7 @@ from steploop.gateway.responses_api.store import ResponseStore
 from steploop.gateway.routing import route_header
 from steploop.gateway.serving import Serving
 from steploop.gateway.text.chat_template import ChatTemplate
-from steploop.gateway.text.image_prompts import ImagePrompts
+from steploop.gateway.text.image_prompt_loader import load_image_prompts
 from steploop.gateway.text.reasoning import get_reasoning_parser
 from steploop.gateway.text.tokenizer import Tokenizer
 from steploop.gateway.tool_parsers import get_tool_parser
@@ -131,7 +131,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
                            keep_special_tokens=reasoning is not None and reasoning.needs_special_tokens)
     app[TOOL_PARSER] = tool_parser = get_tool_parser(config.tool_call_parser)
     app[CHAT_TEMPLATE] = ChatTemplate(tokenizer, tool_parser)
-    app[IMAGE_PROMPTS] = ImagePrompts.load(path, name, config.media)
+    app[IMAGE_PROMPTS] = load_image_prompts(path, name, config.media)
     app[HEALTH] = HealthProbe(engine_client, drain)
     app[DRAIN] = drain
     app[MAX_BODY] = config.max_request_body_bytes

@@ -1,4 +1,5 @@
-"""The worker's multimodal state: each live request's images and M-RoPE positions, and the encoder cache.
+"""The worker's multimodal state: each live request's images and M-RoPE positions (Qwen2.5-VL), and the encoder
+cache.
 
 The encoder cache maps an image hash to its embeddings [length, hidden]. An image is encoded the first time a
 scheduled chunk reaches its placeholder range and stays until the scheduler frees the hash
@@ -7,8 +8,10 @@ with the same image, reuses it. The scheduler mirrors this cache (scheduler/enco
 work per step; if an entry is missing here anyway (e.g. after a worker restart), it is encoded again: the same
 embeddings, so never a wrong token.
 
-step_inputs() turns a plan into the forward's extras: positions [3, T] and (rows, embeddings) of the placeholder
-tokens scheduled this step.
+step_inputs() turns a plan into the forward's extras: positions ([3, T] under M-RoPE, else the step's own [T]),
+(rows, embeddings) of the placeholder tokens scheduled this step, and, for a model whose image tokens attend to each
+other both ways (Gemma 3, model.images_whole), each batch row's image spans for the attention mask
+(model/windowed_attention.py); a chunk that ends inside an image is an error there (the scheduler never plans one).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from steploop.gpu_worker.model.qwen2_5_vl import mrope_positions
 @dataclass
 class _RequestImages:
     features: list[MultiModalFeature]
-    prompt_positions: np.ndarray          # [3, num_prompt] int64
+    prompt_positions: np.ndarray | None   # [3, num_prompt] int64 under M-RoPE; None: positions are indices
     delta: int                            # a token at index i >= num_prompt sits at i + delta
     traceparent: str = ""                 # the request's trace (tracing on): its images' encode spans join it
 
@@ -40,6 +43,8 @@ class EncoderCache:
         self.entries: dict[str, torch.Tensor] = {}     # image hash -> [length, hidden]
         self.requests: dict[int, _RequestImages] = {}
         self.num_encoded = 0                           # images the tower ran on (tests and metrics read it)
+        self.mrope = model.config.mrope_section is not None
+        self.images_whole = getattr(model, "images_whole", False)
 
     def apply_plan(self, plan: StepPlan) -> None:
         """Before InputBatch.apply_plan's effects are used: drop gone requests and freed entries, add new ones."""
@@ -48,33 +53,42 @@ class EncoderCache:
         for h in plan.encoder_free_hashes:
             self.entries.pop(h, None)
         for new in plan.new_requests:
-            positions, delta = mrope_positions(len(new.prompt_token_ids), new.mm_features,
-                                               self.model.spatial_merge_size)
+            positions, delta = None, 0
+            if self.mrope:
+                positions, delta = mrope_positions(len(new.prompt_token_ids), new.mm_features,
+                                                   self.model.spatial_merge_size)
             self.requests[new.handle] = _RequestImages(list(new.mm_features), positions, delta, new.traceparent)
 
     def reset(self) -> None:
         self.requests.clear()
         self.entries.clear()
 
-    def step_inputs(self, batch: InputBatch, plan: StepPlan) -> tuple[torch.Tensor, tuple | None]:
-        """(positions [3, T] on the device, (rows [M], embeddings [M, hidden]) or None) for the scheduled chunks.
-        Call before the forward, while each request's num_computed_tokens is the chunk's start."""
-        pos_parts, rows, embeds, base = [], [], [], 0
-        for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+    def step_inputs(self, batch: InputBatch, plan: StepPlan, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, tuple | None, dict[int, list[tuple[int, int]]]]:
+        """(positions on the device: [3, T] under M-RoPE, else `positions` (the step's [T]); (rows [M], embeddings
+        [M, hidden]) or None; image spans: batch row -> [(offset, end)] of the images its chunk computes, for a
+        model whose image tokens attend both ways, else {}) for the scheduled chunks. Call before the forward,
+        while each request's num_computed_tokens is the chunk's start."""
+        pos_parts, rows, embeds, spans, base = [], [], [], {}, 0
+        for row, (handle, n) in enumerate(zip(plan.scheduled_handles, plan.num_scheduled_tokens)):
             c = batch[handle].num_computed_tokens
             images = self.requests.get(handle)
-            pos_parts.append(self._positions(images, c, n))
+            if self.mrope:
+                pos_parts.append(self._positions(images, c, n))
             for f in images.features if images is not None else ():
                 lo, hi = max(f.offset, c), min(f.end, c + n)
                 if lo < hi:
                     rows.append(np.arange(base + lo - c, base + hi - c))
                     embeds.append(self._embeddings(f, images.traceparent)[lo - f.offset:hi - f.offset])
+                    if self.images_whole:
+                        spans.setdefault(row, []).append(_whole_span(f, c, n))
             base += n
-        positions = torch.from_numpy(np.concatenate(pos_parts, axis=1)).to(self.device)
+        if self.mrope:
+            positions = torch.from_numpy(np.concatenate(pos_parts, axis=1)).to(self.device)
         if not rows:
-            return positions, None
+            return positions, None, spans
         row_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        return positions, (row_t, torch.cat(embeds))
+        return positions, (row_t, torch.cat(embeds)), spans
 
     @staticmethod
     def _positions(images: _RequestImages | None, c: int, n: int) -> np.ndarray:
@@ -95,6 +109,15 @@ class EncoderCache:
                 cached = self.entries[feature.hash] = self.model.encode_image(feature)
             self.num_encoded += 1
         return cached
+
+
+def _whole_span(feature: MultiModalFeature, start: int, num_new: int) -> tuple[int, int]:
+    """The image's [offset, end): the chunk [start, start + num_new) must reach its end (its tokens attend to
+    each other both ways: the keys after a query must be computed with it)."""
+    if start + num_new < feature.end:
+        raise ValueError(f"image {feature.hash[:12]}: the chunk [{start}, {start + num_new}) ends inside its "
+                         f"placeholder range [{feature.offset}, {feature.end}), which this model attends as a whole")
+    return feature.offset, feature.end
 
 
 def _encode_span(feature: MultiModalFeature, traceparent: str):

@@ -99,6 +99,10 @@ class ModelRunner:
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or granted_cpus())
         cfg = LlamaModelConfig.from_dir(model_path)
+        if cfg.model_type == "gemma3" and device.type != "cpu":
+            raise ValueError("gemma3 with images runs on the CPU only for now: its image tokens attend to each other "
+                             "both ways, a mask the Triton / CUDA-graph attention path does not apply (serve the "
+                             "text-only checkpoint as gemma3_text on CUDA, or run this one with --device cpu)")
         rank = RankSetup.for_worker(config, cfg)    # refuses shapes that cannot split, before weights load
         pooling = (load_pooling_config(model_path, cfg.hidden_size) if config.runner == "pooling" or
                    (config.runner == "auto" and has_sentence_transformers_config(model_path)) else None)
@@ -143,7 +147,7 @@ class ModelRunner:
                           dtype=str(dtype).removeprefix("torch."), expert_parallel=config.enable_expert_parallel,
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None,
-                          accepts_images=cfg.is_multimodal,
+                          accepts_images=cfg.is_multimodal, images_whole=getattr(model, "images_whole", False),
                           **kv_tier_mover.hello_fields(tiers), kv_role=config.kv_role)
         sender = receiver = None
         if config.kv_role == "prefill":
@@ -264,8 +268,10 @@ class ModelRunner:
         hidden = None
         attn_metadata = step.attn_metadata(self.model.backend)
         positions, mm_embeds = inputs.positions, None
-        if self.encoder is not None:       # M-RoPE positions and this step's image embeddings
-            positions, mm_embeds = self.encoder.step_inputs(self.batch, plan)
+        if self.encoder is not None:       # M-RoPE positions, this step's image embeddings and image spans
+            positions, mm_embeds, spans = self.encoder.step_inputs(self.batch, plan, positions)
+            if spans:
+                attn_metadata.image_spans = spans
         elif self.graphs is not None:      # None back: this step runs eagerly (capture_plan.py: why)
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn, attn_metadata.plan,
                                      inputs.logits_indices, with_lora, bool(prompt_rows))

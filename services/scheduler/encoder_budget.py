@@ -17,6 +17,11 @@ class decides, per step, which chunks may reach an image:
 An entry no live request needs is freed, and the next plan tells the worker (StepPlan.encoder_free_hashes): never
 the plan whose chunk completed the image, since the worker applies a plan's frees before its forward.
 add_request refuses an image larger than the budget or the cache, which could never run (check()).
+
+whole_images (Gemma 3, from the worker's hello): an image's placeholder tokens attend to each other both ways, so
+every one of them must be in the KV cache or in the same forward when any is computed. A chunk then never ends
+inside an image's range: it stops before the image, or (starting inside it after a prefix-cache hit) waits, as
+vLLM's disable_chunked_mm_input does; check() refuses an image longer than a step's token budget.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from steploop.scheduler.request import Request, RequestRejectedError
 
 
 class EncoderBudget:
-    def __init__(self, budget: int, cache_size: int):
-        self.budget, self.cache_size = budget, cache_size
+    def __init__(self, budget: int, cache_size: int, step_tokens: int = 0):
+        """step_tokens: the most prompt tokens one step may schedule for a request (whole_images checks it)."""
+        self.budget, self.cache_size, self.step_tokens = budget, cache_size, step_tokens
+        self.whole_images = False               # chunks never end inside an image (Gemma 3's bidirectional mask)
         self.users: dict[str, set[str]] = {}    # cached image hash -> ids of live requests still prefilling it
         self.sizes: dict[str, int] = {}         # cached image hash -> embeddings it holds
         self.left = budget                      # of this step's encoder budget
@@ -51,6 +58,11 @@ class EncoderBudget:
                     f"image {i} needs {f.length} encoder tokens, more than the scheduler's encoder budget "
                     f"({self.budget}) or cache ({self.cache_size}); send a smaller image or raise "
                     "--max-num-encoder-input-tokens / --encoder-cache-size", "invalid_value", "messages")
+            if self.whole_images and 0 < self.step_tokens < f.length:
+                raise RequestRejectedError(
+                    f"image {i} has {f.length} placeholder tokens, more than one step schedules ({self.step_tokens}): "
+                    "this model's image tokens attend to each other, so an image is prefilled in one chunk; raise "
+                    "--max-num-batched-tokens (and --long-prefill-token-threshold)", "invalid_value", "messages")
 
     def begin_step(self) -> None:
         self.left = self.budget
@@ -60,6 +72,8 @@ class EncoderBudget:
         return freed
 
     def clip(self, request: Request, start: int, num_new: int) -> int:
+        if self.whole_images:
+            num_new = whole_image_chunk(request.mm_features, start, num_new)
         need, new_hashes = 0, set()
         for f in _reached(request.mm_features, start, start + num_new):
             if f.hash in self.sizes or f.hash in new_hashes:
@@ -113,6 +127,27 @@ class EncoderBudget:
         if not users:
             del self.users[image_hash], self.sizes[image_hash]
             self._freed.append(image_hash)
+
+
+def whole_image_chunk(features: list[MultiModalFeature], start: int, num_new: int) -> int:
+    """num_new clipped so the chunk [start, start + num_new) does not end inside an image's placeholder range:
+    it stops before that image (0 when it starts inside it: the request waits for a step with room)."""
+    end = start + num_new
+    for f in features:
+        if f.offset < end < f.end:
+            return max(f.offset - start, 0)
+    return num_new
+
+
+def paced_whole_image(features: list[MultiModalFeature], start: int, unpaced: int, paced: int) -> int:
+    """Prefill pacing's chunk for a whole-image model: cut inside an image that starts at `start` (or before it,
+    after a prefix hit) it could never advance while streams decode, so the rest of that image runs (as an image
+    larger than a whole allowance does: with the decodes); cut inside a later image it stops before it (clip)."""
+    end = start + paced
+    for f in features:
+        if 0 < paced and f.offset <= start and end < f.end <= start + unpaced:
+            return f.end - start
+    return paced
 
 
 def _reached(features: list[MultiModalFeature], start: int, end: int) -> list[MultiModalFeature]:

@@ -249,6 +249,7 @@ class EngineLoop:
         lora = LoraSteps(self.server_config.lora.max_loras, self.lora.unloaded)
         self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids),
                                         info.pooling, lora, self.server_config.pipeline_parallel_size)
+        self.scheduler.encoder.whole_images = info.images_whole
         self.worker_info = info
         carried = self._pending + ([] if old is None else old.drain_requests())
         self._pending = []

@@ -113,6 +113,7 @@ class PdDisagg:
         kv = KVCacheManager(group.info.num_kv_blocks, group.info.block_size, config.enable_prefix_caching,
                             get_block_hasher(config.prefix_caching_hash_algo))
         self.scheduler = make_scheduler(config, kv, group.info.max_model_len, list(group.info.eos_token_ids))
+        self.scheduler.encoder.whole_images = group.info.images_whole     # Gemma 3: prompt chunks keep images whole
         self.group = group
         log.info("prefill worker %s attached: %d KV blocks", group.info.worker_id, group.info.num_kv_blocks)
         self._wakeup.set()

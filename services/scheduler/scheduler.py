@@ -20,7 +20,7 @@ from steploop.common.pooling_params import PoolingConfig
 from steploop.common.step_contract import StepPlan, StepResult
 from steploop.scheduler import admission, fastpath, policy, running_pass, step_update
 from steploop.scheduler.config import SchedulerConfig
-from steploop.scheduler.encoder_budget import EncoderBudget
+from steploop.scheduler.encoder_budget import EncoderBudget, paced_whole_image
 from steploop.scheduler.handles import HandleTable
 from steploop.scheduler.integrity import check_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
@@ -72,7 +72,8 @@ class Scheduler:
         self.stop_rules = StopRules(self.eos_token_ids, max_model_len)
         # The plain-decode runs of the two hot loops in C (fastpath/decode_loop.c), or None: Python throughout.
         self.c_loops = fastpath.load()
-        self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens)   # images' encoder work
+        step_tokens = min(t for t in (config.max_num_batched_tokens, config.long_prefill_token_threshold) if t > 0)
+        self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens, step_tokens)   # images
         self.background_yields = False              # this step: an interactive request waits (schedule())
 
     # ----------------------------------------------------------------- requests in and out
@@ -278,8 +279,11 @@ class Scheduler:
         num_new = min(gap, budget, self.max_model_len - (request.pooling is None) - computed)
         images = request.mm_features and computed < request.mm_features[-1].end
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
-            num_new = self.pacer.clip(num_new, computed,
-                                      self.encoder.to_encode(request, computed, num_new) if images else ())
+            paced = self.pacer.clip(num_new, computed,
+                                    self.encoder.to_encode(request, computed, num_new) if images else ())
+            if images and self.encoder.whole_images:      # Gemma 3: never stuck inside an image while decodes run
+                paced = paced_whole_image(request.mm_features, computed, num_new, paced)
+            num_new = paced
         if images:                                                # the encoder's budget and cache
             num_new = self.encoder.clip(request, computed, num_new)
         return num_new

@@ -25,3 +25,15 @@ def images():
 @pytest.fixture(scope="session")
 def two_image_prompt(images):
     return prompt_with_images([images[0], images[2]], [5, 9, 6], seed=1)
+
+
+@pytest.fixture(scope="session")
+def gemma3_folder(tmp_path_factory):
+    from tests.vlm.gemma3_models import build_gemma3
+    return build_gemma3(tmp_path_factory.mktemp("gemma3_vlm"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_oracle(gemma3_folder):
+    from tests.vlm.gemma3_models import load_oracle as load_gemma3
+    return load_gemma3(gemma3_folder)

@@ -23,9 +23,11 @@ CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "ministral
                   "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config",
                   "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config",
                   "granite": "GraniteConfig", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
-                  "qwen2_moe": "Qwen2MoeConfig", "qwen2_5_vl": "Qwen2_5_VLConfig"}
-# Constructor arguments a family needs to be servable at all (Qwen2.5-VL: its M-RoPE split, as every checkpoint has).
-CONFIG_KWARGS = {"qwen2_5_vl": {"text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}}}
+                  "qwen2_moe": "Qwen2MoeConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma3": "Gemma3Config"}
+# Constructor arguments a family needs to be servable at all (Qwen2.5-VL: its M-RoPE split, as every checkpoint has;
+# Gemma 3: a SigLIP of 896 / 14 = 64 patches a side, which pools to 256 tokens, as every checkpoint has).
+CONFIG_KWARGS = {"qwen2_5_vl": {"text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}},
+                 "gemma3": {"vision_config": {"image_size": 896, "patch_size": 14, "vision_use_head": False}}}
 
 
 def test_every_family_has_its_config_class():

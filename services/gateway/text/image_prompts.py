@@ -15,7 +15,6 @@ numpy ("slow") ones.
 from __future__ import annotations
 
 import asyncio
-import json
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,8 +32,8 @@ from steploop.gateway.media.policy import MediaPolicy
 # a quarter of a gRPC message, so a plan still fits beside other new requests.
 MAX_PIXEL_BYTES = MAX_MESSAGE_BYTES // 4
 
-# model_type -> the config.json key of its image placeholder token id
-IMAGE_TOKEN_KEYS = {"qwen2_5_vl": "image_token_id"}
+# model_type -> the config.json key of its image placeholder token id (the token its chat template places)
+IMAGE_TOKEN_KEYS = {"qwen2_5_vl": "image_token_id", "gemma3": "boi_token_index"}
 
 
 def images_of(messages: Sequence[dict[str, Any]]) -> list[ImageRef]:
@@ -50,18 +49,6 @@ class ImagePrompts:
         self.model_name, self.policy, self.processor = model_name, policy, processor
         self.image_token_id, self.merge_size = image_token_id, merge_size
         self.on_images: Callable[[int], None] | None = None   # images per served request (gateway metrics.py)
-
-    @classmethod
-    def load(cls, folder: pathlib.Path, model_name: str, policy: MediaPolicy) -> ImagePrompts:
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError):
-            return cls(model_name, policy)
-        key = IMAGE_TOKEN_KEYS.get(config.get("model_type", ""))
-        if key is None or not (folder / "preprocessor_config.json").is_file():
-            return cls(model_name, policy)
-        processor = _image_processor(folder)
-        return cls(model_name, policy, processor, int(config[key]), int(getattr(processor, "merge_size", 1)))
 
     async def prepare(self, refs: list[ImageRef], served: bool = True) -> list[LoadedImage]:
         """served False: only counted (count_tokens), not in the images-per-request metric."""
@@ -106,7 +93,7 @@ class ImagePrompts:
         return np.asarray(out["pixel_values"], dtype=np.float32), grid
 
 
-def _image_processor(folder: pathlib.Path) -> Any:
+def image_processor(folder: pathlib.Path) -> Any:
     from steploop.gateway.text.tokenizer import import_without_torch   # lazy: see the module docstring
     return import_without_torch("AutoImageProcessor").from_pretrained(str(folder), local_files_only=True,
                                                                       use_fast=False)

@@ -242,6 +242,27 @@ def _qwen2_5_vl(f: Fields) -> dict[str, Any]:
             "vision_end_token_id": f.get("vision_end_token_id"), "model_type": f.model_type}
 
 
+def _gemma3_vlm(f: Fields) -> dict[str, Any]:
+    """Gemma 3 with images: the Gemma 3 text decoder (text_config, audited as gemma3_text) plus transformers' own
+    SigLIP tower and projector (model/gemma3_vlm.py; the vision config is passed whole: the modules read it)."""
+    text = Fields(to_v4_rope(f.get("text_config")), "gemma3_text")
+    cfg = _gemma3(text)
+    _refuse_unaccounted(text)
+    for key in ("pruned_heads", "is_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+                "tie_encoder_decoder"):
+        f.refuse_if(key, bool, "steploop runs decoder-only models with every head")
+    vision = dict(f.get("vision_config"))
+    tokens = int(f.get("mm_tokens_per_image", 256))
+    side, patches = int(tokens ** 0.5), vision.get("image_size", 224) // vision.get("patch_size", 14)
+    if side * side != tokens or patches % side:
+        raise ValueError(f"mm_tokens_per_image={tokens} must be a square whose side divides the tower's "
+                         f"{patches} patches per side (the projector average-pools to it)")
+    f.get("boi_token_index"), f.get("eoi_token_index")   # the chat template's tokens around an image: text here
+    f.get("tie_word_embeddings")     # transformers ties by text_config's (get_text_config), which _gemma3 read
+    return {**cfg, "vision_config": vision, "image_token_id": f.get("image_token_index"),
+            "mm_tokens_per_image": tokens, "model_type": f.model_type}
+
+
 def _refuse_unaccounted(f: Fields) -> None:
     set_fields = [k for k in f.unaccounted() if f.values[k] not in (None, False, 0, "", [], {})]
     if set_fields:
@@ -254,7 +275,7 @@ FAMILIES: dict[str, Callable[[Fields], dict[str, Any]]] = {
     "llama": _llama, "mistral": _mistral, "ministral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
     "gemma": _gemma, "gemma2": _gemma2, "gemma3_text": _gemma3, "phi3": _phi3, "olmo2": _olmo2,
     "granite": _granite, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe,
-    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3_vlm,
 }
 
 

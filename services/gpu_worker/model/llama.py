@@ -56,6 +56,11 @@ class LlamaAttention(nn.Module):
                                                                                               cfg.attn_softcap):
             self.windowed = WindowedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.scale, window,
                                               cfg.attn_softcap)
+        # Gemma 3 with images: steps holding image tokens attend in torch with the same-image mask (image_spans)
+        self.image_attention = self.windowed
+        if cfg.mm_tokens_per_image is not None and self.windowed is None:
+            self.image_attention = WindowedAttention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.scale,
+                                                     window, cfg.attn_softcap)
         # the backend was built with the default scale; a family's own scale is folded into q for it
         self.q_rescale = cfg.scale / backend.scale if abs(cfg.scale - backend.scale) > 1e-12 else None
 
@@ -71,8 +76,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        if self.windowed is not None:
-            o = self.windowed.forward(q, k, v, kv_cache, attn_metadata)
+        if self.windowed is not None or (self.image_attention is not None and has_image_spans(attn_metadata)):
+            o = self.image_attention.forward(q, k, v, kv_cache, attn_metadata)
         else:
             if self.q_rescale is not None:
                 q = q * self.q_rescale
@@ -182,16 +187,17 @@ class LlamaForCausalLM(nn.Module):
         pipe = self.pipe
         if pipe is None or pipe.share.is_first:
             x, residual = self.model.embed_tokens(input_ids), None  # [T, hidden]
-            if mm_embeds is not None:
-                x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
             if self.config.embedding_scale != 1.0:    # in the model dtype, as transformers' Gemma normalizer
                 x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+            if mm_embeds is not None:                 # after the scale: Gemma 3 does not scale image embeddings
+                x = x.index_copy(0, mm_embeds[0], mm_embeds[1].to(x.dtype))
         else:
             x, residual = pipe.recv_hidden(input_ids.shape[0], self.config.hidden_size,
                                            self.model.layers[0].post_attention_layernorm.weight.dtype,
                                            input_ids.device)
         if self.cpu_decoder is not None and getattr(attn_metadata, "whole_batch_in_kernel", False) \
-                and self.cpu_decoder.serves(kv_caches) and not (self.lora is not None and self.lora.active):
+                and self.cpu_decoder.serves(kv_caches) and not (self.lora is not None and self.lora.active) \
+                and not has_image_spans(attn_metadata):
             x, residual = self.cpu_decoder.forward(x, positions, attn_metadata.common)   # all layers in one C call
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -213,3 +219,8 @@ class LlamaForCausalLM(nn.Module):
             cap = self.config.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def has_image_spans(attn_metadata: Any) -> bool:
+    """The step computes image tokens that attend to each other both ways (Gemma 3; model/windowed_attention.py)."""
+    return bool(getattr(attn_metadata, "image_spans", None))

@@ -37,6 +37,15 @@ log = logging.getLogger(__name__)
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# Gemma 3 with images: its checkpoint's text decoder sits under language_model (transformers 4's saved layout,
+# model.language_model in 5's), the tower and projector under model. in 5; ours are the text model's names
+_GEMMA3_NAMES = re.compile(r"^(?:model\.)?(language_model\.model\.|language_model\.lm_head\.|language_model\.|"
+                           r"vision_tower\.|multi_modal_projector\.)")
+
+
+def _gemma3_name(m: re.Match) -> str:
+    return {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+            "language_model.": "model."}.get(m.group(1), m.group(1))
 
 
 def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -114,6 +123,9 @@ def _model_class(cfg: LlamaModelConfig) -> type[LlamaForCausalLM]:
     if cfg.model_type == "qwen2_5_vl":
         from steploop.gpu_worker.model.qwen2_5_vl import Qwen2_5_VLForCausalLM
         return Qwen2_5_VLForCausalLM
+    if cfg.model_type == "gemma3":
+        from steploop.gpu_worker.model.gemma3_vlm import Gemma3VLForCausalLM
+        return Gemma3VLForCausalLM
     return LlamaForCausalLM
 
 
@@ -153,7 +165,8 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
         log.info("loading weights %d/%d: %s", i, len(files), file.name)
         with safe_open(file, framework="pt") as f:
             for stored in f.keys():
-                name = stored if stage is None else stage.local_name(stored)
+                name = _GEMMA3_NAMES.sub(_gemma3_name, stored) if cfg.model_type == "gemma3" else stored
+                name = name if stage is None else stage.local_name(name)
                 if name is None:             # another pipeline stage's
                     continue
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):

@@ -59,6 +59,7 @@ class ModelConfig:
     image_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    mm_tokens_per_image: int | None = None  # Gemma 3: embeddings per image (its projector pools to them)
     first_layer: int = 0                    # a pipeline stage: its layers are [first_layer, + num_hidden_layers)
 
     @property

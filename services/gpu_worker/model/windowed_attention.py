@@ -7,6 +7,11 @@ layout [2, num_blocks, block_size, Hk, D]. Per step it plans once (cached on the
 torch backend does: requests split into decodes and the rest, each group padded to its longest query, block tables
 gathered whole. The mask is key j attends from query position p iff p - window < j <= p (transformers'
 sliding_window_overlay). Soft-capping: logits = cap * tanh(logits / cap) before the mask and the fp32 softmax.
+
+Image spans (Gemma 3 with images, set by the worker on the step's metadata as `image_spans`: batch row -> the
+[lo, hi) placeholder ranges its chunk computes): a query inside a span also attends to every key of that span,
+before or after it, whatever the window (transformers' token_type_ids_mask_function, ORed onto the causal and the
+sliding masks). The scheduler keeps each span whole in one chunk, so its later keys are this step's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class _Group:
     query_pos: torch.Tensor    # [g, max_q] position of each padded query in its request
     key_valid: torch.Tensor    # [g, max_q, nb * block_size] causal and in-context, before any window
     masks: dict = field(default_factory=dict)   # window -> [g, 1, max_q, nb * block_size] bool
+    same_image: torch.Tensor | None = None      # [g, max_q, nb * block_size]: query and key in one image span
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
@@ -40,14 +46,37 @@ class _Group:
             if window is not None:
                 j = torch.arange(m.shape[-1], device=m.device)
                 m = m & (j[None, None, :] > self.query_pos[:, :, None] - window)
+            if self.same_image is not None:
+                m = m | self.same_image
             self.masks[window] = m.unsqueeze(1)
         return self.masks[window]
 
 
-def _plan(common: CommonAttentionMetadata) -> list[_Group]:
+def _plan(common: CommonAttentionMetadata, image_spans: dict[int, list[tuple[int, int]]] | None = None
+          ) -> list[_Group]:
     is_decode = common.query_lens_cpu == 1
-    return [_build_group(common, torch.from_numpy(np.flatnonzero(sel)).to(common.seq_lens.device))
-            for sel in (is_decode, ~is_decode) if sel.any()]
+    groups = []
+    for sel in (is_decode, ~is_decode):
+        rows = np.flatnonzero(sel)
+        if len(rows):
+            g = _build_group(common, torch.from_numpy(rows).to(common.seq_lens.device))
+            if image_spans and any(r in image_spans for r in rows.tolist()):
+                g.same_image = _same_image(g, rows, image_spans)
+            groups.append(g)
+    return groups
+
+
+def _same_image(g: _Group, rows: np.ndarray, image_spans: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """[g, max_q, L] bool: query and key positions lie in the same image span of their request."""
+    length = g.key_valid.shape[-1]
+    key_image = np.full((len(rows), length), -1, dtype=np.int64)     # span number of each key position, -1: text
+    for i, row in enumerate(rows.tolist()):
+        for n, (lo, hi) in enumerate(image_spans.get(row, ())):
+            key_image[i, lo:hi] = n
+    key_image = torch.from_numpy(key_image).to(g.key_valid.device)
+    query_image = key_image.gather(1, g.query_pos.clamp(max=length - 1))
+    query_image = torch.where(g.q_valid, query_image, -1)
+    return (query_image[:, :, None] == key_image[:, None, :]) & (query_image[:, :, None] >= 0)
 
 
 def _build_group(common: CommonAttentionMetadata, idx: torch.Tensor) -> _Group:
@@ -83,7 +112,7 @@ class WindowedAttention:
         write_kv(kv_cache, k, v, common.slot_mapping)
         groups = metadata.__dict__.get("_windowed_plan")
         if groups is None:
-            groups = metadata.__dict__["_windowed_plan"] = _plan(common)
+            groups = metadata.__dict__["_windowed_plan"] = _plan(common, metadata.__dict__.get("image_spans"))
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         for g in groups:
             out[g.out_index] = self._attend(q, kv_cache, g)
