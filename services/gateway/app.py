@@ -14,6 +14,7 @@ import pathlib
 from aiohttp import web
 
 from steploop.common import model_path
+from steploop.gateway import cors
 from steploop.gateway import metrics as gateway_metrics
 from steploop.gateway import request_class
 from steploop.gateway.admin_auth import admin_middleware
@@ -121,6 +122,7 @@ def create_app(config: GatewayConfig, engine_client: EngineClient, tokenizer: To
     if config.admin_api_key:
         middlewares.append(admin_middleware(config.admin_api_key, config.api_key))
     app = web.Application(middlewares=middlewares, client_max_size=config.max_request_body_bytes)
+    app.middlewares.insert(0, cors.install(app, config.cors))   # outermost: a preflight carries no API key
     app.on_response_prepare.append(route_header.on_prepare)
     path = model_path.model_dir_for(config.model)
     name = config.served_model_name or model_path.served_model_name(config.model, path)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from steploop.common import envs, lora_config
 from steploop.common.lora_config import LoraConfig
 from steploop.common.tls import TlsConfig
+from steploop.gateway import cors
+from steploop.gateway.cors import CorsPolicy
 from steploop.gateway.media import policy as media_policy
 from steploop.gateway.media.policy import MediaPolicy
 from steploop.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS
@@ -49,6 +51,7 @@ class GatewayConfig:
     batch_max_jobs: int = 16                  # batches queued or running at once; more is 429
     batch_concurrency: int = 8                # lines of the running batch in flight at once
     media: MediaPolicy = field(default_factory=MediaPolicy)   # image URLs and base64: fetch limits, SSRF (media/)
+    cors: CorsPolicy = field(default_factory=CorsPolicy)      # cross-origin browser calls, as vLLM (cors.py)
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -101,7 +104,8 @@ class GatewayConfig:
                    admin_api_key=args.admin_api_key or None, paused_request_timeout=args.paused_request_timeout,
                    batch_dir=args.batch_dir or None, batch_max_file_bytes=args.batch_max_file_bytes,
                    batch_max_lines=args.batch_max_lines, batch_max_jobs=args.batch_max_jobs,
-                   batch_concurrency=args.batch_concurrency, media=MediaPolicy.from_args(args))
+                   batch_concurrency=args.batch_concurrency, media=MediaPolicy.from_args(args),
+                   cors=CorsPolicy.from_args(args))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -165,5 +169,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "when its own dies, drains or its stream breaks mid-generation (it continues from the tokens "
                        "already delivered); 0: never, the request fails")
     media_policy.add_cli_args(parser)
+    cors.add_cli_args(parser)
     TlsConfig.add_cli_args(parser)
     return parser
