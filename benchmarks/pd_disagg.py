@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -154,7 +155,7 @@ async def phase(server: Server, args, rng: random.Random) -> dict:
     after = server.metrics()
     alone, loaded = [], []
     for ts in times:
-        for a, b in zip(ts, ts[1:]):
+        for a, b in itertools.pairwise(ts):
             if b <= t0:
                 alone.append(b - a)
             elif b <= t1:
