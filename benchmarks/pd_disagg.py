@@ -47,8 +47,10 @@ PD_METRICS = ("pd_disaggregated_requests_total", "pd_kv_transfers_total", "pd_fa
 
 
 def setup_flags(args) -> dict[str, list[str]]:
+    # --kv-transfer-lease bounds a prefill step too (it includes the send): a 2048-token chunk on one thread of a
+    # loaded 2-core machine took over the 60 s default.
     common = ["--num-kv-blocks", str(args.num_kv_blocks), "--kv-offloading-size", str(args.kv_offloading_size),
-              "--worker-metrics-port", "0"]
+              "--worker-metrics-port", "0", "--kv-transfer-lease", str(args.kv_transfer_lease)]
     return {"one_group": common,
             "pd": [*common, "--disaggregated-prefill", "--disagg-min-prompt-tokens", str(args.prompt_tokens // 2)]}
 
@@ -95,10 +97,15 @@ class Server:
             time.sleep(0.2)                   # a poll interval
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
+        """SIGTERM; a second one if streams are still open (serve's gateway waits for them), then SIGKILL."""
+        for _ in range(2):
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
             self.proc.kill()
             self.proc.wait(30)
         self.log.close()
@@ -198,6 +205,7 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of streams alone before the long prompts")
     ap.add_argument("--num-kv-blocks", type=int, default=3000)
     ap.add_argument("--kv-offloading-size", type=float, default=0.5, help="GiB (the decode worker's landing area)")
+    ap.add_argument("--kv-transfer-lease", type=float, default=600.0)
     ap.add_argument("--base-port", type=int, default=19400, help="one_group: base..base+2, pd: base+10..base+12")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "pd_disagg.json"))
