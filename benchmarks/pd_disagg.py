@@ -36,7 +36,7 @@ import urllib.request
 
 import aiohttp
 
-from benchmarks.machine import git_commit, machine_info
+from benchmarks.machine import machine_info
 from tests.observability.scrape import parse, value_or_zero
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "pd_disagg.json"))
     args = ap.parse_args()
-    info = machine_info()
+    info = machine_info()             # its commit: the code measured (read before the run, not after it)
     flags = setup_flags(args)
     log_dir = pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
     servers = {name: Server(name, f, args.base_port + 10 * i, log_dir) for i, (name, f) in enumerate(flags.items())}
@@ -234,7 +234,7 @@ def main() -> None:
         for s in servers.values():
             s.stop()
     summary = summarize(phases)
-    result = {"benchmark": "pd_disagg", "model": MODEL, "machine": info, "commit": git_commit(), "args": vars(args),
+    result = {"benchmark": "pd_disagg", "model": MODEL, "machine": info, "commit": info["commit"], "args": vars(args),
               "setup_flags": flags, "load_average_at_end": os.getloadavg(), "summary": summary, "phases": phases}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
