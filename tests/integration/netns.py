@@ -49,7 +49,11 @@ class VethLink:
         _ip("link", "set", self.host_if, "down")
 
     def restore(self) -> None:
+        """Up again, and the neighbours that failed to resolve while it was down forgotten on both ends: the kernel
+        would answer "No route to host" from those cached failures for a while after the link is back."""
         _ip("link", "set", self.host_if, "up")
+        _ip("neigh", "flush", "dev", self.host_if)
+        _ip("-n", self.ns, "neigh", "flush", "dev", self.peer_if)
 
     def limit_rate(self, rate: str) -> None:
         """Traffic from the namespace at most `rate` (tc's units, e.g. 16mbit): a transfer that lasts seconds."""
