@@ -292,13 +292,14 @@ class PdDisagg:
             self._expire()
 
     def _add_sends(self, plan: StepPlan) -> None:
-        """The plan whose chunk completes a prompt sends its full blocks after the forward."""
+        """The plan whose chunk completes a prompt sends its full blocks after the forward. schedule() has
+        advanced num_computed_tokens past this plan's tokens already (Scheduler._advance)."""
         decode = self.engine.worker_info
         by_handle = {job.prefill.handle: job for job in self.jobs.values()}
         sends = []
-        for handle, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
+        for handle in plan.scheduled_handles:
             job = by_handle.get(handle)
-            if job is None or job.sent or job.prefill.num_computed_tokens + n < job.prefill.num_prompt_tokens:
+            if job is None or job.sent or job.prefill.num_computed_tokens < job.prefill.num_prompt_tokens:
                 continue
             if job.target_lost or decode is None:
                 continue

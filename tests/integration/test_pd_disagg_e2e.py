@@ -17,23 +17,26 @@ import signal
 import socket
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from tests.integration.api_helpers import client
 from tests.integration.cluster import Cluster, assert_healthy_and_no_leak
+from tests.integration.pd_cluster import (
+    LONG,
+    MODEL,
+    PROMPTS,
+    assert_both_pools_whole,
+    complete,
+    metric,
+    pd_cluster,
+    stop,
+)
 from tests.lora.adapters import RECIPES, PeftReference, make_adapter
-from tests.observability.scrape import parse, value_or_zero
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
 ADAPTER = RECIPES[0]                    # attention-only, rank 8
-PROMPTS = [f"Chapter {i}. The old harbour town woke slowly: fishermen mended their nets, the baker opened his "
-           f"shutters, and the {w} walked down to the pier to watch the boats come in, as every morning."
-           for i, w in enumerate(["teacher", "doctor", "mayor", "painter"])]      # ~45 tokens: 2+ full blocks
-LONG = [p * 7 for p in PROMPTS[:3]]     # ~300 tokens: prefills that take a while on the CPU
 SCHEMA = {"type": "object", "properties": {"job": {"type": "string", "enum": ["teacher", "doctor", "mayor"]},
                                            "boats": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["job", "boats"], "additionalProperties": False}
@@ -52,51 +55,6 @@ def pd(tmp_path_factory, adapter_dir):
         yield cluster
     finally:
         stop(cluster)
-
-
-def pd_cluster(tmp_path, env: dict | None = None, lora: list[str] = ()) -> Cluster:
-    """lora: the adapter flags, for the scheduler, the decode worker and the gateway (the prefill worker gets none:
-    LoRA requests stay on the decode group)."""
-    cluster = Cluster(tmp_path, scheduler_args=["--disagg-min-prompt-tokens", "32", *lora], env=env,
-                      num_kv_blocks=160, worker_args=["--kv-role", "decode", "--kv-offloading-size", "0.02",
-                                                     "--max-model-len", "512", *lora],
-                      gateway_args=lora[:1], modules={"prefill": "steploop.gpu_worker"})
-    cluster.argv["prefill"] = ["--scheduler-address", cluster.scheduler_address, "--num-kv-blocks", "64",
-                               "--max-model-len", "512", "--kv-role", "prefill", "--kv-transfer-timeout", "20"]
-    try:
-        cluster.start_service("prefill")
-        cluster.start()
-        cluster._wait(lambda: metric(cluster, "steploop:pd_prefill_group_up") == 1.0, 600, "no prefill group")
-    except BaseException:
-        stop(cluster)                         # a start that failed leaves no process behind
-        raise
-    return cluster
-
-
-def stop(cluster: Cluster) -> None:
-    cluster.stop()
-    if "prefill" in cluster.procs:
-        cluster.stop_service("prefill", timeout=15)
-
-
-def metric(cluster: Cluster, name: str) -> float:
-    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=30) as resp:
-        return value_or_zero(parse(resp.read().decode()), name)
-
-
-def complete(cluster: Cluster, prompt: str, max_tokens: int = 8, **extra) -> list[str]:
-    status, body = cluster.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                                    "temperature": 0, **extra})
-    assert status == 200, body
-    return [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
-
-
-def assert_both_pools_whole(cluster: Cluster) -> None:
-    assert_healthy_and_no_leak(cluster, "Hello", 4, timeout=60)
-    deadline = time.monotonic() + 60
-    while metric(cluster, "steploop:pd_prefill_free_blocks") != metric(cluster, "steploop:pd_prefill_total_blocks"):
-        assert time.monotonic() < deadline, "prefill pool not whole at idle"
-        time.sleep(0.2)                      # a poll interval
 
 
 def test_disaggregated_requests_match_one_group(pd, hf):

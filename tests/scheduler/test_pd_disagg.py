@@ -97,6 +97,18 @@ def test_a_confirmed_transfer_hands_the_request_off_with_its_blocks():
     assert pd.stats.transfers == 1
 
 
+def test_a_prompt_in_chunks_is_sent_once_whole_by_the_plan_that_completes_it():
+    _, pd = setup()
+    pd.scheduler = create_scheduler(max_num_batched_tokens=16, num_blocks=32, block_size=BS)
+    pd.start(req("a", 41))                         # chunks of 16, 16 and 9 tokens
+    worker = FakeWorker()
+    assert prefill_step(pd, worker).pd_moves is None and prefill_step(pd, worker).pd_moves is None
+    plan = prefill_step(pd, worker)
+    (send,) = plan.pd_moves.sends
+    assert len(send.block_ids) == 10               # (41 - 1) // 4: every full block, computed by now
+    assert prefill_whole(pd) and not pd.jobs and pd.stats.transfers == 1
+
+
 def test_a_refused_send_is_a_counted_local_recompute():
     engine, pd = setup()
     pd.start(req("a"))
