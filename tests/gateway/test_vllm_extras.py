@@ -42,15 +42,24 @@ async def test_their_off_values_are_accepted(gateway):
     assert (await post(gateway, "/v1/completions", {**COMPLETION, **off}))[0] == 200
 
 
-async def test_chat_echo_is_refused_not_dropped(gateway):
-    # vLLM's chat echo prefixes the reply with the last assistant message; it was ignored, shaping the answer
-    # other than asked
-    body = {**CHAT, "max_tokens": 2, "messages": [*CHAT["messages"], {"role": "assistant", "content": "Hel"}],
-            "continue_final_message": True, "add_generation_prompt": False}
-    status, resp, _ = await post(gateway, "/v1/chat/completions", {**body, "echo": True})
-    assert status == 400, resp
-    assert_error(resp, param="echo", code="unsupported_parameter")
-    assert gateway.engine.requests == []
+async def test_chat_echo_puts_the_last_assistant_message_in_front(gateway, reply):
+    # vLLM's chat echo: the reply starts with the assistant turn it continues, whole and streamed, every choice
+    reply("lo there")
+    body = {**CHAT, "max_tokens": 8, "messages": [*CHAT["messages"], {"role": "assistant", "content": "Hel"}],
+            "continue_final_message": True, "add_generation_prompt": False, "echo": True, "n": 2}
+    status, resp, _ = await post(gateway, "/v1/chat/completions", body)
+    assert status == 200, resp
+    assert [c["message"]["content"] for c in resp["choices"]] == ["Hello there"] * 2
+    streamed = {0: "", 1: ""}
+    extra = {k: body.pop(k) for k in ("continue_final_message", "add_generation_prompt", "echo")}
+    async for chunk in await gateway.openai().chat.completions.create(**body, stream=True, extra_body=extra):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {0: "Hello there", 1: "Hello there"}
+    body.update(extra)
+    # after a user turn there is nothing to echo; off values and a wrong type behave as every bool field
+    status, resp, _ = await post(gateway, "/v1/chat/completions", {**CHAT, "max_tokens": 8, "echo": True})
+    assert status == 200 and resp["choices"][0]["message"]["content"] == "lo there"
     for off in (False, None):
         assert (await post(gateway, "/v1/chat/completions", {**body, "echo": off}))[0] == 200
     assert (await post(gateway, "/v1/chat/completions", {**body, "echo": "yes"}))[0] == 400

@@ -75,8 +75,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.sampling.stream:
         indices = [c.index for c in choices]
         return await stream_sse(request, outputs.chat_chunks(meta, events, indices, req.sampling.n,
-                                                             req.sampling.include_usage, logprobs, req.tools))
-    return web.json_response(await outputs.chat_body(meta, events, req.sampling.n, logprobs, req.tools))
+                                                             req.sampling.include_usage, logprobs, req.tools,
+                                                             req.echo))
+    return web.json_response(await outputs.chat_body(meta, events, req.sampling.n, logprobs, req.tools, req.echo))
 
 
 async def _model_cards(serving: Serving) -> list[dict[str, Any]]:

@@ -50,7 +50,8 @@ async def completion_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, 
 
 
 async def chat_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logprobs: bool,
-                    tools: ToolRequest | None = None) -> dict[str, Any]:
+                    tools: ToolRequest | None = None, echo: str = "") -> dict[str, Any]:
+    """`echo`: text each choice's content starts with (vLLM's chat `echo`)."""
     got = await collect(events)
     lps = {i: chat_logprobs(got.logprobs.get(i, ())) for i in got.texts} if logprobs else {}
     messages = {}
@@ -61,6 +62,8 @@ async def chat_body(meta: Meta, events: AsyncIterator[TextEvent], n: int, logpro
             if calls:
                 messages[i] = {"role": "assistant", "content": content, "tool_calls": [c.to_dict() for c in calls]}
                 got.finish[i] = tools.finish_reason(calls, got.finish.get(i))
+        if echo:
+            messages[i]["content"] = echo + (messages[i]["content"] or "")
         if i in got.reasoning:
             messages[i]["reasoning_content"] = got.reasoning[i]   # vLLM's field
     body = responses.chat_completion(meta, messages, got.finish, total_usage(got.usages, n), lps)
@@ -88,10 +91,11 @@ async def completion_chunks(meta: Meta, events: AsyncIterator[TextEvent], n: int
 
 
 async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Sequence[int], n: int,
-                      include_usage: bool, logprobs: bool = False,
-                      tools: ToolRequest | None = None) -> AsyncIterator[dict[str, Any]]:
+                      include_usage: bool, logprobs: bool = False, tools: ToolRequest | None = None,
+                      echo: str = "") -> AsyncIterator[dict[str, Any]]:
     """Per choice: a first delta with the role, then content (or tool call) deltas, then one with finish_reason.
-    The role deltas wait for the first event, so an engine that fails at once still gets a real HTTP status."""
+    The role deltas wait for the first event, so an engine that fails at once still gets a real HTTP status.
+    `echo` (vLLM's chat `echo`) is one content delta per choice right after its role delta."""
     usages: dict[int, Usage] = {}
     calling = {index: ToolCallStream(tools) for index in indices} if tools is not None else {}
     started = False
@@ -102,6 +106,8 @@ async def chat_chunks(meta: Meta, events: AsyncIterator[TextEvent], indices: Seq
                 first = {"role": "assistant", "content": "" if tools is None else None}   # null: it may only call
                 for index in indices:
                     yield responses.chat_chunk(meta, index, first, None)
+                    if echo:
+                        yield responses.chat_chunk(meta, index, {"content": echo}, None)
             if event.usage is not None:
                 usages[event.index] = event.usage
             if event.reasoning:

@@ -270,6 +270,7 @@ class ChatRequest:
     user: str | None
     tools: ToolRequest | None = None       # None: no tool may be called (no tools, or tool_choice "none")
     template_kwargs: dict[str, Any] = field(default_factory=dict)   # chat_template_kwargs
+    echo: str = ""                         # vLLM's `echo`: the last assistant message, put in front of the reply
 
 
 def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
@@ -413,10 +414,7 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
                defaults: GenerationDefaults = NO_DEFAULTS) -> ChatRequest:
     """`tool_parser`: the format an "auto" tool call is written in (--tool-call-parser)."""
     body = v.require_object(body)
-    # vLLM's chat `echo` puts the last assistant message in front of the reply; steploop does not build it, and
-    # dropping it would shape the answer other than asked (echo is built for /v1/completions).
-    if v.get_bool(body, "echo", False):
-        raise not_supported("echo")
+    echo = v.get_bool(body, "echo", False)
     _refuse_audio_output(body)
     logprobs = v.get_bool(body, "logprobs", False)
     top_logprobs = v.get_int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
@@ -446,4 +444,12 @@ def parse_chat(body: Any, vocab_size: int | None, tool_parser: ToolParser,
         user=v.get_str(body, "user"),
         tools=tools,
         template_kwargs=parse_template_kwargs(body),
+        echo=_echo_text(messages) if echo else "",
     )
+
+
+def _echo_text(messages: tuple[dict[str, Any], ...]) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message when it is the assistant's own (the turn a
+    `continue_final_message` request extends); after any other last message there is nothing to echo."""
+    last = messages[-1]
+    return (last.get("content") or "") if last["role"] == "assistant" and isinstance(last.get("content"), str) else ""
