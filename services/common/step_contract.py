@@ -104,6 +104,9 @@ class StepPlan:
     kv_moves: KvMoves | None = None      # KV tier moves done before the forward (kv_moves.py); None = none
     encoder_free_hashes: list[str] = field(default_factory=list)   # encoder cache entries no request needs
     pd_moves: PdMoves | None = None      # prefill/decode transfers (pd_transfer.py); None = none
+    # (source, destination) pool blocks to copy before the forward, after the KV moves: a beam that forks gets
+    # its own copy of its parent's partial last block (copy on write, scheduler/beam_groups.py).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -120,6 +123,9 @@ class StepPlan:
             self.kv_moves.fill_pb(pb)
         if self.pd_moves:
             self.pd_moves.fill_pb(pb)
+        if self.block_copies:
+            pb.kv_copy_src_blocks.extend(s for s, _ in self.block_copies)
+            pb.kv_copy_dst_blocks.extend(d for _, d in self.block_copies)
         if self.draft_token_ids:
             drafts = [self.draft_token_ids.get(h, []) for h in self.scheduled_handles]
             pb.num_draft_tokens.extend(len(d) for d in drafts)
@@ -140,7 +146,8 @@ class StepPlan:
                    finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles),
                    lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops),
                    kv_moves=KvMoves.from_pb(pb), encoder_free_hashes=list(pb.encoder_free_hashes),
-                   pd_moves=PdMoves.from_pb(pb))
+                   pd_moves=PdMoves.from_pb(pb),
+                   block_copies=list(zip(pb.kv_copy_src_blocks, pb.kv_copy_dst_blocks)))
 
 
 @dataclass

@@ -63,6 +63,8 @@ def merge(outputs: Sequence) -> EngineChunk:
             chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
             if out.embedding is not None:
                 chunk.embedding = out.embedding
+            if out.beams is not None:
+                chunk.beams = out.beams
     return chunk
 
 
