@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from steploop.common.beam_ranking import BeamRanking
+from steploop.common.beam_ranking import BeamRanking, Hypothesis
 from steploop.common.intmath import cdiv
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import NewRequestData, StepPlan, TokenLogprob
@@ -51,6 +51,14 @@ class BeamRequest(Request):
     top: list[tuple[int, float]] | None = None   # this round's top K after its tokens; None: not back yet
     sampled: int = -1                            # the token the worker sampled after them (its next input)
     resend: bool = False                         # its token is not the worker's: send it again as new
+
+
+@dataclass(slots=True)
+class BeamOutput(RequestOutput):
+    """A beam group's one output (its client request's id). A subclass: the plain RequestOutput is built field
+    by field by the C decode loop."""
+
+    beams: list[Hypothesis] | None = None    # the hypotheses, best first; None when it did not complete
 
 
 class BeamGroup:
@@ -239,8 +247,8 @@ def finish(sched: Scheduler, group: BeamGroup, status: RequestStatus, error: str
     req, done = group.request, status == RequestStatus.FINISHED_STOPPED
     beams = group.ranking.finished if done else None
     num_output = max((len(h.tokens) for h in beams), default=0) if beams else 0
-    return RequestOutput(req.request_id, [], None, status, None, len(req.prompt_token_ids), num_output,
-                         group.cached_tokens, error=error, beams=beams)
+    return BeamOutput(req.request_id, [], None, status, None, len(req.prompt_token_ids), num_output,
+                      group.cached_tokens, error=error, beams=beams)
 
 
 def fail(sched: Scheduler, beam: BeamRequest, error: str) -> RequestOutput | None:

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import KW_ONLY, dataclass, field
 
-from steploop.common.beam_ranking import BeamConfig, Hypothesis
+from steploop.common.beam_ranking import BeamConfig
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.pooling_params import PoolingParams
 from steploop.common.sampling_params import SamplingParams
@@ -132,7 +132,6 @@ class RequestOutput:
     error: str = ""                      # why, for FINISHED_ERROR
     prompt_logprobs: list[TokenLogprob] | None = None  # [num_prompt_tokens - 1], on the first output only
     embedding: list[float] | None = None  # a pooling request's vector, on its one (last) output
-    beams: list[Hypothesis] | None = None  # a beam search request's hypotheses, best first, on its last output
 
     @property
     def finished(self) -> bool:

@@ -78,7 +78,7 @@ def run(sched, worker, max_steps=500, after_step=None):
 def _collect(outs, outputs):
     for out in outputs:
         assert out.request_id not in outs, f"{out.request_id}: output after its final one"
-        if out.beams is not None or out.request_id.startswith("g"):    # a group streams nothing but its end
+        if out.request_id.startswith("g"):         # a group streams nothing but its end
             assert out.finish_reason is not None and not out.new_token_ids
         if out.finish_reason is not None:
             outs[out.request_id] = out

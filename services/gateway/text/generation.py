@@ -19,7 +19,7 @@ from steploop.gateway import request_class
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
 from steploop.gateway.grammar_check import rejected
-from steploop.gateway.text.beam_search import BeamConfig
+from steploop.common.beam_ranking import BeamConfig
 from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
 from steploop.gateway.text.logprobs import TokenInfo, TokenNamer, vllm_prompt_logprobs
 from steploop.gateway.text.stop_strings import StopStringMatcher
