@@ -70,6 +70,7 @@ class BeamGroup:
         self.num_made = 0                    # beams made so far (their ids)
         self.scheduled_step = -1             # the plan that last scheduled the group (schedule_group)
         self.cached_tokens = 0               # prompt tokens found cached at the first admission (usage)
+        self.moves: list[tuple[BeamRequest, int, bool]] = []   # ranked: (parent, token, continues the parent)
 
 
 def start(sched: Scheduler, request: Request) -> None:
@@ -82,6 +83,16 @@ def start(sched: Scheduler, request: Request) -> None:
                        ("resume_output_token_ids", bool(request.output_token_ids))):
         if used:
             raise RequestRejectedError(f"'{name}' cannot be used with beam search", "invalid_value", name)
+    if config.width > sched.config.max_num_seqs:
+        raise RequestRejectedError(f"{config.width} beams need {config.width} sequences but the scheduler runs at "
+                                   f"most {sched.config.max_num_seqs} (--max-num-seqs)", "invalid_value", "n")
+    bs, prompt = sched.kv.block_size, len(request.prompt_token_ids)
+    shared = prompt // bs                    # the prompt's full blocks: every beam shares them
+    alone = shared + config.width * (cdiv(prompt + request.max_output_tokens, bs) - shared + 1)
+    if alone > sched.kv.num_usable_blocks:   # + 1: a fork's copy holds its source until the plan is out
+        raise RequestRejectedError(f"{config.width} beams of {prompt} + {request.max_output_tokens} tokens may need "
+                                   f"{alone} KV blocks but the cache has {sched.kv.num_usable_blocks}: fewer beams "
+                                   f"or a lower max_tokens", "kv_cache_too_small", "max_tokens")
     ranking = BeamRanking(config, request.max_output_tokens, request.stop_ids)
     sampling = SamplingParams(temperature=0.0, max_tokens=request.max_output_tokens, ignore_eos=True,
                               logprobs=max(ranking.k, request.sampling.logprobs))
@@ -159,6 +170,22 @@ def send_new(sched: Scheduler, plan: StepPlan) -> None:
             lora_name=beam.lora_name or "", mm_features=beam.mm_features))
 
 
+def break_stall(sched: Scheduler, plan: StepPlan) -> None:
+    """Nothing was scheduled and nothing is in flight, yet requests wait: when every running request is a beam
+    parked for siblings still in the queue (groups re-admitted one beam at a time after a preemption, which the
+    pool cannot hold together), preempt the worst group and queue it last (fcfs), so the others go on."""
+    running = sched.running
+    if not (running and sched.waiting) or not all(type(r) is BeamRequest and r.top is not None for r in running):
+        return
+    group = running[-1].group
+    preempt_group(sched, group, plan)
+    if sched.config.scheduling_policy != "priority":
+        for beam in group.beams:
+            if beam.status is RequestStatus.PREEMPTED:
+                sched.waiting.remove(beam)
+                sched.waiting.push(beam)
+
+
 def preempt_group(sched: Scheduler, group: BeamGroup, plan: StepPlan) -> None:
     """Every running beam of the group, worst first (so the best ends at the front of the queue). A beam sent as
     new in this very plan is taken out of it again (the worker must not add what it is told to drop)."""
@@ -195,6 +222,8 @@ def advance(sched: Scheduler, groups: list[BeamGroup]) -> list[RequestOutput]:
 
 
 def _rank(sched: Scheduler, group: BeamGroup) -> RequestOutput | None:
+    """Rank the round: the group ends, or its next beams wait for the next schedule() (apply_moves), where the
+    room they need can be made by preemption."""
     ranking, old = group.ranking, group.beams
     if not ranking.t:                        # usage's cached tokens: the prompt's first admission
         group.cached_tokens = old[0].num_cached_tokens
@@ -202,38 +231,65 @@ def _rank(sched: Scheduler, group: BeamGroup) -> RequestOutput | None:
     if ranking.done:
         return finish(sched, group, RequestStatus.FINISHED_STOPPED)
     continues = [False] * len(old)
-    plan = []                                # (parent, token, continues the parent)
+    group.moves = []
     for beam in ranking.running:
-        plan.append((old[beam.parent], beam.tokens[-1], not continues[beam.parent]))
+        group.moves.append((old[beam.parent], beam.tokens[-1], not continues[beam.parent]))
         continues[beam.parent] = True
-    new = [p if cont else _fork(sched, group, p, token) for p, token, cont in plan]   # forks before parents move
-    for parent, token, cont in plan:
-        if cont:
-            parent.output_token_ids.append(token)
-            if token != parent.sampled:
-                parent.resend = True
-                sched.beam_sends.append(parent)
-    for beam, kept in zip(old, continues):
-        if not kept:
-            sched._finish(beam, RequestStatus.FINISHED_STOPPED)
-    for beam in new:
+    for beam in old:
         beam.top = None
-    group.beams = new
+    sched.beam_ready.append(group)
     return None
 
 
-def _fork(sched: Scheduler, group: BeamGroup, parent: BeamRequest, token: int) -> BeamRequest:
+def apply_moves(sched: Scheduler, plan: StepPlan) -> None:
+    """At the start of schedule(): each ranked group becomes its next beams. The forks need a free block each
+    (those whose parent's last block is partial) and seats (max_num_seqs): requests ranked below the group are
+    preempted for them; reaching a beam of the group preempts the group instead, and then its next beams are
+    made in the queue (recomputed from their tokens, prefix hits)."""
+    ready, sched.beam_ready = sched.beam_ready, []
+    kv, block_size = sched.kv, sched.kv.block_size
+    for group in ready:
+        if group.request.request_id not in sched.beam_groups:
+            continue
+        forks = [p for p, _, cont in group.moves if not cont]
+        num_dropped = sum(1 for b in group.beams if not any(p is b for p, _, _ in group.moves))
+        blocks = sum(1 for p in forks if p.num_computed_tokens % block_size)
+        while all(b.status is RUNNING for b in group.beams) and (
+                kv.num_free_blocks < blocks
+                or len(sched.running) + len(forks) - num_dropped > sched.config.max_num_seqs):
+            sched._preempt(sched.running[-1], plan)      # a beam of this group preempts the whole group
+        _move(sched, group)
+
+
+def _move(sched: Scheduler, group: BeamGroup) -> None:
+    moves, old = group.moves, group.beams
+    running = all(b.status is RUNNING for b in old)
+    new = [p if cont else _fork(sched, group, p, token, running) for p, token, cont in moves]  # before parents move
+    for parent, token, cont in moves:
+        if cont:
+            parent.output_token_ids.append(token)
+            if running and token != parent.sampled:
+                parent.resend = True
+                sched.beam_sends.append(parent)
+    for beam in old:
+        if not any(beam is b for b in new):
+            sched._finish(beam, RequestStatus.FINISHED_STOPPED)
+    group.beams, group.moves = new, []
+
+
+def _fork(sched: Scheduler, group: BeamGroup, parent: BeamRequest, token: int, running: bool) -> BeamRequest:
     child = _make_beam(sched, group, parent.output_token_ids + [token])
     child.num_cached_tokens = parent.num_cached_tokens
     child.block_hashes = parent.block_hashes[:parent.num_computed_tokens // sched.kv.block_size]
-    if len(sched.running) < sched.config.max_num_seqs and sched.kv.fork(parent, child, group.request.request_id):
+    if running:
+        assert sched.kv.fork(parent, child, group.request.request_id), "apply_moves made no room"
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RUNNING
         sched.running.add(child)
         sched.lora.start(child, StepPlan(step_id=-1))   # its adapter is on the worker: the parent runs with it
         sched.beam_sends.append(child)
-    else:
-        child.status = RequestStatus.PREEMPTED      # recomputed from its tokens (prefix hits)
+    else:                                    # the group is in the queue: the child is recomputed with it
+        child.status = RequestStatus.PREEMPTED
         sched.waiting.push_front(child)
     return child
 
@@ -271,7 +327,7 @@ def drained(sched: Scheduler, requests: list[Request]) -> list[Request]:
         else:
             out.append(request)
     sched.beam_groups.clear()
-    sched.beam_sends = []
+    sched.beam_sends, sched.beam_ready = [], []
     return out
 
 

@@ -74,6 +74,7 @@ class Scheduler:
         self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens)   # images' encoder work
         self.background_yields = False              # this step: an interactive request waits (schedule())
         self.beam_groups: dict[str, beam_groups.BeamGroup] = {}   # beam search requests by id (beam_groups.py)
+        self.beam_ready: list[beam_groups.BeamGroup] = []         # ranked groups the next plan moves on
         self.beam_sends: list[beam_groups.BeamRequest] = []       # beams the next plan sends as new
 
     # ----------------------------------------------------------------- requests in and out
@@ -193,6 +194,8 @@ class Scheduler:
         """
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
+        if self.beam_ready:                      # ranked beam groups: forks, continuations, dropped beams
+            beam_groups.apply_moves(self, plan)
         plan.finished_handles = self.handles.take_finished()
         plan.encoder_free_hashes = self.encoder.take_freed()     # before this step's commits add theirs
         self.encoder.begin_step()
@@ -214,6 +217,8 @@ class Scheduler:
             admission.schedule_waiting(self, plan, budget, scheduled, ends)
         if scheduled:
             self._in_flight[plan.step_id] = (scheduled, ends)
+        elif self.beam_groups and not self._in_flight:
+            beam_groups.break_stall(self, plan)
         if self.pacer is not None:
             self.pacer.end_step(plan.step_id)
         if self.kv.tiers is not None:

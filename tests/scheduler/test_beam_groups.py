@@ -148,12 +148,14 @@ def test_abort_mid_beam_leaks_nothing(model, abort_at):
     assert_idle(sched)
 
 
-def test_preemption_takes_the_whole_group(model, monkeypatch):
-    """A pool too small for two groups: groups are preempted whole (no beam of one left running) and recomputed,
-    and stay exact."""
-    sched = create_scheduler(block_size=BLOCK, num_blocks=16, eos_token_ids=(EOS,), max_num_batched_tokens=16)
-    worker = PagedFakeWorker(model, 16, BLOCK)
-    prompts = [PROMPTS[2], PROMPTS[0]]
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_takes_the_whole_group(model, monkeypatch, async_scheduling):
+    """A pool that holds one group but not three: groups are preempted whole (no beam of one left running) and
+    recomputed, and stay exact."""
+    sched = create_scheduler(block_size=BLOCK, num_blocks=22, eos_token_ids=(EOS,), max_num_batched_tokens=16,
+                             async_scheduling=async_scheduling)
+    worker = PagedFakeWorker(model, 22, BLOCK)
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[1]]
     for i, prompt in enumerate(prompts):
         sched.add_request(beam_request(f"g{i}", prompt, 4, max_tokens=12, arrival=float(i)))
     whole = []
@@ -163,7 +165,7 @@ def test_preemption_takes_the_whole_group(model, monkeypatch):
         preempt_group(sched, group, plan)
         whole.append(all(b.status is not RequestStatus.RUNNING for b in group.beams))
     monkeypatch.setattr(beam_groups, "preempt_group", checked)
-    outs = run(sched, worker)
+    outs = run(sched, worker, max_steps=2000)
     assert sched.num_preemptions > 0 and whole and all(whole)
     for i, prompt in enumerate(prompts):
         check_equal(outs[f"g{i}"].beams, hf_beams(model, prompt, 4, 1.0, False, max_new=12))
@@ -196,9 +198,13 @@ def test_user_logprobs_and_usage(model):
 
 
 def test_refused():
-    sched = create_scheduler(block_size=BLOCK, eos_token_ids=(EOS,))
+    sched = create_scheduler(block_size=BLOCK, eos_token_ids=(EOS,), num_blocks=20, max_num_seqs=8)
     with pytest.raises(ValueError, match="1 to 16 beams"):
         sched.add_request(beam_request("g", [1, 2], 17))
+    with pytest.raises(ValueError, match="max-num-seqs"):
+        sched.add_request(beam_request("g", [1, 2], 9))
+    with pytest.raises(ValueError, match="KV blocks"):        # 4 beams x 6 blocks each do not fit 19 blocks
+        sched.add_request(beam_request("g", [1, 2], 4, max_tokens=20))
     req = beam_request("h", [1, 2], 2)
     req.sampling = SamplingParams(max_tokens=4, prompt_logprobs=1)
     with pytest.raises(ValueError, match="prompt_logprobs"):
