@@ -111,7 +111,7 @@ class EngineLoop:
             pass
         elif self.scheduler is None:
             self._pending.append(request)
-        elif self.pd.choose(request, req.disaggregation):
+        elif req.beam is None and self.pd.choose(request, req.disaggregation):   # beams run on the decode group
             self._check(request)
             if not self.pd.start(request):  # its prompt runs on the prefill group first (pd_disagg.py)
                 self._admit(request)
