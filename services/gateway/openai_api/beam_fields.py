@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from steploop.common.beam_ranking import BeamConfig
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
-from steploop.common.beam_ranking import BeamConfig
 
 MAX_BEAM_WIDTH = 16          # the engine is asked for K = 2..3 x width logprobs per beam and step
 

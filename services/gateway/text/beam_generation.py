@@ -15,8 +15,8 @@ from steploop.common.engine_contract import EngineRequest, FinishReason, Usage
 from steploop.common.step_contract import TokenLogprob
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
-from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
 from steploop.gateway.grammar_check import rejected
+from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
 from steploop.gateway.text.generation import Choice, TextEvent
 from steploop.gateway.text.logprobs import TokenNamer
 
