@@ -14,6 +14,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from steploop.common.beam_ranking import BeamConfig, Hypothesis
 from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.pb.steploop.v1 import engine_pb2
@@ -58,6 +59,7 @@ class EngineRequest:
     mm_features: list[MultiModalFeature] = field(default_factory=list)   # its images (vision-language models)
     background: bool = False             # Batch API work: yields to interactive requests under every policy
     disaggregation: str = ""             # "" (the scheduler's rule), "disaggregated" or "local" (pd_disagg.py)
+    beam: BeamConfig | None = None       # set: beam search in the scheduler; the last chunk carries `beams`
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
         pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
@@ -69,6 +71,8 @@ class EngineRequest:
                                         disaggregation=self.disaggregation)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
+        if self.beam is not None:
+            pb.beam_search.CopyFrom(beam_config_to_pb(self.beam))
         return pb
 
     @classmethod
@@ -77,7 +81,7 @@ class EngineRequest:
                    pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    list(pb.resume_output_token_ids), pb.lora_name,
                    [MultiModalFeature.from_pb(f) for f in pb.mm_features], pb.background,
-                   pb.disaggregation)
+                   pb.disaggregation, beam_config_from_pb(pb.beam_search) if pb.HasField("beam_search") else None)
 
 
 @dataclass(slots=True)
@@ -116,6 +120,7 @@ class EngineChunk:
     embedding: Sequence[float] = ()      # a pooling request's vector, in its last chunk
     error_code: str = ""                 # REJECTED: the OpenAI error code (e.g. "invalid_grammar")
     error_param: str = ""                # REJECTED: the SamplingParams field at fault ("json_schema", "regex")
+    beams: Sequence[Hypothesis] = ()     # a beam search request's hypotheses, best first, in its last chunk
 
     @property
     def finished(self) -> bool:
@@ -138,6 +143,8 @@ class EngineChunk:
             pb.error_message = self.error_message
             pb.error_code = self.error_code
             pb.error_param = self.error_param
+            if self.beams:
+                pb.beams.extend(hypothesis_to_pb(h) for h in self.beams)
         if self.usage is not None:
             self.usage.to_pb(pb.usage)
         return pb
@@ -158,7 +165,36 @@ class EngineChunk:
                 usage = Usage.from_pb(pb.usage) if pb.HasField("usage") else None
                 return cls(list(pb.token_ids), logprobs, usage=usage, prompt_logprobs=prompt_logprobs)
         return cls(list(pb.token_ids), logprobs, finish, pb.stop_token_id, Usage.from_pb(pb.usage), pb.error_message,
-                   prompt_logprobs, list(pb.embedding) if pb.embedding else (), pb.error_code, pb.error_param)
+                   prompt_logprobs, list(pb.embedding) if pb.embedding else (), pb.error_code, pb.error_param,
+                   [hypothesis_from_pb(h) for h in pb.beams] if len(pb.beams) else ())
+
+
+_BEAM_FINISH = {"stop": 1, "length": 2}     # FinishReason.STOP / LENGTH on the wire
+_EARLY = {True: "true", False: "false", "never": "never"}
+
+
+def beam_config_to_pb(config: BeamConfig) -> engine_pb2.BeamSearchParams:
+    return engine_pb2.BeamSearchParams(width=config.width, length_penalty=config.length_penalty,
+                                       early_stopping=_EARLY[config.early_stopping])
+
+
+def beam_config_from_pb(pb: engine_pb2.BeamSearchParams) -> BeamConfig:
+    early = {"true": True, "false": False, "": False, "never": "never"}.get(pb.early_stopping)
+    if early is None:
+        raise ValueError(f"beam_search.early_stopping must be 'true', 'false' or 'never', got {pb.early_stopping!r}")
+    return BeamConfig(pb.width, pb.length_penalty, early)
+
+
+def hypothesis_to_pb(h: Hypothesis) -> engine_pb2.BeamHypothesis:
+    return engine_pb2.BeamHypothesis(token_ids=h.tokens, logprobs=[lp.to_pb() for lp in h.logprobs],
+                                     cum_logprob=h.cum_logprob, score=h.score,
+                                     finish_reason=_BEAM_FINISH[h.finish_reason])
+
+
+def hypothesis_from_pb(pb: engine_pb2.BeamHypothesis) -> Hypothesis:
+    reason = "stop" if pb.finish_reason == 1 else "length"
+    return Hypothesis(list(pb.token_ids), pb.cum_logprob, pb.score, reason,
+                      [TokenLogprob.from_pb(x) for x in pb.logprobs])
 
 
 @dataclass(frozen=True, slots=True)

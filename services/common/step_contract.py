@@ -107,6 +107,9 @@ class StepPlan:
     # -pp: tokens the stages before the last append before this step (the last stage sampled them).
     stage_token_handles: list[int] = field(default_factory=list)    # [k] a handle may repeat (tokens in order)
     stage_token_ids: list[int] = field(default_factory=list)        # [k]
+    # (source, destination) pool blocks to copy before the forward, after the KV moves: a beam that forks gets
+    # its own copy of its parent's partial last block (copy on write, scheduler/beam_groups.py).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -124,6 +127,9 @@ class StepPlan:
             self.kv_moves.fill_pb(pb)
         if self.pd_moves:
             self.pd_moves.fill_pb(pb)
+        if self.block_copies:
+            pb.kv_copy_src_blocks.extend(s for s, _ in self.block_copies)
+            pb.kv_copy_dst_blocks.extend(d for _, d in self.block_copies)
         if self.draft_token_ids:
             drafts = [self.draft_token_ids.get(h, []) for h in self.scheduled_handles]
             pb.num_draft_tokens.extend(len(d) for d in drafts)
@@ -145,7 +151,8 @@ class StepPlan:
                    lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops),
                    kv_moves=KvMoves.from_pb(pb), encoder_free_hashes=list(pb.encoder_free_hashes),
                    pd_moves=PdMoves.from_pb(pb), stage_token_handles=list(pb.stage_token_handles),
-                   stage_token_ids=list(pb.stage_token_ids))
+                   stage_token_ids=list(pb.stage_token_ids),
+                   block_copies=list(zip(pb.kv_copy_src_blocks, pb.kv_copy_dst_blocks)))
 
 
 @dataclass

@@ -19,7 +19,6 @@ class ModelState:
         self.model_path = model_path
         self.max_model_len = 0          # 0 = not known yet (engine not reachable, or no worker attached)
         self.vocab_size = 0
-        self.eos_token_ids: frozenset[int] = frozenset()   # the model's EOS ids (beam search ends beams on them)
         self.runner = ""                # "generate" or "pooling" (embeddings); "" = not known yet
         self.pooling: PoolingConfig | None = None
         self.generation_defaults = NO_DEFAULTS   # the model's sampling defaults, once a worker has said them
@@ -29,7 +28,6 @@ class ModelState:
     async def refresh(self) -> None:
         info = await self.engine.model_info()
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
-        self.eos_token_ids = frozenset(info.eos_token_ids)
         self.runner, self.pooling = info.runner, info.pooling
         self.lora_adapters = dict(info.lora_adapters)
         if info.max_model_len and info.generation_defaults != self.generation_defaults:

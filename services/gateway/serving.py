@@ -104,10 +104,9 @@ class Serving:
         return merge([generate_choice(self.engine, self.tokenizer, c) for c in choices])
 
     def _beams(self, choices: Sequence[Choice]) -> AsyncIterator[TextEvent]:
-        """One prompt's beam search: ends on EOS (unless ignore_eos) and stop_token_ids, as sampled choices do;
-        max_tokens unset is what fits in the context."""
+        """One prompt's beam search, run by the scheduler (beam_generation.py): it ends beams on EOS (unless
+        ignore_eos) and stop_token_ids, as sampled choices end; max_tokens unset is what fits in the context."""
         params = choices[0].params
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.model.eos_token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.model.max_model_len - len(choices[0].prompt_ids)
@@ -117,7 +116,7 @@ class Serving:
         if self.model.max_model_len and len(choices[0].prompt_ids) + max_tokens > self.model.max_model_len:
             raise bad_request(f"'max_tokens' ({max_tokens}) and the prompt ({len(choices[0].prompt_ids)} tokens) "
                               f"exceed the context ({self.model.max_model_len})", param="max_tokens")
-        return beam_choices(self.engine, self.tokenizer, choices, choices[0].beam, max_tokens, stop_ids)
+        return beam_choices(self.engine, self.tokenizer, choices, choices[0].beam, max_tokens)
 
 
 def model_not_found(name: str) -> APIError:

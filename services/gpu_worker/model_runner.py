@@ -21,7 +21,7 @@ import torch
 from steploop.common.model_path import served_model_name
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
-from steploop.gpu_worker import kv_cache, kv_tier_mover, kv_transfer
+from steploop.gpu_worker import kv_block_copy, kv_cache, kv_tier_mover, kv_transfer
 from steploop.gpu_worker.attention.selector import create_backend
 from steploop.gpu_worker.capture_plan import graph_plan
 from steploop.gpu_worker.config import WorkerConfig
@@ -205,6 +205,7 @@ class ModelRunner:
             pd = kv_transfer.apply(self, plan)                 # received blocks into host slots, after the moves
             if self.pipe is not None:
                 self.batch.take_stage_tokens(plan, verify=self.samples_here)
+            kv_block_copy.copy_blocks(self.kv_caches, plan.block_copies)   # beams' copy on write, then the forward
             self.batch.apply_plan(plan)
             self._apply_images(plan)
             if self.lora is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from steploop.common.step_contract import StepPlan
 from steploop.scheduler import running_pass
+from steploop.scheduler.beam_groups import BeamRequest
 from steploop.scheduler.lora_steps import LoraSteps
 from steploop.scheduler.pipeline_scheduler import PipelineScheduler
 from steploop.scheduler.request import Request, RequestStatus
@@ -55,7 +56,8 @@ class AsyncScheduler(Scheduler):
         drafts = plan.draft_token_ids
         num_drafts = len(drafts.get(request.handle, ())) if drafts else 0
         end = request.num_computed_tokens + num_new
-        if end - num_drafts >= request.num_tokens + request.num_output_placeholders and request.pooling is None:
+        if (end - num_drafts >= request.num_tokens + request.num_output_placeholders and request.pooling is None
+                and type(request) is not BeamRequest):   # a beam waits for its group's ranking (beam_groups.py)
             request.num_output_placeholders += 1
         if num_drafts:
             self._awaiting_drafts.add(request)

@@ -105,12 +105,13 @@ class EngineLoop:
                           priority=req.priority, background=req.background, cache_salt=req.cache_salt or None,
                           pooling=req.pooling,
                           output_token_ids=list(req.resume_output_token_ids),   # migrated: outputs, not prompt
-                          lora_name=req.lora_name or None, lora_path=lora_path, mm_features=list(req.mm_features))
+                          lora_name=req.lora_name or None, lora_path=lora_path, mm_features=list(req.mm_features),
+                          beam=req.beam)
         if self.control.hold(request):      # paused: validated and queued on resume (admit_held)
             pass
         elif self.scheduler is None:
             self._pending.append(request)
-        elif self.pd.choose(request, req.disaggregation):
+        elif req.beam is None and self.pd.choose(request, req.disaggregation):   # beams run on the decode group
             self._check(request)
             if not self.pd.start(request):  # its prompt runs on the prefill group first (pd_disagg.py)
                 self._admit(request)

@@ -37,6 +37,11 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}   # request_id -> block ids, in token order
         self._num_cached: dict[str, int] = {}     # request_id -> leading blocks of its table already keyed
         self.tiers: KvTiers | None = None         # KV media below the pool (kv_tiers.py); None = none
+        # Beams (beam_groups.py): request_id -> its beam group's id, for every table that fork() made or forked
+        # from; blocks shared inside one group need not be keyed. And the block copies (source, destination)
+        # the next plan carries: each end holds one reference of its own until take_block_copies().
+        self._group_of: dict[str, str] = {}
+        self._copies: list[tuple[int, int]] = []
 
     def attach_tiers(self, tiers: KvTiers | None) -> None:
         """Use these tiers below the pool (None: none). They key blocks by prefix hash, so without prefix
@@ -195,22 +200,66 @@ class KVCacheManager:
         """Give back every block of the request (idempotent). Tail blocks first, see BlockPool.free_blocks."""
         table = self._tables.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
+        self._group_of.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
+
+    # ---- beams: fork with copy on write
+    def fork(self, parent: Request, child: Request, group_id: str) -> bool:
+        """Give `child` (no table yet) the KV of the parent's first parent.num_computed_tokens tokens: the full
+        blocks shared (one more reference each), and the partial last block, which the child will write next,
+        copied into a new block of its own (copy on write; the copy is in the next plan, take_block_copies).
+        False when that block cannot be had (nothing changed): the caller recomputes the child instead.
+
+        ```
+          parent  [A][B][c.]        A, B full (shared: ref +1)   c partial (3 of 4 slots written)
+          child   [A][B][c']        c' new, filled from c before the next forward; the child writes slot 4
+        ```
+        """
+        table = self._tables[parent.request_id]
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return False
+        shared = table[:num_full]
+        self.pool.touch(shared)
+        child_table = self._tables[child.request_id] = list(shared)
+        if partial:
+            src, (dst,) = table[num_full], self.pool.get_new_blocks(1)
+            child_table.append(dst)
+            self.pool.touch((src, dst))      # the copy's own references: neither block is reused before it
+            self._copies.append((src, dst))
+        self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0), num_full)
+        self._group_of[parent.request_id] = self._group_of[child.request_id] = group_id
+        return True
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copies fork() made since the last call, for the plan being built; their own references go (the
+        plan is complete, so no block it allocates can be one of them)."""
+        copies, self._copies = self._copies, []
+        for src, dst in copies:
+            self.pool.free_blocks((src, dst))
+        return copies
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref_cnt equals the number of tables holding it; shared blocks
         are keyed (only prefix-cache hits are ever shared)."""
         self.pool.check_integrity()
         owners = Counter(b for table in self._tables.values() for b in table)
+        owners.update(b for copy in self._copies for b in copy)    # a pending copy holds both its blocks
+        groups: dict[int, set[str | None]] = {}
+        for rid, table in self._tables.items():
+            for block_id in table:
+                groups.setdefault(block_id, set()).add(self._group_of.get(rid))
         for block_id, n in owners.items():
             assert self.pool.ref_cnt[block_id] == n, (
-                f"block {block_id}: held by {n} tables but ref_cnt={self.pool.ref_cnt[block_id]}")
-            assert n == 1 or block_id in self.pool.block_hash, (
+                f"block {block_id}: held by {n} tables and copies but ref_cnt={self.pool.ref_cnt[block_id]}")
+            one_group = None not in groups.get(block_id, {None}) and len(groups[block_id]) == 1
+            assert n == 1 or block_id in self.pool.block_hash or one_group or block_id not in groups, (
                 f"block {block_id} is shared by {n} tables but holds no cached prefix")
         held = sum(1 for r in self.pool.ref_cnt if r > 0)
         assert held == len(owners), f"{held} blocks have ref_cnt > 0 but tables hold {len(owners)}"
-        if not self.enable_prefix_caching:
-            assert all(n == 1 for n in owners.values()), f"blocks shared: {[b for b, n in owners.items() if n > 1]}"
+        if not self.enable_prefix_caching:     # then only one beam group's tables (and copies) share a block
+            assert not self.pool.block_hash, "blocks keyed with prefix caching off"
+        assert set(self._group_of) <= set(self._tables), "beam group entries without a table"
         for rid, n in self._num_cached.items():
             assert n <= len(self._tables.get(rid, ())), f"{rid}: {n} cached blocks beyond its table"
         if self.tiers is not None:

@@ -23,7 +23,7 @@ Only the last stage samples. The stages before it learn each token from the plan
 from __future__ import annotations
 
 from steploop.common.step_contract import StepPlan, StepResult
-from steploop.scheduler.request import Request, RequestOutput, RequestStatus
+from steploop.scheduler.request import Request, RequestOutput, RequestRejectedError, RequestStatus
 from steploop.scheduler.scheduler import Scheduler
 
 
@@ -37,6 +37,15 @@ class PipelineScheduler(Scheduler):
         self._num_busy_chunks = 0
         self._stage_known: dict[Request, int] = {}  # tokens the stages before the last hold, per request
         self._cap = self._num_planned = 0           # requests this plan may take, and has taken so far
+
+    def add_request(self, request: Request) -> None:
+        # A beam's next token is the group's ranking, not what the last stage sampled; the stage-token hand-off
+        # above has not been built for that, so beams are refused rather than served wrong.
+        if request.beam is not None:
+            raise RequestRejectedError(f"beam search is not supported with --pipeline-parallel-size "
+                                       f"{self._num_stages} yet; serve it without -pp", "invalid_value",
+                                       "use_beam_search")
+        super().add_request(request)
 
     def schedule(self) -> StepPlan:
         live = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import KW_ONLY, dataclass, field
 
+from steploop.common.beam_ranking import BeamConfig
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.pooling_params import PoolingParams
 from steploop.common.sampling_params import SamplingParams
@@ -78,6 +79,8 @@ class Request:
     no_prefix_hits: bool = False
     # Its images (vision-language models), in prompt order: placeholder ranges, hashes and pixels for the worker.
     mm_features: list[MultiModalFeature] = field(default_factory=list)
+    # Set: a beam search request (beam_groups.py): never queued itself, its beams are.
+    beam: BeamConfig | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

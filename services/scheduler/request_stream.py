@@ -14,6 +14,7 @@ from typing import Protocol
 
 from steploop.common.engine_contract import EngineChunk, FinishReason, Usage
 from steploop.common.errors import EngineError
+from steploop.scheduler.beam_groups import BeamOutput
 from steploop.scheduler.request import RequestStatus
 from steploop.scheduler.request_failures import RejectedOutput
 
@@ -63,6 +64,8 @@ def merge(outputs: Sequence) -> EngineChunk:
             chunk.usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
             if out.embedding is not None:
                 chunk.embedding = out.embedding
+            if isinstance(out, BeamOutput) and out.beams is not None:
+                chunk.beams = out.beams
     return chunk
 
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from steploop.common.step_contract import StepPlan
+from steploop.scheduler.beam_groups import BeamRequest, schedule_group
 from steploop.scheduler.ngram_proposer import propose_drafts
-from steploop.scheduler.request import Request
+from steploop.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from steploop.scheduler.scheduler import Scheduler
+
+RUNNING = RequestStatus.RUNNING
 
 
 def schedule_running(sched: Scheduler, plan: StepPlan, budget: int, scheduled: list[Request],
@@ -31,6 +34,12 @@ def schedule_running(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
             if i >= len(running) or budget <= 0:
                 break
         request = running[i]
+        if type(request) is BeamRequest:         # a beam group is scheduled whole (beam_groups.py)
+            if request.group.scheduled_step != plan.step_id:
+                budget = schedule_group(sched, plan, request, budget, scheduled, ends)
+            if request.status is RUNNING:        # else its group was preempted: running[i] is the next one
+                i += 1
+            continue
         num_new = sched._num_new_tokens(request, budget)
         if num_new <= 0 or (request.background and sched.background_yields
                             and num_new > 1 + len(request.spec_token_ids)):   # a prompt chunk yields (policy.py)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from steploop.common.mm_inputs import check_features
 from steploop.common.pooling_params import PoolingConfig
 from steploop.common.step_contract import StepPlan, StepResult
-from steploop.scheduler import admission, fastpath, policy, running_pass, step_update
+from steploop.scheduler import admission, beam_groups, fastpath, policy, running_pass, step_update
 from steploop.scheduler.config import SchedulerConfig
 from steploop.scheduler.encoder_budget import EncoderBudget, paced_whole_image
 from steploop.scheduler.handles import HandleTable
@@ -75,6 +75,9 @@ class Scheduler:
         step_tokens = min(t for t in (config.max_num_batched_tokens, config.long_prefill_token_threshold) if t > 0)
         self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens, step_tokens)   # images
         self.background_yields = False              # this step: an interactive request waits (schedule())
+        self.beam_groups: dict[str, beam_groups.BeamGroup] = {}   # beam search requests by id (beam_groups.py)
+        self.beam_ready: list[beam_groups.BeamGroup] = []         # ranked groups the next plan moves on
+        self.beam_sends: list[beam_groups.BeamRequest] = []       # beams the next plan sends as new
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -97,6 +100,11 @@ class Scheduler:
             self.encoder.check(request)
         self.stop_rules.encode(request)
         request.num_prompt = len(request.prompt_token_ids)
+        if request.beam is not None:
+            if request.pooling is not None or request.request_id in self.beam_groups:
+                raise RequestRejectedError("beam search is for generation requests with unique ids", "invalid_value")
+            beam_groups.start(self, request)    # its beams are queued, not the request itself
+            return
         request.status = RequestStatus.WAITING
         self.handles.assign(request)
         self.lora.add(request)
@@ -107,6 +115,10 @@ class Scheduler:
         """Finish the requests now and free their blocks; the worker hears of it in the next plan."""
         outputs = []
         for request_id in request_ids:
+            group = self.beam_groups.get(request_id)
+            if group is not None:
+                outputs.append(beam_groups.finish(self, group, RequestStatus.FINISHED_ABORTED))
+                continue
             request = self.requests.get(request_id)
             if request is not None:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -184,10 +196,14 @@ class Scheduler:
         """
         plan = StepPlan(step_id=self._next_step_id)
         self._next_step_id += 1
+        if self.beam_ready:                      # ranked beam groups: forks, continuations, dropped beams
+            beam_groups.apply_moves(self, plan)
         plan.finished_handles = self.handles.take_finished()
         plan.encoder_free_hashes = self.encoder.take_freed()     # before this step's commits add theirs
         self.encoder.begin_step()
         self.lora.fill_plan(plan)
+        if self.beam_sends:
+            beam_groups.send_new(self, plan)
         if self.proposer is not None:
             running_pass.propose(self)
         if self.waiting and self.running:
@@ -203,10 +219,13 @@ class Scheduler:
             admission.schedule_waiting(self, plan, budget, scheduled, ends)
         if scheduled:
             self._in_flight[plan.step_id] = (scheduled, ends)
+        elif self.beam_groups and not self._in_flight:
+            beam_groups.break_stall(self, plan)
         if self.pacer is not None:
             self.pacer.end_step(plan.step_id)
         if self.kv.tiers is not None:
             plan.kv_moves = self.kv.tiers.take_moves()
+        plan.block_copies = self.kv.take_block_copies()
         self.handles.recycle()
         return plan
 
@@ -229,6 +248,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------- preempt and finish (the passes call these)
     def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Recompute it later (`_preempt_one`); a beam's whole group goes (beam_groups.py)."""
+        if isinstance(request, beam_groups.BeamRequest):
+            if request.status is RUNNING:
+                beam_groups.preempt_group(self, request.group, plan)
+        else:
+            self._preempt_one(request, plan)
+
+    def _preempt_one(self, request: Request, plan: StepPlan) -> None:
         """Recompute it later: blocks freed, back to the front of the waiting queue, its outputs kept."""
         self.kv.free(request)
         self.encoder.release(request)
@@ -291,7 +318,8 @@ class Scheduler:
     def _wants_drafts(self, request: Request, placeholders: int) -> bool:
         """Only a request in the decode state: its KV covers all but its last token (not mid-prompt); never an
         embedding request (it samples nothing to verify drafts against)."""
-        return request.pooling is None and request.num_computed_tokens == request.num_tokens + placeholders - 1
+        return (request.pooling is None and request.num_computed_tokens == request.num_tokens + placeholders - 1
+                and type(request) is not beam_groups.BeamRequest)     # a beam's next token is the ranking's
 
     def _advance(self, plan: StepPlan, request: Request, num_new: int) -> int:
         """Advance num_computed_tokens by the request's scheduled tokens as if the plan had run (so the next
@@ -342,6 +370,7 @@ class Scheduler:
         """
         for request in reversed(list(self.running)):        # worst first: the best ends up at the front
             self._preempt(request, StepPlan(step_id=-1))    # a throwaway plan: no worker to tell
+        self.kv.take_block_copies()                         # the copies' worker is gone (children preempted)
         self.handles.worker_lost()
         self.lora.worker_lost()
         self.encoder.reset()
@@ -360,6 +389,7 @@ class Scheduler:
         plan.finished_handles = self.handles.take_finished()
         for request in reversed(list(self.running)):        # worst first: the best ends up at the front
             self._preempt(request, plan)
+        self.kv.take_block_copies()                         # every child preempted: nothing to copy into
         self.kv.reset_prefix_cache()
         self.handles.recycle()
         return plan
@@ -370,7 +400,7 @@ class Scheduler:
         Used when a worker with a different KV pool attaches; the caller re-adds them elsewhere.
         """
         self.preempt_all()
-        drained = list(self.waiting)
+        drained = beam_groups.drained(self, list(self.waiting))
         for request in drained:
             request.status = RequestStatus.WAITING
         self.waiting.clear()
@@ -381,4 +411,5 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every invariant of queues, counters and blocks; tests call it after every step."""
         check_scheduler(self)
+        beam_groups.check(self)
         self.lora.check(list(self.running))

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob
+from steploop.scheduler import beam_groups
 from steploop.scheduler.request import Request, RequestOutput, RequestStatus
 from steploop.scheduler.request_outputs import add_prompt_logprobs, make_output
 from steploop.scheduler.stop_rule import stop_status
@@ -38,6 +39,7 @@ def apply_result(sched: Scheduler, requests: list[Request], ends: list[int], pla
     c_decodes = (sched.c_loops.apply_decodes if sched.c_loops is not None and type(sampled) is dict
                  and is_plain(plan, result) else None)
     block_size, cache_blocks = sched.kv.block_size, sched.kv.cache_blocks
+    groups: list[beam_groups.BeamGroup] = []     # beam groups with a beam back this step
     k, n = 0, min(len(requests), len(handles))
     while k < n:
         if c_decodes is not None:                # the run of plain decodes from k, in C (it appends outputs)
@@ -57,8 +59,16 @@ def apply_result(sched: Scheduler, requests: list[Request], ends: list[int], pla
         if tokens is None:                       # a prompt chunk that does not reach the end: nothing sampled
             cache_full_blocks(sched, request, end, num_new)
             continue
+        if type(request) is beam_groups.BeamRequest:   # parks until its group is ranked (beam_groups.py)
+            cache_full_blocks(sched, request, end, num_new)
+            beam_groups.on_result(sched, request, tokens[0], logprobs.get(handle) if logprobs else None)
+            if request.group not in groups:
+                groups.append(request.group)
+            continue
         outputs.append(append_tokens(sched, request, tokens, logprobs.get(handle) if logprobs else None,
                                      drafts.get(handle) if drafts else None, end, num_new))
+    if groups:
+        outputs += beam_groups.advance(sched, groups)
     return outputs
 
 
@@ -116,11 +126,15 @@ def cache_full_blocks(sched: Scheduler, request: Request, end: int, num_new: int
 
 def fail_requests(sched: Scheduler, requests: list[Request], error: str) -> list[RequestOutput]:
     """The worker failed the whole step: every request of it still running finishes with the error."""
-    return [fail_request(sched, request, error) for request in requests if request.status == RUNNING]
+    outputs = [fail_request(sched, request, error) for request in requests if request.status == RUNNING]
+    return [out for out in outputs if out is not None]
 
 
-def fail_request(sched: Scheduler, request: Request, error: str) -> RequestOutput:
-    """Finish a running request with FINISHED_ERROR and `error` (why, for the client)."""
+def fail_request(sched: Scheduler, request: Request, error: str) -> RequestOutput | None:
+    """Finish a running request with FINISHED_ERROR and `error` (why, for the client); a beam ends its group
+    (None when the group already ended)."""
+    if type(request) is beam_groups.BeamRequest:
+        return beam_groups.fail(sched, request, error)
     request.error = error
     sched._finish(request, RequestStatus.FINISHED_ERROR)
     return make_output(request, [], None)

@@ -14,6 +14,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from steploop.common.beam_ranking import BeamRanking
+from steploop.common.engine_contract import beam_config_from_pb, hypothesis_to_pb
 from steploop.common.errors import CODE_KEY, PARAM_KEY
 from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from steploop.common.sampling_params import SamplingParams
@@ -38,7 +40,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     reject_after: int | None = None                # if set, ends with FINISH_REASON_REJECTED after this many tokens
     reply_fn: Callable[[engine_pb2.GenerateRequest], Sequence[int]] | None = None
     # if set: (top ids, their logprobs) for the next token after a request's prompt, most likely first (a tiny
-    # deterministic "model" for beam search); the token sent is the first top id, its logprob the first logprob
+    # deterministic "model"): a beam search request is searched over it; a request asking for logprobs gets
+    # the first top id as its token, with the first logprob
     top_fn: Callable[[Sequence[int]], tuple[Sequence[int], Sequence[float]]] | None = None
     generation_defaults: dict = field(default_factory=dict)   # GetModelInfo's model sampling defaults
     requests: list = field(default_factory=list)   # GenerateRequests received
@@ -135,7 +138,27 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             for task in list(tasks.values()):
                 task.cancel()
 
+    def _beams(self, request) -> engine_pb2.GenerateChunk:
+        """A beam search request, searched as the scheduler searches it (the one ranking, over top_fn's top K)."""
+        sampling = SamplingParams.from_pb(request.sampling)
+        max_tokens = resolve_max_tokens(len(request.prompt_token_ids), sampling, self.max_model_len)
+        stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else {self.eos_token_id})
+        ranking = BeamRanking(beam_config_from_pb(request.beam_search), max_tokens, stops)
+        k, prompt = max(ranking.k, sampling.logprobs), list(request.prompt_token_ids)
+        while not ranking.done:
+            ranking.step([list(zip(*self.top_fn(prompt + b.tokens)))[:k] for b in ranking.running])
+        chunk = engine_pb2.GenerateChunk(finish_reason=engine_pb2.FINISH_REASON_STOP,
+                                         beams=[hypothesis_to_pb(h) for h in ranking.finished])
+        chunk.usage.prompt_tokens = len(prompt)
+        chunk.usage.completion_tokens = max(len(h.tokens) for h in ranking.finished)
+        chunk.usage.cached_tokens = self.cached_tokens
+        return chunk
+
     async def _script(self, request):
+        if request.HasField("beam_search"):
+            yield self._beams(request)
+            self.finished.append(request.request_id)
+            return
         ids = list(self.reply_fn(request) if self.reply_fn else self.reply_ids)
         if not request.sampling.ignore_eos and self.eos_token_id in ids:
             ids = ids[:ids.index(self.eos_token_id) + 1]

@@ -1,8 +1,9 @@
 """use_beam_search on /v1/completions and /v1/chat/completions against a fake engine whose logprobs come from a
-tiny deterministic "model" (a seeded distribution per sequence over 24 tokens and EOS): every engine request is a
-1-token greedy step asking for K logprobs, the n choices are the search's n best beams in order with their text,
-finish reason, usage and logprobs; streaming gives the same beams; fields beam search cannot honour are 400s
-naming them. The ranking itself is checked against transformers in test_beam_search_hf.py."""
+tiny deterministic "model" (a seeded distribution per sequence over 24 tokens and EOS): each prompt is one engine
+request carrying the beam width (the engine runs the search, here over that model with the one ranking), the n
+choices are the search's n best beams in order with their text, finish reason, usage and logprobs; streaming gives
+the same beams; fields beam search cannot honour are 400s naming them. The ranking itself is checked against
+transformers in test_beam_search_hf.py, the scheduler's search in tests/scheduler/test_beam_groups.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from steploop.gateway.text.beam_search import BeamConfig, beam_search
+from steploop.common.beam_ranking import BeamConfig, BeamRanking
 from tests.gateway.conftest import SERVED_NAME
 from tests.gateway.test_gateway_errors import CHAT, assert_error, post
 
@@ -35,9 +36,10 @@ def toy(fake_engine, tokenizer):
 
 
 async def expected(top, prompt, width, max_tokens, eos, penalty=1.0, early=False):
-    async def step(seqs, k):
-        return [list(zip(*top(prompt + list(s))))[:k] for s in seqs]
-    return await (beam_search(step, BeamConfig(width, penalty, early), max_tokens, frozenset({eos})))
+    ranking = BeamRanking(BeamConfig(width, penalty, early), max_tokens, frozenset({eos}))
+    while not ranking.done:
+        ranking.step([list(zip(*top(prompt + b.tokens)))[:ranking.k] for b in ranking.running])
+    return ranking.finished
 
 
 async def test_completions_returns_the_n_best_beams(gateway, tokenizer, toy):
@@ -48,8 +50,9 @@ async def test_completions_returns_the_n_best_beams(gateway, tokenizer, toy):
     prompt = tokenizer.encode_sync(PROMPT)
     want = (await expected(toy, prompt, 3, 6, tokenizer.eos_token_id, penalty=0.5))[:2]
     requests = gateway.engine.requests
-    assert all(r.sampling.max_tokens == 1 and r.sampling.logprobs == 6 for r in requests)   # K = 2 x 3 beams
-    assert len(requests) > 6 and requests[0].prompt_token_ids == prompt
+    assert len(requests) == 1 and requests[0].prompt_token_ids == prompt     # the search runs in the engine
+    assert requests[0].beam_search.width == 3 and requests[0].beam_search.length_penalty == 0.5
+    assert requests[0].sampling.max_tokens == 6 and requests[0].sampling.logprobs == 2
     assert [c["index"] for c in reply["choices"]] == [0, 1]
     for choice, hyp in zip(reply["choices"], want):
         ids = hyp.tokens[:-1] if hyp.finish_reason == "stop" else hyp.tokens

@@ -1,7 +1,9 @@
-"""The gateway's beam search (text/beam_search.py) against transformers' generate(num_beams=...) on a tiny random
-Llama: the same returned sequences, in the same order, with the same scores and cumulative logprobs, for 4 prompts
-x beams 2 and 4 (all W returned, best first), length penalties 1, 0 and 2 and early_stopping False / True / "never". The step
-function answers what the engine answers: the top K logprobs of the next token (log_softmax of fp32 logits)."""
+"""The beam ranking (common/beam_ranking.py, what the scheduler's beam groups run) against transformers'
+generate(num_beams=...) on a tiny random Llama: the same returned sequences, in the same order, with the same
+scores and cumulative logprobs, for 4 prompts x beams 2 and 4 (all W returned, best first), length penalties 1, 0
+and 2 and early_stopping False / True / "never". The step function answers what the worker answers: the top K
+logprobs of the next token (log_softmax of fp32 logits). tests/scheduler/test_beam_groups.py runs the same through
+the scheduler's beam groups and a paged worker."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from steploop.gateway.text.beam_search import BeamConfig, beam_search
+from steploop.common.beam_ranking import BeamConfig, BeamRanking
 
 EOS = 5
 VOCAB = 96
@@ -43,6 +45,14 @@ def hf_beams(model, prompt, width, n, penalty, early):
         tokens = row[len(prompt):len(prompt) + length].tolist()
         beams.append((tokens, score.item(), score.item() * length ** penalty))
     return beams
+
+
+async def beam_search(step, config, max_tokens, stop_ids):
+    """The ranking driven step by step, each step asking for every live beam's top K."""
+    ranking = BeamRanking(config, max_tokens, stop_ids)
+    while not ranking.done:
+        ranking.step(await step([b.tokens for b in ranking.running], ranking.k))
+    return ranking.finished
 
 
 def engine_step(model, prompt):

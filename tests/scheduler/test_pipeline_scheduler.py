@@ -201,3 +201,17 @@ def test_aborts_of_busy_and_waiting_requests_leak_nothing(seed):
     for r in requests:
         if r.request_id not in aborted:
             assert driver.run.tokens[r.request_id] == expected_output(r)[0], r.request_id
+
+
+def test_beam_search_is_refused_under_pp_not_served_wrong():
+    from steploop.common.beam_ranking import BeamConfig
+    from steploop.common.sampling_params import SamplingParams
+    from steploop.scheduler.request import Request, RequestRejectedError
+
+    sched = create_pipeline()
+    beam = Request(request_id="b", prompt_token_ids=[5, 6, 7], arrival_time=0.0,
+                   sampling=SamplingParams(max_tokens=4), beam=BeamConfig(2, 1.0, False))
+    with pytest.raises(RequestRejectedError, match="pipeline-parallel") as refused:
+        sched.add_request(beam)
+    assert refused.value.param == "use_beam_search"
+    assert not sched.has_unfinished_requests()

@@ -1,9 +1,9 @@
 """vLLM's beam search fields on /v1/completions and /v1/chat/completions: `use_beam_search`, `best_of` (the beam
 width; `n` when unset), `n` (how many of the beams come back, best first), `length_penalty`, `early_stopping`.
 
-Beam search ranks raw model logprobs (text/beam_search.py), so a field that would change the distribution or cut
-the text (penalties, logit bias, token controls, a grammar, stop strings, min_tokens) cannot be honoured: each is
-a 400 naming it, rather than beams computed as if it were not there. Sampling-only fields (temperature, top_p,
+Beam search ranks raw model logprobs (common/beam_ranking.py, run in the scheduler), so a field that would change
+the distribution or cut the text (penalties, logit bias, token controls, a grammar, stop strings, min_tokens)
+cannot be honoured: each is a 400 naming it, rather than beams computed as if it were not there. Sampling-only fields (temperature, top_p,
 top_k, min_p, seed) have no effect: beam search is deterministic, as in transformers with do_sample false and in
 vLLM. Streaming is served: each beam comes as one chunk once the search ends (vLLM's completions return the whole
 body instead)."""
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from steploop.common.beam_ranking import BeamConfig
 from steploop.gateway.errors import bad_request
 from steploop.gateway.http_io import validation as v
-from steploop.gateway.text.beam_search import BeamConfig
 
 MAX_BEAM_WIDTH = 16          # the engine is asked for K = 2..3 x width logprobs per beam and step
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from steploop.common.beam_ranking import BeamConfig
 from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.errors import bad_request
@@ -21,7 +22,6 @@ from steploop.gateway.media.parts import openai_image_part
 from steploop.gateway.openai_api.beam_fields import parse_beam, refuse_with_beams
 from steploop.gateway.openai_api.token_controls import parse_allowed_token_ids, parse_bad_words
 from steploop.gateway.openai_api.vllm_extras import Constraint, not_supported, refuse_not_built, structured_output
-from steploop.gateway.text.beam_search import BeamConfig
 from steploop.gateway.tool_parsers import ToolParser
 from steploop.gateway.tool_parsers.tools import ToolRequest, parse_tools
 

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from steploop.common.beam_ranking import BeamConfig
 from steploop.common.engine_contract import EngineChunk, EngineRequest, FinishReason, Usage
 from steploop.common.sampling_params import SamplingParams
 from steploop.gateway import request_class
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.errors import APIError
 from steploop.gateway.grammar_check import rejected
-from steploop.gateway.text.beam_search import BeamConfig
 from steploop.gateway.text.detokenizer import Decoder, IncrementalDetokenizer
 from steploop.gateway.text.logprobs import TokenInfo, TokenNamer, vllm_prompt_logprobs
 from steploop.gateway.text.stop_strings import StopStringMatcher

@@ -1,11 +1,5 @@
-"""Beam search over an engine that answers one token's top-k logprobs per sequence (vLLM's `use_beam_search`).
-
-It runs in the gateway, as vLLM's frontend runs it (EngineClient.beam_search): each step sends every live beam as
-a 1-token request asking for its top K logprobs, and ranks the candidates here. Beams share their prompt and common
-prefix through the prefix cache (reference-counted full blocks), so a step recomputes about one block per beam. It
-is not in the scheduler because there it would need forked requests in the step contract, the block pool and the C
-fast path (copy-on-write of partial blocks, per-step re-ranking across requests) for a feature few clients use,
-while the prefix cache already shares what matters; the cost here is one engine round trip per generated token.
+"""Beam search's ranking (vLLM's `use_beam_search`), one step at a time: what the scheduler's beam groups run
+(scheduler/beam_groups.py) over the top-K logprobs the worker returns for each live beam.
 
 The ranking is transformers' (GenerationMixin._beam_search, 4.57), so the beams equal `generate(num_beams=W,
 length_penalty=..., early_stopping=...)` on the same weights:
@@ -26,7 +20,6 @@ issue's oracle, transformers.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +43,7 @@ class Beam:
     tokens: list[int] = field(default_factory=list)        # generated so far (after the prompt)
     score: np.float32 = field(default_factory=np.float32)  # cumulative logprob (0 at the start)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # each token's logprob and the top K beside it
+    parent: int = 0                    # index of the beam it extends in the previous step's running list
 
 
 @dataclass(frozen=True)
@@ -61,52 +55,59 @@ class Hypothesis:
     logprobs: list[TokenLogprob]
 
 
-# One step: the top-K logprobs of the next token after each sequence (generated tokens only; the caller adds the
-# prompt), in the beams' order, most likely first.
-StepFn = Callable[[Sequence[Sequence[int]], int], Awaitable[list[list[tuple[int, float]]]]]
+class BeamRanking:
+    """One search: `running` are the live beams (one empty beam at the start: transformers starts W copies of the
+    prompt with all but one at -1e9, the same); `step(tops)` ranks their candidates; `finished` holds the W best
+    hypotheses, best first, once `done`."""
 
+    def __init__(self, config: BeamConfig, max_tokens: int, stop_ids: frozenset[int]) -> None:
+        self.config, self.max_tokens, self.stop_ids = config, max_tokens, stop_ids
+        self.k = config.candidates(len(stop_ids))
+        self.running: list[Beam] = [Beam()]
+        self.finished: list[Hypothesis] = []
+        self.t = 0
+        self.done = max_tokens <= 0
 
-async def beam_search(step: StepFn, config: BeamConfig, max_tokens: int,
-                      stop_ids: frozenset[int]) -> list[Hypothesis]:
-    """The W best hypotheses, best first (fewer only if fewer sequences exist)."""
-    width, penalty, early = config.width, config.length_penalty, config.early_stopping
-    k = config.candidates(len(stop_ids))
-    running = [Beam()]       # transformers starts W copies of the prompt with all but one at -1e9: the same
-    finished: list[Hypothesis] = []
-    for t in range(max_tokens):
-        tops = await step([b.tokens for b in running], k)
+    def step(self, tops: list[list[tuple[int, float]]]) -> None:
+        """tops[i]: the top-K (token, logprob) after running[i], most likely first. Afterwards `running` are the
+        next beams (each knows its parent's index) unless `done`."""
+        config, width, k = self.config, self.config.width, self.k
+        running = self.running
         cands = []           # (score, beam order, rank in its top) so ties keep transformers' flat-index order
         for i, (beam, top) in enumerate(zip(running, tops)):
             for rank, (token, lp) in enumerate(top):
                 cands.append((np.float32(beam.score + np.float32(lp)), i, rank, token, lp))
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         cands = cands[:k]
-        last = t + 1 == max_tokens
-        gen_len = t + 1
-        ends = [last or c[3] in stop_ids for c in cands]
+        self.t += 1
+        last = self.t == self.max_tokens
+        gen_len = self.t
+        ends = [last or c[3] in self.stop_ids for c in cands]
+        finished = self.finished
         for c, end in zip(cands[:width], ends[:width]):
             if end:
                 beam = _extend(running, tops, c)
-                score = float(np.float32(c[0] / np.float32(gen_len ** penalty)))
-                reason = "stop" if c[3] in stop_ids else "length"
+                score = float(np.float32(c[0] / np.float32(gen_len ** config.length_penalty)))
+                reason = "stop" if c[3] in self.stop_ids else "length"
                 finished.append(Hypothesis(beam.tokens, float(c[0]), score, reason, beam.logprobs))
         finished.sort(key=lambda h: -h.score)        # stable: an earlier hypothesis wins a tie, as topk's merge
         del finished[width:]
-        running = [_extend(running, tops, c) for c, end in zip(cands, ends) if not end][:width]
-        if last or not running or all(ends):
-            break
-        if len(finished) == width:
-            if early is True:
-                break
-            best_len = max_tokens if early == "never" and penalty > 0 else gen_len
-            best_possible = np.float32(running[0].score / np.float32(best_len ** penalty))
-            if not best_possible > min(h.score for h in finished):
-                break
-    return finished
+        self.running = [_extend(running, tops, c) for c, end in zip(cands, ends) if not end][:width]
+        self.done = last or not self.running or all(ends) or self._cannot_improve(gen_len)
+
+    def _cannot_improve(self, gen_len: int) -> bool:
+        penalty, early = self.config.length_penalty, self.config.early_stopping
+        if len(self.finished) < self.config.width:
+            return False
+        if early is True:
+            return True
+        best_len = self.max_tokens if early == "never" and penalty > 0 else gen_len
+        best_possible = np.float32(self.running[0].score / np.float32(best_len ** penalty))
+        return not best_possible > min(h.score for h in self.finished)
 
 
 def _extend(running: list[Beam], tops: list[list[tuple[int, float]]], cand: tuple) -> Beam:
     """The beam a candidate (score, parent index, rank, token, logprob) makes: its parent plus the token."""
     parent, top = running[cand[1]], tops[cand[1]]
     lp = TokenLogprob(float(cand[4]), [tok for tok, _ in top], [x for _, x in top])
-    return Beam(parent.tokens + [cand[3]], cand[0], parent.logprobs + [lp])
+    return Beam(parent.tokens + [cand[3]], cand[0], parent.logprobs + [lp], cand[1])
