@@ -8,34 +8,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from steploop.common.beam_ranking import BeamConfig
 from steploop.common.sampling_params import SamplingParams
 from steploop.scheduler import beam_groups
 from steploop.scheduler.beam_groups import BeamRequest
 from steploop.scheduler.request import Request, RequestStatus
+from tests.beam_model import EOS, PROMPTS, tiny_beam_llama
 from tests.scheduler.beam_worker import PagedFakeWorker
 from tests.scheduler.sched_factories import create_scheduler
 
-EOS = 5
-VOCAB = 96
-PROMPTS = [[1, 17, 42, 8], [1, 60, 3], [1, 9, 9, 33, 71, 2], [1, 88]]
 MAX_NEW = 7
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      eos_token_id=EOS, pad_token_id=0, bos_token_id=1)
-    m = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():        # spread the logits (a random init is near uniform: ties) and make EOS likely
-        m.lm_head.weight.mul_(40.0)
-        m.lm_head.weight[EOS] *= 1.6
-    return m
+    return tiny_beam_llama()
 
 
 def hf_beams(model, prompt, width, penalty, early, max_new=MAX_NEW):

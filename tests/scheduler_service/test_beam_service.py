@@ -7,15 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
-import transformers
 
 from steploop.common.beam_ranking import BeamConfig
 from steploop.common.engine_contract import EngineChunk, beam_config_to_pb
 from steploop.common.pb.steploop.v1 import engine_pb2
 from steploop.common.sampling_params import SamplingParams
 from tests.scheduler.beam_worker import PagedFakeWorker
-from tests.scheduler.test_beam_groups import EOS, VOCAB, hf_beams
+from tests.beam_model import EOS, VOCAB, tiny_beam_llama
+from tests.scheduler.test_beam_groups import hf_beams
 from tests.scheduler_service.fake_grpc_worker import FakeGrpcWorker
 from tests.scheduler_service.test_engine_service import until
 
@@ -25,15 +24,7 @@ BLOCKS = 256
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      eos_token_id=EOS, pad_token_id=0, bos_token_id=1)
-    m = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(40.0)
-        m.lm_head.weight[EOS] *= 1.6
-    return m
+    return tiny_beam_llama(128)
 
 
 def worker_for(service, tiny, step_delay=0.0) -> FakeGrpcWorker:
