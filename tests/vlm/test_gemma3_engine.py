@@ -12,6 +12,7 @@ from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.model_runner import ModelRunner
 from steploop.scheduler.request import Request
 from tests.scheduler.sched_factories import create_scheduler
+from tests.vlm.engine_steps import run
 from tests.vlm.gemma3_models import TOKENS_PER_IMAGE, oracle_generate, png_bytes, prompt_with_images
 
 MAX_TOKENS = 6
@@ -34,25 +35,6 @@ def scheduler(runner, budget, **config):
                              max_num_encoder_input_tokens=2 * TOKENS_PER_IMAGE, **config)
     sched.encoder.whole_images = runner.info.images_whole       # what the engine loop copies from the hello
     return sched
-
-
-def run(sched, runner, requests, max_steps=400):
-    """Step scheduler and worker to the end; returns request id -> output tokens."""
-    out = {r.request_id: [] for r in requests}
-    for r in requests:
-        sched.add_request(r)
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            break
-        plan = sched.schedule()
-        result = runner.execute(plan)
-        assert not result.error, result.error
-        for o in sched.update_from_output(plan, result):
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        sched.check_integrity()
-    assert not sched.has_unfinished_requests()
-    runner.execute(sched.schedule())
-    return out
 
 
 def request(rid, ids, features):

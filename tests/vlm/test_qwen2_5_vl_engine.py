@@ -12,6 +12,7 @@ from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.model_runner import ModelRunner
 from steploop.scheduler.request import Request, RequestRejectedError
 from tests.scheduler.sched_factories import create_scheduler
+from tests.vlm.engine_steps import run
 from tests.vlm.vlm_models import oracle_generate, prompt_with_images
 
 MAX_TOKENS = 6
@@ -22,25 +23,6 @@ BLOCK = 4
 def runner(vlm_folder):
     return ModelRunner.from_config(WorkerConfig(model=str(vlm_folder), num_kv_blocks=128, max_model_len=256,
                                                 device="cpu", block_size=BLOCK), vlm_folder)
-
-
-def run(sched, runner, requests, max_steps=400):
-    """Step scheduler and worker to the end; returns request id -> output tokens."""
-    out = {r.request_id: [] for r in requests}
-    for r in requests:
-        sched.add_request(r)
-    for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            break
-        plan = sched.schedule()
-        result = runner.execute(plan)
-        assert not result.error, result.error
-        for o in sched.update_from_output(plan, result):
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        sched.check_integrity()
-    assert not sched.has_unfinished_requests()
-    runner.execute(sched.schedule())        # the last plan's frees reach the worker
-    return out
 
 
 def request(rid, ids, features):
