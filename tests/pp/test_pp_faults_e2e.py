@@ -6,20 +6,13 @@ hangs (each wait has a deadline)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from tests.integration.hf_reference import HFReference
-from tests.tp.test_tp_faults_e2e import _check, _fault_scenario, kill_and_restart, stop_until_detached
+from tests.tp.test_tp_faults_e2e import _check, _fault_scenario, _reformed, kill_and_restart, stop_until_detached
 from tests.tp.tp_cluster import TpCluster
 
 pytestmark = pytest.mark.slow
-
-
-def _reformed(path) -> bool:
-    joined = re.findall(r"joined pipeline group generation (\d+)", path.read_text(errors="replace"))
-    return any(int(g) >= 2 for g in joined)
 
 
 @pytest.fixture
@@ -36,12 +29,12 @@ def test_killed_stage_breaks_the_group_and_it_reforms(pp2):
     cluster, hf, model = pp2
     assert "pipeline stage 1 of 2: layers 1-1, final norm + LM head" in (cluster.log_dir / "worker-1.log").read_text()
     _check(cluster, hf, model, _fault_scenario(cluster, model, kill_and_restart(cluster)))
-    assert _reformed(cluster.log_dir / "worker-0.log")
+    assert _reformed(cluster.log_dir / "worker-0.log", "pipeline")
 
 
 def test_stopped_stage_times_out_the_other_and_the_group_reforms(pp2):
     cluster, hf, model = pp2
     _check(cluster, hf, model, _fault_scenario(cluster, model, stop_until_detached(cluster)))
-    assert _reformed(cluster.log_dir / "worker-0.log")
+    assert _reformed(cluster.log_dir / "worker-0.log", "pipeline")
     for rank in (0, 1):
         assert cluster.procs[f"worker-{rank}"].poll() is None, f"worker-{rank} exited"

@@ -31,16 +31,17 @@ def _wait_for_log(path, needle: str, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def _reformed(path) -> bool:
+def _reformed(path, group: str = "tensor-parallel") -> bool:
     """The rank joined a group formed after its first: generation 2, or later when a re-formation itself broke
-    (a rank re-attaching while a cut link still drops some of its packets waits out gRPC's keepalive first)."""
-    joined = re.findall(r"joined tensor-parallel group generation (\d+)", path.read_text(errors="replace"))
+    (a rank re-attaching while a cut link still drops some of its packets waits out gRPC's keepalive first).
+    `group`: "tensor-parallel", or "pipeline" for a -pp group."""
+    joined = re.findall(rf"joined {group} group generation (\d+)", path.read_text(errors="replace"))
     return any(int(g) >= 2 for g in joined)
 
 
-def _wait_for_reformed(path, timeout: float = 120.0) -> None:
+def _wait_for_reformed(path, timeout: float = 120.0, group: str = "tensor-parallel") -> None:
     deadline = time.monotonic() + timeout
-    while not _reformed(path):
+    while not _reformed(path, group):
         assert time.monotonic() < deadline, f"{path.name}: no re-formed group after {timeout} s"
         time.sleep(0.1)
 
