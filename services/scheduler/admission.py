@@ -5,6 +5,13 @@ A waiting request is admitted at its longest cached prefix while the budget, max
 admission watermark) and its LoRA adapter's seat allow; the first that does not fit stops admission for the step
 (nobody overtakes the head), except a request whose adapter has no seat: it is set aside for the step and the
 queue goes on.
+
+Blocks are checked for the whole context, not the first chunk: beside running requests, a request is admitted
+only when the free blocks (evictable prefix-cache blocks count as free) hold all of its tokens plus what the
+running ones were promised (the rest of their prompts, their next token). Admitted at its first chunk only, a
+long prompt would take blocks the others need to grow and be preempted before it finished: thrash. Alone, a
+request is admitted as soon as its first chunk fits (add_request refused any that the whole pool cannot hold), so
+the head waits at most until the running requests end.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
                      ends: list[int]) -> None:
     waiting, kv = sched.waiting, sched.kv
     skipped: list[Request] = []                  # their adapter has no seat (--max-loras): they wait, others go
+    promised = None                              # blocks the running requests will still take (computed once)
     while waiting and budget > 0 and len(sched.running) < sched.config.max_num_seqs:
         request = waiting.peek()
         if not sched.lora.can_run(request):
@@ -36,10 +44,18 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
         num_pool_hit, num_hit = num_hit, num_hit + len(restored) * kv.block_size
         request.num_computed_tokens = num_hit
         num_new = sched._num_new_tokens(request, budget)
-        reserve = sched.watermark_blocks if sched.running else 0   # alone, a request may use every block
+        reserve = 0                              # alone, a request may use every block
+        if sched.running:
+            if promised is None:
+                promised = kv.num_blocks_promised(sched.running)
+            reserve = sched.watermark_blocks
+            if kv.num_blocks_to_hold(request, hits) + promised + reserve > kv.num_free_blocks:
+                num_new = 0                      # its whole context does not fit beside theirs: it waits
         if num_new <= 0 or kv.allocate_slots(request, num_new, hits, reserve, restored) is None:
             request.num_computed_tokens = 0
             break                                # nobody overtakes the head of the queue
+        if promised is not None:                 # the rest of its own context, now promised too
+            promised += kv.num_blocks_promised([request])
         waiting.pop()
         if kv.tiers is not None:
             kv.tiers.record_admission(request.request_id, request.num_tokens, num_pool_hit, num_hit - num_pool_hit,
@@ -88,12 +104,10 @@ def preempt_for_waiting(sched: Scheduler, plan: StepPlan) -> None:
     """Preempt the running requests of a worse class the policy names so the waiting head fits next step (every
     policy: background ones for an interactive head), and under the priority policy those whose adapter holds the
     seat the head's adapter needs (LoraSteps.victims_for)."""
-    config = sched.config
-    max_new = config.max_num_batched_tokens
-    if config.long_prefill_token_threshold > 0:
-        max_new = min(max_new, config.long_prefill_token_threshold)
-    for victim in policy.victims_for_waiting(sched.waiting.peek(), sched.running, sched.kv, config.max_num_seqs,
-                                             sched.watermark_blocks, max_new):
+    config, head = sched.config, sched.waiting.peek()
+    # Room for its whole context, as schedule_waiting asks (not just a first chunk).
+    for victim in policy.victims_for_waiting(head, sched.running, sched.kv, config.max_num_seqs,
+                                             sched.watermark_blocks, head.num_tokens):
         sched._preempt(victim, plan)
     if config.scheduling_policy != "priority":
         return
