@@ -31,7 +31,7 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
                      ends: list[int]) -> None:
     waiting, kv = sched.waiting, sched.kv
     skipped: list[Request] = []                  # their adapter has no seat (--max-loras): they wait, others go
-    promised = None                              # blocks the running requests will still take (computed once)
+    promised = Promised(sched)                   # blocks the running requests will still take
     while waiting and budget > 0 and len(sched.running) < sched.config.max_num_seqs:
         request = waiting.peek()
         if not sched.lora.can_run(request):
@@ -46,16 +46,13 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
         num_new = sched._num_new_tokens(request, budget)
         reserve = 0                              # alone, a request may use every block
         if sched.running:
-            if promised is None:
-                promised = kv.num_blocks_promised(sched.running)
             reserve = sched.watermark_blocks
-            if kv.num_blocks_to_hold(request, hits) + promised + reserve > kv.num_free_blocks:
+            if not promised.covered_by(kv.num_free_blocks - reserve - kv.num_blocks_to_hold(request, hits)):
                 num_new = 0                      # its whole context does not fit beside theirs: it waits
         if num_new <= 0 or kv.allocate_slots(request, num_new, hits, reserve, restored) is None:
             request.num_computed_tokens = 0
             break                                # nobody overtakes the head of the queue
-        if promised is not None:                 # the rest of its own context, now promised too
-            promised += kv.num_blocks_promised([request])
+        promised.add(request)
         waiting.pop()
         if kv.tiers is not None:
             kv.tiers.record_admission(request.request_id, request.num_tokens, num_pool_hit, num_hit - num_pool_hit,
@@ -65,6 +62,43 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
         budget -= num_new
     for request in reversed(skipped):
         waiting.push_front(request)
+
+
+class Promised:
+    """The free blocks the running requests will still take (KVCacheManager.num_blocks_promised), found once per
+    step and only as precisely as a decision needs: first an upper bound (exact for the requests admitted with a
+    prompt chunk, `sched.prompting`; 2 blocks for any other: its next token, and one more if it was not scheduled
+    this step), the exact sum over every running request (O(running)) only when the bound leaves no room."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.bound: int | None = None
+        self.exact: int | None = None
+
+    def covered_by(self, slack: int) -> bool:
+        """Do `slack` free blocks (left once a request took its whole context) hold what was promised?"""
+        sched = self.sched
+        if slack < 0:
+            return False
+        if self.bound is None:
+            prompting = sched.prompting
+            for rid in [rid for rid, r in prompting.items() if r.status != RequestStatus.RUNNING
+                        or r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders]:
+                del prompting[rid]               # ended, preempted, or its prompt is done
+            self.bound = sched.kv.num_blocks_promised(list(prompting.values())) + 2 * len(sched.running)
+        if slack >= self.bound:
+            return True
+        if self.exact is None:
+            self.exact = sched.kv.num_blocks_promised(sched.running)
+        return slack >= self.exact
+
+    def add(self, request: Request) -> None:
+        """`request` was just admitted: the rest of its context is promised too."""
+        n = self.sched.kv.num_blocks_promised([request])
+        self.bound = None if self.bound is None else self.bound + n
+        self.exact = None if self.exact is None else self.exact + n
+        if request.num_computed_tokens < request.num_tokens:
+            self.sched.prompting[request.request_id] = request
 
 
 def tier_restore(sched: Scheduler, request: Request, num_pool_blocks: int) -> list[int] | None:
