@@ -237,7 +237,7 @@ def preemption_long(model_dir, args) -> dict:
     runner.tiers = KvTierMover(runner.kv_caches, 2 * seq // BLOCK)
     result = alternate(lambda mode: preemption_heavy(runner, mode, args.long_requests, args.long_prompt,
                                                      args.long_output),
-                       args.rounds, ("amnesia", "off", "on"), flag=False, keep_rounds=True)
+                       args.rounds, tuple(args.long_modes.split(",")), flag=False, keep_rounds=True)
     result.update(pool_tokens=(pool_blocks - 1) * BLOCK, host_blocks=runner.tiers.num_host_blocks,
                   requests=args.long_requests, prompt_tokens=args.long_prompt, output_tokens=args.long_output)
     return result
@@ -255,6 +255,8 @@ def main() -> None:
     parser.add_argument("--long-output", type=int, default=768, help="preemption_long: output tokens (a full "
                         "sequence: 2048 + 768 = 2816 tokens, inside the issue's 2k-4k)")
     parser.add_argument("--long-requests", type=int, default=4, help="preemption_long: requests, all at once")
+    parser.add_argument("--long-modes", default="off,on", help="preemption_long: modes alternated (amnesia: "
+                        "prefix caching off too, the whole context recomputed; slow)")
     args = parser.parse_args()
     from steploop.common.model_path import default_model_dir
 
@@ -295,6 +297,8 @@ def main() -> None:
     if "preemption_long" in out:
         pre = out["preemption_long"]
         for a, b in (("off", "on"), ("amnesia", "on"), ("amnesia", "off")):
+            if a not in pre or b not in pre:
+                continue
             ratios[f"preemption_long_total_{a}_over_{b}"] = pre[a]["total_s"] / pre[b]["total_s"]
             ratios[f"preemption_long_p99_ttft_{a}_over_{b}"] = pre[a]["p99_ttft_s"] / pre[b]["p99_ttft_s"]
         rounds = pre["rounds"]
