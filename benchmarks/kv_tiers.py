@@ -304,6 +304,11 @@ def main() -> None:
         rounds = pre["rounds"]
         ratios["preemption_long_total_off_over_on_per_round"] = [
             off["total_s"] / on["total_s"] for off, on in zip(rounds["off"], rounds["on"])]
+        # Both modes run the same decode-only steps: their time per step gauges how fast the shared machine was
+        # during that run. Totals in units of that step time take most of the machine's drift out.
+        per_step = lambda run: run["total_s"] / (run["decode_only_s"] / run["decode_only_steps"])
+        ratios["preemption_long_total_off_over_on_in_decode_steps_per_round"] = [
+            per_step(off) / per_step(on) for off, on in zip(rounds["off"], rounds["on"])]
         ratios["preemption_long_p99_ttft_off_over_on_per_round"] = [
             off["p99_ttft_s"] / on["p99_ttft_s"] for off, on in zip(rounds["off"], rounds["on"])]
     if "no_hits" in out:
