@@ -4,8 +4,12 @@ rest of their prompts, their next token); alone, it starts as soon as its first 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from sched_factories import FakeWorker, Run, create_requests, create_scheduler, expected_output, run_until_idle, step
+
+from steploop.scheduler import admission
 
 
 @pytest.mark.parametrize(("prompt_len", "admitted"), [(28, True), (29, False)])
@@ -117,3 +121,39 @@ def test_priority_head_preempts_enough_worse_requests_for_its_whole_context():
     run_until_idle(sched, worker, run)
     for r in (*worse, head):
         assert run.tokens[r.request_id] == expected_output(r)[0]
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_the_cheap_bound_on_promises_never_changes_a_decision(monkeypatch, block_size, async_scheduling, drafts):
+    # admission.Promised answers from an upper bound when it leaves room and from the exact O(running) sum
+    # otherwise: every answer must be the exact rule's, over tight pools, chunked prompts, drafts, one plan in
+    # flight and preemptions.
+    answers = {"bound": 0, "exact": 0}
+    covered_by = admission.Promised.covered_by
+
+    def checked(self, slack):
+        got = covered_by(self, slack)
+        exact = self.sched.kv.num_blocks_promised(self.sched.running)
+        assert got == (slack >= exact)
+        assert self.bound is None or self.bound >= exact
+        answers["exact" if self.exact is not None else "bound"] += 1
+        return got
+
+    monkeypatch.setattr(admission.Promised, "covered_by", checked)
+    rng = random.Random(block_size * 10 + drafts)
+    for pool_tokens in (48, 96, 400):
+        sched = create_scheduler(num_blocks=pool_tokens // block_size + 1, block_size=block_size, max_model_len=48,
+                                 max_num_batched_tokens=16, long_prefill_token_threshold=rng.choice([0, 6]),
+                                 async_scheduling=async_scheduling, num_speculative_tokens=drafts)
+        requests = create_requests(12, prompt_len=[rng.randrange(2, 30) for _ in range(12)], max_tokens=12,
+                                   ignore_eos=True, seed=pool_tokens)
+        for r in requests:
+            r.prompt_token_ids = r.prompt_token_ids[:8] * 4          # repeats: the n-gram drafts find some
+            r.prompt_token_ids = r.prompt_token_ids[:rng.randrange(2, 30)]
+            sched.add_request(r)
+        run = run_until_idle(sched, FakeWorker())
+        for r in requests:
+            assert run.tokens[r.request_id] == expected_output(r, max_model_len=48)[0]
+    assert answers["bound"] and answers["exact"]
