@@ -8,6 +8,9 @@
    total time and p99 TTFT, swap (tiers on: preempted blocks demoted to host and restored) vs recompute (tiers off,
    prefix caching on: the engine's default, which keeps a preempted request's blocks that the pool did not reuse)
    vs amnesia (prefix caching off too: the whole context recomputed), with where the time went;
+   preemption_long (`--only preemption_long`): the same at the issue's 2k-4k contexts, 2048 + 768-token
+   sequences in a pool of 1.5 of them (its own runner), off/on, with the tokens each resume found in the pool,
+   restored or recomputed;
 3. no hits at all (unique prompts through a small pool, every eviction still stored below): throughput ratio;
 4. disk after a restart: a long prompt's TTFT cold vs restored from the disk files a previous worker left.
 
