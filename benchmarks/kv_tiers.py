@@ -8,6 +8,9 @@
    total time and p99 TTFT, swap (tiers on: preempted blocks demoted to host and restored) vs recompute (tiers off,
    prefix caching on: the engine's default, which keeps a preempted request's blocks that the pool did not reuse)
    vs amnesia (prefix caching off too: the whole context recomputed), with where the time went;
+   preemption_long (`--only preemption_long`): the same at the issue's 2k-4k contexts, 2048 + 768-token
+   sequences in a pool of 1.5 of them (its own runner), off/on, with the tokens each resume found in the pool,
+   restored or recomputed;
 3. no hits at all (unique prompts through a small pool, every eviction still stored below): throughput ratio;
 4. disk after a restart: a long prompt's TTFT cold vs restored from the disk files a previous worker left.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import random
 import statistics
@@ -43,7 +47,7 @@ def build_runner(model_dir, num_blocks: int, host_gib: float, disk: str):
 
     config = WorkerConfig(model=str(model_dir), num_kv_blocks=num_blocks, max_model_len=(num_blocks - 1) * BLOCK,
                           device="cpu", block_size=BLOCK, kv_offloading_size=host_gib, kv_disk_path=disk,
-                          kv_disk_size=2.0)
+                          kv_disk_size=2.0 if disk else 0.0)
     return ModelRunner.from_config(config, model_dir)
 
 
@@ -105,21 +109,41 @@ def multi_turn(runner, tiers: bool, convs: int, first: int, added: int, turns: i
             "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if tiers else 0}
 
 
-def preemption_heavy(runner, mode: str, n: int, prompt: int, output: int) -> dict:
+def preemption_heavy(runner, mode: str, n: int, prompt: int | list[int], output: int) -> dict:
     """mode: "on" (swap), "off" (tiers off, prefix caching on), "amnesia" (prefix caching off). Besides the totals:
-    prompt tokens computed again after a preemption, and the seconds of decode-only steps vs steps with prompt work."""
+    prompt tokens computed again after a preemption, and the seconds of decode-only steps vs steps with prompt work;
+    per resume of a preempted request: the tokens the pool still held (prefix cache), those restored from host
+    memory, and whether it swapped (restored some) or recomputed (restored none)."""
     rng = random.Random(2)
     sched = scheduler(runner, mode == "on", max_num_seqs=n, prefix_caching=mode != "amnesia")
-    reqs = [Request(f"p{i}", rand_tokens(rng, prompt), sampling=greedy(output)) for i in range(n)]
+    prompts = prompt if isinstance(prompt, list) else [prompt] * n
+    reqs = [Request(f"p{i}", rand_tokens(rng, prompts[i]), sampling=greedy(output)) for i in range(n)]
+    load_start = os.getloadavg()[0]
     start = time.perf_counter()
     for r in reqs:
         sched.add_request(r)
     ttft: dict[str, float] = {}
     reached = {r.request_id: 0 for r in reqs}        # the furthest each request's KV ever got
-    tokens = recomputed = decode_steps = 0
+    tokens = recomputed = decode_steps = swaps = recomputes = resumed_pool = resumed_restored = 0
     decode_s = prompt_s = 0.0
+    restored: dict[str, int] = {}                    # request id -> tokens its latest admission restored from host
+    if mode == "on":
+        tiers = sched.kv.tiers
+        record = tiers.record_admission
+
+        def record_admission(request_id, num_tokens, num_pool_hit, num_restored, block_size):
+            restored[request_id] = num_restored
+            record(request_id, num_tokens, num_pool_hit, num_restored, block_size)
+        tiers.record_admission = record_admission
     while sched.has_unfinished_requests():
         plan = sched.schedule()
+        for new in plan.new_requests:
+            r = sched.handles.by_handle[new.handle]
+            if r.num_preemptions:                    # a resume
+                got = restored.get(r.request_id, 0)
+                resumed_restored += got
+                resumed_pool += new.num_computed_tokens - got
+                swaps, recomputes = swaps + (got > 0), recomputes + (got == 0)
         for handle, k in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
             r = sched.handles.by_handle[handle]
             recomputed += max(0, min(reached[r.request_id], r.num_computed_tokens) - (r.num_computed_tokens - k))
@@ -140,9 +164,12 @@ def preemption_heavy(runner, mode: str, n: int, prompt: int, output: int) -> dic
     wall = time.perf_counter() - start
     ts = sorted(ttft.values())
     return {"total_s": wall, "p99_ttft_s": ts[min(len(ts) - 1, int(0.99 * len(ts)))], "computed_tokens": tokens,
-            "recomputed_tokens": recomputed, "preemptions": sched.num_preemptions,
+            "recomputed_tokens": recomputed, "preemptions": sched.num_preemptions, "resumes_swapped": swaps,
+            "resumes_recomputed": recomputes, "resumed_pool_hit_tokens": resumed_pool,
+            "resumed_restored_tokens": resumed_restored,
             "decode_only_steps": decode_steps, "decode_only_s": decode_s, "prompt_steps_s": prompt_s,
-            "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if mode == "on" else 0}
+            "tier_hits_tokens": sched.kv.tiers.stats["CPU"].hits if mode == "on" else 0,
+            "load_1m_start": load_start, "load_1m_end": os.getloadavg()[0]}
 
 
 def no_hits(runner, tiers: bool, n: int, prompt: int, output: int) -> dict:
@@ -175,18 +202,48 @@ def disk_restart(runner, prompt_len: int) -> dict:
             "disk_hits_tokens": sched.kv.tiers.stats["DISK"].hits}
 
 
+def cpu_flags() -> str:
+    """The whole flags line of /proc/cpuinfo (machine_info keeps the SIMD ones only)."""
+    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("flags")), "")
+
+
 def progress(name: str, result: dict) -> None:
     print(name, json.dumps(result), flush=True)
 
 
-def alternate(fn, rounds: int, modes: tuple[str, ...] = ("off", "on"), flag: bool = True) -> dict:
+def alternate(fn, rounds: int, modes: tuple[str, ...] = ("off", "on"), flag: bool = True,
+              keep_rounds: bool = False) -> dict:
     """Run fn per mode, the order reversed every other round (ABBA); fn gets mode == "on", or the mode itself
-    when flag is False."""
+    when flag is False. The median per mode; with keep_rounds every run too, under "rounds"."""
     runs = {mode: [] for mode in modes}
     for r in range(rounds):
         for mode in (modes if r % 2 == 0 else modes[::-1]):
             runs[mode].append(fn(mode == "on" if flag else mode))
-    return {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
+            if keep_rounds:
+                progress(f"  round {r} {mode}", runs[mode][-1])
+    out = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for mode, rs in runs.items()}
+    if keep_rounds:
+        out["rounds"] = runs
+    return out
+
+
+def preemption_long(model_dir, args) -> dict:
+    """The issue's preemption-heavy load at its 2k-4k-token contexts: requests of --long-prompt tokens that
+    generate --long-output, a pool of 1.5 full sequences (so two run together and, as they grow, one is preempted;
+    the other's growth then reuses the preempted request's blocks before it resumes), host memory for 2
+    sequences, no disk. Its own runner (pool sized for it); modes alternate ABBA."""
+    seq = args.long_prompt + args.long_output
+    pool_blocks = int(1.5 * seq) // BLOCK + 1                    # + the null block
+    # No disk tier: every run uses the same prompts, and files a run left would be hits for the next one.
+    runner = build_runner(model_dir, pool_blocks, host_gib=0.01, disk="")
+    runner.tiers = KvTierMover(runner.kv_caches, 2 * seq // BLOCK)
+    result = alternate(lambda mode: preemption_heavy(runner, mode, args.long_requests, args.long_prompt,
+                                                     args.long_output),
+                       args.rounds, tuple(args.long_modes.split(",")), flag=False, keep_rounds=True)
+    result.update(pool_tokens=(pool_blocks - 1) * BLOCK, host_blocks=runner.tiers.num_host_blocks,
+                  requests=args.long_requests, prompt_tokens=args.long_prompt, output_tokens=args.long_output)
+    return result
 
 
 def main() -> None:
@@ -197,16 +254,25 @@ def main() -> None:
                         help="comma-separated scenarios to run")
     parser.add_argument("--pool-tokens", type=int, default=2048, help="the device pool (multi-turn contexts scale "
                         "with it: 0.7x to ~0.95x of it, 5 conversations)")
+    parser.add_argument("--long-prompt", type=int, default=2048, help="preemption_long: prompt tokens")
+    parser.add_argument("--long-output", type=int, default=768, help="preemption_long: output tokens (a full "
+                        "sequence: 2048 + 768 = 2816 tokens, inside the issue's 2k-4k)")
+    parser.add_argument("--long-requests", type=int, default=4, help="preemption_long: requests, all at once")
+    parser.add_argument("--long-modes", default="off,on", help="preemption_long: modes alternated (amnesia: "
+                        "prefix caching off too, the whole context recomputed; slow)")
     args = parser.parse_args()
     from steploop.common.model_path import default_model_dir
 
     model_dir = default_model_dir()
     pool = args.pool_tokens
     pool_blocks = pool // BLOCK + 1                 # + the null block
+    only = args.only.split(",")
     with tempfile.TemporaryDirectory() as disk:
-        runner = build_runner(model_dir, pool_blocks, host_gib=0.45 * pool / 2048, disk=disk)
-        out = {"machine": machine_info(), "commit": git_commit(), "pool_tokens": pool,
-               "host_blocks": runner.tiers.num_host_blocks}
+        out = {"machine": machine_info(), "cpu_flags": cpu_flags(), "commit": git_commit()}
+        runner = None
+        if set(only) - {"preemption_long"}:          # it builds its own
+            runner = build_runner(model_dir, pool_blocks, host_gib=0.45 * pool / 2048, disk=disk)
+            out.update(pool_tokens=pool, host_blocks=runner.tiers.num_host_blocks)
         # 5 conversations from 0.7x to ~0.95x the pool: a working set ~4.5x the pool.
         first, added = int(pool * 0.68), pool // 8
         scenarios = {
@@ -216,10 +282,12 @@ def main() -> None:
                                                                           int(pool * 0.2)),
                                             args.rounds, ("amnesia", "off", "on"), flag=False),
             "no_hits": lambda: alternate(lambda on: no_hits(runner, on, 12, pool // 3, 16), args.rounds),
-            "disk_restart": lambda: disk_restart(runner, int(pool * 0.78))}
-        for name in args.only.split(","):
+            "disk_restart": lambda: disk_restart(runner, int(pool * 0.78)),
+            "preemption_long": lambda: preemption_long(model_dir, args)}
+        for name in only:
             out[name] = scenarios[name]()
             progress(name, out[name])
+        out["load_average_at_end"] = os.getloadavg()
     ratios = {}
     if "multi_turn" in out:
         ratios["returning_ttft_off_over_on"] = (out["multi_turn"]["off"]["mean_returning_ttft_s"]
@@ -229,6 +297,23 @@ def main() -> None:
         ratios["preemption_total_off_over_on"] = pre["off"]["total_s"] / pre["on"]["total_s"]
         ratios["preemption_p99_ttft_off_over_on"] = pre["off"]["p99_ttft_s"] / pre["on"]["p99_ttft_s"]
         ratios["preemption_total_amnesia_over_on"] = pre["amnesia"]["total_s"] / pre["on"]["total_s"]
+    if "preemption_long" in out:
+        pre = out["preemption_long"]
+        for a, b in (("off", "on"), ("amnesia", "on"), ("amnesia", "off")):
+            if a not in pre or b not in pre:
+                continue
+            ratios[f"preemption_long_total_{a}_over_{b}"] = pre[a]["total_s"] / pre[b]["total_s"]
+            ratios[f"preemption_long_p99_ttft_{a}_over_{b}"] = pre[a]["p99_ttft_s"] / pre[b]["p99_ttft_s"]
+        rounds = pre["rounds"]
+        ratios["preemption_long_total_off_over_on_per_round"] = [
+            off["total_s"] / on["total_s"] for off, on in zip(rounds["off"], rounds["on"])]
+        # Both modes run the same decode-only steps: their time per step gauges how fast the shared machine was
+        # during that run. Totals in units of that step time take most of the machine's drift out.
+        per_step = lambda run: run["total_s"] / (run["decode_only_s"] / run["decode_only_steps"])
+        ratios["preemption_long_total_off_over_on_in_decode_steps_per_round"] = [
+            per_step(off) / per_step(on) for off, on in zip(rounds["off"], rounds["on"])]
+        ratios["preemption_long_p99_ttft_off_over_on_per_round"] = [
+            off["p99_ttft_s"] / on["p99_ttft_s"] for off, on in zip(rounds["off"], rounds["on"])]
     if "no_hits" in out:
         ratios["no_hits_throughput_on_over_off"] = out["no_hits"]["on"]["tok_s"] / out["no_hits"]["off"]["tok_s"]
     if "disk_restart" in out:

@@ -5,6 +5,13 @@ A waiting request is admitted at its longest cached prefix while the budget, max
 admission watermark) and its LoRA adapter's seat allow; the first that does not fit stops admission for the step
 (nobody overtakes the head), except a request whose adapter has no seat: it is set aside for the step and the
 queue goes on.
+
+Blocks are checked for the whole context, not the first chunk: beside running requests, a request is admitted
+only when the free blocks (evictable prefix-cache blocks count as free) hold all of its tokens plus what the
+running ones were promised (the rest of their prompts, their next token). Admitted at its first chunk only, a
+long prompt would take blocks the others need to grow and be preempted before it finished: thrash. Alone, a
+request is admitted as soon as its first chunk fits (add_request refused any that the whole pool cannot hold), so
+the head waits at most until the running requests end.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
                      ends: list[int]) -> None:
     waiting, kv = sched.waiting, sched.kv
     skipped: list[Request] = []                  # their adapter has no seat (--max-loras): they wait, others go
+    promised = Promised(sched)                   # blocks the running requests will still take
     while waiting and budget > 0 and len(sched.running) < sched.config.max_num_seqs:
         request = waiting.peek()
         if not sched.lora.can_run(request):
@@ -36,10 +44,15 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
         num_pool_hit, num_hit = num_hit, num_hit + len(restored) * kv.block_size
         request.num_computed_tokens = num_hit
         num_new = sched._num_new_tokens(request, budget)
-        reserve = sched.watermark_blocks if sched.running else 0   # alone, a request may use every block
+        reserve = 0                              # alone, a request may use every block
+        if sched.running:
+            reserve = sched.watermark_blocks
+            if not promised.covered_by(kv.num_free_blocks - reserve - kv.num_blocks_to_hold(request, hits)):
+                num_new = 0                      # its whole context does not fit beside theirs: it waits
         if num_new <= 0 or kv.allocate_slots(request, num_new, hits, reserve, restored) is None:
             request.num_computed_tokens = 0
             break                                # nobody overtakes the head of the queue
+        promised.add(request)
         waiting.pop()
         if kv.tiers is not None:
             kv.tiers.record_admission(request.request_id, request.num_tokens, num_pool_hit, num_hit - num_pool_hit,
@@ -49,6 +62,43 @@ def schedule_waiting(sched: Scheduler, plan: StepPlan, budget: int, scheduled: l
         budget -= num_new
     for request in reversed(skipped):
         waiting.push_front(request)
+
+
+class Promised:
+    """The free blocks the running requests will still take (KVCacheManager.num_blocks_promised), found once per
+    step and only as precisely as a decision needs: first an upper bound (exact for the requests admitted with a
+    prompt chunk, `sched.prompting`; 2 blocks for any other: its next token, and one more if it was not scheduled
+    this step), the exact sum over every running request (O(running)) only when the bound leaves no room."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.bound: int | None = None
+        self.exact: int | None = None
+
+    def covered_by(self, slack: int) -> bool:
+        """Do `slack` free blocks (left once a request took its whole context) hold what was promised?"""
+        sched = self.sched
+        if slack < 0:
+            return False
+        if self.bound is None:
+            prompting = sched.prompting
+            for rid in [rid for rid, r in prompting.items() if r.status != RequestStatus.RUNNING
+                        or r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders]:
+                del prompting[rid]               # ended, preempted, or its prompt is done
+            self.bound = sched.kv.num_blocks_promised(list(prompting.values())) + 2 * len(sched.running)
+        if slack >= self.bound:
+            return True
+        if self.exact is None:
+            self.exact = sched.kv.num_blocks_promised(sched.running)
+        return slack >= self.exact
+
+    def add(self, request: Request) -> None:
+        """`request` was just admitted: the rest of its context is promised too."""
+        n = self.sched.kv.num_blocks_promised([request])
+        self.bound = None if self.bound is None else self.bound + n
+        self.exact = None if self.exact is None else self.exact + n
+        if request.num_computed_tokens < request.num_tokens:
+            self.sched.prompting[request.request_id] = request
 
 
 def tier_restore(sched: Scheduler, request: Request, num_pool_blocks: int) -> list[int] | None:
@@ -88,12 +138,10 @@ def preempt_for_waiting(sched: Scheduler, plan: StepPlan) -> None:
     """Preempt the running requests of a worse class the policy names so the waiting head fits next step (every
     policy: background ones for an interactive head), and under the priority policy those whose adapter holds the
     seat the head's adapter needs (LoraSteps.victims_for)."""
-    config = sched.config
-    max_new = config.max_num_batched_tokens
-    if config.long_prefill_token_threshold > 0:
-        max_new = min(max_new, config.long_prefill_token_threshold)
-    for victim in policy.victims_for_waiting(sched.waiting.peek(), sched.running, sched.kv, config.max_num_seqs,
-                                             sched.watermark_blocks, max_new):
+    config, head = sched.config, sched.waiting.peek()
+    # Room for its whole context, as schedule_waiting asks (not just a first chunk).
+    for victim in policy.victims_for_waiting(head, sched.running, sched.kv, config.max_num_seqs,
+                                             sched.watermark_blocks, head.num_tokens):
         sched._preempt(victim, plan)
     if config.scheduling_policy != "priority":
         return

@@ -79,6 +79,20 @@ class KVCacheManager:
         num_new = min(request.num_tokens - num_hit, max_new_tokens)
         return self._num_free_blocks_taken(cdiv(num_hit + num_new, self.block_size) - len(hits), hits)
 
+    def num_blocks_to_hold(self, request: Request, hits: Sequence[int]) -> int:
+        """Free blocks the waiting `request` would take to hold its whole context (every token it has, prompt and
+        any outputs of a preempted request), its prefix-cache `hits` reused: admission asks for these up front."""
+        return self._num_free_blocks_taken(cdiv(request.num_tokens, self.block_size) - len(hits), hits)
+
+    def num_blocks_promised(self, requests: Sequence[Request]) -> int:
+        """Free blocks the running `requests` will still take for what admission promised them: the rest of each
+        one's context (a prompt still in chunks) and its next token (none for an embedding request)."""
+        tables, block_size, n = self._tables, self.block_size, 0
+        for r in requests:
+            tokens = max(r.num_tokens + r.num_output_placeholders, r.num_computed_tokens) + (r.pooling is None)
+            n += max(0, cdiv(tokens, block_size) - len(tables.get(r.request_id, ())))
+        return n
+
     def num_blocks_freed_in_turn(self, requests: Sequence[Request]) -> list[int]:
         """If `requests` were freed one after another: after each, how many blocks in all would have gone back
         to the free queue (a block shared among them counts once its last holder is freed)."""

@@ -154,17 +154,22 @@ def victims_for_waiting(head: Request, running: RunningList, kv: KVCacheManager,
     worse = [r for r in running if running.klass(r) > head_class]   # the tail of running: ranked by class first
     if not worse:
         return []
-    needed = kv.num_blocks_to_admit(head, max_new_tokens)
+    # Beside the requests it keeps, head must fit with what admission promised them (admission.py).
+    needed = (kv.num_blocks_to_admit(head, max_new_tokens)
+              + kv.num_blocks_promised([r for r in running if running.klass(r) <= head_class]))
     seats_ok = len(running) - len(worse) < max_num_seqs
     if kv.num_free_blocks + kv.num_blocks_held_alone(worse) - watermark_blocks < needed or not seats_ok:
         return []                                # preempting every worse request would not make room
     worse.reverse()
     freed_after = kv.num_blocks_freed_in_turn(worse)
+    promised = [kv.num_blocks_promised([r]) for r in worse]
+    kept_promised = sum(promised)                # of the worse requests not (yet) chosen as victims
     victims: list[Request] = []
-    for request in worse:
+    for request, promise in zip(worse, promised):
         num_left = len(running) - len(victims)
         num_free = kv.num_free_blocks + (freed_after[len(victims) - 1] if victims else 0)
-        if num_left < max_num_seqs and num_free - (watermark_blocks if num_left else 0) >= needed:
+        if num_left < max_num_seqs and num_free - (watermark_blocks if num_left else 0) >= needed + kept_promised:
             break
         victims.append(request)
+        kept_promised -= promise
     return victims

@@ -55,6 +55,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pooling = pooling
         self.requests: dict[str, Request] = {}      # every unfinished request
+        # Running requests admitted with a prompt chunk (admission.Promised; stale entries dropped lazily there).
+        self.prompting: dict[str, Request] = {}
         self.waiting, self.running = policy.make_queues(config.scheduling_policy)
         self.handles = HandleTable()
         self.lora = lora or LoraSteps(1)             # adapters are a step resource (lora_steps.py)
@@ -290,6 +292,7 @@ class Scheduler:
         if self.kv.tiers is not None:
             self.kv.tiers.forget(request.request_id)
         del self.requests[request.request_id]
+        self.prompting.pop(request.request_id, None)
         self.handles.release(request)
 
     # ----------------------------------------------------------------- hooks (AsyncScheduler overrides them)
@@ -405,6 +408,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING
         self.waiting.clear()
         self.requests.clear()
+        self.prompting.clear()
         self.handles.by_handle.clear()
         return drained
 

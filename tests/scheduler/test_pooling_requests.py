@@ -21,8 +21,9 @@ MEAN = PoolingConfig("MEAN", True, 8)
 
 
 def pooling_scheduler(pooling: PoolingConfig, budget: int = 16, async_scheduling: bool = False,
-                      max_model_len: int = 1024, num_blocks: int = 400):
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, async_scheduling=async_scheduling)
+                      max_model_len: int = 1024, num_blocks: int = 400, policy: str = "fcfs"):
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, async_scheduling=async_scheduling,
+                             scheduling_policy=policy)
     kv = KVCacheManager(num_blocks, 4, config.enable_prefix_caching)
     return make_scheduler(config, kv, max_model_len, (2,), pooling)
 
@@ -58,11 +59,16 @@ class PoolingWorker:
         return result
 
 
-def run(sched, requests: list[Request], worker: PoolingWorker, max_steps: int = 500) -> dict:
+def run(sched, requests: list[Request], worker: PoolingWorker, max_steps: int = 500,
+        late: tuple[int, list[Request]] = (0, [])) -> dict:
+    """Add `requests`, then late[1] before step late[0], and step until every one finished."""
     for request in requests:
         sched.add_request(request)
     outputs, pending = {}, []
-    for _ in range(max_steps):
+    for i in range(max_steps):
+        if i == late[0]:
+            for request in late[1]:
+                sched.add_request(request)
         if not sched.has_unfinished_requests() and not pending:
             break
         plan = sched.schedule()
@@ -153,12 +159,16 @@ def test_dimensions_need_a_matryoshka_model():
 
 @pytest.mark.parametrize("pooling", [LAST, MEAN], ids=["last", "mean"])
 def test_preempted_pooling_requests_are_recomputed_to_the_same_vector(pooling):
-    # Async scheduling with 15 usable blocks of 4 tokens for 12 prompts of up to 40: running prompts outgrow the
-    # pool mid-prompt and preempt each other (the synchronous scheduler's admission happens to avoid it here).
-    sched = pooling_scheduler(pooling, budget=24, async_scheduling=True, num_blocks=16)
+    # Admission keeps room for every admitted prompt, so pooling requests (no decode growth) preempt nobody by
+    # growing: here better-priority prompts arrive while worse ones are mid-prompt in 15 usable blocks of 4
+    # tokens, and preempt them (async scheduling: with a plan in flight).
+    sched = pooling_scheduler(pooling, budget=24, async_scheduling=True, num_blocks=16, policy="priority")
     worker = PoolingWorker()
-    requests = pooling_requests(12, seed=7, prefix_len=0)
-    outputs = run(sched, requests, worker)
+    rng = random.Random(7)
+    requests = [Request(request_id=f"emb-{i}", pooling=PoolingParams(), priority=int(i < 3),
+                        prompt_token_ids=[rng.randrange(10, 1000) for _ in range((40, 28)[i >= 3])])
+                for i in range(6)]
+    outputs = run(sched, requests[:3], worker, late=(1, requests[3:]))
     assert sched.num_preemptions > 0
     for request in requests:
         assert outputs[request.request_id].embedding == vector_of(request.prompt_token_ids)
