@@ -152,22 +152,28 @@ def test_a_busy_request_is_not_scheduled_and_its_token_reaches_the_first_stage_i
 
 def test_a_request_preempted_while_busy_waits_for_its_stale_step_before_it_is_readmitted():
     sched = create_pipeline(num_blocks=5, max_num_batched_tokens=8, pp=3)    # 4 usable blocks of 4 tokens
-    b, a = create_requests(2, prompt_len=8, max_tokens=8, ignore_eos=True)  # b arrived first: a is the victim
+    b, a = create_requests(2, prompt_len=7, max_tokens=8, ignore_eos=True)  # b arrived first: a is the victim
     sched.add_request(b)
     sched.add_request(a)
     plan0, plan1 = sched.schedule(), sched.schedule()      # b's prompt, then a's (2 blocks each: the pool is full)
     assert (plan0.scheduled_handles, plan1.scheduled_handles) == ([b.handle], [a.handle])
     sched.update_from_output(plan0, StepResult(plan0.step_id, sampled={b.handle: [70]}))
-    plan2 = sched.schedule()                               # b's decode needs a block: a, busy in plan 1, goes
-    assert plan2.preempted_handles == [a.handle] and plan2.scheduled_handles == [b.handle]
-    plan3 = sched.schedule()                               # a heads the queue but its step 1 is still out
-    assert not plan3.new_requests and not plan3.scheduled_handles
-    assert sched.update_from_output(plan1, StepResult(plan1.step_id, sampled={a.handle: [71]})) == []
-    assert a.output_token_ids == []                        # the stale token was dropped
+    plan2 = sched.schedule()                               # b's decode at position 7: still in its 2nd block
+    assert plan2.scheduled_handles == [b.handle] and not plan2.preempted_handles
+    sched.update_from_output(plan1, StepResult(plan1.step_id, sampled={a.handle: [71]}))
+    plan3 = sched.schedule()                               # a's decode: a is busy in plan 3 now
+    assert plan3.scheduled_handles == [a.handle]
     sched.update_from_output(plan2, StepResult(plan2.step_id, sampled={b.handle: [72]}))
+    plan4 = sched.schedule()                               # b's decode needs a 3rd block: a, busy, goes
+    assert plan4.preempted_handles == [a.handle] and plan4.scheduled_handles == [b.handle]
+    plan5 = sched.schedule()                               # a heads the queue but its plan-3 step is still out
+    assert not plan5.new_requests and not plan5.scheduled_handles
+    assert sched.update_from_output(plan3, StepResult(plan3.step_id, sampled={a.handle: [73]})) == []
+    assert a.output_token_ids == [71]                      # the stale token was dropped
+    sched.update_from_output(plan4, StepResult(plan4.step_id, sampled={b.handle: [74]}))
     sched.abort_requests([b.request_id])
-    plan4 = sched.schedule()
-    assert [n.handle for n in plan4.new_requests] == [a.handle] and not plan4.stage_token_ids
+    plan6 = sched.schedule()
+    assert [n.handle for n in plan6.new_requests] == [a.handle] and not plan6.stage_token_ids
     sched.check_integrity()
 
 
