@@ -1,0 +1,128 @@
+"""Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE: llama.cpp's stacked ffn_{gate,up,down}_exps tensors, one
+[experts, rows, k] tensor per projection) read at their stored width: each expert packed on its own from the file's
+blocks (an expert's gate and up rows fused, as a dense gate/up is), no fp32 copy of any block-quantized expert.
+Greedy tokens equal and logprobs within 1e-4 of transformers fp32 on gguf-py's dequantization of the same file,
+also under chunked prefill and preemption. The config comes from the file's metadata, including what transformers'
+GGUF reader misses (the experts' width; every qwen2moe key)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.cpu_kernels.packed_weights import PackedWeight
+from steploop.gpu_worker.gguf_convert import convert_gguf
+from steploop.gpu_worker.model.moe import SparseMoE
+from steploop.gpu_worker.model_runner import ModelRunner
+from tests.worker.family_models import _COMMON
+from tests.worker.gguf_files import write_gguf
+from tests.worker.test_families import oracle, prompts, serve
+
+_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+
+
+def _qwen3_moe_types(name: str, w) -> T:
+    """k-quant experts (gate Q4_K fused with up Q5_K: the Q5_K form; down Q6_K), layer 1's gate/up in the
+    32-blocks' common int8 form (Q4_0 with Q8_0)"""
+    layer1 = name.startswith("blk.1.")
+    return {"token_embd": T.Q8_0, "output": T.Q6_K, "attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K,
+            "attn_output": T.Q5_K, "ffn_gate_inp": T.F32, "ffn_gate_exps": T.Q4_0 if layer1 else T.Q4_K,
+            "ffn_up_exps": T.Q8_0 if layer1 else T.Q5_K, "ffn_down_exps": T.Q6_K}[name.split(".")[-2]]
+
+
+def _qwen2_moe_types(name: str, w) -> T:
+    """Q4_K_M-like experts and shared expert (the routers F32: they stay fp32 linears); layer 1's down experts F16
+    (an fp32 parameter, not packed). q/k/v all Q4_K: with v Q6_K the fused q/k/v takes the int8 Q8_1/16 form,
+    whose other summation order moves this small model's logprobs by 1.4e-4 (the experts fp32 or packed alike)."""
+    layer1 = name.startswith("blk.1.")
+    return {"token_embd": T.Q6_K, "attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q4_K, "attn_output": T.Q4_K,
+            "ffn_gate_inp": T.F32, "ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K,
+            "ffn_down_exps": T.F16 if layer1 else T.Q6_K, "ffn_gate_shexp": T.Q4_K, "ffn_up_shexp": T.Q4_K,
+            "ffn_down_shexp": T.Q6_K}[name.split(".")[-2]]
+
+
+MODELS = {"qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 64, "norm_topk_prob": True, "tie_word_embeddings": False},
+                        _qwen3_moe_types),
+          "qwen2_moe": ("Qwen2MoeConfig", {"shared_expert_intermediate_size": 256, "norm_topk_prob": False,
+                                           "tie_word_embeddings": True}, _qwen2_moe_types)}
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPLOOP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def moe_file(family: str, folder, model_dir):
+    import transformers
+    name, kwargs, types = MODELS[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, name)(**{**_COMMON, **_SHAPE, **kwargs}), dtype=torch.float32)
+    return write_gguf(model, folder / f"{family}-mixed.gguf", model_dir, qtype_of=types)
+
+
+def reference_model(path, folder):
+    """transformers fp32 with the converted config and gguf-py's dequantization of every tensor in the file (the
+    stacked experts split per expert, as transformers' Qwen2MoeTensorProcessor splits them)."""
+    import gguf
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    names = get_gguf_hf_weights_map(model)
+    state = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        w = w.reshape([int(x) for x in reversed(tensor.shape.tolist())])
+        hf = names[tensor.name]
+        if w.ndim == 3:
+            state.update({hf.replace("mlp.experts.", f"mlp.experts.{e}."): torch.from_numpy(w[e].copy())
+                          for e in range(w.shape[0])})
+        else:
+            state[hf] = torch.from_numpy(w).reshape(model.state_dict()[hf].shape)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_moe_gguf_experts_serve_at_their_width_as_transformers(family, tmp_path, model_dir, caplog):
+    path = moe_file(family, tmp_path, model_dir)
+    folder = convert_gguf(path)
+    assert not list(folder.glob("*.safetensors"))
+    hf = reference_model(path, folder)
+    cfg = hf.config               # the file's own sizes, not the config class's defaults transformers' reader keeps
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 256)
+    assert cfg.norm_topk_prob == (family == "qwen3_moe")
+    with caplog.at_level("INFO"):
+        runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=64, max_model_len=256,
+                                                      device="cpu"), folder)
+    moes = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+    assert len(moes) == 2
+    if runner.model.plan.packed_linears:          # block-quantized experts packed per expert, no fp32 parameter
+        line = next(r.getMessage() for r in caplog.records if "GGUF weights in memory" in r.getMessage())
+        for qtype in ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0"):
+            assert not re.search(rf"\b{qtype} [\d.]+ MiB -> [^;]*fp32", line), line
+        for i, moe in enumerate(moes):
+            fp32_down = family == "qwen2_moe" and i == 1
+            assert moe.w13 is None and len(moe.packed_experts["w13"]) == 4
+            assert all(isinstance(w, PackedWeight) for w in moe.packed_experts["w13"])
+            assert (moe.w2 is not None and "w2" not in moe.packed_experts) if fp32_down else moe.w2 is None
+            if family == "qwen2_moe":
+                assert moe.shared_w13 is None and moe.shared_w2 is None
+    expected = [oracle(hf, p) for p in prompts()]
+    for chunk, preempt_after in [(512, None), (16, 8)]:
+        got = serve(runner, chunk, preempt_after)
+        for handle, (want_tokens, want_logprobs) in enumerate(expected):
+            tokens, logprobs = got[handle]
+            assert tokens == want_tokens, f"{family} chunk {chunk} prompt {handle}"
+            assert logprobs == pytest.approx(want_logprobs, abs=1e-4), f"{family} chunk {chunk} prompt {handle}"
