@@ -1,9 +1,10 @@
-"""Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE: llama.cpp's stacked ffn_{gate,up,down}_exps tensors, one
-[experts, rows, k] tensor per projection) read at their stored width: each expert packed on its own from the file's
+"""Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE, and Mixtral as llama.cpp converts it: a llama-arch file
+with experts; llama.cpp's stacked ffn_{gate,up,down}_exps tensors, one [experts, rows, k] tensor per projection)
+read at their stored width: each expert packed on its own from the file's
 blocks (an expert's gate and up rows fused, as a dense gate/up is), no fp32 copy of any block-quantized expert.
 Greedy tokens equal and logprobs within 1e-4 of transformers fp32 on gguf-py's dequantization of the same file,
 also under chunked prefill and preemption. The config comes from the file's metadata, including what transformers'
-GGUF reader misses (the experts' width; every qwen2moe key)."""
+GGUF reader misses (the experts' width; every qwen2moe key; that a llama file with experts is a Mixtral)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from steploop.gpu_worker.gguf_convert import convert_gguf
 from steploop.gpu_worker.model.moe import SparseMoE
 from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker.family_models import _COMMON
-from tests.worker.gguf_files import write_gguf
+from tests.worker.gguf_files import gguf_names, write_gguf
 from tests.worker.test_families import oracle, prompts, serve
 
 _SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
+          "num_key_value_heads": 2, "num_experts_per_tok": 2}
+_QWEN_MOE = {"num_experts": 4, "moe_intermediate_size": 256}
 
 
 def _qwen3_moe_types(name: str, w) -> T:
@@ -47,10 +49,20 @@ def _qwen2_moe_types(name: str, w) -> T:
             "ffn_down_shexp": T.Q6_K}[name.split(".")[-2]]
 
 
-MODELS = {"qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 64, "norm_topk_prob": True, "tie_word_embeddings": False},
-                        _qwen3_moe_types),
-          "qwen2_moe": ("Qwen2MoeConfig", {"shared_expert_intermediate_size": 256, "norm_topk_prob": False,
-                                           "tie_word_embeddings": True}, _qwen2_moe_types)}
+def _mixtral_types(name: str, w) -> T:
+    """Q4_K_M-like: experts gate/up Q4_K, down Q6_K; layer 1's down Q5_K"""
+    layer1 = name.startswith("blk.1.")
+    return {"token_embd": T.Q4_K, "output": T.Q6_K, "attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q4_K,
+            "attn_output": T.Q4_K, "ffn_gate_inp": T.F32, "ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K,
+            "ffn_down_exps": T.Q5_K if layer1 else T.Q6_K}[name.split(".")[-2]]
+
+
+MODELS = {"qwen3_moe": ("Qwen3MoeConfig", {**_QWEN_MOE, "head_dim": 64, "norm_topk_prob": True,
+                                           "tie_word_embeddings": False}, _qwen3_moe_types),
+          "mixtral": ("MixtralConfig", {"num_local_experts": 4, "intermediate_size": 256, "sliding_window": None,
+                                        "tie_word_embeddings": False}, _mixtral_types),
+          "qwen2_moe": ("Qwen2MoeConfig", {**_QWEN_MOE, "shared_expert_intermediate_size": 256,
+                                           "norm_topk_prob": False, "tie_word_embeddings": True}, _qwen2_moe_types)}
 
 
 @pytest.fixture(autouse=True)
@@ -72,18 +84,22 @@ def reference_model(path, folder):
     stacked experts split per expert, as transformers' Qwen2MoeTensorProcessor splits them)."""
     import gguf
     import transformers
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
     config = transformers.AutoConfig.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                           attn_implementation="eager")
-    names = get_gguf_hf_weights_map(model)
+    names = gguf_names(model)
+    unpermute = LlamaTensorProcessor(config={"num_attention_heads": config.num_attention_heads,
+                                             "num_key_value_heads": config.num_key_value_heads})
     state = {}
     for tensor in gguf.GGUFReader(str(path)).tensors:
         w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         w = w.reshape([int(x) for x in reversed(tensor.shape.tolist())])
+        if config.model_type == "mixtral":        # a llama-arch file: llama.cpp's q/k row order undone
+            w = unpermute.process(w, tensor.name).weights
         hf = names[tensor.name]
         if w.ndim == 3:
-            state.update({hf.replace("mlp.experts.", f"mlp.experts.{e}."): torch.from_numpy(w[e].copy())
+            state.update({hf.replace(".experts.", f".experts.{e}."): torch.from_numpy(w[e].copy())
                           for e in range(w.shape[0])})
         else:
             state[hf] = torch.from_numpy(w).reshape(model.state_dict()[hf].shape)
@@ -101,8 +117,12 @@ def test_moe_gguf_experts_serve_at_their_width_as_transformers(family, tmp_path,
     assert not list(folder.glob("*.safetensors"))
     hf = reference_model(path, folder)
     cfg = hf.config               # the file's own sizes, not the config class's defaults transformers' reader keeps
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 256)
-    assert cfg.norm_topk_prob == (family == "qwen3_moe")
+    if family == "mixtral":       # transformers' reader alone takes the file for a dense Llama
+        assert (cfg.model_type, cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == \
+            ("mixtral", 4, 2, 256)
+    else:
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 256)
+        assert cfg.norm_topk_prob == (family == "qwen3_moe")
     with caplog.at_level("INFO"):
         runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=64, max_model_len=256,
                                                       device="cpu"), folder)

@@ -6,6 +6,10 @@ file's. llama.cpp's Qwen3-MoE always renormalises the top-k weights (Qwen3-MoE's
 Qwen2-MoE never does; `expert_weights_norm`, where a file has it, says so explicitly.
 
     config.update(moe_config(reader))      # {} for any other architecture
+
+A llama-architecture file with experts (`llama.expert_count`: Mixtral, as llama.cpp converts it) is a Mixtral,
+which transformers' reader takes for a dense Llama: mixtral_config makes its MixtralConfig (the experts' width is
+the file's feed_forward_length; Mixtral always renormalises; no sliding window, as llama.cpp runs it).
 """
 
 from __future__ import annotations
@@ -46,3 +50,17 @@ def moe_config(reader: GGUFReader, arch: str) -> dict:
     if arch == "qwen2moe" and "head_dim" in out:      # Qwen2-MoE derives it from hidden_size / heads
         del out["head_dim"]
     return out
+
+
+def mixtral_config(reader: GGUFReader, arch: str, llama_config):
+    """A MixtralConfig for a llama-arch file with experts (from transformers' LlamaConfig of it); None otherwise."""
+    experts = _value(reader, f"{arch}.expert_count")
+    if arch != "llama" or not experts:
+        return None
+    from transformers import MixtralConfig
+    known = MixtralConfig().to_dict()
+    fields = {k: v for k, v in llama_config.to_dict().items()
+              if k in known and k not in ("model_type", "architectures", "transformers_version", "dtype",
+                                          "torch_dtype", "sliding_window")}
+    return MixtralConfig(**fields, num_local_experts=int(experts),
+                         num_experts_per_tok=int(_value(reader, f"{arch}.expert_used_count")), sliding_window=None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -90,15 +91,16 @@ def _shape(tensor, stacked: bool = False) -> tuple[int, ...]:
     return shape[1:] if stacked else shape
 
 
-_STACKED = ".mlp.experts."          # transformers' name for a Qwen2/3-MoE experts tensor (no expert index)
+_STACKED = re.compile(r"\.experts\.(?!\d)")  # an experts tensor's HF name without the expert index
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 
 def _split_experts(tensor, hf: str) -> list[tuple[int | None, str]]:
     """(index in the tensor, HF name) per expert of a stacked [experts, rows, k] tensor (llama.cpp's
     ffn_{gate,up,down}_exps), named as the HF checkpoint names each expert; [(None, hf)] for any other tensor."""
-    if _STACKED not in hf or len(tensor.shape) != 3:
+    if not _STACKED.search(hf) or len(tensor.shape) != 3:
         return [(None, hf)]
-    return [(e, hf.replace(_STACKED, f"{_STACKED}{e}.")) for e in range(int(tensor.shape[-1]))]
+    return [(e, _STACKED.sub(f".experts.{e}.", hf)) for e in range(int(tensor.shape[-1]))]
 
 
 # architectures whose norm weights llama.cpp stores as 1 + w (transformers' Gemma2TensorProcessor subtracts 1)
@@ -122,7 +124,24 @@ def hf_name_map(folder: pathlib.Path) -> dict[str, str]:
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
+    if config.model_type == "mixtral":       # a llama-arch file with experts (transformers' map knows no mixtral)
+        return _llama_names(hf_model)
     return get_gguf_hf_weights_map(hf_model)
+
+
+def _llama_names(hf_model) -> dict[str, str]:
+    """gguf-py's llama tensor names for a Mixtral model, each expert's name collapsed into its stacked tensor's
+    (experts.N.w1 -> ffn_gate_exps), as transformers' map does for Qwen2/3-MoE."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    name_map = get_tensor_name_map(MODEL_ARCH.LLAMA, hf_model.config.num_hidden_layers)
+    out = {}
+    for hf_name in hf_model.state_dict():
+        collapsed = _EXPERT_INDEX.sub(".experts.", hf_name)
+        base, suffix = collapsed.rsplit(".", 1)
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            out[f"{gguf_name}.{suffix}"] = collapsed
+    return out
 
 
 def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path, packed: bool, target_of,
