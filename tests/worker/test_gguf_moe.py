@@ -146,3 +146,50 @@ def test_moe_gguf_experts_serve_at_their_width_as_transformers(family, tmp_path,
             tokens, logprobs = got[handle]
             assert tokens == want_tokens, f"{family} chunk {chunk} prompt {handle}"
             assert logprobs == pytest.approx(want_logprobs, abs=1e-4), f"{family} chunk {chunk} prompt {handle}"
+
+
+def test_stacked_experts_split_into_each_experts_hf_name():
+    from steploop.gpu_worker.gguf.weights import _split_experts
+
+    class Stacked:                  # a ReaderTensor's shape: GGUF order, k first, experts last
+        shape = np.array([256, 128, 3])
+    assert _split_experts(Stacked, "model.layers.1.mlp.experts.gate_proj.weight") == [
+        (e, f"model.layers.1.mlp.experts.{e}.gate_proj.weight") for e in range(3)]
+    assert _split_experts(Stacked, "model.layers.0.block_sparse_moe.experts.w2.weight")[2] == \
+        (2, "model.layers.0.block_sparse_moe.experts.2.w2.weight")
+    assert _split_experts(Stacked, "model.layers.0.mlp.shared_expert.up_proj.weight") == \
+        [(None, "model.layers.0.mlp.shared_expert.up_proj.weight")]
+
+
+def _metadata_only(path, arch: str, **keys):
+    import gguf
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(str(path))
+
+
+def test_moe_config_takes_the_experts_from_the_metadata(tmp_path):
+    import transformers
+
+    from steploop.gpu_worker.gguf.moe_config import mixtral_config, moe_config
+    reader = _metadata_only(tmp_path / "q2.gguf", "qwen2moe", expert_count=6, expert_used_count=2,
+                            expert_feed_forward_length=64, expert_shared_feed_forward_length=96, embedding_length=128)
+    assert moe_config(reader, "qwen2moe") == {
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96,
+        "hidden_size": 128, "norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 1}
+    assert moe_config(reader, "qwen2") == {}
+    reader = _metadata_only(tmp_path / "q3.gguf", "qwen3moe", expert_count=8, expert_weights_norm=0)
+    assert moe_config(reader, "qwen3moe")["norm_topk_prob"] is False          # the file's own word wins
+    reader = _metadata_only(tmp_path / "mixtral.gguf", "llama", expert_count=8, expert_used_count=2)
+    llama = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    mixtral = mixtral_config(reader, "llama", llama)
+    assert (mixtral.model_type, mixtral.num_local_experts, mixtral.num_experts_per_tok, mixtral.intermediate_size,
+            mixtral.hidden_size, mixtral.num_key_value_heads, mixtral.sliding_window) == \
+        ("mixtral", 8, 2, 256, 128, 2, None)
+    assert mixtral_config(_metadata_only(tmp_path / "dense.gguf", "llama"), "llama", llama) is None
