@@ -6,7 +6,9 @@ made. Everything else (norms, the embedding table, F32 / F16 / BF16 linears, lay
 tensor when the plan has no packed linears or the model is split for tensor parallelism) is dequantized one tensor
 at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers oracle computes with.
 The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
-it; a tied lm_head packs from the same blocks.
+it; a tied lm_head packs from the same blocks. A mixture-of-experts file's stacked experts tensors ([experts, rows,
+k]: ffn_{gate,up,down}_exps) split into one part per expert, named as the HF checkpoint names that expert; on the
+CPU each expert of a SparseMoE packs on its own (its gate and up rows fused), one expert's blocks at a time.
 
 GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
 llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
