@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.machine import machine_info
     machine = machine_info()
     load_at_start = os.getloadavg()
+    ask = "import llama_cpp as lc; print(lc.__version__); print(lc.llama_print_system_info().decode().strip())"
+    peer = subprocess.run([args.llama_python, "-c", ask], capture_output=True, text=True,
+                          check=False).stdout.splitlines()
+    machine["llama_cpp_python"], machine["llama_cpp_system_info"] = (peer + [None, None])[:2]
     engines = {"steploop": sys.executable, "llama.cpp": args.llama_python}
     best: dict[tuple[str, int], dict] = {}
     for _ in range(args.rounds):
