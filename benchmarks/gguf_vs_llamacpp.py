@@ -117,6 +117,8 @@ def measure(engine: str, python: str, args, streams: int) -> dict:
            str(streams), "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--tokens",
            str(args.tokens)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if engine == "llama.cpp":
+        env.update(dict(kv.split("=", 1) for kv in args.llama_env))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
@@ -135,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--llama-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
+    parser.add_argument("--llama-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment of the llama.cpp runs, e.g. OMP_WAIT_POLICY=PASSIVE: its OpenMP threads "
+                             "spin at barriers, which a loaded machine punishes (0.3-0.6 vs 6.9 tok/s measured)")
+    parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--engine", choices=["steploop", "llama.cpp"], help=argparse.SUPPRESS)    # a child run
     args = parser.parse_args(argv)
     if args.engine:
@@ -179,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ours['bandwidth_bound_ms']:.1f} ms ({ours['bytes_per_token_mib']} MiB / "
                   f"{ours['copy_bandwidth_gb_per_s']} GB/s): "
                   f"{ours['itl_over_bound']}x the bound")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": machine, "file": args.file.name,
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps({"machine": machine, "file": args.file.name,
                                    "file_mib": round(args.file.stat().st_size / 2**20, 1), "threads": args.threads,
+                                   "llama_env": args.llama_env,
                                    "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
                                    "results": results, "load_avg_start_end": [load_at_start, os.getloadavg()],
                                    "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
