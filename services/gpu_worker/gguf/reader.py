@@ -15,9 +15,9 @@ from steploop.gpu_worker.gguf.blocks import SUPPORTED
 
 # GGUF architectures whose tensors transformers' reader takes as stored (no TensorProcessor), with llama's q/k
 # permutation, or with Gemma 2/3's norms stored as 1 + w (weights.py undoes both as transformers does): these load
-# directly (gguf/weights.py); others (packed MoE experts, Gemma 1) go through the fp32 conversion
-# (gguf_convert.py), which dequantizes whatever gguf-py knows
-DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# directly (gguf/weights.py), Qwen2/3-MoE's stacked experts split per expert there; others (Gemma 1) go through the
+# fp32 conversion (gguf_convert.py), which dequantizes whatever gguf-py knows
+DIRECT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 
 
 class GGUFFileError(ValueError):

@@ -6,7 +6,9 @@ made. Everything else (norms, the embedding table, F32 / F16 / BF16 linears, lay
 tensor when the plan has no packed linears or the model is split for tensor parallelism) is dequantized one tensor
 at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers oracle computes with.
 The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
-it; a tied lm_head packs from the same blocks.
+it; a tied lm_head packs from the same blocks. A mixture-of-experts file's stacked experts tensors ([experts, rows,
+k]: ffn_{gate,up,down}_exps) split into one part per expert, named as the HF checkpoint names that expert; on the
+CPU each expert of a SparseMoE packs on its own (its gate and up rows fused), one expert's blocks at a time.
 
 GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
 llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -28,6 +31,7 @@ from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gguf
+from steploop.gpu_worker.model.moe import NOT_HELD
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,8 @@ class _Part:
     tensor: object                       # gguf ReaderTensor
     hf_name: str
     rows: tuple[int, int] | None         # row slice of the target parameter (fused layers)
-    expert: int | None
+    expert: int | None                   # the target's (local) expert index
+    index: int | None = None             # a stacked experts tensor [experts, rows, k]: the expert read from it
 
 
 @dataclass
@@ -69,9 +74,11 @@ class LoadStats:
                 f"-> memory: " + "; ".join(parts))
 
 
-def _rows(tensor, arch: str, cfg) -> np.ndarray:
-    """The tensor's raw data as [rows, row items] (2-D weights) or [items] (1-D), llama's q/k rows unpermuted."""
-    data = tensor.data
+def _rows(part: _Part, arch: str, cfg) -> np.ndarray:
+    """The part's raw data as [rows, row items] (2-D weights, one expert of a stacked 3-D one) or [items] (1-D),
+    llama's q/k rows unpermuted."""
+    tensor = part.tensor
+    data = tensor.data if part.index is None else tensor.data[part.index]
     if arch == "llama" and data.ndim == 2 and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
         heads = cfg.num_attention_heads
         if ".attn_k." in tensor.name and cfg.num_key_value_heads != heads:
@@ -80,21 +87,36 @@ def _rows(tensor, arch: str, cfg) -> np.ndarray:
     return data
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    return tuple(int(x) for x in reversed(tensor.shape.tolist()))
+def _shape(tensor, stacked: bool = False) -> tuple[int, ...]:
+    """The tensor's shape, rows first; stacked: one expert's of a [experts, rows, k] tensor"""
+    shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+    return shape[1:] if stacked else shape
+
+
+_STACKED = re.compile(r"\.experts\.(?!\d)")  # an experts tensor's HF name without the expert index
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def _split_experts(tensor, hf: str) -> list[tuple[int | None, str]]:
+    """(index in the tensor, HF name) per expert of a stacked [experts, rows, k] tensor (llama.cpp's
+    ffn_{gate,up,down}_exps), named as the HF checkpoint names each expert; [(None, hf)] for any other tensor."""
+    if not _STACKED.search(hf) or len(tensor.shape) != 3:
+        return [(None, hf)]
+    return [(e, _STACKED.sub(f".experts.{e}.", hf)) for e in range(int(tensor.shape[-1]))]
 
 
 # architectures whose norm weights llama.cpp stores as 1 + w (transformers' Gemma2TensorProcessor subtracts 1)
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 
-def _fp32(tensor, data: np.ndarray, arch: str) -> torch.Tensor:
-    """gguf-py's dequantize (the oracle's own) of one tensor's rows, shaped as stored; Gemma's norms less 1 in
+def _fp32(part: _Part, data: np.ndarray, arch: str) -> torch.Tensor:
+    """gguf-py's dequantize (the oracle's own) of one part's rows, shaped as stored; Gemma's norms less 1 in
     fp32, as transformers' reader computes them."""
+    tensor = part.tensor
     w = np.array(gguf_quants.dequantize(data, tensor.tensor_type), dtype=np.float32)   # a copy: F32 data is a
     if arch in _NORM_PLUS_ONE and "norm.weight" in tensor.name:                        # view of the read-only map
         w = w - np.float32(1)
-    return torch.from_numpy(w).reshape(_shape(tensor))
+    return torch.from_numpy(w).reshape(_shape(tensor, part.index is not None))
 
 
 def hf_name_map(folder: pathlib.Path) -> dict[str, str]:
@@ -104,7 +126,24 @@ def hf_name_map(folder: pathlib.Path) -> dict[str, str]:
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
+    if config.model_type == "mixtral":       # a llama-arch file with experts (transformers' map knows no mixtral)
+        return _llama_names(hf_model)
     return get_gguf_hf_weights_map(hf_model)
+
+
+def _llama_names(hf_model) -> dict[str, str]:
+    """gguf-py's llama tensor names for a Mixtral model, each expert's name collapsed into its stacked tensor's
+    (experts.N.w1 -> ffn_gate_exps), as transformers' map does for Qwen2/3-MoE."""
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    name_map = get_tensor_name_map(MODEL_ARCH.LLAMA, hf_model.config.num_hidden_layers)
+    out = {}
+    for hf_name in hf_model.state_dict():
+        collapsed = _EXPERT_INDEX.sub(".experts.", hf_name)
+        base, suffix = collapsed.rsplit(".", 1)
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            out[f"{gguf_name}.{suffix}"] = collapsed
+    return out
 
 
 def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path, packed: bool, target_of,
@@ -112,6 +151,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     """Fill `model` from the file; returns (the parameters filled, as loader._check_complete counts them; the log
     line of weights in memory per GGUF type). packed: give PackedLinear layers their packed forms from the blocks.
     target_of: loader._target (HF name -> our parameter, expert, row slice)."""
+    from steploop.gpu_worker.model.moe import SparseMoE
     from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 
     reader = open_gguf(gguf_path)
@@ -128,11 +168,14 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
             continue
         if hf == "lm_head.weight" and tied:
             continue
-        target, expert, rows = target_of(hf, cfg)
-        if target not in params:
-            raise GGUFFileError(f"{gguf_path.name}: unexpected tensor {tensor.name!r} ({hf}: not a weight of this "
-                                f"model_type)")
-        groups[target].append(_Part(tensor, hf, rows, expert))
+        for index, hf_name in _split_experts(tensor, hf):
+            target, expert, rows = target_of(hf_name, cfg)
+            if (target, expert, rows) == NOT_HELD:      # expert parallel: another rank's expert
+                continue
+            if target not in params:
+                raise GGUFFileError(f"{gguf_path.name}: unexpected tensor {tensor.name!r} ({hf_name}: not a weight "
+                                    f"of this model_type)")
+            groups[target].append(_Part(tensor, hf_name, rows, expert, index))
         if tied and hf == "model.embed_tokens.weight" and packed:
             groups["lm_head.weight"].append(_Part(tensor, hf, None, None))     # packed from the same blocks
     filled: set[str] = set()
@@ -143,7 +186,13 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
             _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, count_file=False)
             continue                                  # its bytes are the embedding's: released after it
-        if not _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"), sharder):
+        if isinstance(module, SparseMoE):
+            done = packed and sharder is None and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg,
+                                                            stats)
+        else:
+            done = _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"),
+                         sharder)
+        if not done:
             for part in parts:
                 _copy_fp32(params[target], part, arch, cfg, sharder, stats)
         filled.update(_filled_names(target, parts))
@@ -172,7 +221,7 @@ def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bo
     if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
         raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {[vocab, hidden]} != "
                             f"{[cfg.vocab_size, cfg.hidden_size]} expected for {part.hf_name}")
-    table = BlockEmbedding(blocks.decode_rows(_rows(part.tensor, arch, cfg), part.tensor.tensor_type, hidden))
+    table = BlockEmbedding(blocks.decode_rows(_rows(part, arch, cfg), part.tensor.tensor_type, hidden))
     model.model.embed_tokens = table
     stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
     return True
@@ -186,9 +235,9 @@ def _release(reader, parts: list[_Part]) -> None:
     if mm is None or not hasattr(mm, "madvise"):
         return
     page = mmap.PAGESIZE
-    for p in parts:
-        start = p.tensor.data_offset // page * page
-        end = min(-(-(p.tensor.data_offset + int(p.tensor.n_bytes)) // page) * page, len(mm))
+    for tensor in {id(p.tensor): p.tensor for p in parts}.values():        # experts share their stacked tensor
+        start = tensor.data_offset // page * page
+        end = min(-(-(tensor.data_offset + int(tensor.n_bytes)) // page) * page, len(mm))
         if end > start:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
@@ -204,47 +253,80 @@ def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_l
     the layout and cover the whole weight; False leaves it to the fp32 path."""
     if not packed or sharder is not None or not isinstance(module, packed_linear_type):
         return False
-    if any(p.expert is not None or p.tensor.tensor_type not in blocks.BLOCK_TYPES for p in parts):
+    if any(p.expert is not None for p in parts) or not _packable(parts, module.out_features, module.in_features):
         return False
-    n, k = module.out_features, module.in_features
-    if not packable_shape(n, k):
+    module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file))
+    return True
+
+
+def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: LoadStats) -> bool:
+    """A SparseMoE's experts (w13 [E, 2I, hidden], w2 [E, hidden, I]) or shared expert (shared_w13, shared_w2),
+    each expert packed on its own from its parts' blocks (an expert's gate and up rows fused as a dense gate/up
+    is); False (all experts left to the fp32 path) unless every expert packs. The router stays fp32."""
+    if name not in ("w13", "w2", "shared_w13", "shared_w2"):
+        return False
+    shape = tuple(getattr(module, name).shape)
+    n, k = shape[-2:]
+    if name.startswith("shared"):
+        if not _packable(parts, n, k):
+            return False
+        module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats))
+        return True
+    by_expert: dict[int, list[_Part]] = defaultdict(list)
+    for p in parts:
+        by_expert[p.expert].append(p)
+    if sorted(by_expert) != list(range(shape[0])) or not all(_packable(ps, n, k) for ps in by_expert.values()):
+        return False
+    module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats) for e in range(shape[0])])
+    return True
+
+
+def _packable(parts: list[_Part], n: int, k: int) -> bool:
+    """All parts block types, tiling the [n, k] weight's rows in whole 16-row groups, the shape the layout takes."""
+    if any(p.tensor.tensor_type not in blocks.BLOCK_TYPES for p in parts) or not packable_shape(n, k):
         return False
     covered = 0                      # the parts tile the rows in 16-row groups (q, k, v / gate, up; or one whole)
     for r0, r1 in sorted((p.rows or (0, n)) for p in parts):
         if r0 != covered or r1 % 16:
             return False
         covered = r1
-    if covered != n:
-        return False
+    return covered == n
+
+
+def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: LoadStats, count_file: bool = True):
+    """The [n, k] packed form of _packable parts, from their blocks (never an fp32 copy)."""
     ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
     decoded = []
     for p in ordered:
         r0, r1 = p.rows or (0, n)
-        if _shape(p.tensor) != (r1 - r0, k):
-            raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(_shape(p.tensor))} != {[r1 - r0, k]} "
-                                f"expected for {p.hf_name}")
-        decoded.append(blocks.decode_rows(_rows(p.tensor, arch, cfg), p.tensor.tensor_type, k))
+        if _shape(p.tensor, p.index is not None) != (r1 - r0, k):
+            raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(_shape(p.tensor, p.index is not None))} != "
+                                f"{[r1 - r0, k]} expected for {p.hf_name}")
+        decoded.append(blocks.decode_rows(_rows(p, arch, cfg), p.tensor.tensor_type, k))
     kind = common_form([p.tensor.tensor_type for p in ordered])
     weight = to_packed(decoded, kind)
-    module.use_packed(weight)
     for p, dec in zip(ordered, decoded):
         share = dec.q.shape[0] / n
-        stats.add(p.tensor.tensor_type.name, int(p.tensor.n_bytes) if count_file else 0, int(weight.nbytes * share),
+        file_bytes = int(p.tensor.n_bytes) // (1 if p.index is None else int(p.tensor.shape[-1]))
+        stats.add(p.tensor.tensor_type.name, file_bytes if count_file else 0, int(weight.nbytes * share),
                   KIND_NAMES[kind])
-    return True
+    return weight
 
 
 def _copy_fp32(param, part: _Part, arch: str, cfg, sharder, stats: LoadStats) -> None:
-    tensor = _fp32(part.tensor, _rows(part.tensor, arch, cfg), arch)
+    tensor = _fp32(part, _rows(part, arch, cfg), arch)
     if sharder is not None:
         tensor = sharder.shard(part.hf_name, tensor)
     dest = param.data if part.expert is None else param.data[part.expert]
     dest = dest if part.rows is None else dest[part.rows[0]:part.rows[1]]
+    if tensor.dim() == 1 and dest.shape == (1, tensor.shape[0]):    # Qwen2-MoE's shared expert gate: a vector in
+        tensor = tensor.unsqueeze(0)                                # the file, a [1, hidden] linear here
     if dest.shape != tensor.shape:
         raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {tuple(tensor.shape)} != {tuple(dest.shape)} "
                             f"expected for {part.hf_name}")
     dest.copy_(tensor)
-    stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), dest.numel() * dest.element_size(), "fp32")
+    file_bytes = int(part.tensor.n_bytes) // (1 if part.index is None else int(part.tensor.shape[-1]))
+    stats.add(part.tensor.tensor_type.name, file_bytes, dest.numel() * dest.element_size(), "fp32")
 
 
 def gguf_source(folder: pathlib.Path) -> pathlib.Path | None:

@@ -14,6 +14,10 @@ returns its partial sum, which the layer's one all-reduce completes (distributed
     expert parallel (--enable-expert-parallel)   experts [first_expert, first_expert + local_experts) whole;
                                the other experts' tokens are skipped here and computed on their owner's rank
 The router is replicated; the shared expert is sharded by rows / columns in both modes.
+
+A GGUF file's experts on the CPU (gguf/weights.py) come packed instead: use_packed replaces w13 / w2 (or the
+shared expert's) by one packed weight per expert, read at the file's width by the packed C kernels, and drops
+the fp32 parameter (never filled).
 """
 
 from __future__ import annotations
@@ -63,6 +67,15 @@ class SparseMoE(nn.Module):
             self.shared_w13 = nn.Parameter(torch.empty(2 * spec.shared_intermediate_size, hidden_size))
             self.shared_w2 = nn.Parameter(torch.empty(hidden_size, spec.shared_intermediate_size))
             self.shared_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.packed_experts: dict[str, object] = {}   # w13 -> [PackedWeight per expert]; shared_w13 -> PackedWeight
+
+    def use_packed(self, name: str, weight) -> None:
+        """name: w13 / w2 (weight: one PackedWeight per held expert) or shared_w13 / shared_w2 (one)."""
+        self.packed_experts[name] = weight
+        setattr(self, name, None)               # the fp32 parameter goes (the slot stays, empty)
+
+    def _weight(self, name: str):
+        return self.packed_experts.get(name, getattr(self, name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -72,7 +85,8 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self._experts(x, weights.to(x.dtype), experts)
         if self.spec.shared_intermediate_size:   # Qwen2-MoE: every token also takes the gated shared expert
-            out = out + torch.sigmoid(self.shared_gate(x)) * self._expert(x, self.shared_w13, self.shared_w2)
+            shared = self._expert(x, self._weight("shared_w13"), self._weight("shared_w2"))
+            out = out + torch.sigmoid(self.shared_gate(x)) * shared
         return out
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -85,23 +99,32 @@ class SparseMoE(nn.Module):
             return fused_experts(x, self.w13, self.w2, weights, experts, self.act,
                                  first_expert=spec.first_expert if spec.local_experts else None)
         out = torch.zeros_like(x)
+        w13, w2 = self._weight("w13"), self._weight("w2")
         for e in torch.unique(experts).tolist():
             if not spec.holds(e):
                 continue
             token, slot = torch.where(experts == e)
             local = e - spec.first_expert
-            h = self._expert(x[token], self.w13[local], self.w2[local])
+            h = self._expert(x[token], w13[local], w2[local])
             out.index_add_(0, token, h * weights[token, slot, None])
         return out
 
-    def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        return F.linear(self._activate(gate) * up, w2)
+    def _expert(self, x: torch.Tensor, w13, w2) -> torch.Tensor:
+        gate, up = _linear(x, w13).chunk(2, dim=-1)
+        return _linear(self._activate(gate) * up, w2)
 
     def _activate(self, gate: torch.Tensor) -> torch.Tensor:
         if self.act == "silu":
             return F.silu(gate)
         return F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
+
+
+def _linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w.T for an fp32 weight or a PackedWeight (the packed C kernel, imported only when one is used)"""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    from steploop.gpu_worker.cpu_kernels.packed_linear import packed_linear
+    return packed_linear(x, w, torch.get_num_threads())
 
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.)(?:block_sparse_moe|mlp)\.(?:(experts\.\d+|shared_expert)\.(w1|w2|w3|"
