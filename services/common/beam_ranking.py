@@ -12,7 +12,9 @@ length_penalty=..., early_stopping=...)` on the same weights:
 - it stops when W hypotheses are kept and: early_stopping is true; or (false / "never") the best running beam's
   score over the length it would need (its current length; the max length for "never" with a positive penalty)
   cannot beat the worst kept hypothesis. It also stops when every candidate ended, or at max_tokens.
-Scores add in float32, as transformers does, so near-ties break the same way.
+Scores add in float32, as transformers does, so near-ties break the same way. float32 is emulated in Python (`_f32`:
+an operation on two float32 values done in double and rounded once to float32 is exactly the float32 operation for
++ and /, since 53 >= 2 * 24 + 2 bits), so the scheduler, which runs this, needs no numpy (its image has none).
 
 vLLM's own ranking differs (its length penalty counts the prompt and it never stops early); this follows the
 issue's oracle, transformers.
@@ -20,9 +22,8 @@ issue's oracle, transformers.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from steploop.common.step_contract import TokenLogprob
 
@@ -41,7 +42,7 @@ class BeamConfig:
 @dataclass
 class Beam:
     tokens: list[int] = field(default_factory=list)        # generated so far (after the prompt)
-    score: np.float32 = field(default_factory=np.float32)  # cumulative logprob (0 at the start)
+    score: float = 0.0                 # cumulative logprob, a float32 value (0 at the start)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # each token's logprob and the top K beside it
     parent: int = 0                    # index of the beam it extends in the previous step's running list
 
@@ -76,7 +77,7 @@ class BeamRanking:
         cands = []           # (score, beam order, rank in its top) so ties keep transformers' flat-index order
         for i, (beam, top) in enumerate(zip(running, tops)):
             for rank, (token, lp) in enumerate(top):
-                cands.append((np.float32(beam.score + np.float32(lp)), i, rank, token, lp))
+                cands.append((_f32(beam.score + _f32(lp)), i, rank, token, lp))
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         cands = cands[:k]
         self.t += 1
@@ -87,7 +88,7 @@ class BeamRanking:
         for c, end in zip(cands[:width], ends[:width]):
             if end:
                 beam = _extend(running, tops, c)
-                score = float(np.float32(c[0] / np.float32(gen_len ** config.length_penalty)))
+                score = _f32(c[0] / _f32(gen_len ** config.length_penalty))
                 reason = "stop" if c[3] in self.stop_ids else "length"
                 finished.append(Hypothesis(beam.tokens, float(c[0]), score, reason, beam.logprobs))
         finished.sort(key=lambda h: -h.score)        # stable: an earlier hypothesis wins a tie, as topk's merge
@@ -102,8 +103,13 @@ class BeamRanking:
         if early is True:
             return True
         best_len = self.max_tokens if early == "never" and penalty > 0 else gen_len
-        best_possible = np.float32(self.running[0].score / np.float32(best_len ** penalty))
+        best_possible = _f32(self.running[0].score / _f32(best_len ** penalty))
         return not best_possible > min(h.score for h in self.finished)
+
+
+def _f32(x: float) -> float:
+    """x rounded to the nearest float32 (numpy's np.float32(x), without numpy)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _extend(running: list[Beam], tops: list[list[tuple[int, float]]], cand: tuple) -> Beam:

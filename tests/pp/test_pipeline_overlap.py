@@ -19,23 +19,34 @@ from tests.pp.pp_ranks import PipelineGroup
 from tests.worker.test_families import NEW_TOKENS, prompts
 
 # (max_num_batched_tokens, long_prefill_token_threshold, KV blocks the scheduler may use incl. the null block)
+# "preempting": admission keeps room for every admitted prompt and these decodes do not outgrow their blocks, so the
+# last prompt arrives late with a better priority and preempts a running one.
 SCHEDULES = {"whole-prompts": (512, 0, 64), "chunked": (24, 7, 64), "preempting": (64, 0, 11)}
+LATE_BETTER = {"preempting"}
 
 
-def serve_overlapped(group: PipelineGroup, budget: int, threshold: int, num_blocks: int):
+def serve_overlapped(group: PipelineGroup, budget: int, threshold: int, num_blocks: int, late_better: bool = False):
     """Every prompt through the scheduler with `pp` plans in flight; (tokens, logprobs) per prompt, and the number
-    of preemptions."""
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, long_prefill_token_threshold=threshold)
+    of preemptions. `late_better`: priority policy, the last prompt added after 3 plans with a better priority."""
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, long_prefill_token_threshold=threshold,
+                             scheduling_policy="priority" if late_better else "fcfs")
     kv = KVCacheManager(num_blocks, group.block_size, config.enable_prefix_caching)
     sched = make_scheduler(config, kv, group.info.max_model_len,
                            [], pipeline_parallel_size=2)
     sampling = SamplingParams(temperature=0.0, logprobs=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts()):
-        sched.add_request(Request(request_id=str(i), prompt_token_ids=prompt, sampling=sampling))
+    requests = [Request(request_id=str(i), prompt_token_ids=prompt, sampling=sampling, priority=1)
+                for i, prompt in enumerate(prompts())]
+    late = [requests.pop()] if late_better else []
+    for request in requests:
+        sched.add_request(request)
     got = {str(i): ([], []) for i in range(len(prompts()))}
     out: deque = deque()
-    for _ in range(500):
-        if not (sched.has_unfinished_requests() or out):
+    for i in range(500):
+        if i == 3:
+            for request in late:
+                request.priority = 0
+                sched.add_request(request)
+        if not (sched.has_unfinished_requests() or out or i < 3 and late):
             break
         sent = False
         if len(out) < 2 and sched.has_unfinished_requests():
@@ -72,7 +83,7 @@ def test_overlapped_stages_equal_transformers(models, name, tp, schedule):
     path, expected = models(name)
     group = PipelineGroup(path, tp, 2)
     try:
-        got, preemptions = serve_overlapped(group, *SCHEDULES[schedule])
+        got, preemptions = serve_overlapped(group, *SCHEDULES[schedule], late_better=schedule in LATE_BETTER)
         for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(got, expected)):
             where = f"{name} -tp {tp} -pp 2 {schedule} prompt {i}"
             assert tokens == want_tokens, f"{where}: {tokens} != {want_tokens}"
