@@ -12,10 +12,24 @@ import re
 import numpy as np
 import torch
 
+from tests.worker.family_models import _COMMON
+
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
              "phi3": "phi3", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
              "mixtral": "llama"}
 _EXPERT = re.compile(r"\.experts\.\d+\.")
+# The GGUF tests' model shape: k-quant rows hold whole 256-weight super-blocks
+GGUF_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2}
+
+
+def random_model(config_name: str, **config):
+    """A random fp32 transformers model of config class `config_name` at GGUF_SHAPE (seed 0), `config` on top."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_name)(**{**_COMMON, **GGUF_SHAPE, **config}), dtype=torch.float32)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -26,11 +26,8 @@ from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker import gguf_bad_files as bad
 from tests.worker.family_models import _COMMON
-from tests.worker.gguf_files import write_gguf
+from tests.worker.gguf_files import random_model, write_gguf
 from tests.worker.test_families import oracle, prompts, serve
-
-_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2}      # k-quant rows hold whole 256-weight super-blocks
 
 
 def _llama_types(name: str, w) -> T:
@@ -72,11 +69,8 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def gguf_file(family: str, folder, model_dir):
-    import transformers
     name, kwargs, types = MODELS[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        getattr(transformers, name)(**{**_COMMON, **_SHAPE, **kwargs}), dtype=torch.float32)
+    model = random_model(name, **kwargs)
     with torch.no_grad():            # Gemma's norms off their init (zeros, stored as 1 + w) so each one counts
         for param_name, p in model.named_parameters():
             if "norm" in param_name and family.startswith("gemma"):

@@ -20,12 +20,9 @@ from steploop.gpu_worker.cpu_kernels.packed_weights import PackedWeight
 from steploop.gpu_worker.gguf_convert import convert_gguf
 from steploop.gpu_worker.model.moe import SparseMoE
 from steploop.gpu_worker.model_runner import ModelRunner
-from tests.worker.family_models import _COMMON
-from tests.worker.gguf_files import gguf_names, write_gguf
+from tests.worker.gguf_files import gguf_names, random_model, write_gguf
 from tests.worker.test_families import oracle, prompts, serve
 
-_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "num_experts_per_tok": 2}
 _QWEN_MOE = {"num_experts": 4, "moe_intermediate_size": 256}
 
 
@@ -71,11 +68,8 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def moe_file(family: str, folder, model_dir):
-    import transformers
     name, kwargs, types = MODELS[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        getattr(transformers, name)(**{**_COMMON, **_SHAPE, **kwargs}), dtype=torch.float32)
+    model = random_model(name, num_experts_per_tok=2, **kwargs)
     return write_gguf(model, folder / f"{family}-mixed.gguf", model_dir, qtype_of=types)
 
 
