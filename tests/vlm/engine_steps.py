@@ -21,3 +21,15 @@ def run(sched, runner, requests, max_steps=400):
     assert not sched.has_unfinished_requests()
     runner.execute(sched.schedule())        # the last plan's frees reach the worker
     return out
+
+
+def assert_images_never_share_a_block(sched, runner, a, b, block_size: int, expected: dict) -> None:
+    """`a`, `b`: requests with the same token ids and one image each, other pixels. Served one after the other, they
+    share the blocks before the image and none from it on; `expected`: request id -> the oracle's tokens."""
+    out = run(sched, runner, [a])
+    out |= run(sched, runner, [b])
+    image_block = a.mm_features[0].offset // block_size
+    assert a.block_hashes[:image_block] == b.block_hashes[:image_block]    # text before the image is shared
+    assert not set(a.block_hashes[image_block:]) & set(b.block_hashes[image_block:])
+    assert b.num_cached_tokens == image_block * block_size
+    assert out == expected

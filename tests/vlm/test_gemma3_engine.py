@@ -12,7 +12,7 @@ from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.model_runner import ModelRunner
 from steploop.scheduler.request import Request
 from tests.scheduler.sched_factories import create_scheduler
-from tests.vlm.engine_steps import run
+from tests.vlm.engine_steps import assert_images_never_share_a_block, run
 from tests.vlm.gemma3_models import TOKENS_PER_IMAGE, oracle_generate, png_bytes, prompt_with_images
 
 MAX_TOKENS = 6
@@ -102,14 +102,9 @@ def test_different_images_never_share_a_block(runner, gemma3_oracle, gemma3_fold
     assert ids_a == ids_b and feats_a[0].hash != feats_b[0].hash       # the same tokens, other pixels
     sched = scheduler(runner, 64)
     a, b = request("a", ids_a, feats_a), request("b", ids_b, feats_b)
-    out = run(sched, runner, [a])
-    out |= run(sched, runner, [b])
-    image_block = feats_a[0].offset // BLOCK
-    assert a.block_hashes[:image_block] == b.block_hashes[:image_block]    # text before the image is shared
-    assert not set(a.block_hashes[image_block:]) & set(b.block_hashes[image_block:])
-    assert b.num_cached_tokens == image_block * BLOCK
-    assert out["a"] == oracle_generate(gemma3_oracle, ids_a, feats_a, MAX_TOKENS)
-    assert out["b"] == oracle_generate(gemma3_oracle, ids_b, feats_b, MAX_TOKENS)
+    assert_images_never_share_a_block(sched, runner, a, b, BLOCK,
+                                      {"a": oracle_generate(gemma3_oracle, ids_a, feats_a, MAX_TOKENS),
+                                       "b": oracle_generate(gemma3_oracle, ids_b, feats_b, MAX_TOKENS)})
 
 
 def test_preempted_image_request_recomputes_the_same_tokens(runner, gemma3_oracle, gemma3_folder, pngs):
