@@ -212,6 +212,7 @@ class ModelInfo:
     pooling: PoolingConfig | None = None  # how it pools (runner "pooling" only)
     generation_defaults: GenerationDefaults = NO_DEFAULTS   # the model's sampling defaults
     lora_adapters: tuple[tuple[str, str], ...] = ()   # (name, folder) of each LoRA adapter served
+    max_waiting: int = 0                 # the replica's --max-waiting; 0 = not said (an older scheduler)
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.ModelInfo) -> "ModelInfo":
@@ -219,13 +220,13 @@ class ModelInfo:
                    tuple(pb.eos_token_ids), pb.num_workers, pb.runner,
                    PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    GenerationDefaults.from_pb(pb.generation_defaults),
-                   tuple((a.name, a.path) for a in pb.lora_adapters))
+                   tuple((a.name, a.path) for a in pb.lora_adapters), pb.max_waiting)
 
     def to_pb(self) -> engine_pb2.ModelInfo:
         return engine_pb2.ModelInfo(
             model_name=self.model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, eos_token_ids=self.eos_token_ids,
-            num_workers=self.num_workers, runner=self.runner,
+            num_workers=self.num_workers, max_waiting=self.max_waiting, runner=self.runner,
             pooling=self.pooling.to_pb() if self.pooling is not None else None,
             generation_defaults=self.generation_defaults.to_pb(),
             lora_adapters=[engine_pb2.LoraAdapterRef(name=name, path=path) for name, path in self.lora_adapters])

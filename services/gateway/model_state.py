@@ -24,12 +24,14 @@ class ModelState:
         self.generation_defaults = NO_DEFAULTS   # the model's sampling defaults, once a worker has said them
         self.lora_adapters: dict[str, str] = {}   # LoRA adapters the engine serves: name -> folder
         self.weight_version: str | None = None    # the served weights' version, once an admin route learned it
+        self.max_waiting = 0            # the engine's --max-waiting; 0 = not known yet
 
     async def refresh(self) -> None:
         info = await self.engine.model_info()
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.runner, self.pooling = info.runner, info.pooling
         self.lora_adapters = dict(info.lora_adapters)
+        self.max_waiting = info.max_waiting
         if info.max_model_len and info.generation_defaults != self.generation_defaults:
             self.generation_defaults = info.generation_defaults
             logger.info("Using default sampling params from the model's generation config: %s",
@@ -53,6 +55,15 @@ class ModelState:
             await self.try_refresh()
         if self.runner and self.runner != runner:
             raise bad_request(unsupported_api_message(api), param="model", code="model_not_supported")
+
+    def check_queueable(self, sequences: int, param: str) -> None:
+        """A request of more sequences (prompts x n) than the engine ever queues would be a 503 on every retry:
+        a 400 that says so instead. The choices of one prompt go to one replica (prefix affinity), so one
+        replica's --max-waiting is the bound."""
+        if self.max_waiting and sequences > self.max_waiting:
+            raise bad_request(f"this request makes {sequences} sequences (prompts x n), more than the server "
+                              f"ever queues (--max-waiting {self.max_waiting}); send them in smaller requests",
+                              param=param)
 
     def tasks(self) -> list[str]:
         """What the model serves, for /v1/models: ["generate"] or ["embed"] (vLLM's task names)."""

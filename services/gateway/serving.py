@@ -73,6 +73,8 @@ class Serving:
             keep = await self.model.known_max_model_len()
         bad_words = await bad_words_token_ids(self.tokenizer, sampling.bad_words, self.model.vocab_size or None) \
             if sampling.bad_words else ()
+        self.model.check_queueable(len(prompts) * (1 if sampling.beam is not None else sampling.n),
+                                   "n" if len(prompts) == 1 else param)
         choices = []
         for p, prompt_ids in enumerate(prompts):
             prompt_text = prompt_texts[p] if prompt_texts else None

@@ -31,6 +31,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     block_size: int = 16                           # what GetModelInfo reports (the router keys blocks by it)
     vocab_size: int = 49152
     num_workers: int = 1
+    max_waiting: int = 1024                        # what GetModelInfo reports as the engine's --max-waiting
     token_delay_s: float = 0.0                     # sleep before each chunk (disconnect tests need it slow)
     tokens_per_chunk: int = 1
     cached_tokens: int = 0                         # usage.cached_tokens (first chunk with tokens, and last)
@@ -234,7 +235,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ModelInfo(model_name="fake", max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                     block_size=self.block_size, num_kv_blocks=100 if self.num_workers else 0,
                                     eos_token_ids=[self.eos_token_id], num_workers=self.num_workers,
-                                    runner="generate" if self.num_workers else "",
+                                    max_waiting=self.max_waiting, runner="generate" if self.num_workers else "",
                                     generation_defaults=engine_pb2.GenerationDefaults(**self.generation_defaults))
 
     async def Pause(self, request, context):

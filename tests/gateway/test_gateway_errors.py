@@ -15,7 +15,7 @@ from steploop.gateway import errors
 from steploop.gateway.app import create_app
 from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.server import bound_port, start_site
-from tests.gateway.conftest import SERVED_NAME, sent_prompt, serving_app, wait_for
+from tests.gateway.conftest import SERVED_NAME, Gateway, sent_prompt, serving_app, wait_for
 from tests.gateway.fake_engine import start_fake_engine
 
 CHAT = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}]}
@@ -280,6 +280,29 @@ async def test_engine_errors_map_to_http(gateway, status, meta, http_status, cod
         if status == grpc.StatusCode.INVALID_ARGUMENT:
             assert resp["error"]["param"] == "max_tokens"
         assert "scripted failure" not in resp["error"]["message"] or http_status in (400, 429, 503)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "n": 5}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT["messages"], "n": 5}, "n"),
+])
+async def test_more_sequences_than_the_engine_ever_queues_is_a_400_not_a_503(fake_engine, tokenizer, gateway_config,
+                                                                             path, body, param):
+    """prompts x n above the engine's --max-waiting would be a 503 on every retry: a 400 naming the limit."""
+    fake_engine.max_waiting = 4
+    server, address, _ = await start_fake_engine(fake_engine)
+    try:
+        async with serving_app(EngineClient(address), tokenizer, gateway_config) as (url, app):
+            gateway = Gateway(url, fake_engine, None, app)
+            got, resp, _ = await post(gateway, path, {"model": SERVED_NAME, "max_tokens": 2, **body})
+            assert got == 400, resp
+            assert "--max-waiting 4" in resp["error"]["message"] and resp["error"]["param"] == param
+            assert fake_engine.requests == []                  # nothing was queued
+            got, _, _ = await post(gateway, path, {"model": SERVED_NAME, "max_tokens": 2, **body, "n": 1})
+            assert got == 200                                  # within the limit: served
+    finally:
+        await server.stop(None)
 
 
 async def test_engine_down_gives_503_and_unhealthy(tokenizer, gateway_config):

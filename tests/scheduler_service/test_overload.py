@@ -23,6 +23,7 @@ async def test_full_waiting_queue_is_resource_exhausted():
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}", options=grpc_options.CLIENT) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
+            assert (await stub.GetModelInfo(engine_pb2.ModelInfoRequest())).max_waiting == 2   # the gateway's 400
             params = SamplingParams(max_tokens=4).to_pb()
             # No worker attached: the first two wait; the third finds the queue full.
             calls = [stub.Generate(engine_pb2.GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2],
