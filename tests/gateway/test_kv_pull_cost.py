@@ -100,3 +100,11 @@ def test_policy_refuses_bad_values():
             assert flag in str(err)
         else:
             raise AssertionError(f"{kwargs} accepted")
+
+
+def test_a_destination_that_never_stored_a_block_still_gets_a_hint():
+    r = router()
+    r.replicas[0].cache.apply(engine_pb2.KvEventMessage(snapshot=engine_pb2.KvEventSnapshot(
+        instance_id="i", hash_algo="sha256_cbor", hash_root=cbor_sha256("vllm-none-hash"))))   # no block size yet
+    r.replicas[2].cache.apply(snapshot(KEYS[:12]))
+    assert r.pull.hint(r.replicas, 0, P, "") == KvPullHint("127.0.0.1:11", 12)

@@ -92,25 +92,27 @@ class KvPullPlanner:
         """The hint for a request going to replicas[choice], or None (off, nothing better cached elsewhere, or
         not worth it)."""
         dest = replicas[choice].cache
-        if not self.policy.enable or not dest.synced or not dest.block_size:
+        if not self.policy.enable or not dest.synced:
             return None
         memo: dict = {}
-        have = dest.matched_tokens(prompt_ids, salt, memo) // dest.block_size
+        have_tokens = dest.matched_tokens(prompt_ids, salt, memo)    # 0 while it never stored a block
         best: tuple[int, Replica] | None = None
         for i, replica in enumerate(replicas):
             cache = replica.cache
-            if (i == choice or replica.retired or not replica.healthy or not cache.synced
-                    or cache.hasher_id != dest.hasher_id or cache.block_size != dest.block_size):
+            if (i == choice or replica.retired or not replica.healthy or not cache.synced or not cache.block_size
+                    or cache.hasher_id != dest.hasher_id or dest.block_size not in (0, cache.block_size)):
                 continue          # its keys are not the keys B will ask for
             blocks = cache.pool_blocks(prompt_ids, salt, memo)
-            if blocks > have and (best is None or blocks > best[0]):
+            if best is None or blocks > best[0]:
                 best = (blocks, replica)
         if best is None:
             return None
-        blocks, source = best
+        source = best[1]
+        block_size = source.cache.block_size
+        have = have_tokens // block_size
         # The last prompt token is always computed (logits to sample): a block that would hold it is not pulled.
-        blocks = min(blocks, (len(prompt_ids) - 1) // dest.block_size)
-        if blocks <= have or not self.worth((blocks - have) * dest.block_size, blocks - have):
+        blocks = min(best[0], (len(prompt_ids) - 1) // block_size)
+        if blocks <= have or not self.worth((blocks - have) * block_size, blocks - have):
             return None
         self.hints += 1
         return KvPullHint(source.address, blocks)
