@@ -20,57 +20,20 @@ import json
 import pathlib
 import random
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 
 from benchmarks.machine import machine_info
+from benchmarks.pd_disagg import Server
 from steploop.common.engine_contract import EngineRequest
 from steploop.common.kv_pull import KvPullHint
 from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.engine.engine_client import EngineClient
-from tests.observability.scrape import parse, value_or_zero
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VOCAB = (1000, 48000)                 # plain tokens of SmolLM2's 49152 (no special ones)
 BLOCK = 16
 PULL_METRICS = ("kv_pull_requests_total", "kv_pull_successes_total", "kv_pull_blocks_total", "kv_pull_bytes_total",
                 "kv_pull_fallbacks_total", "kv_pull_seconds_total")
-
-
-class Replica:
-    def __init__(self, name: str, port: int, flags: list[str], log_dir: pathlib.Path):
-        self.name, self.http, self.address = name, f"http://127.0.0.1:{port}", f"127.0.0.1:{port + 1}"
-        self.log = open(log_dir / f"kv-pull-bench-{name}.log", "wb")    # noqa: SIM115 - the server's whole life
-        self.proc = subprocess.Popen([sys.executable, "-m", "steploop.cli", "serve", "--port", str(port),
-                                      "--scheduler-port", str(port + 1), "--metrics-port", str(port + 2), *flags],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: steploop serve exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.http + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)   # a poll interval while the model loads
-        raise TimeoutError(f"{self.name} not ready after {timeout} s")
-
-    def metric(self, name: str) -> float:
-        with urllib.request.urlopen(self.http + "/metrics", timeout=30) as resp:
-            return value_or_zero(parse(resp.read().decode()), "steploop:" + name)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 async def ttft(address: str, ids: list[int], rid: str, hint: KvPullHint | None = None) -> tuple[float, int]:
@@ -90,7 +53,7 @@ async def ttft(address: str, ids: list[int], rid: str, hint: KvPullHint | None =
         await client.close()
 
 
-async def run_rounds(a: Replica, b: Replica, args) -> list[dict]:
+async def run_rounds(a: Server, b: Server, args) -> list[dict]:
     rng, rounds = random.Random(args.seed), []
     await ttft(a.address, rng.sample(range(*VOCAB), 64), "warm-a")      # first forwards (allocations) off the clock
     await ttft(b.address, rng.sample(range(*VOCAB), 64), "warm-b")
@@ -118,13 +81,14 @@ def main() -> None:
              "--max-model-len", str(args.prompt_tokens + 64), "--worker-metrics-port", "0"]
     RESULTS.mkdir(exist_ok=True)
     load_before = pathlib.Path("/proc/loadavg").read_text().split()[:3]
-    a = Replica("a", args.base_port, flags, RESULTS)
-    b = Replica("b", args.base_port + 10, flags, RESULTS)
+    a = Server("kv-pull-a", flags, args.base_port, RESULTS)       # its scheduler: base port + 1
+    b = Server("kv-pull-b", flags, args.base_port + 10, RESULTS)
+    a.address, b.address = f"127.0.0.1:{args.base_port + 1}", f"127.0.0.1:{args.base_port + 11}"
     try:
         a.wait_ready()
         b.wait_ready()
         rounds = asyncio.run(run_rounds(a, b, args))
-        counters = {name: b.metric(name) for name in PULL_METRICS}
+        counters = {name: b.metric("steploop:" + name) for name in PULL_METRICS}
     finally:
         a.stop()
         b.stop()

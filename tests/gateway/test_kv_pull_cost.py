@@ -29,6 +29,7 @@ def stored_on_host(keys, sequence=0) -> engine_pb2.KvEventMessage:
 
 
 def router(min_tokens: int = 64, enable: bool = True) -> EngineRouter:
+    """Three replicas whose channels connect lazily (no I/O here); made inside the running loop, as the gateway does."""
     r = EngineRouter([EngineClient(f"127.0.0.1:{9 + i}") for i in range(3)], block_size=BLOCK,
                      kv_pull=KvPullPolicy(enable, 1.0, min_tokens))
     for replica in r.replicas:
@@ -36,14 +37,14 @@ def router(min_tokens: int = 64, enable: bool = True) -> EngineRouter:
     return r
 
 
-def test_the_replica_holding_the_longest_pool_prefix_is_the_source():
+async def test_the_replica_holding_the_longest_pool_prefix_is_the_source():
     r = router()
     r.replicas[1].cache.apply(snapshot(KEYS[:10]))
     r.replicas[2].cache.apply(snapshot(KEYS[:30]))
     assert r.pull.hint(r.replicas, 0, P, "") == KvPullHint("127.0.0.1:11", 30)
 
 
-def test_no_hint_when_off_short_or_already_held():
+async def test_no_hint_when_off_short_or_already_held():
     r = router(enable=False)
     r.replicas[2].cache.apply(snapshot(KEYS))
     assert r.pull.hint(r.replicas, 0, P, "") is None
@@ -55,7 +56,7 @@ def test_no_hint_when_off_short_or_already_held():
     assert r.pull.hint(r.replicas, 0, P, "") is None
 
 
-def test_only_the_sources_pool_counts_and_the_destinations_host_tier_does():
+async def test_only_the_sources_pool_counts_and_the_destinations_host_tier_does():
     r = router()
     r.replicas[2].cache.apply(stored_on_host(KEYS))                   # in A's host tier only: A cannot send them
     assert r.pull.hint(r.replicas, 0, P, "") is None
@@ -65,7 +66,7 @@ def test_only_the_sources_pool_counts_and_the_destinations_host_tier_does():
     assert r.pull.hint(r.replicas, 1, P, "") == KvPullHint("127.0.0.1:11", 20)
 
 
-def test_keys_made_another_way_are_not_a_source_and_the_last_block_is_computed():
+async def test_keys_made_another_way_are_not_a_source_and_the_last_block_is_computed():
     r = router()
     r.replicas[2].cache.apply(snapshot(KEYS, root=cbor_sha256("4242")))   # another hash root: not B's keys
     assert r.pull.hint(r.replicas, 0, P, "") is None
@@ -102,7 +103,7 @@ def test_policy_refuses_bad_values():
             raise AssertionError(f"{kwargs} accepted")
 
 
-def test_a_destination_that_never_stored_a_block_still_gets_a_hint():
+async def test_a_destination_that_never_stored_a_block_still_gets_a_hint():
     r = router()
     r.replicas[0].cache.apply(engine_pb2.KvEventMessage(snapshot=engine_pb2.KvEventSnapshot(
         instance_id="i", hash_algo="sha256_cbor", hash_root=cbor_sha256("vllm-none-hash"))))   # no block size yet
