@@ -18,7 +18,7 @@ from steploop.common.engine_contract import EngineRequest
 from steploop.common.kv_pull import KvPullHint
 from steploop.common.sampling_params import SamplingParams
 from steploop.gateway.engine.engine_client import EngineClient
-from tests.integration.cluster import MODEL, Cluster, free_port, is_idle_and_whole
+from tests.integration.cluster import MODEL, Cluster, free_port, is_idle_and_whole, two_replicas
 from tests.kv_events.test_kv_events_e2e import events_args
 from tests.observability.scrape import parse, value_or_zero
 
@@ -32,22 +32,10 @@ WORKER = ["--kv-role", "both", "--kv-offloading-size", "0.02", "--max-model-len"
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, model_dir):
     """Replicas A and B (scheduler + worker each); A's gateway routes over both and may attach pull hints."""
-    a = Cluster(tmp_path_factory.mktemp("pull-a"), scheduler_args=events_args(), worker_args=WORKER,
-                num_kv_blocks=160, gateway_args=["--enable-kv-pull", "--kv-pull-min-tokens", "32",
-                                                 "--balance-abs-threshold", "0"])
-    b = Cluster(tmp_path_factory.mktemp("pull-b"), scheduler_args=events_args(), worker_args=WORKER,
-                num_kv_blocks=160)
-    gateway = a.argv["gateway"]
-    gateway[gateway.index("--scheduler-address") + 1] = f"{a.scheduler_address},{b.scheduler_address}"
-    try:
-        for service in ("scheduler", "worker"):
-            b.start_service(service)
-        a.start()
-        a.wait_replicas_up([a.scheduler_address, b.scheduler_address])
-        yield a, b
-    finally:
-        a.stop()
-        b.stop()
+    with two_replicas(tmp_path_factory, "pull", scheduler_args=events_args(), worker_args=WORKER, num_kv_blocks=160,
+                      gateway_args=["--enable-kv-pull", "--kv-pull-min-tokens", "32",
+                                    "--balance-abs-threshold", "0"]) as replicas:
+        yield replicas
 
 
 def metric(address: str, name: str) -> float:
