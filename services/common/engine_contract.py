@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from steploop.common.beam_ranking import BeamConfig, Hypothesis
 from steploop.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
+from steploop.common.kv_pull import KvPullHint
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.pb.steploop.v1 import engine_pb2
 from steploop.common.pooling_params import PoolingConfig, PoolingParams
@@ -60,6 +61,7 @@ class EngineRequest:
     background: bool = False             # Batch API work: yields to interactive requests under every policy
     disaggregation: str = ""             # "" (the scheduler's rule), "disaggregated" or "local" (pd_disagg.py)
     beam: BeamConfig | None = None       # set: beam search in the scheduler; the last chunk carries `beams`
+    kv_pull: KvPullHint | None = None    # another replica caches its prefix: pull it from there (common/kv_pull.py)
 
     def to_pb(self) -> engine_pb2.GenerateRequest:
         pb = engine_pb2.GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
@@ -73,6 +75,8 @@ class EngineRequest:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.beam is not None:
             pb.beam_search.CopyFrom(beam_config_to_pb(self.beam))
+        if self.kv_pull is not None:
+            pb.kv_pull.CopyFrom(self.kv_pull.to_pb())
         return pb
 
     @classmethod
@@ -81,7 +85,8 @@ class EngineRequest:
                    pb.cache_salt, PoolingParams.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    list(pb.resume_output_token_ids), pb.lora_name,
                    [MultiModalFeature.from_pb(f) for f in pb.mm_features], pb.background,
-                   pb.disaggregation, beam_config_from_pb(pb.beam_search) if pb.HasField("beam_search") else None)
+                   pb.disaggregation, beam_config_from_pb(pb.beam_search) if pb.HasField("beam_search") else None,
+                   KvPullHint.from_pb(pb.kv_pull) if pb.HasField("kv_pull") else None)
 
 
 @dataclass(slots=True)
@@ -213,6 +218,7 @@ class ModelInfo:
     generation_defaults: GenerationDefaults = NO_DEFAULTS   # the model's sampling defaults
     lora_adapters: tuple[tuple[str, str], ...] = ()   # (name, folder) of each LoRA adapter served
     max_waiting: int = 0                 # the replica's --max-waiting; 0 = not said (an older scheduler)
+    kv_block_bytes: int = 0              # bytes of one KV block (the router's pull cost); 0: not known
 
     @classmethod
     def from_pb(cls, pb: engine_pb2.ModelInfo) -> "ModelInfo":
@@ -220,7 +226,7 @@ class ModelInfo:
                    tuple(pb.eos_token_ids), pb.num_workers, pb.runner,
                    PoolingConfig.from_pb(pb.pooling) if pb.HasField("pooling") else None,
                    GenerationDefaults.from_pb(pb.generation_defaults),
-                   tuple((a.name, a.path) for a in pb.lora_adapters), pb.max_waiting)
+                   tuple((a.name, a.path) for a in pb.lora_adapters), pb.max_waiting, pb.kv_block_bytes)
 
     def to_pb(self) -> engine_pb2.ModelInfo:
         return engine_pb2.ModelInfo(
@@ -229,7 +235,8 @@ class ModelInfo:
             num_workers=self.num_workers, max_waiting=self.max_waiting, runner=self.runner,
             pooling=self.pooling.to_pb() if self.pooling is not None else None,
             generation_defaults=self.generation_defaults.to_pb(),
-            lora_adapters=[engine_pb2.LoraAdapterRef(name=name, path=path) for name, path in self.lora_adapters])
+            lora_adapters=[engine_pb2.LoraAdapterRef(name=name, path=path) for name, path in self.lora_adapters],
+            kv_block_bytes=self.kv_block_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from steploop.gateway.cors import CorsPolicy
 from steploop.gateway.media import policy as media_policy
 from steploop.gateway.media.policy import MediaPolicy
 from steploop.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS
+from steploop.gateway.routing.kv_pull_cost import KvPullPolicy
 from steploop.gateway.text.reasoning import REASONING_PARSERS, get_reasoning_parser
 from steploop.gateway.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
@@ -42,6 +43,8 @@ class GatewayConfig:
     reasoning_parser: str | None = None       # --reasoning-parser: how the model writes its thinking (reasoning.py)
     kv_events_routing: bool = True            # route by replicas' KV events where they publish them (kv_index.py)
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # times one request may move to another replica (migration.py)
+    kv_pull: KvPullPolicy = field(default_factory=KvPullPolicy)   # cross-replica KV pulls (kv_pull_cost.py)
+    balance_abs_threshold: int = 8            # in-flight gap past which the least loaded replica beats affinity
     lora: LoraConfig = field(default_factory=LoraConfig)   # --enable-lora, --allow-runtime-lora-updating (routes)
     admin_api_key: str | None = None          # set: the engine control routes exist and need this key (admin_auth.py)
     paused_request_timeout: float = DEFAULT_PAUSED_REQUEST_TIMEOUT   # s a new request waits for /resume; 0: 503
@@ -66,6 +69,8 @@ class GatewayConfig:
         if self.scheduler_discovery_interval < 0:
             raise ValueError(f"--scheduler-discovery-interval must be >= 0 seconds (0: off), "
                              f"got {self.scheduler_discovery_interval}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError(f"--balance-abs-threshold must be >= 0, got {self.balance_abs_threshold}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0 (0: off), got {self.max_migrations}")
         if self.paused_request_timeout < 0:
@@ -100,7 +105,8 @@ class GatewayConfig:
                    tool_call_parser=args.tool_call_parser,
                    scheduler_discovery_interval=args.scheduler_discovery_interval,
                    reasoning_parser=args.reasoning_parser or None, kv_events_routing=args.kv_events_routing,
-                   max_migrations=args.max_migrations, lora=LoraConfig.from_args(args),
+                   max_migrations=args.max_migrations, kv_pull=KvPullPolicy.from_args(args),
+                   balance_abs_threshold=args.balance_abs_threshold, lora=LoraConfig.from_args(args),
                    admin_api_key=args.admin_api_key or None, paused_request_timeout=args.paused_request_timeout,
                    batch_dir=args.batch_dir or None, batch_max_file_bytes=args.batch_max_file_bytes,
                    batch_max_lines=args.batch_max_lines, batch_max_jobs=args.batch_max_jobs,
@@ -168,6 +174,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   help="with several scheduler replicas, how many times one request may move to another replica "
                        "when its own dies, drains or its stream breaks mid-generation (it continues from the tokens "
                        "already delivered); 0: never, the request fails")
+    envs.add_flag(parser, "--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                  help="with several scheduler replicas, as SGLang's router: when the replica that caches a "
+                       "prompt's prefix has more than this many requests in flight beyond the least loaded one (and "
+                       "half as many again), the least loaded one takes it")
+    KvPullPolicy.add_cli_args(parser)
     media_policy.add_cli_args(parser)
     cors.add_cli_args(parser)
     TlsConfig.add_cli_args(parser)

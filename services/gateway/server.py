@@ -55,7 +55,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
     discovery = None
     if config.scheduler_discovery_interval > 0:       # replicas follow DNS: always the router, maybe empty now
         engine = EngineRouter([], discovered=True, kv_events=config.kv_events_routing,
-                              max_migrations=config.max_migrations)
+                              max_migrations=config.max_migrations, kv_pull=config.kv_pull,
+                              imbalance=config.balance_abs_threshold)
         targets = [discovery_mod.Target.parse(a) for a in config.scheduler_addresses]
         discovery = discovery_mod.SchedulerDiscovery(engine, targets, discovery_mod.client_factory(
             config.tls, config.engine_session), config.scheduler_discovery_interval)
@@ -66,7 +67,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event | None = None) -> Non
                    for address in config.scheduler_addresses]
         # One scheduler: no routing layer (and nowhere to migrate to).
         engine = clients[0] if len(clients) == 1 else \
-            EngineRouter(clients, kv_events=config.kv_events_routing, max_migrations=config.max_migrations)
+            EngineRouter(clients, kv_events=config.kv_events_routing, max_migrations=config.max_migrations,
+                         kv_pull=config.kv_pull, imbalance=config.balance_abs_threshold)
     app = create_app(config, engine, tokenizer)
     # The drain below is the grace period; what outlives it gets 1 s to unwind once the socket closes.
     runner, _ = await start_site(app, config.host, config.port, shutdown_timeout=1.0)

@@ -56,7 +56,8 @@ class WorkerConfig:
     kv_offloading_size: float = 0.0          # GiB of host memory for KV blocks below the pool (0: no host tier)
     kv_disk_path: str = ""                   # folder of the disk KV tier ("" : none); survives restarts
     kv_disk_size: float = 0.0                # GiB of block files the disk tier may hold
-    kv_role: str = ""                        # prefill/decode disaggregation: "" (both), "prefill" or "decode"
+    kv_role: str = ""                        # "" (no transfers), "prefill", "decode" (P/D), or "both" (cross-replica
+                                             # pulls: sends its blocks to other replicas and receives theirs)
     kv_transfer_host: str = "127.0.0.1"      # decode: the address prefill workers reach its block receiver at
     kv_transfer_port: int = 0                # decode: the receiver's port (0: any free one; said in the hello)
     kv_transfer_timeout: float = 30.0        # prefill: seconds a send may take until the receiver's answer
@@ -160,11 +161,11 @@ def _validate(c: WorkerConfig) -> None:
     check(not c.kv_disk_size or c.kv_disk_path, "--kv-disk-size needs --kv-disk-path")
     check(c.tensor_parallel_size == 1 or not c.kv_offloading_size,
           f"--kv-offloading-size with -tp {c.tensor_parallel_size}: KV tiers run on unsharded workers only (-tp 1)")
-    check(c.kv_role in ("", "prefill", "decode"), f"--kv-role {c.kv_role!r} must be prefill or decode")
+    check(c.kv_role in ("", "prefill", "decode", "both"), f"--kv-role {c.kv_role!r} must be prefill, decode or both")
     check(not c.kv_role or c.tensor_parallel_size == 1,
           f"--kv-role with -tp {c.tensor_parallel_size}: prefill/decode groups are unsharded workers (-tp 1) here")
-    check(c.kv_role != "decode" or c.kv_offloading_size > 0,
-          "--kv-role decode needs --kv-offloading-size > 0: received blocks land in host slots, checked, before "
+    check(c.kv_role not in ("decode", "both") or c.kv_offloading_size > 0,
+          f"--kv-role {c.kv_role} needs --kv-offloading-size > 0: received blocks land in host slots, checked, before "
           "the pool loads them")
     check(c.kv_transfer_timeout > 0, f"--kv-transfer-timeout {c.kv_transfer_timeout} must be > 0 (seconds)")
     check(":" in c.scheduler_address, f"--scheduler-address {c.scheduler_address!r} must be host:port")
@@ -232,15 +233,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="folder for a disk KV tier below host memory (one checksummed file per block; survives "
                   "restarts; needs --kv-offloading-size and --kv-disk-size)")
     add_flag(parser, "--kv-disk-size", type=float, default=0.0, help="GiB of block files the disk KV tier may hold")
-    add_flag(parser, "--kv-role", default="", choices=("", "prefill", "decode"),
+    add_flag(parser, "--kv-role", default="", choices=("", "prefill", "decode", "both"),
              help="prefill/decode disaggregation: join the scheduler's prefill group (computes prompts and sends "
-                  "their KV blocks) or its decode group (receives them; needs --kv-offloading-size); default: a "
-                  "worker that serves everything")
+                  "their KV blocks) or its decode group (receives them; needs --kv-offloading-size); both (as "
+                  "vLLM's kv_both): a worker that serves everything and sends and receives KV blocks, so its "
+                  "replica can pull a prefix cached on another one (needs --kv-offloading-size); default: a "
+                  "worker that serves everything, no transfers")
     add_flag(parser, "--kv-transfer-host", default="127.0.0.1",
-             help="--kv-role decode: the address prefill workers reach this worker's KV block receiver at")
+             help="--kv-role decode/both: the address prefill workers (or other replicas' workers) reach this "
+                  "worker's KV block receiver at")
     add_flag(parser, "--kv-transfer-port", type=int, default=0,
-             help="--kv-role decode: the KV block receiver's port (0: any free port, told to the scheduler)")
+             help="--kv-role decode/both: the KV block receiver's port (0: any free port, told to the scheduler)")
     add_flag(parser, "--kv-transfer-timeout", type=float, default=30.0,
-             help="--kv-role prefill: seconds a KV transfer may take until the receiver answers (then the "
+             help="--kv-role prefill/both: seconds a KV transfer may take until the receiver answers (then the "
                   "request is recomputed on the decode group)")
     return parser

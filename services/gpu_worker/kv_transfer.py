@@ -182,7 +182,7 @@ def apply(runner, plan) -> PdReport | None:
     if moves is None or not (moves.receives or moves.discards):
         return None
     if runner.kv_receiver is None or runner.tiers is None:
-        raise RuntimeError("the plan receives KV blocks but this worker is not a decode worker (--kv-role decode)")
+        raise RuntimeError("the plan receives KV blocks but this worker does not receive them (--kv-role decode or both)")
     report = PdReport()
     runner.kv_receiver.apply(moves, runner.tiers.host, report)
     return report
@@ -193,7 +193,7 @@ def send_after(runner, plan, report: PdReport | None) -> PdReport | None:
     if moves is None or not moves.sends:
         return report
     if runner.kv_sender is None:
-        raise RuntimeError("the plan sends KV blocks but this worker is not a prefill worker (--kv-role prefill)")
+        raise RuntimeError("the plan sends KV blocks but this worker does not send them (--kv-role prefill or both)")
     report = report or PdReport()
     runner.kv_sender.apply(moves, report)
     return report

@@ -150,9 +150,9 @@ class ModelRunner:
                           accepts_images=cfg.is_multimodal, images_whole=getattr(model, "images_whole", False),
                           **kv_tier_mover.hello_fields(tiers), kv_role=config.kv_role)
         sender = receiver = None
-        if config.kv_role == "prefill":
+        if config.kv_role in ("prefill", "both"):
             sender = kv_transfer.KvSender(caches, config.kv_transfer_timeout)
-        elif config.kv_role == "decode":
+        if config.kv_role in ("decode", "both"):
             receiver = kv_transfer.KvReceiver(config.kv_transfer_host, config.kv_transfer_port, tiers.block_bytes,
                                               lease=max(60.0, 2 * config.kv_transfer_timeout),
                                               max_blocks=tiers.num_host_blocks)
@@ -211,8 +211,9 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.apply_plan(plan)
             self.structured.check_new(plan.new_requests, self.batch.requests)   # a bad grammar fails its request
-            if not plan.scheduled_handles:
-                return StepResult(step_id=plan.step_id, kv_moves=moved, pd_report=pd)
+            if not plan.scheduled_handles:    # a plan that only moves blocks (a cross-replica pull's send)
+                return StepResult(step_id=plan.step_id, kv_moves=moved,
+                                  pd_report=kv_transfer.send_after(self, plan, pd))
             with_lora = self.lora is not None and self.lora.begin_step(plan)
             if self.threads is not None:
                 self.threads.before_step()

@@ -28,6 +28,8 @@ from steploop.scheduler.config import SchedulerConfig
 from steploop.scheduler.engine_control import EngineControl
 from steploop.scheduler.kv_cache_manager import KVCacheManager
 from steploop.scheduler.kv_events.hub import KvEventHub
+from steploop.scheduler.kv_pull_export import KvPullExport
+from steploop.scheduler.kv_pull_import import KvPullImport
 from steploop.scheduler.kv_tiers import KvTiers, TierStats
 from steploop.scheduler.lora_registry import LoraRegistry
 from steploop.scheduler.lora_steps import LoraSteps
@@ -74,6 +76,8 @@ class EngineLoop:
                           if sched_config.kv_events.enable_kv_cache_events else None)
         self.control = EngineControl(self)          # pause / resume / weight updates (engine_control.py)
         self.pd = PdDisagg(self)                    # the prefill group, when --kv-role prefill workers attach
+        self.kv_pull = KvPullImport(self)           # prompts whose prefix another replica caches (kv_pull_import.py)
+        self.kv_export = KvPullExport(self)         # this replica's blocks other replicas pull (kv_pull_export.py)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, req: EngineRequest,
@@ -114,6 +118,10 @@ class EngineLoop:
         elif req.beam is None and self.pd.choose(request, req.disaggregation):   # beams run on the decode group
             self._check(request)
             if not self.pd.start(request):  # its prompt runs on the prefill group first (pd_disagg.py)
+                self._admit(request)
+        elif req.kv_pull is not None and req.beam is None:
+            self._check(request)
+            if not self.kv_pull.start(request, req.kv_pull):   # held while its prefix is pulled from another replica
                 self._admit(request)
         else:
             self._admit(request)
@@ -173,7 +181,8 @@ class EngineLoop:
 
     def _num_waiting(self) -> int:
         queued = self.scheduler.num_waiting if self.scheduler is not None else 0
-        return len(self._pending) + len(self.control.held) + queued + self.pd.num_held()
+        held = self.pd.num_held() + self.kv_pull.num_held()     # on the prefill group, or being pulled
+        return len(self._pending) + len(self.control.held) + queued + held
 
     def wake(self) -> None:
         self._wakeup.set()
@@ -187,6 +196,7 @@ class EngineLoop:
         self.control.drop(request_id)
         self.control.request_ended()
         self.pd.abort(request_id)           # still on the prefill side: its blocks there are freed
+        self.kv_pull.abort(request_id)      # still being pulled: the call to the source is cancelled
         outputs = self.scheduler.abort_requests([request_id]) if self.scheduler is not None else []
         if stream is not None:
             stream.put(outputs[0] if outputs else RequestOutput(request_id, [], None, RequestStatus.FINISHED_ABORTED,
@@ -288,6 +298,8 @@ class EngineLoop:
         group.close(reason)
         self.observer.on_detach()
         self.pd.on_decode_lost()
+        self.kv_pull.on_worker_lost()
+        self.kv_export.on_worker_lost()
         if self.scheduler is not None:
             self.scheduler.preempt_all()
         if self.kv_events is not None:
@@ -297,8 +309,8 @@ class EngineLoop:
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._pending) or self.pd.has_ready() or (
-            self.scheduler is not None and self.scheduler.has_unfinished_requests())
+        return bool(self._pending) or self.pd.has_ready() or self.kv_pull.has_ready() or self.kv_export.has_work() \
+            or (self.scheduler is not None and self.scheduler.has_unfinished_requests())
 
     def can_step(self) -> bool:
         """Work that may run now: not while paused (engine_control.py) or while a control operation waits for the
@@ -325,8 +337,11 @@ class EngineLoop:
                     continue
                 if len(outstanding) < window and self.can_step():
                     self.pd.admit_ready()
+                    self.kv_pull.admit_ready()
                     plan = self.scheduler.schedule()
                     self.pd.fill_plan(plan)
+                    self.kv_pull.fill_plan(plan)
+                    self.kv_export.fill_plan(plan)
                     if (plan.scheduled_handles or plan.finished_handles or plan.preempted_handles
                             or plan.kv_moves is not None or plan.pd_moves is not None):
                         self.observer.on_plan(plan, self.scheduler.new_request_ids(plan))
@@ -362,6 +377,8 @@ class EngineLoop:
         if result.error:
             log.error("step %d failed on the worker: %s", plan.step_id, result.error)
         self.pd.on_decode_result(plan, result)
+        self.kv_pull.on_result(plan, result)
+        self.kv_export.on_result(plan, result)
         outputs = self.scheduler.update_from_output(plan, result)
         self.observer.on_step(StepStats(plan.step_id, plan.total_num_scheduled_tokens, result.forward_seconds,
                                         plan_bytes, outputs))
@@ -448,4 +465,5 @@ class EngineLoop:
             weight_version=self.control.weight_version,
             kv_tiers=kv.tiers.report_load(self._retired_tier_stats) if kv.tiers is not None else (),
             pd=self.pd.report(),
+            kv_pull=self.kv_pull.report(self.kv_export.exports, self.kv_export.export_blocks),
             encoder_cache=(sched.encoder.num_entries, sched.encoder.used, sched.encoder.cache_size))

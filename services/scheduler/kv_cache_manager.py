@@ -42,6 +42,7 @@ class KVCacheManager:
         # the next plan carries: each end holds one reference of its own until take_block_copies().
         self._group_of: dict[str, str] = {}
         self._copies: list[tuple[int, int]] = []
+        self._pins: dict[str, list[int]] = {}     # a cross-replica pull's send (kv_pull_export.py) -> blocks it reads
 
     def attach_tiers(self, tiers: KvTiers | None) -> None:
         """Use these tiers below the pool (None: none). They key blocks by prefix hash, so without prefix
@@ -217,6 +218,24 @@ class KVCacheManager:
         self._group_of.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
 
+    # ---- cross-replica pulls: blocks another replica's worker is being sent (kv_pull_export.py)
+    def pin_cached(self, owner: str, keys: Sequence[bytes]) -> list[int]:
+        """Holds the pool blocks of the leading `keys` the prefix cache holds (a reference each, so no plan reuses
+        them) until unpin(owner): the source side's lease while its worker sends them. [] when the first is gone."""
+        ids = []
+        for key in keys:
+            block_id = self.pool.get_cached_block(key)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        if ids:
+            self.pool.touch(ids)
+            self._pins[owner] = ids
+        return ids
+
+    def unpin(self, owner: str) -> None:
+        self.pool.free_blocks(reversed(self._pins.pop(owner, [])))
+
     # ---- beams: fork with copy on write
     def fork(self, parent: Request, child: Request, group_id: str) -> bool:
         """Give `child` (no table yet) the KV of the parent's first parent.num_computed_tokens tokens: the full
@@ -259,6 +278,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         owners = Counter(b for table in self._tables.values() for b in table)
         owners.update(b for copy in self._copies for b in copy)    # a pending copy holds both its blocks
+        owners.update(b for pin in self._pins.values() for b in pin)   # so does a pull's send
         groups: dict[int, set[str | None]] = {}
         for rid, table in self._tables.items():
             for block_id in table:

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation as Prometheus families (pd_disagg.PdStats): transfers, bytes, failures,
-fallbacks to local recompute, transfer time, and the prefill pool."""
+fallbacks to local recompute, transfer time, and the prefill pool; and cross-replica pulls (kv_pull_import.py)."""
 
 from __future__ import annotations
 
@@ -32,11 +32,29 @@ _FAMILIES = (
      GaugeMetricFamily),
 )
 
+_PULL_FAMILIES = (
+    ("steploop:kv_pull_requests", "Requests that asked another replica for their cached prefix (a router hint).",
+     "pulls", CounterMetricFamily),
+    ("steploop:kv_pull_successes", "Of them, those whose blocks arrived with every checksum verified.", "pulled",
+     CounterMetricFamily),
+    ("steploop:kv_pull_blocks", "KV blocks pulled from other replicas.", "blocks", CounterMetricFamily),
+    ("steploop:kv_pull_bytes", "Bytes of KV blocks pulled from other replicas.", "bytes", CounterMetricFamily),
+    ("steploop:kv_pull_fallbacks", "Pulls recomputed instead (source gone, blocks evicted there, a send or receive "
+     "failed, or this replica cannot receive).", "failures", CounterMetricFamily),
+    ("steploop:kv_pull_seconds", "Time from asking the source replica to its answer, summed.", "seconds",
+     CounterMetricFamily),
+    ("steploop:kv_pull_exports", "This replica's blocks sent to another replica (exports acknowledged).", "exports",
+     CounterMetricFamily),
+    ("steploop:kv_pull_export_blocks", "KV blocks this replica sent to other replicas.", "export_blocks",
+     CounterMetricFamily),
+)
+
 
 def pd_families(load: EngineLoad, labels: list[str]) -> Iterator:
-    if load.pd is None:
-        return
-    for name, doc, field, kind in _FAMILIES:
-        family = kind(name, doc, labels=["model_name"])
-        family.add_metric(labels, float(getattr(load.pd, field)))
-        yield family
+    for stats, families in ((load.pd, _FAMILIES), (load.kv_pull, _PULL_FAMILIES)):
+        if stats is None:
+            continue
+        for name, doc, field, kind in families:
+            family = kind(name, doc, labels=["model_name"])
+            family.add_metric(labels, float(getattr(stats, field)))
+            yield family

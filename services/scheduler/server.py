@@ -105,6 +105,7 @@ class SchedulerService:
         self.plan_streams.end_all()         # the workers hear an ordered stop, then the server stops
         await self.server.stop(grace=1.0)
         await self.metrics_server.stop()
+        await self.loop.kv_pull.close()     # channels to the replicas it pulled from
         for task in self.tasks:
             task.cancel()
         if self.loop.kv_events is not None:

@@ -56,15 +56,24 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetModelInfo(self, request, context):
         info, group = self.loop.worker_info, self.loop.group
         if info is None:
-            return engine_pb2.ModelInfo(num_workers=0, max_waiting=self.loop.server_config.max_waiting, lora_adapters=[
-                engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules])
+            return engine_pb2.ModelInfo(
+                num_workers=0, max_waiting=self.loop.server_config.max_waiting,
+                lora_adapters=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules])
         return engine_pb2.ModelInfo(
             model_name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks, eos_token_ids=info.eos_token_ids,
             num_workers=0 if group is None else group.world_size,
-            max_waiting=self.loop.server_config.max_waiting, runner=info.runner, pooling=info.pooling.to_pb() if info.pooling is not None else None,
+            max_waiting=self.loop.server_config.max_waiting, runner=info.runner,
+            pooling=info.pooling.to_pb() if info.pooling is not None else None,
             generation_defaults=info.generation_defaults.to_pb(),
-            lora_adapters=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules])
+            lora_adapters=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules],
+            kv_block_bytes=info.kv_block_bytes)
+
+    async def ExportKvBlocks(self, request, context):
+        """Another replica pulls a prefix cached here (kv_pull_export.py): sent blocks, or 0 and why."""
+        answer = await self.loop.kv_export.export(request.transfer_id, list(request.block_hashes),
+                                                  request.destination, self.loop.server_config.kv_transfer_lease)
+        return answer.to_pb()
 
     async def GetLoadReport(self, request, context):
         return self.loop.load_report().to_pb()

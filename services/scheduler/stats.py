@@ -75,6 +75,7 @@ class EngineLoad(LoadReport):
     weight_version: str = "0"                      # the served weights' version (steploop:weight_version_info)
     kv_tiers: tuple[KvTierLoad, ...] = ()          # KV media below the pool; () = none
     pd: object = None                              # pd_disagg.PdStats: prefill/decode transfers; None = none
+    kv_pull: object = None                         # kv_pull_import.KvPullStats: cross-replica pulls; None = none
     encoder_cache: tuple[int, int, int] = (0, 0, 0)  # (entries, embeddings held, capacity) of the encoder cache
 
 

@@ -85,12 +85,19 @@ class ReplicaCacheIndex:
 
     def matched_tokens(self, prompt_ids: Sequence[int], salt: str, memo: dict) -> int:
         """Tokens of the prompt's longest prefix of full blocks this replica caches, in any tier."""
-        depth, lower = 0, self.lower_keys.values()
+        return self._depth(prompt_ids, salt, memo, [self.keys, *self.lower_keys.values()]) * self.block_size
+
+    def pool_blocks(self, prompt_ids: Sequence[int], salt: str, memo: dict) -> int:
+        """The prompt's leading full blocks in this replica's pool (what a cross-replica pull can send)."""
+        return self._depth(prompt_ids, salt, memo, [self.keys])
+
+    def _depth(self, prompt_ids: Sequence[int], salt: str, memo: dict, tiers: list[set[bytes]]) -> int:
+        depth = 0
         for key in self.prompt_hashes(prompt_ids, salt, memo):
-            if key not in self.keys and not any(key in keys for keys in lower):
+            if not any(key in keys for keys in tiers):
                 break
             depth += 1
-        return depth * self.block_size
+        return depth
 
 
 class KvEventWatcher:

@@ -5,7 +5,8 @@ its own prefix cache. It answers the EngineClient calls the gateway makes, over 
   logged and sent back as x-steploop-replica headers (route_header.py). Failover: a replica that answers
   "unavailable" or "at capacity" before the request's first token (down, restarting, full queue) is skipped for
   `cooldown_s` and the request goes to the next one; once tokens flowed, a broken stream migrates the request to
-  another replica with the tokens already delivered (migration.py).
+  another replica with the tokens already delivered (migration.py). With --enable-kv-pull, a request whose prompt
+  another replica caches further carries a hint to pull those blocks from there (kv_pull_cost.py).
 - model info, health, metrics, LoRA adapters: the first replica that answers, or every one.
 
 The replicas themselves, their health polling and KV-event watchers are replica_set.py's. The gateway builds a
@@ -17,6 +18,7 @@ remove_replica).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -29,6 +31,7 @@ from steploop.gateway.engine.engine_client import EngineClient
 from steploop.gateway.routing import route_header
 from steploop.gateway.routing.affinity import AffinityMap
 from steploop.gateway.routing.control_fanout import ControlFanout
+from steploop.gateway.routing.kv_pull_cost import KvPullPlanner, KvPullPolicy
 from steploop.gateway.routing.migration import DEFAULT_MAX_MIGRATIONS, DRAINING_CODE, Migration, Placement
 from steploop.gateway.routing.replica import Replica
 from steploop.gateway.routing.replica_choice import ReplicaChooser
@@ -47,7 +50,7 @@ class EngineRouter:
     def __init__(self, clients: Sequence[EngineClient], *, block_size: int = 0, min_match: float = 0.5,
                  min_match_tokens: int = 64, imbalance: int = 8, cooldown_s: float = 2.0,
                  health_interval_s: float = 1.0, discovered: bool = False, kv_events: bool = True,
-                 max_migrations: int = DEFAULT_MAX_MIGRATIONS) -> None:
+                 max_migrations: int = DEFAULT_MAX_MIGRATIONS, kv_pull: KvPullPolicy = KvPullPolicy()) -> None:
         if not clients and not discovered:   # discovered: replicas come and go, none at all is a state
             raise ValueError("at least one scheduler address is needed")
         self.pool = ReplicaSet(clients, health_interval_s=health_interval_s, kv_events=kv_events)
@@ -59,6 +62,7 @@ class EngineRouter:
         self._learn_after = 0.0                      # monotonic time before which no model info is asked again
         self.migration = Migration(max_migrations)
         self.control = ControlFanout(lambda: self.live)   # pause, resume, weight updates over every replica
+        self.pull = KvPullPlanner(kv_pull)           # pull a prefix cached elsewhere, or recompute it
 
     @property
     def live(self) -> list[Replica]:
@@ -116,11 +120,20 @@ class EngineRouter:
             replica.in_flight += 1
             replica.routed += 1
             placement.address, placement.started = replica.address, False
-            stream = replica.client.generate(request)
+            hint = self.pull.hint(self.replicas, index, prompt_ids, first_block_extra(cache_salt, lora_name) or "")
+            if hint is not None:
+                logger.info("request %s pulls %d prefix blocks from %s", request_id, hint.num_blocks, hint.source,
+                            extra={"request_id": request_id, "kv_pull_source": hint.source})
+            stream = replica.client.generate(dataclasses.replace(request, kv_pull=hint) if hint else request)
             self.chooser.lora_homes.record(lora_name, index)
+            sent_at, measured = time.monotonic(), hint is not None or bool(request.resume_output_token_ids)
             try:
                 async for chunk in stream:
                     placement.started = True
+                    if not measured and chunk.usage is not None:     # the first chunk with tokens: the TTFT
+                        measured = True
+                        self.pull.observe(chunk.usage.prompt_tokens - chunk.usage.cached_tokens,
+                                          time.monotonic() - sent_at)
                     yield chunk
                 return
             except errors.APIError as err:
@@ -160,6 +173,7 @@ class EngineRouter:
         info = await self._first("model_info")
         if info.block_size:   # 0 while no worker is attached
             self.affinity.block_size = info.block_size
+            self.pull.block_bytes = info.kv_block_bytes
         return info
 
     async def _learn_block_size(self) -> None:
