@@ -9,10 +9,12 @@
    prefix caching on: the engine's default, which keeps a preempted request's blocks that the pool did not reuse)
    vs amnesia (prefix caching off too: the whole context recomputed), with where the time went;
    preemption_long (`--only preemption_long`): the same at the issue's 2k-4k contexts, 2048 + 768-token
-   sequences in a pool of 1.5 of them (its own runner), off/on, with the tokens each resume found in the pool,
-   restored or recomputed;
+   sequences in a pool of 1.5 of them (--long-pool; its own runner), off/on, with the tokens each resume found in
+   the pool, restored or recomputed;
 3. no hits at all (unique prompts through a small pool, every eviction still stored below): throughput ratio;
-4. disk after a restart: a long prompt's TTFT cold vs restored from the disk files a previous worker left.
+4. disk after a restart: a long prompt's TTFT cold vs restored from the disk files a previous worker left;
+   disk_sigkill (`--only disk_sigkill`, kv_tiers_sigkill.py): the same across a real `kill -9` of the worker that
+   `steploop serve` runs (its supervisor restarts it), through the Engine gRPC API, disk vs cold alternating.
 
 Timings on a shared CPU are noisy: each scenario alternates off/on (ABBA) and reports the median per mode.
 """
@@ -28,6 +30,7 @@ import statistics
 import tempfile
 import time
 
+from benchmarks.kv_tiers_sigkill import disk_sigkill
 from benchmarks.machine import git_commit, machine_info
 from steploop.common.sampling_params import SamplingParams
 from steploop.gpu_worker.kv_disk_tier import DiskTier
@@ -230,18 +233,19 @@ def alternate(fn, rounds: int, modes: tuple[str, ...] = ("off", "on"), flag: boo
 
 def preemption_long(model_dir, args) -> dict:
     """The issue's preemption-heavy load at its 2k-4k-token contexts: requests of --long-prompt tokens that
-    generate --long-output, a pool of 1.5 full sequences (so two run together and, as they grow, one is preempted;
-    the other's growth then reuses the preempted request's blocks before it resumes), host memory for 2
+    generate --long-output, a pool of --long-pool full sequences (1.5: two run together and, as they grow, one is
+    preempted; the other's growth then reuses the preempted request's blocks before it resumes), host memory for 2
     sequences, no disk. Its own runner (pool sized for it); modes alternate ABBA."""
     seq = args.long_prompt + args.long_output
-    pool_blocks = int(1.5 * seq) // BLOCK + 1                    # + the null block
+    pool_blocks = int(args.long_pool * seq) // BLOCK + 1         # + the null block
     # No disk tier: every run uses the same prompts, and files a run left would be hits for the next one.
     runner = build_runner(model_dir, pool_blocks, host_gib=0.01, disk="")
     runner.tiers = KvTierMover(runner.kv_caches, 2 * seq // BLOCK)
     result = alternate(lambda mode: preemption_heavy(runner, mode, args.long_requests, args.long_prompt,
                                                      args.long_output),
                        args.rounds, tuple(args.long_modes.split(",")), flag=False, keep_rounds=True)
-    result.update(pool_tokens=(pool_blocks - 1) * BLOCK, host_blocks=runner.tiers.num_host_blocks,
+    result.update(pool_tokens=(pool_blocks - 1) * BLOCK, pool_sequences=args.long_pool,
+                  host_blocks=runner.tiers.num_host_blocks,
                   requests=args.long_requests, prompt_tokens=args.long_prompt, output_tokens=args.long_output)
     return result
 
@@ -257,7 +261,12 @@ def main() -> None:
     parser.add_argument("--long-prompt", type=int, default=2048, help="preemption_long: prompt tokens")
     parser.add_argument("--long-output", type=int, default=768, help="preemption_long: output tokens (a full "
                         "sequence: 2048 + 768 = 2816 tokens, inside the issue's 2k-4k)")
+    parser.add_argument("--long-pool", type=float, default=1.5, help="preemption_long: the pool, in full "
+                        "sequences (the issue: one or two)")
     parser.add_argument("--long-requests", type=int, default=4, help="preemption_long: requests, all at once")
+    parser.add_argument("--sigkill-prompt", type=int, default=3072, help="disk_sigkill: prompt tokens")
+    parser.add_argument("--sigkill-cold-files", action="store_true", help="disk_sigkill: drop the block files "
+                        "from the page cache after the kill (as after a reboot; default: they stay cached)")
     parser.add_argument("--long-modes", default="off,on", help="preemption_long: modes alternated (amnesia: "
                         "prefix caching off too, the whole context recomputed; slow)")
     args = parser.parse_args()
@@ -270,7 +279,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as disk:
         out = {"machine": machine_info(), "cpu_flags": cpu_flags(), "commit": git_commit()}
         runner = None
-        if set(only) - {"preemption_long"}:          # it builds its own
+        if set(only) - {"preemption_long", "disk_sigkill"}:          # they build their own
             runner = build_runner(model_dir, pool_blocks, host_gib=0.45 * pool / 2048, disk=disk)
             out.update(pool_tokens=pool, host_blocks=runner.tiers.num_host_blocks)
         # 5 conversations from 0.7x to ~0.95x the pool: a working set ~4.5x the pool.
@@ -283,7 +292,8 @@ def main() -> None:
                                             args.rounds, ("amnesia", "off", "on"), flag=False),
             "no_hits": lambda: alternate(lambda on: no_hits(runner, on, 12, pool // 3, 16), args.rounds),
             "disk_restart": lambda: disk_restart(runner, int(pool * 0.78)),
-            "preemption_long": lambda: preemption_long(model_dir, args)}
+            "preemption_long": lambda: preemption_long(model_dir, args),
+            "disk_sigkill": lambda: disk_sigkill(args.sigkill_prompt, args.rounds, args.sigkill_cold_files)}
         for name in only:
             out[name] = scenarios[name]()
             progress(name, out[name])
@@ -318,6 +328,8 @@ def main() -> None:
         ratios["no_hits_throughput_on_over_off"] = out["no_hits"]["on"]["tok_s"] / out["no_hits"]["off"]["tok_s"]
     if "disk_restart" in out:
         ratios["disk_ttft_cold_over_disk"] = out["disk_restart"]["cold_ttft_s"] / out["disk_restart"]["disk_ttft_s"]
+    if "disk_sigkill" in out:
+        ratios["disk_sigkill_ttft_cold_over_disk"] = out["disk_sigkill"]["cold_over_disk"]
     out["ratios"] = ratios
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2, default=str))
