@@ -360,6 +360,7 @@ class PdDisagg:
 
     def report(self) -> PdStats:
         sched = self.scheduler
-        return dataclasses.replace(self.stats, decisions=dict(self.stats.decisions), prefill_up=self.up, prefill_requests=len(self.jobs),
+        return dataclasses.replace(self.stats, decisions=dict(self.stats.decisions), prefill_up=self.up,
+                                   prefill_requests=len(self.jobs),
                                    prefill_free_blocks=sched.kv.num_free_blocks if sched is not None else 0,
                                    prefill_total_blocks=sched.kv.num_usable_blocks if sched is not None else 0)
