@@ -13,7 +13,7 @@ from sched_factories import FakeWorker, create_scheduler
 from steploop.common.pd_transfer import PdReport
 from steploop.common.sampling_params import SamplingParams
 from steploop.scheduler.kv_tiers import KvTiers
-from steploop.scheduler.pd_choice import PRIOR_BYTES_PER_SECOND, LinkRate
+from steploop.scheduler.pd_choice import PRIOR_BYTES_PER_SECOND, LinkRate, local_hit_tokens
 from steploop.scheduler.pd_disagg import PdDisagg
 from steploop.scheduler.pd_metrics import pd_families
 from steploop.scheduler.request import Request
@@ -221,3 +221,17 @@ def test_the_choice_is_on_the_request_span():
     attrs = span.attributes
     assert (attrs["steploop.pd.choice"], attrs["steploop.pd.reason"]) == ("disaggregated", "cost")
     assert 0 < attrs["steploop.pd.disaggregated_seconds"] < attrs["steploop.pd.local_seconds"]
+
+
+def test_the_local_hit_continues_into_the_host_tier_but_not_into_blocks_still_arriving():
+    engine, _ = setup(streams=0)
+    kv = engine.scheduler.kv
+    prompt = req("a", 64)
+    cache_locally(engine.scheduler, prompt, 16)                   # pool: block 0
+    assert kv.get_computed_blocks(prompt)[1] == 16                 # (and the prompt's block hashes computed)
+    host = kv.tiers.host
+    for slot, key in enumerate(prompt.block_hashes[1:3]):          # host: blocks 1 and 2
+        host.insert(key, slot)
+    assert local_hit_tokens(kv, req("b", 64)) == 48
+    host.pending.add(prompt.block_hashes[2])                       # block 2 is being received: not loadable yet
+    assert local_hit_tokens(kv, req("c", 64)) == 32
