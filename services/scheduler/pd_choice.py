@@ -17,8 +17,9 @@ steps) price the two ways as seconds of delay summed over everyone they delay:
       overhead      = HANDOFF_SECONDS + 2 decode steps (the plan that receives, then the one that loads)
 
 and the cheaper one wins (a tie stays local). A prompt whose uncached part is at most one block runs locally with
-nothing to move ("cached": a mostly cached prompt never crosses the link). Until either group's model has timings,
-a prompt whose uncached part is --disagg-min-prompt-tokens or more goes disaggregated ("threshold"). With
+nothing to move ("cached": a mostly cached prompt never crosses the link). While neither group's model has timings
+(one group's model stands in for the other's), a prompt whose uncached part is --disagg-min-prompt-tokens or more
+goes disaggregated ("threshold"). With
 --disagg-policy length the threshold on the whole prompt decides always (0: every prompt).
 """
 
@@ -28,7 +29,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from steploop.scheduler.server_config import DISAGG_POLICIES as POLICIES  # noqa: F401 - the policies, one list
 from steploop.scheduler.step_cost import attention_pairs
 
 if TYPE_CHECKING:
