@@ -1,13 +1,15 @@
 """Prefill/decode disaggregation: long prompts arriving while streams decode, P/D vs one group, in one run.
 
 Starts two `steploop serve` on the default model (CPU): "one_group" (one worker runs prompts and decodes) and
-"pd" (--disaggregated-prefill: a decode worker and a prefill worker, each with half the cores, as serve gives them
-by default). Per phase, on one setup: --streams streamed greedy requests with short prompts decode (ignore_eos);
+"pd" (--disaggregated-prefill --disagg-policy cost: a decode worker and a prefill worker, each with half the
+cores, as serve gives them by default). Three setups: "one_group"; "pd", the long prompts forced disaggregated
+(the request's `disaggregation` field); "pd_cost", the same server choosing per request by its step-cost models
+(pd_choice.py). Per phase, on one setup: --streams streamed greedy requests with short prompts decode (ignore_eos);
 once all of them emit tokens, --settle seconds of streams alone, then --long-prompts prompts of --prompt-tokens
 random tokens (unique per phase: no prefix hit), one every --long-interval seconds, each timed to its first token
 (TTFT). The window runs from the first long prompt's arrival until the last one's first token; the streams'
 inter-token gaps (ITL) that end in it are the measured ones, those before it the "alone" ones. Then the streams
-are closed (an abort), and the next phase starts once the server is idle. Setups alternate ABBA per round pair;
+are closed (an abort), and the next phase starts once the server is idle. Setups alternate ABCCBA per round;
 each setup's figures are the median over its phases of each phase's median and p99 ITL, and the median TTFT.
 
     python -m benchmarks.pd_disagg [--rounds 2] [--base-port 19400]
@@ -51,8 +53,10 @@ def setup_flags(args) -> dict[str, list[str]]:
     # loaded 2-core machine took over the 60 s default.
     common = ["--num-kv-blocks", str(args.num_kv_blocks), "--kv-offloading-size", str(args.kv_offloading_size),
               "--worker-metrics-port", "0", "--kv-transfer-lease", str(args.kv_transfer_lease)]
-    return {"one_group": common,
-            "pd": [*common, "--disaggregated-prefill", "--disagg-min-prompt-tokens", str(args.prompt_tokens // 2)]}
+    return {"one_group": common, "pd": [*common, "--disaggregated-prefill", "--disagg-policy", "cost"]}
+
+
+SETUPS = {"one_group": ("one_group", ""), "pd": ("pd", "disaggregated"), "pd_cost": ("pd", "")}  # server, field
 
 
 class Server:
@@ -112,10 +116,10 @@ class Server:
 
 
 async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                 times: list[float]) -> None:
-    """Appends the arrival time of every streamed chunk."""
+                 times: list[float], mode: str = "") -> None:
+    """Appends the arrival time of every streamed chunk. mode: the request's `disaggregation` field."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, **({"disaggregation": mode} if mode else {})}
     async with session.post(url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.content:
@@ -128,7 +132,8 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-async def phase(server: Server, args, rng: random.Random) -> dict:
+async def phase(server: Server, args, rng: random.Random, setup: str) -> dict:
+    mode = SETUPS[setup][1]
     before = server.metrics()
     connector = aiohttp.TCPConnector(limit=args.streams + args.long_prompts + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as client:
@@ -150,7 +155,8 @@ async def phase(server: Server, args, rng: random.Random) -> dict:
                 await asyncio.sleep(max(0.0, t0 + i * args.long_interval - time.perf_counter()))
             sent.append(time.perf_counter())
             prompt = [rng.randrange(*VOCAB) for _ in range(args.prompt_tokens)]
-            longs.append(asyncio.ensure_future(stream(client, server.url, prompt, args.long_tokens, long_times[i])))
+            longs.append(asyncio.ensure_future(stream(client, server.url, prompt, args.long_tokens, long_times[i],
+                                                      mode)))
         await asyncio.gather(*longs)
         t1 = max(t[0] for t in long_times)
         if any(t.done() for t in tasks):
@@ -168,18 +174,21 @@ async def phase(server: Server, args, rng: random.Random) -> dict:
             elif b <= t1:
                 loaded.append(b - a)
     ttfts = [t[0] - s for t, s in zip(long_times, sent)]
-    return {"setup": server.name, "window_s": t1 - t0, "ttft_s": ttfts,
+    return {"setup": setup, "window_s": t1 - t0, "ttft_s": ttfts,
             "itl": {"median_s": statistics.median(loaded), "p99_s": pct(loaded, 0.99), "max_s": max(loaded),
                     "samples": len(loaded)},
             "itl_alone": {"median_s": statistics.median(alone), "p99_s": pct(alone, 0.99), "samples": len(alone)},
             "pd": {m: value_or_zero(after, f"steploop:{m}") - value_or_zero(before, f"steploop:{m}")
                    for m in PD_METRICS},
+            "decisions": {c: value_or_zero(after, "steploop:pd_decisions_total", choice=c)
+                          - value_or_zero(before, "steploop:pd_decisions_total", choice=c)
+                          for c in ("disaggregated", "local")},
             "load_average": os.getloadavg()}
 
 
 def summarize(phases: list[dict]) -> dict:
     out = {}
-    for name in ("one_group", "pd"):
+    for name in SETUPS:
         sel = [p for p in phases if p["setup"] == name]
         out[name] = {"itl_p99_s": statistics.median(p["itl"]["p99_s"] for p in sel),
                      "itl_median_s": statistics.median(p["itl"]["median_s"] for p in sel),
@@ -187,14 +196,15 @@ def summarize(phases: list[dict]) -> dict:
                      "itl_alone_median_s": statistics.median(p["itl_alone"]["median_s"] for p in sel),
                      "ttft_median_s": statistics.median(t for p in sel for t in p["ttft_s"]),
                      "phases": len(sel)}
-    one, pd = out["one_group"], out["pd"]
-    out["pd_over_one_group"] = {k: pd[k] / one[k] for k in ("itl_p99_s", "itl_median_s", "ttft_median_s")}
+    for name in ("pd", "pd_cost"):
+        out[f"{name}_over_one_group"] = {k: out[name][k] / out["one_group"][k]
+                                         for k in ("itl_p99_s", "itl_median_s", "ttft_median_s")}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2, help="ABBA pairs: each round runs both setups twice")
+    ap.add_argument("--rounds", type=int, default=2, help="each round runs every setup twice (ABCCBA)")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--stream-prompt-tokens", type=int, default=16)
     ap.add_argument("--stream-tokens", type=int, default=3000, help="max_tokens of a stream (closed after the window)")
@@ -219,17 +229,21 @@ def main() -> None:
     try:
         for s in servers.values():
             s.wait_ready()
-        for s in servers.values():       # one discarded phase each: first shapes run slower
-            asyncio.run(phase(s, argparse.Namespace(**{**vars(args), "long_prompts": 1, "settle": 1.0}), rng))
+        for name in ("one_group", "pd"):  # one discarded phase per server: first shapes run slower
+            asyncio.run(phase(servers[name], argparse.Namespace(**{**vars(args), "long_prompts": 1, "settle": 1.0}),
+                              rng, name))
+        order = list(SETUPS)
         for r in range(args.rounds):
-            for name in ("one_group", "pd", "pd", "one_group") if r % 2 == 0 else ("pd", "one_group", "one_group", "pd"):
-                p = asyncio.run(phase(servers[name], args, rng))
+            names = order + order[::-1] if r % 2 == 0 else order[::-1] + order
+            for name in names:
+                p = asyncio.run(phase(servers[SETUPS[name][0]], args, rng, name))
                 phases.append(p)
                 print(f"round {r} {name:9s}: ITL p99 {p['itl']['p99_s'] * 1e3:6.0f} ms, median "
                       f"{p['itl']['median_s'] * 1e3:5.0f} ms (alone p99 {p['itl_alone']['p99_s'] * 1e3:5.0f}, "
                       f"median {p['itl_alone']['median_s'] * 1e3:4.0f}); TTFT "
                       f"{', '.join(f'{t:.1f}' for t in p['ttft_s'])} s; transfers {p['pd']['pd_kv_transfers_total']:.0f},"
-                      f" fallbacks {p['pd']['pd_fallbacks_total']:.0f}; load {p['load_average'][0]:.1f}", flush=True)
+                      f" fallbacks {p['pd']['pd_fallbacks_total']:.0f}, chosen disaggregated "
+                      f"{p['decisions']['disaggregated']:.0f}; load {p['load_average'][0]:.1f}", flush=True)
     finally:
         for s in servers.values():
             s.stop()

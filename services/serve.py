@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         metrics_port.help = metrics_port.help.replace("default 0)", f"default {SERVE_METRICS_PORT} here)")
     envs.add_flag(parser, "--disaggregated-prefill", type=bool, default=False,
                   help="start a second worker as the scheduler's prefill group (--kv-role prefill) and the first as "
-                       "its decode group (--kv-role decode; needs --kv-offloading-size for received blocks): long "
-                       "prompts (--disagg-min-prompt-tokens) are computed there and their KV sent over TCP")
+                       "its decode group (--kv-role decode; needs --kv-offloading-size for received blocks): the "
+                       "prompts --disagg-policy sends there are computed there and their KV sent over TCP")
     envs.add_flag(parser, "--ready-timeout", type=float, default=600.0,
                   help="seconds to wait for the whole path to answer /health before giving up")
     # Replaces the gateway's and worker's --scheduler-address (conflict_handler="resolve"), hidden from --help.

@@ -111,12 +111,13 @@ class EngineLoop:
                           output_token_ids=list(req.resume_output_token_ids),   # migrated: outputs, not prompt
                           lora_name=req.lora_name or None, lora_path=lora_path, mm_features=list(req.mm_features),
                           beam=req.beam)
+        choice = None
         if self.control.hold(request):      # paused: validated and queued on resume (admit_held)
             pass
         elif self.scheduler is None:
             self._pending.append(request)
-        elif req.beam is None and self.pd.choose(request, req.disaggregation):   # beams run on the decode group
-            self._check(request)
+        elif req.beam is None and (choice := self.pd.choose(request, req.disaggregation)).disaggregate:
+            self._check(request)            # (beams run on the decode group)
             if not self.pd.start(request):  # its prompt runs on the prefill group first (pd_disagg.py)
                 self._admit(request)
         elif req.kv_pull is not None and req.beam is None:
@@ -126,6 +127,8 @@ class EngineLoop:
         else:
             self._admit(request)
         self.observer.on_arrival(request)
+        if choice is not None:
+            self.pd.trace_choice(request_id, choice)
         sink = self.streams[request_id] = make_sink(request_id)
         self._wakeup.set()
         return sink

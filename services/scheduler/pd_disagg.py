@@ -4,6 +4,7 @@ The EngineLoop's own group is the decode group (workers started with --kv-role d
 started with --kv-role prefill attach here, to the prefill group, which has its own KV pool accounting and its own
 Scheduler and step loop (`run`). For a request that goes disaggregated (`choose`):
 
+  0. pd_choice.py decides, per request: disaggregated or local (forced, a group down, or by the step-cost models);
   1. its prompt runs on the prefill group as a one-token greedy request; the plan whose chunk completes the prompt
      also tells the prefill worker to send the prompt's full blocks to the decode worker's receiver after the
      forward (common/pd_transfer.py). The prefill pool holds the blocks until that step ends: the receiver verified
@@ -37,6 +38,7 @@ from steploop.common.step_contract import StepPlan, StepResult
 from steploop.scheduler import tracing as request_tracing
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.pd_choice import Choice, PdChooser
 from steploop.scheduler.prefix_cache import ensure_block_hashes
 from steploop.scheduler.request import Request, RequestRejectedError
 from steploop.scheduler.worker_group import GroupAssembler, WorkerGroup
@@ -65,6 +67,7 @@ class PdStats:
     prefill_total_blocks: int = 0
     prefill_up: bool = False
     prefill_requests: int = 0      # requests whose prompt is on the prefill group now
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict)   # (choice, reason) -> requests (pd_choice)
 
 
 @dataclass
@@ -80,7 +83,8 @@ class PdDisagg:
     def __init__(self, engine: EngineLoop):
         self.engine = engine
         cfg = engine.server_config
-        self.min_prompt_tokens, self.lease = cfg.disagg_min_prompt_tokens, cfg.kv_transfer_lease
+        self.lease = cfg.kv_transfer_lease
+        self.chooser = PdChooser(self, cfg.disagg_policy, cfg.disagg_min_prompt_tokens)
         self.assembler = GroupAssembler(1, cfg.tp_collective_timeout)
         self.group: WorkerGroup | None = None
         self.scheduler = None
@@ -138,29 +142,22 @@ class PdDisagg:
         return self.group is not None and not self.group.is_closed
 
     # ---- per request
-    def choose(self, request: Request, mode: str) -> bool:
-        """Disaggregated, or local: forced by the request's field, else prompts of --disagg-min-prompt-tokens or
-        more; always local when either group cannot take part or the request needs what the prefill side lacks
-        (weight updates reach the decode group only, so after one every prompt runs there). With a prefill
-        group attached, a local choice is counted (`local`): a LoRA request says so instead of vanishing."""
-        chosen = self._choose(request, mode)
-        if not chosen and self.up:
+    def choose(self, request: Request, mode: str) -> Choice:
+        """Disaggregated or local (pd_choice.py), counted per choice and reason once a prefill group has attached.
+        With a prefill group up, a local choice is also counted in `local`: a LoRA request says so instead of
+        vanishing."""
+        choice = self.chooser.choose(request, mode)
+        if self.up or self.stats.decisions:
+            key = (choice.label, choice.reason)
+            self.stats.decisions[key] = self.stats.decisions.get(key, 0) + 1
+        if not choice.disaggregate and self.up:
             self.stats.local += 1
-        return chosen
+        return choice
 
-    def _choose(self, request: Request, mode: str) -> bool:
-        decode = self.engine.worker_info
-        if mode == "local" or not self.up or decode is None or not decode.kv_transfer_address:
-            return False
-        sched = self.engine.scheduler
-        if sched is None or sched.kv.tiers is None or not sched.kv.enable_prefix_caching:
-            return False
-        if self.engine.control.weight_updates:
-            return False             # the prefill worker still holds the weights it started with
-        if (request.lora_name or request.pooling is not None or request.sampling.prompt_logprobs >= 0
-                or request.output_token_ids or request.num_prompt_tokens <= decode.block_size):
-            return False             # LoRA KV, pooling, prompt logprobs, a resumed request: decode group alone
-        return mode == "disaggregated" or request.num_prompt_tokens >= self.min_prompt_tokens
+    def trace_choice(self, request_id: str, choice: Choice) -> None:
+        """The choice and its estimates on the request's span (called once the span exists)."""
+        if tracing.ENABLED:
+            request_tracing.pd_choice(getattr(self.engine.observer, "live", {}).get(request_id), choice)
 
     def start(self, request: Request) -> bool:
         """Queues the prompt on the prefill group; False: that group cannot hold it (it runs locally)."""
@@ -315,6 +312,7 @@ class PdDisagg:
         if report is not None:
             self.stats.transfer_seconds += report.seconds
             self.stats.bytes += report.bytes_sent
+            self.chooser.link.observe(report.bytes_sent, report.seconds)   # the bandwidth the choice prices
         for send in plan.pd_moves.sends if plan.pd_moves else ():
             ok = send.transfer_id in sent
             if tracing.ENABLED:          # one span per transfer; the send's time is the step's (several share it)
@@ -362,6 +360,7 @@ class PdDisagg:
 
     def report(self) -> PdStats:
         sched = self.scheduler
-        return dataclasses.replace(self.stats, prefill_up=self.up, prefill_requests=len(self.jobs),
+        return dataclasses.replace(self.stats, decisions=dict(self.stats.decisions), prefill_up=self.up,
+                                   prefill_requests=len(self.jobs),
                                    prefill_free_blocks=sched.kv.num_free_blocks if sched is not None else 0,
                                    prefill_total_blocks=sched.kv.num_usable_blocks if sched is not None else 0)

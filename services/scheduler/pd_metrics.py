@@ -58,3 +58,10 @@ def pd_families(load: EngineLoad, labels: list[str]) -> Iterator:
             family = kind(name, doc, labels=["model_name"])
             family.add_metric(labels, float(getattr(stats, field)))
             yield family
+    if load.pd is not None and load.pd.decisions:
+        family = CounterMetricFamily("steploop:pd_decisions", "Where prompts ran, by choice (disaggregated, local) "
+                                     "and reason (forced, down, unsupported, short, cached, cost, threshold, length; "
+                                     "pd_choice.py).", labels=["model_name", "choice", "reason"])
+        for (choice, reason), count in sorted(load.pd.decisions.items()):
+            family.add_metric([*labels, choice, reason], float(count))
+        yield family

@@ -14,6 +14,8 @@ from steploop.common.pipeline_parallel_flag import check_size as check_pp_size
 from steploop.common.tensor_parallel_flag import add_tensor_parallel_flag, check_size
 from steploop.common.tls import TlsConfig
 
+DISAGG_POLICIES = ("cost", "length")     # --disagg-policy (pd_choice.py)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -30,8 +32,11 @@ class ServerConfig:
     tensor_parallel_size: int = 1    # ranks of the worker group; it serves once all have attached
     pipeline_parallel_size: int = 1  # pipeline stages; the group is tp x pp ranks
     tp_collective_timeout: float = 30.0  # a group's collective that takes longer breaks the group
-    # Prefill/decode disaggregation (pd_disagg.py): a prompt at least this long runs on the prefill group when one
-    # is attached (0: every prompt); a transfer not confirmed within the lease is recomputed on the decode group.
+    # Prefill/decode disaggregation (pd_disagg.py, pd_choice.py): where a prompt runs when a prefill group is
+    # attached. "cost": the step-cost models price both ways (the length threshold until they have timings);
+    # "length": prompts at least disagg_min_prompt_tokens long (0: every prompt). A transfer not confirmed within
+    # the lease is recomputed on the decode group.
+    disagg_policy: str = "cost"
     disagg_min_prompt_tokens: int = 256
     kv_transfer_lease: float = 60.0
 
@@ -51,6 +56,8 @@ class ServerConfig:
         if self.disagg_min_prompt_tokens < 0 or self.kv_transfer_lease <= 0:
             raise ValueError(f"--disagg-min-prompt-tokens must be >= 0 and --kv-transfer-lease > 0 seconds, got "
                              f"{self.disagg_min_prompt_tokens} and {self.kv_transfer_lease}")
+        if self.disagg_policy not in DISAGG_POLICIES:
+            raise ValueError(f"--disagg-policy {self.disagg_policy!r} must be one of {', '.join(DISAGG_POLICIES)}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--scheduler-port must be in 1..65535, got {self.port}")
         for module in self.lora.lora_modules:     # the scheduler reads the folders: a bad one is a flag to fix
@@ -86,10 +93,16 @@ class ServerConfig:
         add_pipeline_parallel_flag(parser)
         add_flag(parser, "--tp-collective-timeout", type=float, default=30.0,
                  help="seconds a tensor-parallel collective may take before the group counts as broken")
+        add_flag(parser, "--disagg-policy", choices=DISAGG_POLICIES, default="cost",
+                 help="prefill/decode disaggregation: where a prompt runs when a prefill group (workers started "
+                      "with --kv-role prefill) is attached. cost: the cheaper of the two by the step-cost models "
+                      "(prompt length less its cached part, both groups' queued prompt work, the running streams "
+                      "a local prompt slows, transfer time at the measured bandwidth); length: by "
+                      "--disagg-min-prompt-tokens alone. A request's `disaggregation` field forces either")
         add_flag(parser, "--disagg-min-prompt-tokens", type=int, default=256,
-                 help="prefill/decode disaggregation: prompts at least this long run on the prefill group (workers "
-                      "started with --kv-role prefill) when one is attached, shorter ones on the decode group "
-                      "(0: every prompt); a request's `disaggregation` field forces either")
+                 help="prefill/decode disaggregation: with --disagg-policy length, prompts at least this long run on "
+                      "the prefill group (0: every prompt); with cost, the rule for prompt tokens not cached on the "
+                      "decode group until the step-cost models have timings")
         add_flag(parser, "--kv-transfer-lease", type=float, default=60.0,
                  help="seconds a disaggregated prompt may take from arrival to its KV blocks confirmed on the "
                       "decode group; past that it is recomputed there")
@@ -104,5 +117,5 @@ class ServerConfig:
                    log_stats_interval=args.log_stats_interval, tensor_parallel_size=args.tensor_parallel_size,
                    pipeline_parallel_size=args.pipeline_parallel_size,
                    tp_collective_timeout=args.tp_collective_timeout, lora=LoraConfig.from_args(args),
-                   disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+                   disagg_policy=args.disagg_policy, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
                    kv_transfer_lease=args.kv_transfer_lease).validate()

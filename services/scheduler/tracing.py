@@ -64,3 +64,14 @@ def kv_transfer(rec: Any, request_id: str, num_blocks: int, num_bytes: int, seco
                                            "steploop.kv_transfer.blocks": num_blocks,
                                            "steploop.kv_transfer.bytes": num_bytes, "steploop.kv_transfer.ok": ok})
     span.end(end_time=end)
+
+
+def pd_choice(rec: Any, choice: Any) -> None:
+    """Where the prompt runs (pd_choice.Choice) and, when the step-cost models priced it, both estimates."""
+    if rec is None or getattr(rec, "span", None) is None:
+        return
+    attrs = {"steploop.pd.choice": choice.label, "steploop.pd.reason": choice.reason}
+    if choice.local_seconds >= 0.0:
+        attrs.update({"steploop.pd.local_seconds": choice.local_seconds,
+                      "steploop.pd.disaggregated_seconds": choice.remote_seconds})
+    rec.span.set_attributes(attrs)

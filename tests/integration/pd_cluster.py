@@ -18,14 +18,16 @@ LONG = [p * 7 for p in PROMPTS[:3]]     # ~300 tokens: prefills that take a whil
 
 def pd_cluster(tmp_path, env: dict | None = None, lora: list[str] = (), scheduler_host: str | None = None,
                prefill_prefix: list[str] = (), kv_transfer: tuple[str, int] | None = None,
-               transfer_timeout: float = 20) -> Cluster:
+               transfer_timeout: float = 20, policy: str = "cost") -> Cluster:
     """lora: the adapter flags, for the scheduler, the decode worker and the gateway (the prefill worker gets none:
     LoRA requests stay on the decode group). scheduler_host: the address the scheduler binds and every service
     dials (one the prefill worker reaches from its namespace); prefill_prefix: the prefill worker's argv prefix
-    (`ip netns exec NAME`); kv_transfer: the decode worker's receiver (host, port)."""
+    (`ip netns exec NAME`); kv_transfer: the decode worker's receiver (host, port); policy: --disagg-policy (a test
+    that needs a prompt to cross forces it with the request's `disaggregation` field)."""
     host_args = ["--scheduler-host", scheduler_host] if scheduler_host else []
     kv_args = ["--kv-transfer-host", kv_transfer[0], "--kv-transfer-port", str(kv_transfer[1])] if kv_transfer else []
-    cluster = Cluster(tmp_path, scheduler_args=["--disagg-min-prompt-tokens", "32", *host_args, *lora], env=env,
+    cluster = Cluster(tmp_path, scheduler_args=["--disagg-policy", policy, "--disagg-min-prompt-tokens", "32",
+                                                      *host_args, *lora], env=env,
                       num_kv_blocks=160, worker_args=["--kv-role", "decode", "--kv-offloading-size", "0.02",
                                                      "--max-model-len", "512", *kv_args, *lora],
                       gateway_args=lora[:1], modules={"prefill": "steploop.gpu_worker"},

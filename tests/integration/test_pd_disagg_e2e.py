@@ -1,11 +1,12 @@
 """Prefill/decode disaggregation on a real cluster: one scheduler, a decode worker (--kv-role decode, host tier for
 received blocks), a prefill worker (--kv-role prefill), a gateway. Greedy output equals a one-group run (transformers,
 or the same request forced local) for plain, streamed, n=2, json_schema and top-5 logprobs requests whose prompts
-ran on the prefill group and whose KV moved over TCP; a LoRA request runs on the decode group alone (the prefill
-worker loads no adapters), exact against transformers + peft and counted as local; a client that disconnects while
-its prompt is on the prefill group leaves no request and no block behind; a block corrupted in flight (the test
-hook) is refused by its checksum and recomputed on the decode group (counted); a SIGKILLed prefill worker leaves
-its requests to complete locally. Every case ends with no KV block held on either side.
+ran on the prefill group (forced, or where --disagg-policy cost chose it) and whose KV moved over TCP; a LoRA
+request runs on the decode group alone (the prefill worker loads no adapters), exact against transformers + peft and
+counted as local; a client that disconnects while its prompt is on the prefill group leaves no request and no block
+behind; a block corrupted in flight (the test hook) is refused by its checksum and recomputed on the decode group
+(counted); a SIGKILLed prefill worker leaves its requests to complete locally. Every case ends with no KV block
+held on either side.
 
 The tests on the module's cluster share it in file order; the SIGKILL test goes last (it takes the prefill group
 down)."""
@@ -61,14 +62,15 @@ def test_disaggregated_requests_match_one_group(pd, hf):
     cluster = pd
     fallbacks = metric(cluster, "steploop:pd_fallbacks_total")
     want = [hf.greedy_text(hf.text_ids(p), 8) for p in PROMPTS]
-    assert complete(cluster, PROMPTS[0]) == [want[0]]
+    assert complete(cluster, PROMPTS[0], disaggregation="disaggregated") == [want[0]]
     assert metric(cluster, "steploop:pd_kv_transfers_total") >= 1, "the prompt did not go through the prefill group"
     assert complete(cluster, PROMPTS[1], n=2) == [want[1], want[1]]
     stream = client(cluster).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
                                                 stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream) == want[2]
     assert complete(cluster, PROMPTS[3], disaggregation="local") == [want[3]]
-    results: dict[int, list[str]] = {}          # concurrent: prefills and decodes overlap
+    decided = metric(cluster, "steploop:pd_decisions_total")
+    results: dict[int, list[str]] = {}          # concurrent, each where --disagg-policy cost chooses: exact either way
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(cluster, PROMPTS[i])))
                for i in range(len(PROMPTS))]
     for t in threads:
@@ -76,6 +78,7 @@ def test_disaggregated_requests_match_one_group(pd, hf):
     for t in threads:
         t.join(300)
     assert [results[i] for i in range(len(PROMPTS))] == [[w] for w in want]
+    assert metric(cluster, "steploop:pd_decisions_total") == decided + len(PROMPTS)
     assert metric(cluster, "steploop:pd_fallbacks_total") == fallbacks
     assert metric(cluster, "steploop:pd_kv_transfer_bytes_total") > 0
     assert_both_pools_whole(cluster)
@@ -158,8 +161,8 @@ def test_a_sigkilled_prefill_worker_leaves_its_requests_to_complete_locally(pd, 
     cluster = pd
     fallbacks = metric(cluster, "steploop:pd_fallbacks_total")
     results: dict[int, list[str]] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, complete(cluster, LONG[i], 8)))
-               for i in range(len(LONG))]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, complete(cluster, LONG[i], 8, disaggregation="disaggregated"))) for i in range(len(LONG))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
@@ -181,7 +184,7 @@ def test_corrupted_block_is_recomputed_and_counted(tmp_path, model_dir, hf):
     cluster = pd_cluster(tmp_path, env={"STEPLOOP_TEST_CORRUPT_KV_TRANSFER": "1"})
     try:
         for prompt in PROMPTS[:2]:
-            assert complete(cluster, prompt) == [hf.greedy_text(hf.text_ids(prompt), 8)]
+            assert complete(cluster, prompt, disaggregation="disaggregated") == [hf.greedy_text(hf.text_ids(prompt), 8)]
         assert metric(cluster, "steploop:pd_fallbacks_total") >= 2
         assert metric(cluster, "steploop:pd_kv_transfer_failures_total") >= 2
         assert metric(cluster, "steploop:pd_kv_transfers_total") == 0

@@ -20,7 +20,7 @@ BS = 4
 
 class FakeEngine:
     def __init__(self):
-        self.server_config = SimpleNamespace(disagg_min_prompt_tokens=12, kv_transfer_lease=60.0,
+        self.server_config = SimpleNamespace(disagg_policy="cost", disagg_min_prompt_tokens=12, kv_transfer_lease=60.0,
                                              tp_collective_timeout=5.0)
         self.sched_config = None
         self.worker_info = SimpleNamespace(kv_transfer_address="127.0.0.1:9", block_size=BS, model_name="m",
@@ -69,18 +69,18 @@ def prefill_whole(pd: PdDisagg) -> bool:
 
 def test_the_rule_long_prompts_go_disaggregated_short_and_forced_ones_stay():
     engine, pd = setup()
-    assert pd.choose(req("a", 17), "") and not pd.choose(req("b", 8), "")
-    assert pd.choose(req("c", 8), "disaggregated") and not pd.choose(req("d", 17), "local")
+    assert pd.choose(req("a", 17), "").disaggregate and not pd.choose(req("b", 8), "").disaggregate
+    assert pd.choose(req("c", 8), "disaggregated").disaggregate and not pd.choose(req("d", 17), "local").disaggregate
     lora = req("e")
     lora.lora_name = "x"
-    assert not pd.choose(lora, "disaggregated")
+    assert not pd.choose(lora, "disaggregated").disaggregate
     assert pd.stats.local == 3                     # b, d and the LoRA request: counted as local
     pd.group.is_closed = True                      # the prefill group is down: local
-    assert not pd.choose(req("f"), "disaggregated")
+    assert not pd.choose(req("f"), "disaggregated").disaggregate
     assert pd.stats.local == 3                     # no prefill group attached: nothing to count against
     pd.group.is_closed = False
     engine.control.weight_updates = 1              # only the decode group got the new weights
-    assert not pd.choose(req("g"), "disaggregated")
+    assert not pd.choose(req("g"), "disaggregated").disaggregate
 
 
 def test_a_confirmed_transfer_hands_the_request_off_with_its_blocks():
