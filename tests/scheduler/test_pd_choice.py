@@ -193,7 +193,7 @@ def test_decisions_are_a_labelled_counter():
     pd.choose(req("a"), "")
     pd.choose(req("b", 40), "")
     pd.choose(req("c"), "local")
-    load = SimpleNamespace(pd=pd.report())
+    load = SimpleNamespace(pd=pd.report(), kv_pull=None)
     (family,) = [f for f in pd_families(load, ["m"]) if f.name == "steploop:pd_decisions"]
     got = {(s.labels["choice"], s.labels["reason"]): s.value for s in family.samples if s.name.endswith("_total")}
     assert got == {("disaggregated", "cost"): 1.0, ("local", "cost"): 1.0, ("local", "forced"): 1.0}
