@@ -88,6 +88,27 @@ def test_int_weight_cut_inside_a_group_is_refused():
     assert shard_weight(_int_weight(256, 256, 256), (1, 96, 64), O_PROJ).scale.shape == (256, 1)  # per channel
 
 
+def test_fp8_row_parallel_ranks_quantize_activations_with_the_whole_rows_scale():
+    """Each rank's e4m3 activations use the whole row's amax (the all-reduce max), so the ranks' partial sums add
+    up to the one-rank layer's output (fp32 reordering only)."""
+    gen = torch.Generator().manual_seed(8)
+    w = Fp8Weight((torch.randn(64, 256, generator=gen) * 10).to(torch.float8_e4m3fn), torch.rand(64, 1) / 100)
+    x = torch.randn(5, 256, generator=gen)
+    x[:, 200] = 40.0                                # the largest value sits in rank 1's half
+    whole = QuantLinear(256, 64, False, ["o"])
+    whole.loaded["o"] = w
+    whole.finish(torch.device("cpu"), use_c=True)
+    amax = x.abs().amax(-1, keepdim=True)
+    total = torch.zeros(5, 64)
+    for rank, sharder in enumerate(_sharders()):
+        layer = QuantLinear(128, 64, False, ["o"])
+        layer.loaded["o"] = shard_weight(w, sharder.split(O_PROJ), O_PROJ)
+        layer.finish(torch.device("cpu"), use_c=True)
+        layer.split_input(lambda local: torch.maximum(local, amax))      # the group's max over both halves
+        total += layer(x[:, rank * 128:(rank + 1) * 128])
+    torch.testing.assert_close(total, whole(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("even", [True, False])
 def test_act_order_columns_keep_their_groups(even):
     k, gs = 256, 64
@@ -134,15 +155,26 @@ def test_group_misfits_name_the_layer_and_sizes():
 
 @pytest.mark.slow
 def test_gguf_k_quant_o_proj_cut_off_its_super_block_is_refused_at_start(tmp_path, model_dir, monkeypatch):
+    """At start, before any weight loads: the worker exits 2 naming the tensor, its type and the sizes."""
+    import subprocess
+    import sys
+
     from steploop.gpu_worker.gguf_convert import convert_gguf
     from steploop.gpu_worker.model.model_config import LlamaModelConfig
+    from tests.integration.cluster import ROOT, free_port
     from tests.worker.gguf_files import random_model, write_gguf
     monkeypatch.setenv("STEPLOOP_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf(random_model("LlamaConfig", tie_word_embeddings=False), tmp_path / "llama.gguf", model_dir,
                       qtype_of=lambda name, w: T.Q4_K if "attn_output" in name else T.Q8_0)
     folder = convert_gguf(path)
     cfg = LlamaModelConfig.from_dir(folder)
+    message = "blk.0.attn_output.weight (Q4_K, blocks of 256): 256 input columns, 128 per rank"
     with pytest.raises(TensorParallelShapeError) as err:
         check_stored_split(folder, cfg, rank_share(cfg, 0, 2))
-    assert "blk.0.attn_output.weight (Q4_K, blocks of 256): 256 input columns, 128 per rank" in str(err.value)
+    assert message in str(err.value)
     assert str(err.value).startswith("-tp 2: a row-parallel layer's input columns would be cut")
+    out = subprocess.run([sys.executable, "-m", "steploop.gpu_worker", "--model", str(path), "-tp", "2", "--rank", "1",
+                          "--scheduler-address", f"127.0.0.1:{free_port()}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "loading model" not in out.stderr, out.stderr
