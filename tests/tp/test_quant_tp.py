@@ -7,6 +7,7 @@ greedy tokens equal, logprobs within 1e-4, for whole prompts, uneven prefill chu
                     F16 / BF16 layers; llama.cpp's q/k row order undone by the whole model's heads
     qwen2 AWQ       int4 group 64 (o_proj's 128 columns cut at 64: one group per rank), packed Q4_1 on each rank
     qwen2 GPTQ      int4 group 32 act-order: each rank's columns hold uneven parts of the groups (torch formula)
+    qwen2 FP8       compressed-tensors W8A8 per channel: o/down all-reduce the token amax (logprobs within 5e-2)
     qwen3-MoE GGUF  k-quant experts cut by their intermediate rows (sharded) or whole per rank (expert parallel);
                     also a repeated prompt hitting the first one's cached blocks (prefix caching)
 
@@ -59,7 +60,7 @@ def _gguf_case(tmp_path, model_dir, family: str):
     return folder, reference_model(path, folder)
 
 
-def _check(ranks, expected, schedules, where: str) -> None:
+def _check(ranks, expected, schedules, where: str, tolerance: float = 1e-4) -> None:
     (served0, _), (served1, _) = ranks
     for (chunk, preempt), got0, got1 in zip(schedules, served0, served1):
         at = f"{where} chunk {chunk} preempt {preempt}"
@@ -67,14 +68,14 @@ def _check(ranks, expected, schedules, where: str) -> None:
         for handle, (tokens, logprobs) in got0.items():
             want_tokens, want_logprobs = expected[handle]
             assert tokens == want_tokens, f"{at} prompt {handle}: {tokens} != {want_tokens}"
-            assert logprobs == pytest.approx(want_logprobs, abs=1e-4), f"{at} prompt {handle}"
+            assert logprobs == pytest.approx(want_logprobs, abs=tolerance), f"{at} prompt {handle}"
 
 
 def _check_widths(ranks, allowed_fp32: tuple[str, ...]) -> None:
     """Only the allowed fp32 matrices (routers, layers stored as floats); stored bytes split about evenly."""
     stored = []
     for _, report in ranks:
-        fp32 = [n for n in report["fp32_matrices"] if not n.endswith(allowed_fp32)]
+        fp32 = [n for n in report["fp32_matrices"] if not n.replace(".inner.", ".").endswith(allowed_fp32)]
         assert not fp32, f"fp32 copies of quantized weights on a rank: {fp32}"
         stored.append(report["stored_bytes"])
     assert min(stored) > 0.8 * max(stored), stored
@@ -97,11 +98,12 @@ def test_gguf_tp2_at_width_equals_transformers(family, tmp_path, model_dir):
                       ("layers.1.mlp.gate_up_proj.weight", "layers.1.mlp.down_proj.weight"))
 
 
-@pytest.mark.parametrize("spec", [Spec("awq", 4, 64, False), Spec("gptq", 4, 32, False, desc_act=True)],
-                         ids=lambda s: s.id)
+@pytest.mark.parametrize("spec", [Spec("awq", 4, 64, False), Spec("gptq", 4, 32, False, desc_act=True),
+                                  Spec("ct_fp8", fp8_channel=True)], ids=lambda s: s.id)
 def test_qwen2_quantized_tp2_equals_transformers(spec, tmp_path, model_dir):
     path, hf = build_quant_model("qwen2", spec, tmp_path / spec.id, model_dir)
     expected = [oracle(hf, p) for p in prompts()]
     ranks = run_ranks(path, 2)
-    _check(ranks, expected, SCHEDULES, f"qwen2 {spec.id}")
-    _check_widths(ranks, ("embed_tokens.inner.weight",))     # not quantized in the checkpoint (tied lm_head)
+    # FP8 W8A8: 5e-2, as on one rank (tests/worker/test_quant_e2e.py: e4m3 activations amplify fp32 reordering)
+    _check(ranks, expected, SCHEDULES, f"qwen2 {spec.id}", 5e-2 if spec.method == "ct_fp8" else 1e-4)
+    _check_widths(ranks, ("embed_tokens.weight",))       # not quantized in the checkpoint (tied lm_head)
