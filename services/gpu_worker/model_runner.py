@@ -30,6 +30,7 @@ from steploop.gpu_worker.cpu_kernels.threads import granted_cpus
 from steploop.gpu_worker.cuda_graphs import StepGraphRunner
 from steploop.gpu_worker.distributed.comm import CollectiveError
 from steploop.gpu_worker.distributed.rank_setup import RankSetup
+from steploop.gpu_worker.distributed.stored_split import check_stored_split
 from steploop.gpu_worker.encoder_cache import EncoderCache
 from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
 from steploop.gpu_worker.gguf.weights import gguf_source
@@ -104,13 +105,15 @@ class ModelRunner:
                              "both ways, a mask the Triton / CUDA-graph attention path does not apply (serve the "
                              "text-only checkpoint as gemma3_text on CUDA, or run this one with --device cpu)")
         rank = RankSetup.for_worker(config, cfg)    # refuses shapes that cannot split, before weights load
+        check_stored_split(model_path, cfg, rank.share)     # and quantized layers cut off their blocks / groups
         pooling = (load_pooling_config(model_path, cfg.hidden_size) if config.runner == "pooling" or
                    (config.runner == "auto" and has_sentence_transformers_config(model_path)) else None)
         defaults = read_generation_defaults(config.generation_config, model_path)
         eos_ids = generation_eos_ids(config.generation_config, model_path, cfg.eos_token_ids)
         max_len = _max_model_len(config, cfg)
-        stored_quantized = cfg.quant is not None or gguf_source(model_path) is not None
-        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized))
+        gguf = gguf_source(model_path) is not None
+        stored_quantized = cfg.quant is not None or gguf
+        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized), gguf)
         log.info("kernel plan: %s", plan.describe())
         local = rank.local_cfg
         backend = create_backend(plan.attention_backend, local.num_attention_heads, local.num_key_value_heads,

@@ -71,6 +71,16 @@ class TensorParallelComm:
         self._run(lambda g: g.allreduce([x]))
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Element-wise max over ranks, in place (FP8 activation scales of a row-parallel layer)."""
+        if self.world_size == 1 or self.local_only:
+            return x
+        import torch.distributed as dist
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._run(lambda g: g.allreduce([x], opts))
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., world_size * n], rank order."""
         if self.world_size == 1:

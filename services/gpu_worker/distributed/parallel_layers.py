@@ -14,7 +14,6 @@ rank the same reduced bytes), so every rank samples the same token with the same
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from steploop.gpu_worker.distributed.comm import TensorParallelComm
@@ -32,19 +31,21 @@ class RowParallelReduce(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, inner: nn.Embedding, first_row: int, comm: TensorParallelComm):
+    """inner: an nn.Embedding of the rank's rows, or a GGUF file's BlockEmbedding of them (gguf/block_embedding.py)"""
+
+    def __init__(self, inner: nn.Module, first_row: int, comm: TensorParallelComm):
         super().__init__()
         self.inner, self.first_row, self.comm = inner, first_row, comm
 
     @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
+    def weight(self) -> torch.Tensor | None:
+        return getattr(self.inner, "weight", None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.inner.weight.shape[0]
+        rows = self.inner.num_embeddings
         local = ids - self.first_row
         outside = (local < 0) | (local >= rows)
-        x = F.embedding(local.clamp(0, rows - 1), self.inner.weight)
+        x = self.inner(local.clamp(0, rows - 1))
         x[outside] = 0
         return self.comm.all_reduce(x)
 
@@ -65,13 +66,20 @@ class GatheredLMHead(nn.Module):
 def make_tensor_parallel(model: nn.Module, share: RankShare, comm: TensorParallelComm, full_vocab: int) -> None:
     """Wraps a loaded rank-local model's cross-rank layers in place."""
     for layer in model.model.layers:
-        layer.self_attn.o_proj = RowParallelReduce(layer.self_attn.o_proj, comm)
+        layer.self_attn.o_proj = RowParallelReduce(_split_input(layer.self_attn.o_proj, comm), comm)
         if isinstance(layer.mlp, SparseMoE):
             layer.mlp = RowParallelReduce(layer.mlp, comm)
         else:
-            layer.mlp.down_proj = RowParallelReduce(layer.mlp.down_proj, comm)
+            layer.mlp.down_proj = RowParallelReduce(_split_input(layer.mlp.down_proj, comm), comm)
     if model.model.embed_tokens is not None:     # a pipeline stage may hold neither (distributed/pipeline.py)
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, share.first_vocab_row, comm)
     if model.lm_head is not None:
         model.lm_head = GatheredLMHead(model.lm_head, full_vocab, comm)
     model.tp_comm = comm
+
+
+def _split_input(linear: nn.Module, comm: TensorParallelComm) -> nn.Module:
+    """A row-parallel quantized linear (model/quant/linear.py) learns that its input row is split across ranks."""
+    if hasattr(linear, "split_input"):
+        linear.split_input(comm.all_reduce_max)
+    return linear

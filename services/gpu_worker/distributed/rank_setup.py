@@ -1,10 +1,12 @@
 """What changes in a worker's start-up when it is one rank of a tensor-parallel group.
 
-The C packed-weight linears and the C whole-step decoder do not shard: the packed-weight cache is keyed by the
-whole checkpoint, and the decoder runs every layer in one C call with no place for the all-reduces. A rank
-therefore runs its linears in torch (fp32 matmuls on its slices); the C elementwise ops and the C paged-attention
-kernel work on any head count and stay on. CUDA graphs are off too: a captured graph would replay collectives on
-a group that may have been re-formed since.
+The C whole-step decoder does not shard (it runs every layer in one C call with no place for the all-reduces), nor
+does the packed-weight cache of a dense checkpoint (keyed by the whole checkpoint): a rank of an fp32 / bf16 model
+runs its linears in torch on its slices. Weights stored quantized keep their width on every rank: a GGUF file's
+blocks are cut and packed per rank (gguf/block_shards.py), a quantized safetensors layer is cut in its common form
+(model/quant/shards.py); distributed/stored_split.py refuses at start a split off the blocks / groups. The C
+elementwise ops and the C paged-attention kernel work on any head count and stay on. CUDA graphs are off too: a
+captured graph would replay collectives on a group that may have been re-formed since.
 
 With -pp N the rank is also one pipeline stage (pipeline.py): its layers only, its own KV cache, the same kernel
 plan limits (the C decoder runs every layer of the model in one call; a graph would replay the stage's sends).
@@ -63,9 +65,6 @@ class RankSetup:
         comm = TensorParallelComm(tp_rank, size)
         if size == 1:
             return cls(None, comm, cfg)
-        if cfg.quant is not None:
-            raise ValueError(f"-tp {size} with a quantized checkpoint ({cfg.quant.describe()}): tensor parallel "
-                             "quantized weights are not supported yet; run -tp 1")
         share = rank_share(cfg, tp_rank, size, expert_parallel)
         if expert_parallel:
             log.info("expert parallel over %d ranks, %d experts each: %s", size, share.local_experts,
@@ -79,13 +78,16 @@ class RankSetup:
     def comms(self) -> list[TensorParallelComm]:
         return [self.comm] + ([self.pipe] if self.pipe is not None else [])
 
-    def kernel_plan(self, plan: KernelPlan) -> KernelPlan:
+    def kernel_plan(self, plan: KernelPlan, gguf: bool = False) -> KernelPlan:
+        """gguf: the weights are a GGUF file's blocks, which a rank packs from its own share of them (no
+        packed-weight cache), so a tensor-parallel rank keeps its packed linears."""
         if self.share is None and self.stage is None:
             return plan
+        keep_packed = gguf and self.stage is None
         why = (f"tensor parallel (-tp {self.share.world_size}): linears run in torch on this rank's slices"
                if self.share is not None else
                f"pipeline stage {self.stage.stage} of {self.stage.num_stages}: this stage's layers only")
-        off = [(name, why) for name, on in (("packed linears", plan.packed_linears), ("C decoder", plan.cpu_decoder),
-                                            ("CUDA graphs", plan.cuda_graphs)) if on]
-        return dataclasses.replace(plan, packed_linears=False, cpu_decoder=False, cuda_graphs=False,
-                                   why_off=plan.why_off + tuple(off))
+        off = [(name, why) for name, on in (("packed linears", plan.packed_linears and not keep_packed),
+                                            ("C decoder", plan.cpu_decoder), ("CUDA graphs", plan.cuda_graphs)) if on]
+        return dataclasses.replace(plan, packed_linears=plan.packed_linears and keep_packed, cpu_decoder=False,
+                                   cuda_graphs=False, why_off=plan.why_off + tuple(off))

@@ -43,27 +43,43 @@ class CheckpointSharder:
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name in _VOCAB:
             return self._vocab_rows(tensor)
-        if m := _COLUMN.search(name):
-            start, size = self._rows[m.group(2) or m.group(3)]
-            return tensor[start:start + size]
-        if m := _EXPERT.search(name):
-            return self._expert_part(m.group(1) == "shared_expert", m.group(2) in ("w2", "down_proj"), tensor)
-        if m := _FUSED.search(name):
-            return self._split_fused(m.group(1), tensor)
-        if m := _ROW.search(name):
-            if m.group(2) == "bias":
-                return tensor if self.share.rank == 0 else torch.zeros_like(tensor)
-            part = "q" if "o_proj" in m.group(1) else "gate"
-            start, size = self._rows[part]
-            return tensor[:, start:start + size]
-        return tensor
-
-    def _expert_part(self, shared: bool, down: bool, tensor: torch.Tensor) -> torch.Tensor:
-        if not shared and self.share.expert_parallel:
+        if _FUSED.search(name):
+            return self._split_fused(_FUSED.search(name).group(1), tensor)
+        if (m := _ROW.search(name)) and m.group(2) == "bias":
+            return tensor if self.share.rank == 0 else torch.zeros_like(tensor)
+        split = self.split(name)
+        if split is None:
             return tensor
+        dim, start, size = split
+        return tensor[start:start + size] if dim == 0 else tensor[:, start:start + size]
+
+    def split(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, size): this rank's part of a weight (or column-parallel bias) cut along one dimension,
+        0 rows (column-parallel), 1 input columns (row-parallel); None when the rank holds it whole (replicated,
+        an expert held whole). Not for the vocabulary tensors (padded rows) or fused checkpoint layers."""
+        if m := _COLUMN.search(name):
+            return (0, *self._rows[m.group(2) or m.group(3)])
+        if m := _EXPERT.search(name):
+            return self._expert_part(m.group(1) == "shared_expert", m.group(2) in ("w2", "down_proj"))
+        if (m := _ROW.search(name)) and m.group(2) == "weight":
+            return (1, *self._rows["q" if "o_proj" in m.group(1) else "gate"])
+        return None
+
+    def full_shape(self, name: str) -> tuple[int, int]:
+        """[out, in] of a decoder layer's attention / dense MLP linear in the whole (unsplit) checkpoint."""
+        cfg = self.cfg
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        shapes = {"q_proj": (q, cfg.hidden_size), "k_proj": (kv, cfg.hidden_size), "v_proj": (kv, cfg.hidden_size),
+                  "o_proj": (cfg.hidden_size, q), "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
+                  "up_proj": (cfg.intermediate_size, cfg.hidden_size),
+                  "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
+        return shapes[name.rsplit(".", 2)[-2]]
+
+    def _expert_part(self, shared: bool, down: bool) -> tuple[int, int, int] | None:
+        if not shared and self.share.expert_parallel:
+            return None
         size = self.share.shared_intermediate if shared else self.share.moe_intermediate
-        start = self.share.rank * size
-        return tensor[:, start:start + size] if down else tensor[start:start + size]
+        return (1 if down else 0, self.share.rank * size, size)
 
     def _split_fused(self, which: str, tensor: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

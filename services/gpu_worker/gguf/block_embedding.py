@@ -26,6 +26,10 @@ class BlockEmbedding(nn.Module):
         self.register_buffer("m", None if decoded.m is None else torch.from_numpy(decoded.m.copy()), persistent=False)
 
     @property
+    def num_embeddings(self) -> int:
+        return self.q.shape[0]
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 

@@ -3,12 +3,12 @@
 Each linear layer whose tensors are block-quantized (blocks.BLOCK_TYPES) and fit the packed layout (whole groups
 of 16 output rows) takes its packed form straight from the blocks (packed_forms.py): no fp32 copy of it is ever
 made. Everything else (norms, the embedding table, F32 / F16 / BF16 linears, layers off the packed grid, and every
-tensor when the plan has no packed linears or the model is split for tensor parallelism) is dequantized one tensor
-at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers oracle computes with.
+tensor when the plan has no packed linears) is dequantized one tensor at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers oracle computes with.
 The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
 it; a tied lm_head packs from the same blocks. A mixture-of-experts file's stacked experts tensors ([experts, rows,
 k]: ffn_{gate,up,down}_exps) split into one part per expert, named as the HF checkpoint names that expert; on the
 CPU each expert of a SparseMoE packs on its own (its gate and up rows fused), one expert's blocks at a time.
+A tensor-parallel rank packs its share, cut from the raw blocks (block_shards.py), as one rank packs the whole.
 
 GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
 llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
@@ -29,6 +29,7 @@ from gguf import quants as gguf_quants
 
 from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_shape
 from steploop.gpu_worker.gguf import blocks
+from steploop.gpu_worker.gguf.block_shards import shard_raw
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gguf
 from steploop.gpu_worker.model.moe import NOT_HELD
@@ -76,7 +77,7 @@ class LoadStats:
 
 def _rows(part: _Part, arch: str, cfg) -> np.ndarray:
     """The part's raw data as [rows, row items] (2-D weights, one expert of a stacked 3-D one) or [items] (1-D),
-    llama's q/k rows unpermuted."""
+    llama's q/k rows unpermuted (by cfg's head counts: the whole model's, also on a tensor-parallel rank)."""
     tensor = part.tensor
     data = tensor.data if part.index is None else tensor.data[part.index]
     if arch == "llama" and data.ndim == 2 and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
@@ -181,14 +182,14 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     filled: set[str] = set()
     stats = LoadStats()
     embed = groups.pop(_EMBED, None)
+    cfg = cfg if sharder is None else sharder.cfg   # from here: the file's whole shapes (q/k row order, vocabulary)
     for target, parts in groups.items():
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
             _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, count_file=False)
             continue                                  # its bytes are the embedding's: released after it
         if isinstance(module, SparseMoE):
-            done = packed and sharder is None and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg,
-                                                            stats)
+            done = packed and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg, stats, sharder)
         else:
             done = _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"),
                          sharder)
@@ -199,7 +200,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         _release(reader, parts)
     if embed is not None:        # last: a tied lm_head that did not pack reads the fp32 table
         table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None
-        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats):
+        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats, sharder):
             filled.add(_EMBED)
         else:
             _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
@@ -212,8 +213,9 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
 _EMBED = "model.embed_tokens.weight"
 
 
-def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bool:
-    """Replace the embedding by a BlockEmbedding of the file's blocks (block types only)."""
+def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, sharder=None) -> bool:
+    """Replace the embedding by a BlockEmbedding of the file's blocks (block types only); a tensor-parallel rank
+    keeps its vocabulary rows. cfg: the whole model's."""
     from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
     if part.tensor.tensor_type not in blocks.BLOCK_TYPES:
         return False
@@ -221,7 +223,8 @@ def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bo
     if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
         raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {[vocab, hidden]} != "
                             f"{[cfg.vocab_size, cfg.hidden_size]} expected for {part.hf_name}")
-    table = BlockEmbedding(blocks.decode_rows(_rows(part, arch, cfg), part.tensor.tensor_type, hidden))
+    rows, _ = shard_raw(sharder, part.hf_name, _rows(part, arch, cfg), part.tensor.tensor_type, hidden)
+    table = BlockEmbedding(blocks.decode_rows(rows, part.tensor.tensor_type, hidden))
     model.model.embed_tokens = table
     stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
     return True
@@ -249,17 +252,18 @@ def _filled_names(target: str, parts: list[_Part]) -> list[str]:
 
 def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_linear_type, packed: bool,
           sharder, count_file: bool = True) -> bool:
-    """Give a PackedLinear its packed form straight from its parts' blocks, if they all are block types that fit
-    the layout and cover the whole weight; False leaves it to the fp32 path."""
-    if not packed or sharder is not None or not isinstance(module, packed_linear_type):
+    """Give a PackedLinear its packed form straight from its parts' blocks (this rank's share of them: sharder),
+    if they all are block types that fit the layout and cover the whole weight; False leaves it to the fp32 path."""
+    if not packed or not isinstance(module, packed_linear_type):
         return False
     if any(p.expert is not None for p in parts) or not _packable(parts, module.out_features, module.in_features):
         return False
-    module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file))
+    module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file,
+                                     sharder))
     return True
 
 
-def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: LoadStats) -> bool:
+def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: LoadStats, sharder=None) -> bool:
     """A SparseMoE's experts (w13 [E, 2I, hidden], w2 [E, hidden, I]) or shared expert (shared_w13, shared_w2),
     each expert packed on its own from its parts' blocks (an expert's gate and up rows fused as a dense gate/up
     is); False (all experts left to the fp32 path) unless every expert packs. The router stays fp32."""
@@ -270,14 +274,15 @@ def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: Load
     if name.startswith("shared"):
         if not _packable(parts, n, k):
             return False
-        module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats))
+        module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats, sharder=sharder))
         return True
     by_expert: dict[int, list[_Part]] = defaultdict(list)
     for p in parts:
         by_expert[p.expert].append(p)
     if sorted(by_expert) != list(range(shape[0])) or not all(_packable(ps, n, k) for ps in by_expert.values()):
         return False
-    module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats) for e in range(shape[0])])
+    module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats, sharder=sharder)
+                             for e in range(shape[0])])
     return True
 
 
@@ -293,16 +298,21 @@ def _packable(parts: list[_Part], n: int, k: int) -> bool:
     return covered == n
 
 
-def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: LoadStats, count_file: bool = True):
-    """The [n, k] packed form of _packable parts, from their blocks (never an fp32 copy)."""
+def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: LoadStats, count_file: bool = True,
+                   sharder=None):
+    """The [n, k] packed form of _packable parts, from their blocks (never an fp32 copy); with a sharder, of this
+    rank's share of them (block_shards.py)."""
     ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
     decoded = []
     for p in ordered:
         r0, r1 = p.rows or (0, n)
-        if _shape(p.tensor, p.index is not None) != (r1 - r0, k):
-            raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(_shape(p.tensor, p.index is not None))} != "
+        full = _shape(p.tensor, p.index is not None)
+        raw, local_k = shard_raw(sharder, p.hf_name, _rows(p, arch, cfg), p.tensor.tensor_type, full[-1])
+        if (raw.shape[0], local_k) != (r1 - r0, k):
+            local = [raw.shape[0], local_k]
+            raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(full)} (this rank's part {local}) != "
                                 f"{[r1 - r0, k]} expected for {p.hf_name}")
-        decoded.append(blocks.decode_rows(_rows(p, arch, cfg), p.tensor.tensor_type, k))
+        decoded.append(blocks.decode_rows(raw, p.tensor.tensor_type, k))
     kind = common_form([p.tensor.tensor_type for p in ordered])
     weight = to_packed(decoded, kind)
     for p, dec in zip(ordered, decoded):

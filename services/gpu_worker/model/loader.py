@@ -83,19 +83,18 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         model = _model_class(cfg)(cfg, backend, max_positions, plan)
         if stage is not None:       # never allocated: what other stages hold
             _drop_unheld(model, stage)
+        sharder = None if tp_share is None else CheckpointSharder(full_cfg, tp_share)
         if cfg.quant is not None:     # before to_empty: the quantized linears never get an fp32 weight
             quant = QuantLoader.prepare(model, cfg, safetensors_files(path), device, _use_c(plan, device, dtype),
-                                        _target)
+                                        _target, sharder)
     # cast while still on meta, so the device holds only the target dtype (building fp32 first and casting made an
     # 8B model peak at 32 GB); each checkpoint tensor is then read in its stored dtype and cast by copy_ on the device
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
-    sharder = None if tp_share is None else CheckpointSharder(full_cfg, tp_share)
     gguf = gguf_source(path)
     if gguf is not None:            # weights read from the GGUF file itself (gguf/weights.py)
         params = dict(model.named_parameters())
-        filled, gguf_summary = load_gguf_weights(model, cfg, path, gguf, model.plan.packed_linears and sharder is None,
-                                                 _target, sharder)
+        filled, gguf_summary = load_gguf_weights(model, cfg, path, gguf, model.plan.packed_linears, _target, sharder)
         _check_complete(params, filled, cfg)
         log.info("%s", gguf_summary)
     else:
@@ -114,8 +113,6 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         model.finish_load(device)
     if model.plan.packed_linears and gguf is None:
         log.info("%s", pack_linear_weights(model, PackedWeightCache.for_checkpoint(safetensors_files(path))))
-    elif model.plan.packed_linears and sharder is not None:     # a GGUF model split across ranks: read as fp32
-        log.info("%s", pack_linear_weights(model))
     return model.eval()
 
 

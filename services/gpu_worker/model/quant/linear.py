@@ -29,11 +29,14 @@ FP8_MAX = 448.0                                     # float8_e4m3fn's largest fi
 _EPS = torch.finfo(torch.float32).eps               # compressed-tensors' scale for an all-zero token
 
 
-def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_per_token(x: torch.Tensor, reduce_max=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (e4m3 [T, K], fp32 scale [T, 1]) with x ~ q * scale, as compressed-tensors' dynamic "token"
-    strategy: scale = amax / 448 (eps where a row is all zero), q = clamp(x / scale, +-448) cast to e4m3."""
+    strategy: scale = amax / 448 (eps where a row is all zero), q = clamp(x / scale, +-448) cast to e4m3.
+    reduce_max: a row-parallel layer's K is split over ranks; the per-token amax is over the whole row, so each
+    rank's is all-reduced (max) first and every rank quantizes with the scale one rank would use."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = (amax if reduce_max is None else reduce_max(amax)) / FP8_MAX
     scale = torch.where(scale == 0, torch.tensor(_EPS), scale)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
@@ -84,12 +87,13 @@ class _TritonInt4Segment:
 class _TorchSegment:
     def __init__(self, weight: IntWeight | Fp8Weight):
         self.weight = weight
+        self.reduce_max = None       # FP8 on a row-parallel rank: the group's all-reduce (max) of the token amax
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, Fp8Weight):
             lead = x.shape[:-1]
-            q, scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+            q, scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]), self.reduce_max)
             if x.is_cuda:        # the Triton GEMM on the e4m3 bytes (kernels/fp8_w8a8.py)
                 from steploop.gpu_worker.kernels.fp8_w8a8 import fp8_w8a8_linear
                 return fp8_w8a8_linear(q, scale, w.weight, w.scale, x.dtype).view(*lead, -1)
@@ -147,6 +151,12 @@ class QuantLinear(nn.Module):
         if len(self.segments) == 1 and isinstance(self.segments[0], _PackedSegment) and self.segments[0].perm is None:
             self.packed = self.segments[0].packed
 
+    def split_input(self, reduce_max) -> None:
+        """A row-parallel rank's layer: its FP8 activations take the whole row's scale (quantize_fp8_per_token)."""
+        for segment in self.segments:
+            if isinstance(segment, _TorchSegment):
+                segment.reduce_max = reduce_max
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.segments) == 1:
             y = self.segments[0](x)
@@ -168,7 +178,8 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def _segment(w: IntWeight | Fp8Weight, device: torch.device, use_c: bool):
-    if device.type == "cuda" and isinstance(w, IntWeight) and w.bits == 4 and w.q.shape[1] % 8 == 0:
+    if device.type == "cuda" and isinstance(w, IntWeight) and w.bits == 4 and w.q.shape[1] % 8 == 0 and \
+            w.group_size > 0:    # 0: act-order groups split unevenly by -tp (quant/shards.py): torch
         plain, perm = contiguous_groups(w)
         return _TritonInt4Segment(plain, perm, device)
     if use_c and isinstance(w, IntWeight):

@@ -24,6 +24,7 @@ from steploop.gpu_worker.model.model_config import ModelConfig
 from steploop.gpu_worker.model.quant.config import QuantScheme
 from steploop.gpu_worker.model.quant.formats import TENSORS, Shapes, read_linear, tensor_kind
 from steploop.gpu_worker.model.quant.linear import QuantLinear
+from steploop.gpu_worker.model.quant.shards import shard_weight
 
 _MARKER = {"gptq": "qweight", "awq": "qweight", "ct_int": "weight_packed", "ct_fp8": "weight_scale"}
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -43,16 +44,21 @@ def _headers(files: list[pathlib.Path]) -> dict[str, dict[str, tuple[int, ...]]]
 class QuantLoader:
     def __init__(self, scheme: QuantScheme, device: torch.device, use_c: bool):
         self.scheme, self.device, self.use_c = scheme, device, use_c
-        self.owner: dict[str, tuple[QuantLinear, int, int]] = {}   # checkpoint module -> (layer, rows N, K)
+        self.owner: dict[str, QuantLinear] = {}                   # checkpoint module -> the layer it fills
         self.claimed: dict[str, tuple[str, ...]] = {}             # checkpoint module -> its quantized tensor suffixes
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.layers: dict[str, QuantLinear] = {}
+        self.stored: dict[str, tuple[int, int]] = {}              # checkpoint module -> its whole [N, K]
+        self.sharder = None                                       # a tensor-parallel rank's CheckpointSharder
 
     @classmethod
     def prepare(cls, model: nn.Module, cfg: ModelConfig, files: list[pathlib.Path], device: torch.device,
-                use_c: bool, target_of: Callable) -> QuantLoader:
-        """target_of: the loader's checkpoint-name -> (our parameter, expert, row slice) map (loader._target)."""
+                use_c: bool, target_of: Callable, sharder=None) -> QuantLoader:
+        """target_of: the loader's checkpoint-name -> (our parameter, expert, row slice) map (loader._target).
+        sharder: on a tensor-parallel rank (model built at the rank's sizes), each layer is read whole, checked
+        against the whole checkpoint's shapes and cut to the rank's share at its stored width (quant/shards.py)."""
         self = cls(cfg.quant, device, use_c)
+        self.sharder = sharder
         kind = tensor_kind(cfg.quant)
         required, optional = TENSORS[kind]
         modules = _headers(files)
@@ -68,7 +74,8 @@ class QuantLoader:
             linear = model.get_submodule(ours)
             n = linear.out_features if rows is None else rows[1] - rows[0]
             claimed = {s: shape for s, shape in shapes.items() if s in required + optional}
-            Shapes(cfg.quant, module, n, linear.in_features).check(claimed)
+            self.stored[module] = (n, linear.in_features) if sharder is None else _whole_shape(sharder, module)
+            Shapes(cfg.quant, module, *self.stored[module]).check(claimed)
             self.claimed[module] = tuple(claimed)
             parts.setdefault(ours, []).append((0 if rows is None else rows[0], module, n))
         if not parts:
@@ -90,8 +97,8 @@ class QuantLoader:
         parent, _, child = ours.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
         self.layers[ours] = layer
-        for _, module, n in found:
-            self.owner[module] = (layer, n, linear.in_features)
+        for _, module, _ in found:
+            self.owner[module] = layer
 
     def take(self, name: str) -> bool:
         """Whether the tensor `name` is one of the quantized tensors (then hand it over with put())."""
@@ -104,8 +111,10 @@ class QuantLoader:
         got[suffix] = tensor
         if len(got) < len(self.claimed[module]):
             return
-        layer, n, k = self.owner[module]
-        layer.loaded[module] = read_linear(self.scheme, module, self.pending.pop(module), n, k)
+        layer = self.owner[module]
+        weight = read_linear(self.scheme, module, self.pending.pop(module), *self.stored[module])
+        layer.loaded[module] = weight if self.sharder is None else \
+            shard_weight(weight, self.sharder.split(module + ".weight"), module)
         if len(layer.loaded) == len(layer.parts):
             layer.finish(self.device, self.use_c)
 
@@ -115,6 +124,14 @@ class QuantLoader:
         if unfinished or self.pending:
             raise ValueError(f"checkpoint is missing quantized tensors of {sorted(self.pending) or unfinished[:4]}")
         return memory_summary(self.scheme, self.layers)
+
+
+def _whole_shape(sharder, module: str) -> tuple[int, int]:
+    try:
+        return sharder.full_shape(module + ".weight")
+    except KeyError:
+        raise ValueError(f"{module}: a quantized checkpoint layer steploop does not split across tensor-parallel "
+                         "ranks (only q/k/v/o_proj and gate/up/down_proj are); run -tp 1") from None
 
 
 def memory_summary(scheme: QuantScheme, layers: dict[str, QuantLinear]) -> str:

@@ -30,7 +30,7 @@ def packable(w: IntWeight) -> bool:
     """Whether the C kernel's layout holds it: 16-row groups, whole 32-blocks inside each quantization group, and
     an int8 form with a fixed zero of 128 (asymmetric int8 has no C kind: linear.py computes it in torch)."""
     n, k = w.q.shape
-    if n % GROUP or k % QK or w.group_size % QK or w.g_idx is not None:
+    if n % GROUP or k % QK or w.group_size <= 0 or w.group_size % QK or w.g_idx is not None:   # 0: uneven groups
         return False
     return w.bits == 4 or (w.bits == 8 and bool((w.zero == 128).all()))
 
