@@ -46,7 +46,9 @@ def _gguf_case(tmp_path, model_dir, family: str):
     from tests.worker.test_gguf_direct import _llama_types
     from tests.worker.test_gguf_moe import reference_model
     if family == "llama":
-        model, types = random_model("LlamaConfig", tie_word_embeddings=False), _llama_types
+        model = random_model("LlamaConfig", tie_word_embeddings=False)
+        # layer 0's o_proj Q4_K: 256 columns cut at 128, inside a super-block: read as fp32 on each rank
+        types = lambda name, w: T.Q4_K if name == "blk.0.attn_output.weight" else _llama_types(name, w)  # noqa: E731
     else:
         model = random_model("Qwen3MoeConfig", num_experts=4, moe_intermediate_size=512, head_dim=64,
                              norm_topk_prob=True, tie_word_embeddings=False, num_experts_per_tok=2)
@@ -93,9 +95,11 @@ def test_gguf_tp2_at_width_equals_transformers(family, tmp_path, model_dir):
         _check([(s[:len(SCHEDULES)], r) for s, r in ranks], expected, SCHEDULES, f"{family} ep {expert_parallel}")
         if family == "qwen3_moe":
             _check([(s[len(SCHEDULES):], r) for s, r in ranks], hit, [PREFIX_HIT], f"{family} prefix hit")
-        # llama: layer 1's F16 up / BF16 down stay fp32 (as on one rank); MoE: the routers
+        # llama: layer 1's F16 up / BF16 down stay fp32 (as on one rank), and layer 0's o_proj cut inside its
+        # super-blocks; MoE: the routers
         _check_widths(ranks, ("mlp.gate.weight",) if family == "qwen3_moe" else
-                      ("layers.1.mlp.gate_up_proj.weight", "layers.1.mlp.down_proj.weight"))
+                      ("layers.1.mlp.gate_up_proj.weight", "layers.1.mlp.down_proj.weight",
+                       "layers.0.self_attn.o_proj.weight"))
 
 
 @pytest.mark.parametrize("spec", [Spec("awq", 4, 64, False), Spec("gptq", 4, 32, False, desc_act=True),

@@ -1,7 +1,9 @@
 """At start, before any weight loads: a tensor-parallel rank of a quantized checkpoint keeps its weights at their
 stored width only if every row-parallel cut (o_proj, down_proj, each expert's down: the input columns) falls on the
-format's block or group boundary. A split that does not is refused here (exit 2) with the layer and the sizes,
-never served wrong nor silently widened to fp32.
+format's block or group boundary. A GGUF tensor cut inside its blocks is widened to fp32 on each rank, as the
+oracle dequantizes it (exact; that layer's memory grows ~8x) and logged here by name, so that common files whose
+FFN width is not a multiple of 256 per rank (Qwen2.5-0.5B/1.5B/3B Q4_K_M at -tp 2) still serve. A GPTQ / AWQ /
+compressed-tensors group cut has no such path: it is refused here (exit 2) with the layer and the sizes.
 
     GGUF                 a block type's blocks along the row: 32 weights (Q4_0 .. Q8_0), 256 (the k-quants)
     GPTQ / AWQ / c-t     the quantization group (group_size > 0); per-channel scales cut anywhere; act-order
@@ -13,12 +15,15 @@ Column-parallel cuts (whole output rows) and the vocabulary rows fall on a bound
 
 from __future__ import annotations
 
+import logging
 import pathlib
 
 from steploop.gpu_worker.distributed.shapes import RankShare, TensorParallelShapeError, has_dense_mlp
 from steploop.gpu_worker.distributed.sharding import CheckpointSharder
 from steploop.gpu_worker.model.model_config import ModelConfig
 from steploop.gpu_worker.model.quant.config import INT
+
+log = logging.getLogger(__name__)
 
 _ROW_PARALLEL = ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight")
 
@@ -32,12 +37,15 @@ def check_stored_split(model_path: pathlib.Path, cfg: ModelConfig, share: RankSh
     gguf = gguf_source(model_path)
     if gguf is not None:
         misfits = gguf_misfits(gguf, model_path, sharder)
-        fix = "store those layers in a 32-weight block type (Q8_0, Q4_0 ..), or run a -tp that cuts whole blocks"
-    elif cfg.quant is not None:
-        misfits = group_misfits(cfg, sharder)
-        fix = "run a -tp whose cut falls on a group boundary, or -tp 1"
-    else:
+        if misfits:
+            log.warning("-tp %d cuts %d GGUF tensors inside their blocks; each rank holds its share of them as "
+                        "fp32 (exact, ~8x their stored bytes): %s", share.world_size, len(misfits),
+                        "; ".join(misfits[:4]) + (f"; and {len(misfits) - 4} more" if len(misfits) > 4 else ""))
         return
+    if cfg.quant is None:
+        return
+    misfits = group_misfits(cfg, sharder)
+    fix = "run a -tp whose cut falls on a group boundary, or -tp 1"
     if misfits:
         shown = "; ".join(misfits[:4]) + (f"; and {len(misfits) - 4} more" if len(misfits) > 4 else "")
         raise TensorParallelShapeError(f"-tp {share.world_size}: a row-parallel layer's input columns would be cut "

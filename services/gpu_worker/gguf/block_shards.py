@@ -2,8 +2,8 @@
 
 A column-parallel weight (q/k/v, gate/up, each expert's gate/up) keeps whole rows: any row range is whole blocks.
 A row-parallel weight (o_proj, down_proj, each expert's down) keeps a range of input columns, which must start and
-end on the type's block boundary (32 weights for the legacy types, a 256-weight super-block for the k-quants): the
-start-up check (distributed/stored_split.py) refuses a split that does not, so here it is a bug. The vocabulary
+end on the type's block boundary (32 weights for the legacy types, a 256-weight super-block for the k-quants): a
+weight whose cut does not (cut_inside_blocks) is left to the fp32 path by the loader, so here it is a bug. The vocabulary
 tensors (embedding, output) take the rank's rows, padded with zero bytes, which every type decodes to 0.0 (d = 0).
 """
 
@@ -22,6 +22,12 @@ def block_size(qtype) -> int:
 
 def misaligned(start: int, size: int, qtype) -> bool:
     return bool(start % block_size(qtype) or size % block_size(qtype))
+
+
+def cut_inside_blocks(sharder, hf_name: str, qtype) -> bool:
+    """True when this rank's share of a row-parallel weight starts or ends inside one of its blocks."""
+    split = None if sharder is None or block_size(qtype) == 1 else sharder.split(hf_name)
+    return split is not None and split[0] == 1 and misaligned(split[1], split[2], qtype)
 
 
 def shard_raw(sharder, hf_name: str, data: np.ndarray, qtype, k: int) -> tuple[np.ndarray, int]:
@@ -43,7 +49,7 @@ def shard_raw(sharder, hf_name: str, data: np.ndarray, qtype, k: int) -> tuple[n
         return data[start:start + size], k
     if misaligned(start, size, qtype):
         raise ValueError(f"{hf_name}: columns [{start}, {start + size}) of {k} are not whole {qtype.name} blocks of "
-                         f"{block_size(qtype)} (the start-up check should have refused this split)")
+                         f"{block_size(qtype)} (the loader should have read it as fp32)")
     per_block = data.shape[-1] // (k // block_size(qtype))
     first = start // block_size(qtype) * per_block
     return data[..., first:first + size // block_size(qtype) * per_block], size

@@ -29,7 +29,7 @@ from gguf import quants as gguf_quants
 
 from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_shape
 from steploop.gpu_worker.gguf import blocks
-from steploop.gpu_worker.gguf.block_shards import shard_raw
+from steploop.gpu_worker.gguf.block_shards import cut_inside_blocks, shard_raw
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gguf
 from steploop.gpu_worker.model.moe import NOT_HELD
@@ -256,7 +256,8 @@ def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_l
     if they all are block types that fit the layout and cover the whole weight; False leaves it to the fp32 path."""
     if not packed or not isinstance(module, packed_linear_type):
         return False
-    if any(p.expert is not None for p in parts) or not _packable(parts, module.out_features, module.in_features):
+    if any(p.expert is not None for p in parts) or not _packable(parts, module.out_features, module.in_features,
+                                                                    sharder):
         return False
     module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file,
                                      sharder))
@@ -272,23 +273,27 @@ def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: Load
     shape = tuple(getattr(module, name).shape)
     n, k = shape[-2:]
     if name.startswith("shared"):
-        if not _packable(parts, n, k):
+        if not _packable(parts, n, k, sharder):
             return False
         module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats, sharder=sharder))
         return True
     by_expert: dict[int, list[_Part]] = defaultdict(list)
     for p in parts:
         by_expert[p.expert].append(p)
-    if sorted(by_expert) != list(range(shape[0])) or not all(_packable(ps, n, k) for ps in by_expert.values()):
+    if sorted(by_expert) != list(range(shape[0])) or \
+            not all(_packable(ps, n, k, sharder) for ps in by_expert.values()):
         return False
     module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats, sharder=sharder)
                              for e in range(shape[0])])
     return True
 
 
-def _packable(parts: list[_Part], n: int, k: int) -> bool:
-    """All parts block types, tiling the [n, k] weight's rows in whole 16-row groups, the shape the layout takes."""
+def _packable(parts: list[_Part], n: int, k: int, sharder=None) -> bool:
+    """All parts block types, tiling the [n, k] weight's rows in whole 16-row groups, the shape the layout takes,
+    and (tensor parallel) this rank's columns whole blocks: a cut inside them is read as fp32 (stored_split.py)."""
     if any(p.tensor.tensor_type not in blocks.BLOCK_TYPES for p in parts) or not packable_shape(n, k):
+        return False
+    if any(cut_inside_blocks(sharder, p.hf_name, p.tensor.tensor_type) for p in parts):
         return False
     covered = 0                      # the parts tile the rows in 16-row groups (q, k, v / gate, up; or one whole)
     for r0, r1 in sorted((p.rows or (0, n)) for p in parts):
