@@ -51,9 +51,10 @@ class SchedulerConfig:
     # n-gram sizes tried, longest first: the last n tokens are looked up earlier in the request's own tokens.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    # Vision-language models (encoder_budget.py): image placeholder tokens whose encoder runs in one step at most,
-    # and the worker's encoder cache size in embeddings (images being prefilled hold theirs). 0 = max_num_batched_tokens
-    # (the budget), the budget (the cache).
+    # Vision-language models (encoder_budget.py): image placeholder tokens whose encoder runs in one step at most
+    # (a tower that runs a slice of layers per step counts a layer as length / layers), and the worker's encoder
+    # cache size in embeddings (images being prefilled or encoded hold theirs). 0 = max_num_batched_tokens (the
+    # budget), the larger of the budget and max_num_batched_tokens (the cache).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
 
@@ -63,7 +64,7 @@ class SchedulerConfig:
 
     @property
     def encoder_cache_tokens(self) -> int:
-        return self.encoder_cache_size or self.encoder_budget
+        return self.encoder_cache_size or max(self.encoder_budget, self.max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -119,6 +119,19 @@ class PrefillPacer:
             return int(seconds / lin) if lin > 0.0 else 1 << 30
         return int((-lin + math.sqrt(lin * lin + 2.0 * c * seconds)) / c)
 
+    def encoder_tokens_affordable(self) -> int | None:
+        """Encoder tokens (a slice of an image's tower: encoder_budget.py) the step's allowance still pays for;
+        None: no cap (no decodes in the step, the model not fitted, or no image encoded yet)."""
+        if self._allowance is None or self._encoder_seconds <= 0.0:
+            return None
+        return int(self._allowance / self._encoder_seconds)
+
+    def spend_encoder(self, encoder_tokens: int) -> None:
+        """A slice of encoder_tokens runs this step: its time comes out of the allowance and into the shape."""
+        self._step_encoder += encoder_tokens
+        if self._allowance is not None:
+            self._allowance = max(self._allowance - self._encoder_seconds * encoder_tokens, 0.0)
+
     def tally(self, num_new: int, context_end: int, is_decode: bool, encoder_tokens: int = 0) -> None:
         """A request was added to the step being built with num_new tokens ending at context_end (and images of
         encoder_tokens to encode)."""
