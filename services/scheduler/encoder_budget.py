@@ -104,6 +104,13 @@ class EncoderBudget:
         return slices
 
     def clip(self, request: Request, start: int, num_new: int) -> int:
+        num_new, need = self._clip(request, start, num_new)
+        if self.depth and not need and request.status is RequestStatus.RUNNING:    # the worker has its pixels
+            self._slice_ahead(request, start + num_new)     # (commit slices after a chunk that encodes)
+        return num_new
+
+    def _clip(self, request: Request, start: int, num_new: int) -> tuple[int, int]:
+        """(the chunk's tokens, encoder tokens it would run)."""
         if self.whole_images:
             num_new = whole_image_chunk(request.mm_features, start, num_new)
         need, new_hashes = 0, set()
@@ -114,16 +121,13 @@ class EncoderBudget:
             fresh = f.hash not in self.sizes and f.hash not in self._freed
             no_room = fresh and self.used + need + f.length > self.cache_size
             if need + cost > self.left or no_room:
-                if self.depth and request.status is RequestStatus.RUNNING:   # the worker has its pixels
-                    self._slice(request, f)
-                    return max(f.offset - start, 0)
-                stuck = (self.depth and f.offset <= start and not need and not no_room and not self.slices
-                         and self.left == self.budget)    # a waiting request at the image, nothing else encoded
-                if not stuck:
-                    return max(f.offset - start, 0)
+                stuck = (self.depth and request.status is not RequestStatus.RUNNING and f.offset <= start
+                         and not need and not no_room and not self.slices and self.left == self.budget)
+                if not stuck:      # (stuck: a waiting request at the image, nothing else encoded: it runs whole)
+                    return max(f.offset - start, 0), need
             need += cost
             new_hashes.add(f.hash)
-        return num_new
+        return num_new, need
 
     def to_encode(self, request: Request, start: int, num_new: int) -> list[tuple[int, int]]:
         """(offset, encoder tokens still to run) of each image the chunk reaches that is neither cached nor encoded
@@ -148,10 +152,14 @@ class EncoderBudget:
             else:
                 self._drop_user(f.hash, request.request_id)
         if self.depth:
-            ahead = next((f for f in request.mm_features if f.offset >= end), None)
-            if ahead is not None:
-                self._slice(request, ahead)
+            self._slice_ahead(request, end)
         return encoded
+
+    def _slice_ahead(self, request: Request, end: int) -> None:
+        """Slice the first image the request reaches after token `end`."""
+        ahead = next((f for f in request.mm_features if f.offset >= end), None)
+        if ahead is not None:
+            self._slice(request, ahead)
 
     def _slice(self, request: Request, f: MultiModalFeature) -> None:
         """Plan the layers of image f that the step's budget (and the pacer's allowance) still pays for."""

@@ -312,7 +312,8 @@ class Scheduler:
         images = request.mm_features and computed < request.mm_features[-1].end
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
             paced = self.pacer.clip(num_new, computed,
-                                    self.encoder.to_encode(request, computed, num_new) if images else ())
+                                    self.encoder.to_encode(request, computed, num_new) if images else (),
+                                    sliceable=self.encoder.depth > 0 and request.status is RUNNING)
             if images and self.encoder.whole_images:      # Gemma 3: never stuck inside an image while decodes run
                 paced = paced_whole_image(request.mm_features, computed, num_new, paced)
             num_new = paced
