@@ -1,7 +1,8 @@
 """Images in (Qwen2.5-VL), the real Scheduler + ModelRunner in one process on the CPU, a random model built from
-transformers' config class (tests/vlm/vlm_models.py; no download), sized by the flags (default: a 16-layer,
-128-wide vision tower beside a 4-layer, 256-wide decoder, so one 336 px image costs several decode steps, as a
-real VLM's tower does; --vision-depth 2 --vision-hidden 32 --text-hidden 64 --text-layers 2 is the tests' tiny one):
+transformers' config class (tests/vlm/vlm_models.py; no download), sized by the flags (default: a 32-layer,
+64-wide vision tower beside a 4-layer, 256-wide decoder: a 224 px image (64 tokens) costs ~15 decode steps of 4
+streams, a layer ~half of one, as Qwen2.5-VL-7B's 32-layer tower does on compute-bound hardware; --vision-depth 2
+--vision-hidden 32 --text-hidden 64 --text-layers 2 is the tests' tiny one):
 
     python -m benchmarks.vlm_images [--rounds 2] [--out benchmarks/results/vlm_images.json]
 
@@ -191,13 +192,13 @@ def load_average() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--image-px", type=int, default=336, help="square images: (px/28)^2 placeholder tokens")
+    ap.add_argument("--image-px", type=int, default=224, help="square images: (px/28)^2 placeholder tokens")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-decode-slowdown", type=float, default=2.0, help="prefill pacing (0 = off)")
-    ap.add_argument("--sliced-encoder-budget", type=int, default=16,
+    ap.add_argument("--sliced-encoder-budget", type=int, default=2,
                     help="encoder tokens per step in the sliced mode (a layer of an image of L tokens costs L/depth)")
-    ap.add_argument("--vision-depth", type=int, default=16)
-    ap.add_argument("--vision-hidden", type=int, default=128)
+    ap.add_argument("--vision-depth", type=int, default=32)
+    ap.add_argument("--vision-hidden", type=int, default=64)
     ap.add_argument("--text-hidden", type=int, default=256)
     ap.add_argument("--text-layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1,

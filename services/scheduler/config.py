@@ -152,10 +152,12 @@ class SchedulerConfig:
         envs.add_flag(parser, "--ngram-prompt-lookup-max", type=int, default=d.prompt_lookup_max,
                       help="longest n-gram matched for drafts")
         envs.add_flag(parser, "--max-num-encoder-input-tokens", type=int, default=d.max_num_encoder_input_tokens,
-                      help="image tokens encoded per step at most (vision-language models); 0 = "
+                      help="image tokens encoded per step at most (vision-language models; a tower run a slice "
+                           "of layers per step counts a layer of an image as its tokens / layers); 0 = "
                            "--max-num-batched-tokens")
         envs.add_flag(parser, "--encoder-cache-size", type=int, default=d.encoder_cache_size,
-                      help="image embeddings the worker's encoder cache holds at most; 0 = the encoder budget")
+                      help="image embeddings the worker's encoder cache holds at most; 0 = the larger of the encoder "
+                           "budget and --max-num-batched-tokens")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SchedulerConfig":
