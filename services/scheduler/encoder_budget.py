@@ -89,6 +89,13 @@ class EncoderBudget:
                     "this model's image tokens attend to each other, so an image is prefilled in one chunk; raise "
                     "--max-num-batched-tokens (and --long-prefill-token-threshold)", "invalid_value", "messages")
 
+    def check_entries(self) -> None:
+        """Every entry has a live user (else it leaks), partial state only for an entry or a pending free."""
+        if set(self.sizes) != set(self.users) or not all(self.users.values()):
+            raise AssertionError(f"encoder entries without users: sizes {self.sizes}, users {self.users}")
+        if not set(self.layers_left) <= set(self.sizes) | set(self._freed):
+            raise AssertionError(f"partial encodes {self.layers_left} without an entry")
+
     def begin_step(self) -> None:
         self.left = self.budget
         self.slices = []
@@ -165,8 +172,7 @@ class EncoderBudget:
         """Plan the layers of image f that the step's budget (and the pacer's allowance) still pays for."""
         if self._cost(f) == 0 or any(h == f.hash for h, _ in self.slices):
             return
-        revived = self._revive(f)
-        fresh = not revived and f.hash not in self.sizes
+        fresh = f.hash not in self.sizes and f.hash not in self._freed
         if fresh and self.used + f.length > self.cache_size:
             return                               # no room for its state yet: it waits
         left = self.left
@@ -179,6 +185,7 @@ class EncoderBudget:
             layers = 1                           # a layer larger than the step's budget: alone, it progresses
         if layers == 0:
             return
+        self._revive(f)
         if fresh:
             self._count_query(f)
             self._add(f)

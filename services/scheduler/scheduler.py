@@ -418,5 +418,6 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every invariant of queues, counters and blocks; tests call it after every step."""
         check_scheduler(self)
+        self.encoder.check_entries()
         beam_groups.check(self)
         self.lora.check(list(self.running))
