@@ -1,12 +1,18 @@
-"""Images in (Qwen2.5-VL), the real Scheduler + ModelRunner in one process on the CPU, a random tiny model built
-from transformers' config class (tests/vlm/vlm_models.py; no download):
+"""Images in (Qwen2.5-VL), the real Scheduler + ModelRunner in one process on the CPU, a random model built from
+transformers' config class (tests/vlm/vlm_models.py; no download), sized by the flags (default: a 32-layer,
+64-wide vision tower beside a 4-layer, 256-wide decoder: a 224 px image (64 tokens) costs ~15 decode steps of 4
+streams, a layer ~half of one, as Qwen2.5-VL-7B's 32-layer tower does on compute-bound hardware; --vision-depth 2
+--vision-hidden 32 --text-hidden 64 --text-layers 2 is the tests' tiny one):
 
-    python -m benchmarks.vlm_images [--rounds 4] [--out benchmarks/results/vlm_images.json]
+    python -m benchmarks.vlm_images [--rounds 2] [--out benchmarks/results/vlm_images.json]
 
 1. TTFT of a request whose image an earlier request already sent (prefix-cache hit over the image's blocks, so no
-   encoder run) vs one with a new image, same prompt shape; alternating new/same/same/new (ABBA) per round;
-2. decode inter-token latency (median, p99) of running text streams while image requests arrive, vs the same
-   streams alone (issue 35 asks p99 / median <= 1.5x).
+   encoder run) vs one with a new image, same prompt shape; alternating new/same/same/new (ABBA) per round; with
+   the image encoded whole and in slices;
+2. decode inter-token latency (median, p99) of running text streams while image requests arrive, with each image
+   encoded whole in one step ('whole') or a slice of tower layers per step ('sliced': encoder budget
+   --sliced-encoder-budget, scheduler/encoder_budget.py), vs the same streams alone, alternating
+   alone/whole/sliced/sliced/whole/alone per round (issue 35 asks p99 / median <= 1.5x).
 
 Timings on a shared CPU are noisy: each scenario runs one discarded warm-up round, then alternates its modes and
 reports the median per mode.
@@ -43,13 +49,17 @@ def build_runner(model_dir):
     return ModelRunner.from_config(config, model_dir)
 
 
-def scheduler(runner, max_num_batched_tokens: int, max_decode_slowdown: float = 2.0):
+def scheduler(runner, max_num_batched_tokens: int, max_decode_slowdown: float = 2.0, encoder_budget: int = 0):
+    """encoder_budget > 0: images are encoded a slice of tower layers per step within it; 0: whole."""
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16,
-                             enable_prefix_caching=True, max_decode_slowdown=max_decode_slowdown)
+                             enable_prefix_caching=True, max_decode_slowdown=max_decode_slowdown,
+                             max_num_encoder_input_tokens=encoder_budget, encoder_cache_size=4096)
     info = runner.info
     kv = KVCacheManager(info.num_kv_blocks, BLOCK, True)
     runner.reset()
-    return make_scheduler(config, kv, info.max_model_len, list(info.eos_token_ids))
+    sched = make_scheduler(config, kv, info.max_model_len, list(info.eos_token_ids))
+    sched.encoder.depth = info.encoder_layers if encoder_budget else 0    # what the worker's hello sets
+    return sched
 
 
 def greedy(n: int) -> SamplingParams:
@@ -90,9 +100,9 @@ def image_request(rid: str, png: bytes, suffix_seed: int, max_tokens: int = 2) -
     return Request(rid, ids + tail, sampling=greedy(max_tokens), mm_features=features)
 
 
-def ttft_same_vs_new(runner, rounds: int, size: int) -> dict:
+def ttft_same_vs_new(runner, rounds: int, size: int, encoder_budget: int = 0) -> dict:
     """Per trial: a first request with image A, then the measured one with A again ('same') or a new B ('new')."""
-    sched = scheduler(runner, 1024)
+    sched = scheduler(runner, 1024, encoder_budget=encoder_budget)
     times: dict[str, list[tuple[float, float]]] = {"same": [], "new": []}
     seed = 100
     for _ in range(rounds):
@@ -104,7 +114,8 @@ def ttft_same_vs_new(runner, rounds: int, size: int) -> dict:
             times[mode].append(ttft(runner, sched, image_request(f"m{seed}", second, seed + 1)))
     counts = sched.counters()
     out = {"image_px": size, "image_tokens": image_request("x", png_bytes(size, size, 0), 0).mm_features[0].length,
-           "prefix_hit_tokens": counts.prefix_hits, "images_encoded": counts.images_encoded}
+           "prefix_hit_tokens": counts.prefix_hits, "images_encoded": counts.images_encoded,
+           "encoder_budget": encoder_budget, "encoder_slices": sched.encoder.num_slices}
     for i, clock in enumerate(CLOCKS):
         same = statistics.median(t[i] for t in times["same"])
         new = statistics.median(t[i] for t in times["new"])
@@ -117,10 +128,10 @@ CLOCKS = ("wall", "cpu")
 
 
 def itl_with_images(runner, with_images: bool, streams: int, tokens: int, every: int, size: int,
-                    budget: int, slowdown: float = 2.0) -> list[tuple[float, float]]:
+                    budget: int, slowdown: float = 2.0, encoder_budget: int = 0) -> list[tuple[float, float]]:
     """(wall, cpu) inter-token gaps of `streams` text requests decoding `tokens` each; with_images: an image
-    request (new image) arrives every `every` steps."""
-    sched = scheduler(runner, budget, slowdown)
+    request (new image) arrives every `every` steps; encoder_budget > 0: encoded in slices within it."""
+    sched = scheduler(runner, budget, slowdown, encoder_budget)
     for i in range(streams):
         ids, _ = prompt_with_images([], [32], seed=1000 + i)
         sched.add_request(Request(f"t{i}", ids, sampling=greedy(tokens)))
@@ -147,59 +158,115 @@ def p(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def itl_scenario(runner, rounds: int, size: int, budget: int, slowdown: float) -> dict:
-    gaps: dict[str, list[tuple[float, float]]] = {"alone": [], "with_images": []}
+ITL_MODES = ("alone", "whole", "sliced", "sliced", "whole", "alone")
+
+
+def itl_scenario(runner, rounds: int, size: int, budget: int, slowdown: float, sliced_budget: int) -> dict:
+    gaps: dict[str, list[tuple[float, float]]] = {"alone": [], "whole": [], "sliced": []}
+    loads: dict[str, list[float]] = {mode: [] for mode in gaps}
     for _ in range(rounds):
-        for mode in ("alone", "with_images", "with_images", "alone"):
-            gaps[mode] += itl_with_images(runner, mode == "with_images", streams=4, tokens=48, every=8, size=size,
-                                          budget=budget, slowdown=slowdown)
-    out = {"max_num_batched_tokens": budget, "max_decode_slowdown": slowdown, "image_px": size}
+        for mode in ITL_MODES:
+            loads[mode].append(load_average())
+            gaps[mode] += itl_with_images(runner, mode != "alone", streams=4, tokens=48, every=8, size=size,
+                                          budget=budget, slowdown=slowdown,
+                                          encoder_budget=sliced_budget if mode == "sliced" else 0)
+    out = {"max_num_batched_tokens": budget, "max_decode_slowdown": slowdown, "image_px": size,
+           "sliced_encoder_budget": sliced_budget,
+           "load_average_1m": {mode: statistics.median(v) for mode, v in loads.items()}}
     for i, clock in enumerate(CLOCKS):
         o = out[clock] = {}
         for mode, gs in gaps.items():
             g = [x[i] for x in gs]
             o[mode] = {"median_itl_s": statistics.median(g), "p99_itl_s": p(g, 0.99), "samples": len(g)}
             o[mode]["p99_over_median"] = o[mode]["p99_itl_s"] / o[mode]["median_itl_s"]
-        o["p99_with_over_alone"] = o["with_images"]["p99_itl_s"] / o["alone"]["p99_itl_s"]
-        o["median_with_over_alone"] = o["with_images"]["median_itl_s"] / o["alone"]["median_itl_s"]
+        for mode in ("whole", "sliced"):
+            o[f"p99_{mode}_over_alone"] = o[mode]["p99_itl_s"] / o["alone"]["p99_itl_s"]
+            o[f"median_{mode}_over_alone"] = o[mode]["median_itl_s"] / o["alone"]["median_itl_s"]
     return out
+
+
+def load_average() -> float:
+    return float(pathlib.Path("/proc/loadavg").read_text().split()[0])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--image-px", type=int, default=336, help="square images: (px/28)^2 placeholder tokens")
+    ap.add_argument("--image-px", type=int, default=224, help="square images: (px/28)^2 placeholder tokens")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-decode-slowdown", type=float, default=2.0, help="prefill pacing (0 = off)")
+    ap.add_argument("--sliced-encoder-budget", type=int, default=2,
+                    help="encoder tokens per step in the sliced mode (a layer of an image of L tokens costs L/depth)")
+    ap.add_argument("--vision-depth", type=int, default=32)
+    ap.add_argument("--vision-hidden", type=int, default=64)
+    ap.add_argument("--text-hidden", type=int, default=256)
+    ap.add_argument("--text-layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared few-core machine more threads make timings bimodal)")
     ap.add_argument("--out", default="benchmarks/results/vlm_images.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     info = machine_info()
+    size, sliced = args.image_px, args.sliced_encoder_budget
     with tempfile.TemporaryDirectory() as tmp:
-        runner = build_runner(build_qwen2_5_vl(pathlib.Path(tmp)))
+        model = build_model(pathlib.Path(tmp), args)
+        runner = build_runner(model)
         # One discarded round of each first: the early steps of every new shape run several times slower
         # (measured: 130-800 ms TTFTs in the first rounds, 7-14 ms later).
-        ttft_same_vs_new(runner, 1, args.image_px)
-        itl_scenario(runner, 1, args.image_px, args.max_num_batched_tokens, args.max_decode_slowdown)
-        ttft_result = ttft_same_vs_new(runner, args.rounds, args.image_px)
-        itl_result = itl_scenario(runner, args.rounds, args.image_px, args.max_num_batched_tokens,
-                                 args.max_decode_slowdown)
-    result = {"benchmark": "vlm_images", "model": "random tiny Qwen2.5-VL (tests/vlm/vlm_models.py)",
-              "machine": info, "commit": git_commit(), "ttft": ttft_result, "itl": itl_result}
+        ttft_same_vs_new(runner, 1, size)
+        ttft_same_vs_new(runner, 1, size, sliced)
+        itl_scenario(runner, 1, size, args.max_num_batched_tokens, args.max_decode_slowdown, sliced)
+        ttft_result = {"whole": ttft_same_vs_new(runner, args.rounds, size),
+                       "sliced": ttft_same_vs_new(runner, args.rounds, size, sliced), "load_average_1m": load_average()}
+        itl_result = itl_scenario(runner, args.rounds, size, args.max_num_batched_tokens, args.max_decode_slowdown,
+                                  sliced)
+    result = {"benchmark": "vlm_images", "model": model_description(args), "machine": info,
+              "commit": git_commit(), "ttft": ttft_result, "itl": itl_result}
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=2))
-    for clock in CLOCKS:
-        t, i = ttft_result[clock], itl_result[clock]
-        w, a = i["with_images"], i["alone"]
-        print(f"[{clock}] TTFT new image / same image: {t['new_over_same']:.2f}x (median "
-              f"{t['median_ttft_new_s'] * 1e3:.1f} ms vs {t['median_ttft_same_s'] * 1e3:.1f} ms, "
-              f"{ttft_result['image_tokens']} image tokens)")
-        print(f"[{clock}] decode ITL p99/median while images arrive: {w['p99_over_median']:.2f}x (alone "
-              f"{a['p99_over_median']:.2f}x); p99 with/alone {i['p99_with_over_alone']:.2f}x, median with/alone "
-              f"{i['median_with_over_alone']:.2f}x")
+    report(ttft_result, itl_result)
     print(f"wrote {args.out}")
+
+
+def build_model(folder: pathlib.Path, args) -> pathlib.Path:
+    heads = max(args.vision_hidden // 32, 1)
+    vision = {"depth": args.vision_depth, "hidden_size": args.vision_hidden, "num_heads": heads,
+              "intermediate_size": 4 * args.vision_hidden, "window_size": 112,
+              "fullatt_block_indexes": list(range(args.vision_depth // 4 - 1, args.vision_depth, args.vision_depth // 4))
+              if args.vision_depth >= 4 else [args.vision_depth - 1]}
+    text = {"hidden_size": args.text_hidden, "intermediate_size": 4 * args.text_hidden,
+            "num_hidden_layers": args.text_layers, "num_attention_heads": max(args.text_hidden // 32, 2),
+            "num_key_value_heads": 2}
+    half = args.text_hidden // text["num_attention_heads"] // 2        # rotary half-dims, split as Qwen2.5-VL's
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [half // 4, half * 3 // 8, half - half // 4 - half * 3 // 8]}
+    return build_qwen2_5_vl(folder, text=text, vision=vision)
+
+
+def model_description(args) -> str:
+    return (f"random Qwen2.5-VL (tests/vlm/vlm_models.py): vision tower {args.vision_depth} layers x "
+            f"{args.vision_hidden}, decoder {args.text_layers} layers x {args.text_hidden}")
+
+
+def report(ttft_result: dict, itl_result: dict) -> None:
+    load = ttft_result["load_average_1m"]
+    for mode in ("whole", "sliced"):
+        r = ttft_result[mode]
+        for clock in CLOCKS:
+            t = r[clock]
+            print(f"[{clock}] TTFT ({mode} encode) new image / same image: {t['new_over_same']:.2f}x (median "
+                  f"{t['median_ttft_new_s'] * 1e3:.1f} ms vs {t['median_ttft_same_s'] * 1e3:.1f} ms, "
+                  f"{r['image_tokens']} image tokens; load {load:.1f})")
+    loads = itl_result["load_average_1m"]
+    for clock in CLOCKS:
+        i = itl_result[clock]
+        a = i["alone"]
+        print(f"[{clock}] decode ITL p99/median alone: {a['p99_over_median']:.2f}x "
+              f"(median {a['median_itl_s'] * 1e3:.1f} ms; load {loads['alone']:.1f})")
+        for mode in ("whole", "sliced"):
+            w = i[mode]
+            print(f"[{clock}] decode ITL p99/median while images arrive, {mode}: {w['p99_over_median']:.2f}x "
+                  f"(median {w['median_itl_s'] * 1e3:.1f} ms, p99 {w['p99_itl_s'] * 1e3:.1f} ms; p99 vs alone "
+                  f"{i[f'p99_{mode}_over_alone']:.2f}x; load {loads[mode]:.1f})")
 
 
 if __name__ == "__main__":

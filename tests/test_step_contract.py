@@ -1,6 +1,7 @@
 """The worker seam's StepResult survives the wire, per-request failures included: a request the worker cannot serve
 as asked travels as (handle, code, message, param) beside the tokens of the requests that did sample; a StepPlan's
-stage tokens (-pp) travel as packed (handle, token) pairs, in order."""
+stage tokens (-pp) travel as packed (handle, token) pairs, in order; encoder slices as (hash, layers) pairs, and
+the hello's vision-tower depth with them."""
 
 from __future__ import annotations
 
@@ -41,3 +42,12 @@ def test_plan_stage_tokens_round_trip_in_order():
     back = StepPlan.from_pb(worker_pb2.StepPlan.FromString(plan.to_pb().SerializeToString()))
     assert back == plan
     assert StepPlan.from_pb(StepPlan(step_id=5).to_pb()).stage_token_ids == []
+
+
+def test_plan_encoder_slices_and_the_hellos_encoder_layers_round_trip():
+    from steploop.common.step_contract import WorkerInfo
+    plan = StepPlan(step_id=6, encoder_slices=[("aa", 2), ("bb", 1)])
+    assert StepPlan.from_pb(worker_pb2.StepPlan.FromString(plan.to_pb().SerializeToString())) == plan
+    info = WorkerInfo(worker_id="w", model_name="m", block_size=16, num_kv_blocks=8, max_model_len=64,
+                      vocab_size=10, eos_token_ids=(1,), encoder_layers=32)
+    assert WorkerInfo.from_pb(info.to_pb()).encoder_layers == 32

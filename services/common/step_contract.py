@@ -103,6 +103,8 @@ class StepPlan:
     lora_drops: list[str] = field(default_factory=list)             # adapters to forget
     kv_moves: KvMoves | None = None      # KV tier moves done before the forward (kv_moves.py); None = none
     encoder_free_hashes: list[str] = field(default_factory=list)   # encoder cache entries no request needs
+    # (image hash, layers): vision-tower layers the worker runs now for a partly encoded image (encoder_budget.py)
+    encoder_slices: list[tuple[str, int]] = field(default_factory=list)
     pd_moves: PdMoves | None = None      # prefill/decode transfers (pd_transfer.py); None = none
     # -pp: tokens the stages before the last append before this step (the last stage sampled them).
     stage_token_handles: list[int] = field(default_factory=list)    # [k] a handle may repeat (tokens in order)
@@ -122,6 +124,8 @@ class StepPlan:
             finished_handles=self.finished_handles, preempted_handles=self.preempted_handles,
             lora_loads=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.lora_loads],
             lora_drops=self.lora_drops, encoder_free_hashes=self.encoder_free_hashes,
+            encoder_slice_hashes=[h for h, _ in self.encoder_slices],
+            encoder_slice_layers=[n for _, n in self.encoder_slices],
             stage_token_handles=self.stage_token_handles, stage_token_ids=self.stage_token_ids)
         if self.kv_moves:
             self.kv_moves.fill_pb(pb)
@@ -150,6 +154,7 @@ class StepPlan:
                    finished_handles=list(pb.finished_handles), preempted_handles=list(pb.preempted_handles),
                    lora_loads=[LoraModule(m.name, m.path) for m in pb.lora_loads], lora_drops=list(pb.lora_drops),
                    kv_moves=KvMoves.from_pb(pb), encoder_free_hashes=list(pb.encoder_free_hashes),
+                   encoder_slices=list(zip(pb.encoder_slice_hashes, pb.encoder_slice_layers)),
                    pd_moves=PdMoves.from_pb(pb), stage_token_handles=list(pb.stage_token_handles),
                    stage_token_ids=list(pb.stage_token_ids),
                    block_copies=list(zip(pb.kv_copy_src_blocks, pb.kv_copy_dst_blocks)))
@@ -280,6 +285,7 @@ class WorkerInfo:
     kv_transfer_address: str = ""        # a decode worker's block receiver, host:port
     accepts_images: bool = False         # a vision-language model (requests may carry images)
     images_whole: bool = False           # its images attend both ways (Gemma 3): chunks never end inside one
+    encoder_layers: int = 0              # its vision tower's layers, run a slice at a time; 0: whole images only
 
     @property
     def answer_rank(self) -> int:
@@ -296,7 +302,7 @@ class WorkerInfo:
             kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
             kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
             accepts_images=self.accepts_images,
-            images_whole=self.images_whole, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address)
+            images_whole=self.images_whole, encoder_layers=self.encoder_layers, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -325,4 +331,4 @@ class WorkerInfo:
                    kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
                    kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
                    accepts_images=pb.accepts_images,
-                   images_whole=pb.images_whole, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address)
+                   images_whole=pb.images_whole, encoder_layers=pb.encoder_layers, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address)

@@ -8,6 +8,11 @@ with the same image, reuses it. The scheduler mirrors this cache (scheduler/enco
 work per step; if an entry is missing here anyway (e.g. after a worker restart), it is encoded again: the same
 embeddings, so never a wrong token.
 
+An image the scheduler splits (encoder slices, scheduler/encoder_budget.py) is encoded a slice of tower layers per
+step: each StepPlan.encoder_slices entry runs the next layers of that image, its hidden state kept here (partial,
+keyed by the hash like the entries) until a chunk reaches its placeholders, which runs what is left (the last
+layers, the merger / projector: model/vision_slices.py). A freed hash drops its partial state as its entry.
+
 step_inputs() turns a plan into the forward's extras: positions ([3, T] under M-RoPE, else the step's own [T]),
 (rows, embeddings) of the placeholder tokens scheduled this step, and, for a model whose image tokens attend to each
 other both ways (Gemma 3, model.images_whole), each batch row's image spans for the attention mask
@@ -27,6 +32,7 @@ from steploop.common.mm_inputs import MultiModalFeature
 from steploop.common.step_contract import StepPlan
 from steploop.gpu_worker.input_batch import InputBatch
 from steploop.gpu_worker.model.qwen2_5_vl import mrope_positions
+from steploop.gpu_worker.model.vision_slices import PartialEncode
 
 
 @dataclass
@@ -41,27 +47,48 @@ class EncoderCache:
     def __init__(self, model, device: torch.device):
         self.model, self.device = model, device
         self.entries: dict[str, torch.Tensor] = {}     # image hash -> [length, hidden]
+        self.partial: dict[str, PartialEncode] = {}    # image hash -> its tower's state after some layers
         self.requests: dict[int, _RequestImages] = {}
         self.num_encoded = 0                           # images the tower ran on (tests and metrics read it)
         self.mrope = model.config.mrope_section is not None
         self.images_whole = getattr(model, "images_whole", False)
 
     def apply_plan(self, plan: StepPlan) -> None:
-        """Before InputBatch.apply_plan's effects are used: drop gone requests and freed entries, add new ones."""
+        """Before InputBatch.apply_plan's effects are used: drop gone requests and freed entries, add new ones,
+        run the plan's encoder slices."""
+        # A slice may be for a request this plan preempts (the scheduler preempted it after planning the slice).
+        gone = [self.requests.pop(h) for h in (*plan.finished_handles, *plan.preempted_handles)
+                if h in self.requests] if plan.encoder_slices else ()
         for handle in (*plan.finished_handles, *plan.preempted_handles):
             self.requests.pop(handle, None)
         for h in plan.encoder_free_hashes:
             self.entries.pop(h, None)
+            self.partial.pop(h, None)
         for new in plan.new_requests:
             positions, delta = None, 0
             if self.mrope:
                 positions, delta = mrope_positions(len(new.prompt_token_ids), new.mm_features,
                                                    self.model.spatial_merge_size)
             self.requests[new.handle] = _RequestImages(list(new.mm_features), positions, delta, new.traceparent)
+        if plan.encoder_slices:
+            self._run_slices(plan.encoder_slices, [*self.requests.values(), *gone])
+
+    def _run_slices(self, slices: list[tuple[str, int]], holders: list[_RequestImages]) -> None:
+        by_hash = {f.hash: (f, r.traceparent) for r in holders for f in r.features}
+        for image_hash, layers in slices:
+            if image_hash in self.entries:
+                continue                  # encoded whole after a worker restart; the scheduler counts slices
+            feature, traceparent = by_hash[image_hash]
+            with _encode_span(feature, traceparent, layers):
+                state = self.partial.get(image_hash)
+                if state is None:
+                    state = self.partial[image_hash] = self.model.encoder_begin(feature)
+                self.model.encoder_layers_run(state, layers)
 
     def reset(self) -> None:
         self.requests.clear()
         self.entries.clear()
+        self.partial.clear()
 
     def step_inputs(self, batch: InputBatch, plan: StepPlan, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, tuple | None, dict[int, list[tuple[int, int]]]]:
@@ -105,8 +132,10 @@ class EncoderCache:
     def _embeddings(self, feature: MultiModalFeature, traceparent: str) -> torch.Tensor:
         cached = self.entries.get(feature.hash)
         if cached is None:
-            with _encode_span(feature, traceparent):
-                cached = self.entries[feature.hash] = self.model.encode_image(feature)
+            state = self.partial.pop(feature.hash, None)
+            with _encode_span(feature, traceparent, -1 if state is None else 0):
+                cached = self.model.encode_image(feature) if state is None else self.model.encoder_end(state)
+            self.entries[feature.hash] = cached
             self.num_encoded += 1
         return cached
 
@@ -120,12 +149,14 @@ def _whole_span(feature: MultiModalFeature, start: int, num_new: int) -> tuple[i
     return feature.offset, feature.end
 
 
-def _encode_span(feature: MultiModalFeature, traceparent: str):
+def _encode_span(feature: MultiModalFeature, traceparent: str, layers: int):
     """A "steploop.worker.encode_image" span in the request's trace (tracing on and the request traced): the
-    vision tower's run on one image. On a GPU it times the kernel launches (the step's forward waits for them)."""
+    vision tower's run on one image (layers -1: whole; 0: what a slice left; n: a slice of n layers). On a GPU it
+    times the kernel launches (the step's forward waits for them)."""
     if not tracing.ENABLED or not traceparent:
         return contextlib.nullcontext()
     return tracing.tracer().start_as_current_span(
         "steploop.worker.encode_image", context=tracing.context_from_traceparent(traceparent),
         attributes={tracing.SERVICE: "worker", "steploop.image_hash": feature.hash,
-                    "steploop.image_tokens": feature.length, "steploop.image_grid_thw": list(feature.grid_thw)})
+                    "steploop.image_tokens": feature.length, "steploop.image_grid_thw": list(feature.grid_thw),
+                    "steploop.encoder_slice_layers": layers})

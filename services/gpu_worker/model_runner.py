@@ -151,6 +151,7 @@ class ModelRunner:
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None,
                           accepts_images=cfg.is_multimodal, images_whole=getattr(model, "images_whole", False),
+                          encoder_layers=getattr(model, "encoder_layers", 0) if cfg.is_multimodal else 0,
                           **kv_tier_mover.hello_fields(tiers), kv_role=config.kv_role)
         sender = receiver = None
         if config.kv_role in ("prefill", "both"):

@@ -51,9 +51,10 @@ class SchedulerConfig:
     # n-gram sizes tried, longest first: the last n tokens are looked up earlier in the request's own tokens.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    # Vision-language models (encoder_budget.py): image placeholder tokens whose encoder runs in one step at most,
-    # and the worker's encoder cache size in embeddings (images being prefilled hold theirs). 0 = max_num_batched_tokens
-    # (the budget), the budget (the cache).
+    # Vision-language models (encoder_budget.py): image placeholder tokens whose encoder runs in one step at most
+    # (a tower that runs a slice of layers per step counts a layer as length / layers), and the worker's encoder
+    # cache size in embeddings (images being prefilled or encoded hold theirs). 0 = max_num_batched_tokens (the
+    # budget), the larger of the budget and max_num_batched_tokens (the cache).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
 
@@ -63,7 +64,7 @@ class SchedulerConfig:
 
     @property
     def encoder_cache_tokens(self) -> int:
-        return self.encoder_cache_size or self.encoder_budget
+        return self.encoder_cache_size or max(self.encoder_budget, self.max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,10 +152,12 @@ class SchedulerConfig:
         envs.add_flag(parser, "--ngram-prompt-lookup-max", type=int, default=d.prompt_lookup_max,
                       help="longest n-gram matched for drafts")
         envs.add_flag(parser, "--max-num-encoder-input-tokens", type=int, default=d.max_num_encoder_input_tokens,
-                      help="image tokens encoded per step at most (vision-language models); 0 = "
+                      help="image tokens encoded per step at most (vision-language models; a tower run a slice "
+                           "of layers per step counts a layer of an image as its tokens / layers); 0 = "
                            "--max-num-batched-tokens")
         envs.add_flag(parser, "--encoder-cache-size", type=int, default=d.encoder_cache_size,
-                      help="image embeddings the worker's encoder cache holds at most; 0 = the encoder budget")
+                      help="image embeddings the worker's encoder cache holds at most; 0 = the larger of the encoder "
+                           "budget and --max-num-batched-tokens")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "SchedulerConfig":

@@ -264,6 +264,7 @@ class EngineLoop:
         self.scheduler = make_scheduler(self.sched_config, kv, info.max_model_len, list(info.eos_token_ids),
                                         info.pooling, lora, self.server_config.pipeline_parallel_size)
         self.scheduler.encoder.whole_images = info.images_whole
+        self.scheduler.encoder.depth = info.encoder_layers          # 0: images encode whole
         self.worker_info = info
         carried = self._pending + ([] if old is None else old.drain_requests())
         self._pending = []

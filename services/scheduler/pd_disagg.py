@@ -118,6 +118,7 @@ class PdDisagg:
                             get_block_hasher(config.prefix_caching_hash_algo))
         self.scheduler = make_scheduler(config, kv, group.info.max_model_len, list(group.info.eos_token_ids))
         self.scheduler.encoder.whole_images = group.info.images_whole     # Gemma 3: prompt chunks keep images whole
+        self.scheduler.encoder.depth = group.info.encoder_layers          # encoder slices (0: whole images)
         self.group = group
         log.info("prefill worker %s attached: %d KV blocks", group.info.worker_id, group.info.num_kv_blocks)
         self._wakeup.set()

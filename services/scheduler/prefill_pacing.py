@@ -16,7 +16,9 @@ encoder run in this step, e * its encoder tokens (the model learns e as it learn
 stops before an image the allowance left cannot pay for, so the image waits for a step with room. An image
 larger than a whole step's allowance runs anyway when its chunk gets the `min_chunk` progress guarantee as the
 step's first prompt work; that spends the allowance, so it runs with the decodes and no other prompt chunk rather
-than never (a guaranteed chunk after other prompt work stops before an unpaid image).
+than never (a guaranteed chunk after other prompt work stops before an unpaid image). A tower that runs a slice
+of layers per step (encoder_budget.py) never needs that: a running request's chunk always stops before an unpaid
+image, and the slices, which the allowance pays for (encoder_tokens_affordable / spend_encoder), finish it.
 
 The decode part of the step being built is not known until the running queue has been walked, so the allowance
 is derived from the previous step's decodes (one token of context apart, the same), scaled down to the requests
@@ -70,15 +72,17 @@ class PrefillPacer:
         self._allowance = self._full_allowance = (self.ratio - 1.0) * (a + b * decodes + c * pairs)
         self._min_left = self.min_chunk
 
-    def clip(self, num_new: int, start: int, images: list[tuple[int, int]] = ()) -> int:
+    def clip(self, num_new: int, start: int, images: list[tuple[int, int]] = (), sliceable: bool = False) -> int:
         """A prompt chunk of up to num_new tokens from position `start`: the tokens the allowance leaves it.
-        images: (offset, encoder tokens) of the images the whole chunk would encode (EncoderBudget.to_encode)."""
+        images: (offset, encoder tokens) of the images the whole chunk would encode (EncoderBudget.to_encode).
+        sliceable: the encoder runs a slice of layers per step (encoder_budget.py), so the progress guarantee never
+        carries a chunk into an image the allowance does not pay for: slices finish it instead."""
         if self._allowance is None or num_new <= 0:
             return num_new
         k = paid = self._within_allowance(num_new, start, images)
         if k < self._min_left:
             k = min(num_new, self._min_left)
-            if self._allowance < self._full_allowance:
+            if sliceable or self._allowance < self._full_allowance:
                 # An earlier chunk spent part of this step: an image the allowance did not pay for waits for a
                 # step whose allowance it opens (then the guarantee carries it, alone with the decodes).
                 unpaid = [o for o, _ in images if (paid == 0 or o >= start + paid) and o < start + k]
@@ -118,6 +122,19 @@ class PrefillPacer:
         if c <= 0.0:
             return int(seconds / lin) if lin > 0.0 else 1 << 30
         return int((-lin + math.sqrt(lin * lin + 2.0 * c * seconds)) / c)
+
+    def encoder_tokens_affordable(self) -> int | None:
+        """Encoder tokens (a slice of an image's tower: encoder_budget.py) the step's allowance still pays for;
+        None: no cap (no decodes in the step, the model not fitted, or no image encoded yet)."""
+        if self._allowance is None or self._encoder_seconds <= 0.0:
+            return None
+        return int(self._allowance / self._encoder_seconds)
+
+    def spend_encoder(self, encoder_tokens: int) -> None:
+        """A slice of encoder_tokens runs this step: its time comes out of the allowance and into the shape."""
+        self._step_encoder += encoder_tokens
+        if self._allowance is not None:
+            self._allowance = max(self._allowance - self._encoder_seconds * encoder_tokens, 0.0)
 
     def tally(self, num_new: int, context_end: int, is_decode: bool, encoder_tokens: int = 0) -> None:
         """A request was added to the step being built with num_new tokens ending at context_end (and images of

@@ -76,6 +76,7 @@ class Scheduler:
         self.c_loops = fastpath.load()
         step_tokens = min(t for t in (config.max_num_batched_tokens, config.long_prefill_token_threshold) if t > 0)
         self.encoder = EncoderBudget(config.encoder_budget, config.encoder_cache_tokens, step_tokens)   # images
+        self.encoder.pacer = self.pacer          # encoder slices fit the pacer's allowance too
         self.background_yields = False              # this step: an interactive request waits (schedule())
         self.beam_groups: dict[str, beam_groups.BeamGroup] = {}   # beam search requests by id (beam_groups.py)
         self.beam_ready: list[beam_groups.BeamGroup] = []         # ranked groups the next plan moves on
@@ -223,6 +224,7 @@ class Scheduler:
             self._in_flight[plan.step_id] = (scheduled, ends)
         elif self.beam_groups and not self._in_flight:
             beam_groups.break_stall(self, plan)
+        plan.encoder_slices = self.encoder.take_slices()         # vision-tower layers run before the forward
         if self.pacer is not None:
             self.pacer.end_step(plan.step_id)
         if self.kv.tiers is not None:
@@ -310,7 +312,8 @@ class Scheduler:
         images = request.mm_features and computed < request.mm_features[-1].end
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
             paced = self.pacer.clip(num_new, computed,
-                                    self.encoder.to_encode(request, computed, num_new) if images else ())
+                                    self.encoder.to_encode(request, computed, num_new) if images else (),
+                                    sliceable=self.encoder.depth > 0 and request.status is RUNNING)
             if images and self.encoder.whole_images:      # Gemma 3: never stuck inside an image while decodes run
                 paced = paced_whole_image(request.mm_features, computed, num_new, paced)
             num_new = paced
@@ -415,5 +418,6 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every invariant of queues, counters and blocks; tests call it after every step."""
         check_scheduler(self)
+        self.encoder.check_entries()
         beam_groups.check(self)
         self.lora.check(list(self.running))

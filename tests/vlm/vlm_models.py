@@ -23,9 +23,11 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
 
 
-def build_qwen2_5_vl(folder: pathlib.Path, seed: int = 0, tokenizer_dir: pathlib.Path | None = None) -> pathlib.Path:
+def build_qwen2_5_vl(folder: pathlib.Path, seed: int = 0, tokenizer_dir: pathlib.Path | None = None,
+                     text: dict | None = None, vision: dict | None = None) -> pathlib.Path:
     """tokenizer_dir (the default model's): the folder also gets that tokenizer with the three vision tokens
-    added, this chat template and the Qwen2-VL image processor's config, so the gateway can serve it."""
+    added, this chat template and the Qwen2-VL image processor's config, so the gateway can serve it. text /
+    vision: config values over the tiny ones (benchmarks size the model with them)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     ids = {"vocab": VOCAB, "image": IMAGE_TOKEN, "start": VISION_START, "end": VISION_END, "eos": 151645}
     if tokenizer_dir is not None:
@@ -35,10 +37,13 @@ def build_qwen2_5_vl(folder: pathlib.Path, seed: int = 0, tokenizer_dir: pathlib
         text_config={"vocab_size": ids["vocab"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
                          "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "rope_theta": 1e6,
-                         "initializer_range": 0.2, "tie_word_embeddings": False, "eos_token_id": ids["eos"]},
+                         "initializer_range": 0.2, "tie_word_embeddings": False, "eos_token_id": ids["eos"],
+                         **(text or {})},
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
                            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
-                           "fullatt_block_indexes": [1], "initializer_range": 0.2},
+                           "fullatt_block_indexes": [1], "initializer_range": 0.2,
+                           **({"out_hidden_size": text["hidden_size"]} if text and "hidden_size" in text else {}),
+                           **(vision or {})},
         image_token_id=ids["image"], video_token_id=ids["image"] + 10, vision_start_token_id=ids["start"],
         vision_end_token_id=ids["end"], eos_token_id=ids["eos"])
     model = Qwen2_5_VLForConditionalGeneration(cfg).eval()

@@ -1,7 +1,8 @@
 """Gemma 3 with images (Gemma3ForConditionalGeneration): the Gemma 3 text decoder (llama.py, family gemma3_text)
 plus transformers' own SigLIP tower and Gemma3MultiModalProjector (the oracle's modules, so the tower, the average
 pooling to mm_tokens_per_image and the soft-embedding norm are exact by construction). An image is encoded once
-(the worker's encoder cache, encoder_cache.py) into mm_tokens_per_image embeddings.
+(the worker's encoder cache, encoder_cache.py) into mm_tokens_per_image embeddings, whole or a slice of SigLIP
+layers per step (vision_slices.py).
 
 What differs from a text-only Gemma 3 in the decoder:
 - embeddings: text tokens are scaled by sqrt(hidden) as always; image embeddings replace the placeholder rows
@@ -16,11 +17,11 @@ The Triton kernel has no such mask: images are served on the CPU path only (refu
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
+from steploop.gpu_worker.model.vision_slices import PartialEncode, check_length, pixels_of, run_layers
 
 
 class Gemma3VLForCausalLM(LlamaForCausalLM):
@@ -46,13 +47,28 @@ class Gemma3VLForCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def encode_image(self, feature: MultiModalFeature) -> torch.Tensor:
-        """One image's embeddings [mm_tokens_per_image, hidden] from its processed pixels [3, H, W]."""
-        param = next(self.vision_tower.parameters())
-        pixels = np.frombuffer(feature.pixel_values, dtype="<f4").reshape(feature.pixel_shape)
-        pixels = torch.from_numpy(pixels.copy()).to(device=param.device, dtype=param.dtype)
-        hidden = self.vision_tower(pixel_values=pixels.unsqueeze(0)).last_hidden_state
-        out = self.multi_modal_projector(hidden)[0]
-        if out.shape[0] != feature.length:
-            raise ValueError(f"image {feature.hash[:12]}: the encoder gave {out.shape[0]} embeddings for "
-                             f"{feature.length} placeholder tokens")
-        return out
+        """One image's embeddings [mm_tokens_per_image, hidden] from its processed pixels [3, H, W] (whole)."""
+        pixels = pixels_of(feature, next(self.vision_tower.parameters())).unsqueeze(0)
+        hidden = self.vision_tower(pixel_values=pixels).last_hidden_state
+        return check_length(self.multi_modal_projector(hidden)[0], feature)
+
+    # SigLIP a slice of encoder layers at a time (vision_slices.py): its forward split where its layer loop is.
+    @property
+    def encoder_layers(self) -> int:
+        return len(self.vision_tower.vision_model.encoder.layers)
+
+    @torch.inference_mode()
+    def encoder_begin(self, feature: MultiModalFeature) -> PartialEncode:
+        tower = self.vision_tower.vision_model
+        pixels = pixels_of(feature, next(self.vision_tower.parameters())).unsqueeze(0)
+        return PartialEncode(tower.embeddings(pixels), 0, {"feature": feature})
+
+    @torch.inference_mode()
+    def encoder_layers_run(self, state: PartialEncode, n: int) -> None:
+        run_layers(self.vision_tower.vision_model.encoder.layers, state, n, lambda layer, i, h: layer(h, None))
+
+    @torch.inference_mode()
+    def encoder_end(self, state: PartialEncode) -> torch.Tensor:
+        self.encoder_layers_run(state, self.encoder_layers)
+        hidden = self.vision_tower.vision_model.post_layernorm(state.hidden)
+        return check_length(self.multi_modal_projector(hidden)[0], state.extras["feature"])

@@ -2,7 +2,7 @@
 
 The vision tower is transformers' Qwen2_5_VisionTransformerPretrainedModel itself (the oracle's module, so its
 windowed attention and patch merger are exact by construction); it runs once per image (the worker's encoder cache,
-encoder_cache.py). The decoder differs from Qwen2 only in its rotary: M-RoPE gives each token three positions
+encoder_cache.py), whole or a slice of blocks per step (vision_slices.py). The decoder differs from Qwen2 only in its rotary: M-RoPE gives each token three positions
 (time, height, width); the rotary half-dims are split by `mrope_section` and each part rotates by one of them.
 Text tokens carry the same value in all three; an image's placeholder tokens carry its patch grid (mrope_positions).
 """
@@ -15,6 +15,7 @@ import torch
 from steploop.common.mm_inputs import MultiModalFeature
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.rotary import RotaryEmbedding
+from steploop.gpu_worker.model.vision_slices import PartialEncode, check_length, pixels_of, run_layers
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -63,15 +64,48 @@ class Qwen2_5_VLForCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def encode_image(self, feature: MultiModalFeature) -> torch.Tensor:
-        """One image's embeddings [length, hidden] from its processed patches."""
+        """One image's embeddings [length, hidden] from its processed patches (the oracle's tower, whole)."""
         param = next(self.visual.parameters())
-        pixels = torch.from_numpy(np.frombuffer(feature.pixel_values, dtype="<f4").reshape(feature.pixel_shape).copy())
         grid = torch.tensor([feature.grid_thw], dtype=torch.int64, device=param.device)
-        out = self.visual(pixels.to(device=param.device, dtype=param.dtype), grid_thw=grid)
-        if out.shape[0] != feature.length:
-            raise ValueError(f"image {feature.hash[:12]}: the encoder gave {out.shape[0]} embeddings for "
-                             f"{feature.length} placeholder tokens")
-        return out
+        return check_length(self.visual(pixels_of(feature, param), grid_thw=grid), feature)
+
+    # The tower a slice of layers at a time (vision_slices.py): its forward split where its layer loop is.
+    @property
+    def encoder_layers(self) -> int:
+        return len(self.visual.blocks)
+
+    @torch.inference_mode()
+    def encoder_begin(self, feature: MultiModalFeature) -> PartialEncode:
+        """The forward up to its first block: patch embedding, rotary and the window order (patches regrouped so
+        each attention window is contiguous; the end undoes it)."""
+        v = self.visual
+        param = next(v.parameters())
+        grid = torch.tensor([feature.grid_thw], dtype=torch.int64, device=param.device)
+        hidden = v.patch_embed(pixels_of(feature, param))
+        rotary = v.rot_pos_emb(grid)
+        window_index, cu_window = v.get_window_index(grid)
+        cu_window = torch.unique_consecutive(torch.tensor(cu_window, device=hidden.device, dtype=torch.int32))
+        seq_len, unit = hidden.shape[0], v.spatial_merge_unit
+        hidden = hidden.reshape(seq_len // unit, unit, -1)[window_index, :, :].reshape(seq_len, -1)
+        rotary = rotary.reshape(seq_len // unit, unit, -1)[window_index, :, :].reshape(seq_len, -1)
+        emb = torch.cat((rotary, rotary), dim=-1)
+        cu_seqlens = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).cumsum(dim=0, dtype=torch.int32)
+        cu_seqlens = torch.nn.functional.pad(cu_seqlens, (1, 0), value=0)
+        return PartialEncode(hidden, 0, {"position_embeddings": (emb.cos(), emb.sin()), "cu_seqlens": cu_seqlens,
+                                         "cu_window": cu_window, "window_index": window_index, "feature": feature})
+
+    @torch.inference_mode()
+    def encoder_layers_run(self, state: PartialEncode, n: int) -> None:
+        full, x = self.visual.fullatt_block_indexes, state.extras
+        run_layers(self.visual.blocks, state, n, lambda blk, i, h: blk(
+            h, cu_seqlens=x["cu_seqlens"] if i in full else x["cu_window"],
+            position_embeddings=x["position_embeddings"]))
+
+    @torch.inference_mode()
+    def encoder_end(self, state: PartialEncode) -> torch.Tensor:
+        self.encoder_layers_run(state, self.encoder_layers)
+        out = self.visual.merger(state.hidden)[torch.argsort(state.extras["window_index"]), :]
+        return check_length(out, state.extras["feature"])
 
 
 def mrope_positions(num_prompt: int, features: list[MultiModalFeature],
