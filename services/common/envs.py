@@ -24,6 +24,7 @@ CPU_HUGEPAGES = PREFIX + "CPU_HUGEPAGES"                 # 0: the CPU KV cache s
 CPU_KERNEL_PROBE = PREFIX + "CPU_KERNEL_PROBE"           # 0: keep the packed matmul without timing it against torch at start
 KV_EVENTS_INT_BLOCK_HASHES = PREFIX + "KV_EVENTS_INT_BLOCK_HASHES"  # 0: ZMQ KV events carry 32-byte keys, not vLLM's 64-bit ints
 CPU_ISA = PREFIX + "CPU_ISA"                             # avx512 / avx2 / generic: the C kernels' instruction set (default: the best the CPU has)
+CPU_TUNING = PREFIX + "CPU_TUNING"                         # vendor / constants / caches: the packed matmul's blocking (cpu_tuning.py)
 CPU_ADAPTIVE_THREADS = PREFIX + "CPU_ADAPTIVE_THREADS"   # 0: the worker keeps its thread count (no probing of fewer)
 SCHEDULER_C_LOOPS = PREFIX + "SCHEDULER_C_LOOPS"           # 0: the scheduler's plain-decode loops stay Python (no gcc build)
 SCHEDULER_GC_TUNING = PREFIX + "SCHEDULER_GC_TUNING"       # 0: the scheduler keeps CPython's GC thresholds (no freeze)

@@ -1,5 +1,5 @@
 """Compile the plain-C CPU kernels of this package into one shared library, once per (sources, flags, compiler,
-CPU, instruction set).
+CPU, instruction set, blocking).
 
     python -m steploop.gpu_worker.cpu_kernels.build [--isa avx2]   # builds (or finds) it and prints the path
 
@@ -8,7 +8,8 @@ calls the other kernels directly. The kernels' vector width follows the instruct
 (avx512: 16 floats, avx2: 8, generic: 4; see packed_linear.c), so each has code sized to its registers. The ISA
 is the best one /proc/cpuinfo shows (host_isa) unless STEPLOOP_CPU_ISA names a lower one (tests build both
 x86 variants). The host's own ISA compiles with -march=native; a lower one with that ISA's x86-64 level, tuned
-for the host. The library lands in $STEPLOOP_CACHE_DIR/kernels/ (default ~/.cache/steploop/kernels) as
+for the host. The packed matmul's blocking comes from cpu_tuning.py (the Xeon's constants on Intel, this CPU's
+caches elsewhere). The library lands in $STEPLOOP_CACHE_DIR/kernels/ (default ~/.cache/steploop/kernels) as
 steploop_cpu-<isa>-<hash>.so, the hash covering the sources, the flags, `gcc --version`, the ISA and the CPU's
 flags line: -march=native code must not run on another CPU (an image moved between hosts rebuilds). gcc works in
 a temp folder and the library is renamed into place, so several processes may build at once. No gcc, or a failed
@@ -34,6 +35,7 @@ import tempfile
 
 from steploop.common import envs
 from steploop.common.model_path import cache_dir
+from steploop.gpu_worker.cpu_kernels.cpu_tuning import tile_flags
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +106,19 @@ def isa_flags(isa: str) -> list[str]:
     return ["-march=native"] if isa == host_isa() else ISAS[isa][1]
 
 
+def source_flags(name: str, isa: str) -> list[str]:
+    """gcc flags for one source: its own, the ISA's, and for the packed matmul the blocking for this CPU's caches
+    (cpu_tuning.py; none on an Intel CPU)."""
+    return SOURCES[name] + isa_flags(isa) + (tile_flags(isa) if name == "packed_linear" else [])
+
+
 def source(name: str) -> pathlib.Path:
     return pathlib.Path(__file__).with_name(f"{name}.c")
 
 
 def library_path(compiler_version: str, isa: str | None = None) -> pathlib.Path:
     isa = isa or selected_isa()
-    parts = [f"{name}\0{' '.join(flags + isa_flags(isa))}\0{source(name).read_text()}"
-             for name, flags in sorted(SOURCES.items())]
+    parts = [f"{name}\0{' '.join(source_flags(name, isa))}\0{source(name).read_text()}" for name in sorted(SOURCES)]
     headers = [pathlib.Path(__file__).with_name(name).read_text() for name in HEADERS]
     key = "\0".join([*parts, *headers, compiler_version, isa, _cpu_flags()])
     return cache_dir() / "kernels" / f"{NAME}-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
@@ -120,9 +127,9 @@ def library_path(compiler_version: str, isa: str | None = None) -> pathlib.Path:
 def _compile(gcc: str, out: pathlib.Path, isa: str) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objects = []
-        for name, flags in SOURCES.items():
+        for name in SOURCES:
             obj = pathlib.Path(tmp) / f"{name}.o"
-            done = subprocess.run([gcc, *flags, *isa_flags(isa), "-c", "-o", str(obj), str(source(name))],
+            done = subprocess.run([gcc, *source_flags(name, isa), "-c", "-o", str(obj), str(source(name))],
                                   check=False, capture_output=True, text=True)
             if done.returncode:
                 raise KernelBuildError(f"gcc failed on {name}.c: {done.stderr.strip()[-500:]}")

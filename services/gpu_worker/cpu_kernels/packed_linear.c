@@ -34,7 +34,9 @@
 /* k per scratch chunk: KC x NR floats (16 KiB) stay in L1 while every row block of the batch uses them; a whole
    [K][NR] tile (73 KiB at K = 576) came from L2 at every k (benchmarks/packed_linear.py: M = 64 ~265 GFLOP/s of a
    ~420 fma peak on 2 AVX-512 cores) */
+#ifndef KC    /* build.py sets it (and X_BYTES) on a CPU not an Intel one: cpu_tuning.py */
 #define KC (4096 / NR)
+#endif
 #if VL == 16
 #define MR 8          /* x rows per register block: 16 accumulators of 32 zmm */
 #else
@@ -49,7 +51,9 @@
 /* x bytes per pass of the tile path over the weights: a pass's rows (X_BYTES / (4 K) of them, at most) stay in L2
    while every tile uses them. In one pass, 1024 rows re-read x (2.4-6.3 MB) from L3 for every tile: AVX2 at 1024
    rows 160 GFLOP/s in one pass, 214 in passes of <= 512 KB (1 MB: 202, 2 MB: 166); torch 184. */
+#ifndef X_BYTES
 #define X_BYTES (1 << 19)
+#endif
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
