@@ -12,8 +12,8 @@ A fused layer (q/k/v, gate/up) whose parts came in different types takes the nar
 Q4_K values are Q5_K values with a zero fifth bit; k-quants that no one k-quant form holds (Q4_K_M's q, k in Q4_K
 with v in Q6_K) stay in their own forms as a SPLIT weight, each run of consecutive parts by its kernel (the int8
 Q8_1/16 that holds them all read 12 bits a weight, 2.4x Q4_K's, at half Q4_K's speed at one row); otherwise Q8_1
-when all have blocks of 32, else Q8_1/16 (or Q8_0/16 when none has an m). Every form computes w = d * q + m with the parts' own d, q, m (the k-quant forms: their
-own two scale levels), so the values stay the file's.
+when all have blocks of 32, else Q8_1/16 (or Q8_0/16 when none has an m). Every form computes w = d * q + m with
+the parts' own d, q, m (the k-quant forms: their own two scale levels), so the values stay the file's.
 """
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ def runs(qtypes: list[T]) -> list[tuple[int, int, int]]:
     out: list[tuple[int, int, int]] = []
     for i, t in enumerate(qtypes):
         joined = _k_form(qtypes[out[-1][0]:i + 1]) if out else None
-        out[-1:] = [(out[-1][0], i + 1, joined)] if joined is not None else [*out[-1:], (i, i + 1, _k_form([t]))]
+        if joined is None:
+            out.append((i, i + 1, _k_form([t])))
+        else:                        # part i joins the run before it
+            out[-1] = (out[-1][0], i + 1, joined)
     return out
 
 
