@@ -72,6 +72,7 @@ def bytes_per_token(model, cfg, context: int) -> int:
 def run_steploop(path: str, streams: int, threads: int, prompt_len: int, new_tokens: int) -> dict:
     import logging
     logging.basicConfig(level=logging.WARNING)
+    import steploop.gpu_worker  # noqa: F401  (before torch loads libgomp: bounds its idle spin, as the worker does)
     import torch
     torch.set_num_threads(threads)
     from benchmarks.inprocess import InProcessEngine
@@ -137,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--llama-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
-    parser.add_argument("--llama-env", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="environment of the llama.cpp runs, e.g. OMP_WAIT_POLICY=PASSIVE: its OpenMP threads "
-                             "spin at barriers, which a loaded machine punishes (0.3-0.6 vs 6.9 tok/s measured)")
+    parser.add_argument("--llama-env", nargs="*", default=["OMP_WAIT_POLICY=PASSIVE"], metavar="KEY=VALUE",
+                        help="environment of the llama.cpp runs (default OMP_WAIT_POLICY=PASSIVE: its OpenMP threads "
+                             "spin at barriers by default, which a shared machine punishes, 0.3-0.6 vs 6.9 tok/s "
+                             "measured, so the ratio would measure spinning, not kernels; steploop bounds its spin "
+                             "as its worker does)")
     parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--engine", choices=["steploop", "llama.cpp"], help=argparse.SUPPRESS)    # a child run
     args = parser.parse_args(argv)

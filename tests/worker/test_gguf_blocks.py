@@ -13,7 +13,18 @@ from gguf import quants as gguf_quants
 
 from steploop.gpu_worker.cpu_kernels import build
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
-from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, Q8_0_16, Q8_1, Q8_1_16, unpack
+from steploop.gpu_worker.cpu_kernels.packed_weights import (
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    Q8_0_16,
+    Q8_1,
+    Q8_1_16,
+    SPLIT,
+    unpack,
+)
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from tests.worker.c_kernels import needs_c_kernels
@@ -57,7 +68,8 @@ def test_decoded_blocks_are_gguf_pys_dequantize_bit_for_bit(qtype):
         assert packed.nbytes * 8 <= ref.numel() * K_QUANT_BITS[qtype]
 
 
-@pytest.mark.parametrize("types, kind", [((T.Q4_K, T.Q4_K, T.Q6_K), Q8_1_16), ((T.Q4_0, T.Q8_0), Q8_1),
+@pytest.mark.parametrize("types, kind", [((T.Q4_K, T.Q4_K, T.Q6_K), SPLIT), ((T.Q4_0, T.Q6_K), Q8_1_16),
+                                         ((T.Q4_0, T.Q8_0), Q8_1), ((T.Q6_K, T.Q4_K, T.Q5_K, T.Q6_K), SPLIT),
                                          ((T.Q4_K, T.Q4_K), Q4_K), ((T.Q4_K, T.Q4_1), Q4_1),
                                          ((T.Q8_0, T.Q6_K), Q8_0_16), ((T.Q5_K, T.Q5_1), Q8_1),
                                          ((T.Q4_K, T.Q5_K, T.Q4_K), Q5_K), ((T.Q6_K, T.Q6_K), Q6_K)])
@@ -65,19 +77,23 @@ def test_fused_parts_of_mixed_types_take_a_common_form_exactly(types, kind):
     raws = [gguf_tensor(t, 16 * (i + 1), 256, seed=i) for i, t in enumerate(types)]
     decoded = [blocks.decode(r, t, 256) for r, t in zip(raws, types)]
     assert common_form(list(types)) == kind
-    packed = to_packed(decoded, kind)
+    packed = to_packed(decoded, kind, list(types))
     ref = torch.cat([reference(r, t) for r, t in zip(raws, types)])
     assert packed.kind == kind and same_values(unpack(packed), ref)
+    if kind == SPLIT:            # each run of k-quant parts in its own form at its width
+        assert [p.kind for p in packed.parts] == [Q4_K, Q6_K] if len(types) == 3 else [Q6_K, Q5_K, Q6_K]
+        form_bits = {FORMS[t]: b for t, b in K_QUANT_BITS.items()}
+        assert all(p.nbytes * 8 <= form_bits[p.kind] * p.out_features * 256 for p in packed.parts)
 
 
 @needs_c_kernels(build.runnable_isas())
 @pytest.mark.parametrize("isa", build.runnable_isas())
 @pytest.mark.parametrize("types", [(T.Q5_1,), (T.Q5_K,), (T.Q6_K,), (T.Q4_K, T.Q6_K), (T.Q4_K,), (T.Q4_K, T.Q5_K),
-                                   (T.Q6_K, T.Q6_K)], ids=lambda t: "+".join(x.name for x in t))
+                                   (T.Q6_K, T.Q6_K), (T.Q4_0, T.Q6_K)], ids=lambda t: "+".join(x.name for x in t))
 def test_gguf_kernel_kinds_match_matmul_and_are_batch_invariant(types, isa):
     n0, k = 32, 512           # k 512: scratch-tile k chunks at every vector width
     raws = [gguf_tensor(t, n0, k, seed=3 + i) for i, t in enumerate(types)]
-    packed = to_packed([blocks.decode(r, t, k) for r, t in zip(raws, types)], common_form(list(types)))
+    packed = to_packed([blocks.decode(r, t, k) for r, t in zip(raws, types)], common_form(list(types)), list(types))
     w = torch.cat([reference(r, t) for r, t in zip(raws, types)])
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(7))
     full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)

@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from steploop.common.model_path import gguf_model_dir
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q6_K, SPLIT
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
 from steploop.gpu_worker.gguf.reader import GGUFFileError, open_gguf
@@ -27,6 +28,7 @@ from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker import gguf_bad_files as bad
 from tests.worker.family_models import _COMMON
 from tests.worker.gguf_files import random_model, write_gguf
+from tests.worker.test_cpu_decoder import both_paths
 from tests.worker.test_families import oracle, prompts, serve
 
 
@@ -36,6 +38,12 @@ def _llama_types(name: str, w) -> T:
     return {"token_embd": T.Q6_K, "output": T.Q5_K, "attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K,
             "attn_output": T.Q4_0, "ffn_gate": T.Q5_K, "ffn_up": T.F16 if layer1 else T.Q5_K,
             "ffn_down": T.BF16 if layer1 else T.Q6_K}[name.split(".")[-2]]
+
+
+def _q4_k_m_types(name: str, w) -> T:
+    """Q4_K_M's mix: q, k Q4_K with v Q6_K (a SPLIT weight: each run of rows in its own form), Q6_K ffn_down"""
+    return {"token_embd": T.Q6_K, "output": T.Q6_K, "attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K,
+            "attn_output": T.Q4_K, "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K}[name.split(".")[-2]]
 
 
 def _qwen2_types(name: str, w) -> T:
@@ -104,6 +112,23 @@ def test_gguf_blocks_serve_transformers_greedy_tokens(family, tmp_path, model_di
             tokens, logprobs = got[handle]
             assert tokens == want_tokens, f"{family} chunk {chunk} prompt {handle}"
             assert logprobs == pytest.approx(want_logprobs, abs=1e-4), f"{family} chunk {chunk} prompt {handle}"
+
+
+def test_split_qkv_runs_in_the_c_decoder_bit_for_bit(tmp_path, model_dir):
+    """Q4_K_M's q/k/v in two forms: decoder.c places each part's columns as the layer-by-layer path does"""
+    path = write_gguf(random_model("LlamaConfig", tie_word_embeddings=False), tmp_path / "q4_k_m.gguf", model_dir,
+                      qtype_of=_q4_k_m_types)
+    runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=32, max_model_len=128, device="cpu"),
+                                     convert_gguf(path))
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj.packed
+    assert qkv.kind == SPLIT and [p.kind for p in qkv.parts] == [Q4_K, Q6_K]
+    assert runner.model.cpu_decoder is not None
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 200, (20,), generator=gen).tolist(), torch.randint(3, 200, (9,), generator=gen).tolist()
+    used, fast, slow, fast_kv, slow_kv = both_paths(runner, [(a, [0, 1], 0, 20), (b, [2], 0, 9)])   # chunks
+    assert used and torch.equal(fast, slow) and all(torch.equal(x, y) for x, y in zip(fast_kv, slow_kv))
+    used, fast, slow, _, _ = both_paths(runner, [(a, [0, 1], 19, 1)])                                  # a decode
+    assert used and torch.equal(fast, slow)
 
 
 @pytest.fixture(scope="module")

@@ -34,11 +34,12 @@ int steploop_paged_attention(float *out, const float *q, const float *kv_cache, 
                              int64_t num_blocks, int64_t block_size, int64_t max_blocks, float scale,
                              int num_threads);
 
-typedef struct {
+typedef struct PackedMatrix {
     const void *qs;
     const float *d, *m;
     int64_t out_features, in_features;
     int64_t kind;
+    const struct PackedMatrix *next;          /* the rows after these, in another form (packed_weights.py SPLIT) */
 } PackedMatrix;
 
 typedef struct {
@@ -63,14 +64,35 @@ typedef struct {
     const int32_t *seq_lens;                  /* [num_reqs] */
 } Step;
 
+/* all the rows of a matrix and of the parts after it */
+static int64_t rows(const PackedMatrix *w)
+{
+    return w->out_features + (w->next ? rows(w->next) : 0);
+}
+
+/* the most rows of one part of a matrix held in parts (0 when none is): the floats per token a part's output
+   needs before it is placed in its columns */
+static int64_t part_rows(const Model *model)
+{
+    int64_t most = 0;
+    for (int64_t l = 0; l < model->num_layers; l++) {
+        const Layer *layer = &model->layers[l];
+        const PackedMatrix *ws[4] = {&layer->qkv, &layer->o, &layer->gate_up, &layer->down};
+        for (int i = 0; i < 4; i++)
+            for (const PackedMatrix *p = ws[i]; ws[i]->next && p; p = p->next)
+                most = p->out_features > most ? p->out_features : most;
+    }
+    return most;
+}
+
 /* floats of scratch steploop_decoder_forward needs for T tokens */
 int64_t steploop_decoder_scratch(const Model *model, int64_t T)
 {
     int64_t qd = model->num_heads * model->head_dim;
-    return T * (model->layers[0].qkv.out_features + 2 * qd + 3 * model->intermediate);
+    return T * (rows(&model->layers[0].qkv) + 2 * qd + 3 * model->intermediate + part_rows(model));
 }
 
-static int linear(float *y, const float *x, const PackedMatrix *w, int64_t T, int num_threads)
+static int linear_part(float *y, const float *x, const PackedMatrix *w, int64_t T, int num_threads)
 {
     if (w->kind == KIND_Q4_K)
         return steploop_packed_linear_q4k(y, x, w->qs, w->d, (const uint8_t *)w->m, T, w->out_features,
@@ -86,6 +108,26 @@ static int linear(float *y, const float *x, const PackedMatrix *w, int64_t T, in
                                   num_threads);
 }
 
+/* y [T, rows(w)] = x @ W.T; a matrix in parts runs each part's kernel into its columns (one token: straight into
+   y; more: into `part`, then row by row into place) */
+static int linear(float *y, const float *x, const PackedMatrix *w, int64_t T, float *part, int num_threads)
+{
+    if (!w->next)
+        return linear_part(y, x, w, T, num_threads);
+    int64_t N = rows(w), col = 0;
+    int rc = 0;
+    for (const PackedMatrix *p = w; p; col += p->out_features, p = p->next) {
+        if (T == 1) {
+            rc |= linear_part(y + col, x, p, 1, num_threads);
+            continue;
+        }
+        rc |= linear_part(part, x, p, T, num_threads);
+        for (int64_t t = 0; t < T; t++)
+            memcpy(y + t * N + col, part + t * p->out_features, (size_t)p->out_features * sizeof(float));
+    }
+    return rc;
+}
+
 /* x [T, hidden]: the embeddings in, the last layer's MLP output out; residual [T, hidden]: the residual stream out
    (the caller adds the two and applies the final norm). Returns 0, or -1 (bad sizes, a slot or position out of
    range, a failed allocation inside a kernel); x and residual are then undefined. */
@@ -93,7 +135,7 @@ int steploop_decoder_forward(const Model *model, const Step *step, float *x, flo
                              int num_threads)
 {
     const int64_t T = step->num_tokens, H = model->hidden, Hq = model->num_heads, Hk = model->num_kv_heads;
-    const int64_t D = model->head_dim, I = model->intermediate, qkv_n = model->layers[0].qkv.out_features;
+    const int64_t D = model->head_dim, I = model->intermediate, qkv_n = rows(&model->layers[0].qkv);
     const int64_t slots = model->num_blocks * model->block_size, kv_row = Hk * D;
     if (T <= 0 || qkv_n != (Hq + 2 * Hk) * D)
         return -1;
@@ -101,7 +143,7 @@ int steploop_decoder_forward(const Model *model, const Step *step, float *x, flo
         if (step->slot_mapping[t] < 0 || step->slot_mapping[t] >= slots)
             return -1;
     float *qkv = scratch, *q = qkv + T * qkv_n, *attn = q + T * Hq * D, *gate_up = attn + T * Hq * D;
-    float *act = gate_up + T * 2 * I;
+    float *act = gate_up + T * 2 * I, *part = act + T * I;
     int rc = 0;
     for (int64_t l = 0; l < model->num_layers && !rc; l++) {
         const Layer *layer = &model->layers[l];
@@ -111,7 +153,7 @@ int steploop_decoder_forward(const Model *model, const Step *step, float *x, flo
         } else {
             rc |= steploop_rms_norm(x, x, residual, layer->input_norm, T, H, model->eps, num_threads);
         }
-        rc |= linear(qkv, x, &layer->qkv, T, num_threads);
+        rc |= linear(qkv, x, &layer->qkv, T, part, num_threads);
         rc |= steploop_rotary_neox(qkv, qkv + Hq * D, step->positions, model->cos, model->sin, T, Hq, Hk, D, qkv_n,
                                    qkv_n, model->max_positions, num_threads);
         if (rc)
@@ -126,11 +168,11 @@ int steploop_decoder_forward(const Model *model, const Step *step, float *x, flo
         rc |= steploop_paged_attention(attn, q, layer->kv_cache, step->block_tables, step->query_start_loc,
                                        step->seq_lens, T, step->num_reqs, Hq, Hk, D, model->num_blocks,
                                        model->block_size, step->max_blocks, model->scale, num_threads);
-        rc |= linear(x, attn, &layer->o, T, num_threads);
+        rc |= linear(x, attn, &layer->o, T, part, num_threads);
         rc |= steploop_rms_norm(x, x, residual, layer->post_norm, T, H, model->eps, num_threads);
-        rc |= linear(gate_up, x, &layer->gate_up, T, num_threads);
+        rc |= linear(gate_up, x, &layer->gate_up, T, part, num_threads);
         rc |= steploop_silu_and_mul(act, gate_up, T, I, num_threads);
-        rc |= linear(x, act, &layer->down, T, num_threads);
+        rc |= linear(x, act, &layer->down, T, part, num_threads);
     }
     return rc ? -1 : 0;
 }

@@ -25,8 +25,11 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class _Matrix(ctypes.Structure):
-    _fields_ = [("qs", _PTR), ("d", _PTR), ("m", _PTR), ("out_features", _I64), ("in_features", _I64),
-                ("kind", _I64)]
+    pass
+
+
+_Matrix._fields_ = [("qs", _PTR), ("d", _PTR), ("m", _PTR), ("out_features", _I64), ("in_features", _I64),
+                    ("kind", _I64), ("next", ctypes.POINTER(_Matrix))]     # next: a SPLIT weight's further parts
 
 
 class _Layer(ctypes.Structure):
@@ -54,9 +57,17 @@ def _kernels() -> SimpleNamespace | None:
     return None if None in fns.values() else SimpleNamespace(**fns)
 
 
-def _matrix(linear) -> _Matrix:
-    p = linear.packed
-    return _Matrix(p.qs.data_ptr(), p.d.data_ptr(), p.m_or_d.data_ptr(), p.out_features, p.in_features, p.kind)
+def _matrix(packed, keep: list) -> _Matrix:
+    """The struct of a packed weight (a SPLIT one: its first part, chained to the others, which `keep` holds)."""
+    parts = packed.parts or [packed]
+    rest = None
+    for p in reversed(parts[1:]):
+        rest = _Matrix(p.qs.data_ptr(), p.d.data_ptr(), p.m_or_d.data_ptr(), p.out_features, p.in_features, p.kind,
+                       None if rest is None else ctypes.pointer(rest))
+        keep.append(rest)
+    p = parts[0]
+    return _Matrix(p.qs.data_ptr(), p.d.data_ptr(), p.m_or_d.data_ptr(), p.out_features, p.in_features, p.kind,
+                   None if rest is None else ctypes.pointer(rest))
 
 
 def why_not(model, kv_caches: list[torch.Tensor]) -> str | None:
@@ -86,8 +97,9 @@ class CpuDecoder:
         self._cache_ptrs = [c.data_ptr() for c in kv_caches]
         self.layers = (_Layer * len(layers))(*[
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                   _matrix(layer.self_attn.qkv_proj), _matrix(layer.self_attn.o_proj),
-                   _matrix(layer.mlp.gate_up_proj), _matrix(layer.mlp.down_proj), cache.data_ptr())
+                   *[_matrix(lin.packed, self._keep) for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)],
+                   cache.data_ptr())
             for layer, cache in zip(layers, kv_caches)])
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         attn = layers[0].self_attn

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from steploop.gpu_worker.cpu_kernels.build import function
-from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q5_K, Q6_K, Q8B_BLOCK, PackedWeight
+from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q5_K, Q6_K, Q8B_BLOCK, SPLIT, PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -53,6 +53,16 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
     y = out if out is not None else torch.empty(x2.shape[0], packed.out_features, dtype=torch.float32)
     if y.shape != (x2.shape[0], packed.out_features) or y.dtype != torch.float32 or not y.is_contiguous():
         raise ValueError(f"packed_linear: out must be a contiguous fp32 [{x2.shape[0]}, {packed.out_features}]")
+    if packed.kind == SPLIT:           # each run of rows by its own form's kernel, into its columns
+        col = 0
+        for part in packed.parts:
+            cols = y[:, col:col + part.out_features]
+            if cols.is_contiguous():     # one row: the part's columns are a contiguous run of y
+                packed_linear(x2, part, num_threads, out=cols, isa=isa)
+            else:
+                cols.copy_(packed_linear(x2, part, num_threads, isa=isa))
+            col += part.out_features
+        return y.view(*lead, packed.out_features)
     q8b = packed.kind in Q8B_BLOCK
     kquant = packed.kind in (Q5_K, Q6_K)
     kernel = (_q4k_kernel(isa) if packed.kind == Q4_K else _kquant_kernel(isa) if kquant else

@@ -26,9 +26,11 @@ Q4_1, Q8_0 = 0, 1
 # [N/16, K/2, 16] as Q4_1's, then the high bits ([N/16, K/8, 16] fifth bits / [N/16, K/4, 16] two bits a weight).
 # Q5_K: d and m as Q4_K's; w = d sc q - dmin mn. Q6_K: d = fp32 [N/16, K/256, 16], m = int8 sc [N/16, K/16, 16];
 # w = d sc (q - 32)
-Q8_1, Q8_0_16, Q8_1_16, Q4_K, Q5_K, Q6_K = 200, 201, 202, 203, 204, 205
+# SPLIT: rows in consecutive parts of different forms (`parts`, e.g. Q4_K_M's q, k in Q4_K then v in Q6_K), each run
+# by its own kernel into its columns of y: one form holding them all (the int8 Q8_1/16) read 12 bits a weight
+Q8_1, Q8_0_16, Q8_1_16, Q4_K, Q5_K, Q6_K, SPLIT = 200, 201, 202, 203, 204, 205, 206
 KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_1: "Q8_1", Q8_0_16: "Q8_0/16", Q8_1_16: "Q8_1/16", Q4_K: "Q4_K",
-              Q5_K: "Q5_K", Q6_K: "Q6_K"}
+              Q5_K: "Q5_K", Q6_K: "Q6_K", SPLIT: "split"}
 Q8B_BLOCK = {Q8_1: 32, Q8_0_16: 16, Q8_1_16: 16}     # weights per d (and m) along K
 
 
@@ -40,6 +42,19 @@ class PackedWeight:
     m: torch.Tensor | None    # fp32, as d (Q4_1, Q8_1 and Q8_1/16 only)
     out_features: int
     in_features: int
+    parts: list[PackedWeight] | None = None     # SPLIT only: the row blocks in order (qs, d: empty)
+
+    @classmethod
+    def split(cls, parts: list[PackedWeight]) -> PackedWeight:
+        """Row blocks of different forms as one weight (one part: that part)."""
+        if len(parts) == 1:
+            return parts[0]
+        empty = torch.empty(0)
+        return cls(SPLIT, empty, empty, None, sum(p.out_features for p in parts), parts[0].in_features, list(parts))
+
+    def describe(self) -> str:
+        """The form's name; a split weight's parts' names joined by +"""
+        return "+".join(p.describe() for p in self.parts) if self.parts else KIND_NAMES[self.kind]
 
     @property
     def m_or_d(self) -> torch.Tensor:
@@ -48,6 +63,8 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
+        if self.parts:
+            return sum(p.nbytes for p in self.parts)
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
 
@@ -131,6 +148,8 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 def unpack(packed: PackedWeight) -> torch.Tensor:
     """The fp32 weight [N, K] back (tests and checks)."""
     n, k = packed.out_features, packed.in_features
+    if packed.kind == SPLIT:
+        return torch.cat([unpack(p) for p in packed.parts])
     if packed.kind in (Q4_K, Q5_K):
         d, dmin = (t.permute(0, 2, 1).reshape(n, k // 256, 1).repeat_interleave(8, 1) for t in packed.d)
         sc, mn = (t.permute(0, 2, 1).reshape(n, k // QK, 1).float() for t in packed.m)

@@ -30,7 +30,7 @@ from gguf import quants as gguf_quants
 from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_shape
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.block_shards import cut_inside_blocks, shard_raw
-from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
+from steploop.gpu_worker.gguf.packed_forms import common_form, runs, to_packed
 from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gguf
 from steploop.gpu_worker.model.moe import NOT_HELD
 
@@ -318,13 +318,15 @@ def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: Lo
             raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(full)} (this rank's part {local}) != "
                                 f"{[r1 - r0, k]} expected for {p.hf_name}")
         decoded.append(blocks.decode_rows(raw, p.tensor.tensor_type, k))
-    kind = common_form([p.tensor.tensor_type for p in ordered])
-    weight = to_packed(decoded, kind)
-    for p, dec in zip(ordered, decoded):
-        share = dec.q.shape[0] / n
+    qtypes = [p.tensor.tensor_type for p in ordered]
+    weight = to_packed(decoded, common_form(qtypes), qtypes)
+    holders = [weight] * len(ordered) if weight.parts is None else \
+        [block for block, (a, b, _) in zip(weight.parts, runs(qtypes)) for _ in range(a, b)]    # each part's form
+    for p, dec, holder in zip(ordered, decoded, holders):
+        share = dec.q.shape[0] / holder.out_features
         file_bytes = int(p.tensor.n_bytes) // (1 if p.index is None else int(p.tensor.shape[-1]))
-        stats.add(p.tensor.tensor_type.name, file_bytes if count_file else 0, int(weight.nbytes * share),
-                  KIND_NAMES[kind])
+        stats.add(p.tensor.tensor_type.name, file_bytes if count_file else 0, int(holder.nbytes * share),
+                  KIND_NAMES[holder.kind])
     return weight
 
 
