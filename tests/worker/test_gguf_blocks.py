@@ -101,12 +101,36 @@ def test_block_embedding_rows_are_gguf_pys_dequantize(qtype):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_1], ids=lambda t: t.name)
-def test_decoding_in_row_chunks_gives_the_same_arrays(qtype):
+def test_a_block_embedding_filled_in_row_chunks_holds_the_same_table(qtype):
+    from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
     raw = gguf_tensor(qtype, 48, 256, seed=9)
-    whole, chunked = blocks.decode(raw, qtype, 256), blocks.decode_rows(raw, qtype, 256, rows_per_chunk=20)
-    for a, b in [(whole.q, chunked.q), (whole.d, chunked.d), (whole.m, chunked.m)] + list(
-            zip(whole.k4 or (), chunked.k4 or ())):
-        assert (a is None and b is None) or np.array_equal(a, b)
+    whole, chunked = BlockEmbedding(blocks.decode(raw, qtype, 256)), BlockEmbedding.from_blocks(raw, qtype, 256, 20)
+    for a, b in [(whole.q, chunked.q), (whole.d, chunked.d), (whole.m, chunked.m)]:
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("parts", [[(T.Q4_K, 48)], [(T.Q6_K, 64)], [(T.Q5_K, 32)], [(T.Q4_K, 32), (T.Q4_K, 16)],
+                                   [(T.Q4_K, 32), (T.Q5_K, 16)], [(T.Q4_K, 32), (T.Q6_K, 32)], [(T.Q8_0, 48)],
+                                   [(T.Q4_0, 16), (T.Q4_1, 32)]], ids=str)
+def test_a_weight_packed_in_row_chunks_is_the_weight_packed_whole(parts):
+    """RowAssembler: chunks of 16-row groups that cut across the parts, written in place, give the tensors of the
+    whole weight packed at once (every form's layout: group axis, stacked scales, bit planes)."""
+    from steploop.gpu_worker.gguf.packed_chunks import RowAssembler
+    decoded = [blocks.decode(gguf_tensor(t, rows, 256, seed=i), t, 256) for i, (t, rows) in enumerate(parts)]
+    kind = common_form([t for t, _ in parts])
+    whole = to_packed(decoded, kind)
+    rows = np.cumsum([0] + [r for _, r in parts])
+    assembler = RowAssembler(int(rows[-1]))
+    for c0 in range(0, int(rows[-1]), 16):
+        pieces = [blocks.Decoded(*(None if a is None else a[max(c0, r0) - r0:c0 + 16 - r0] for a in (d.q, d.d, d.m)),
+                                 d.block, *(None if g is None else tuple(a[max(c0, r0) - r0:c0 + 16 - r0] for a in g)
+                                            for g in (d.k4, d.k6)))
+                  for d, r0, r1 in zip(decoded, rows[:-1], rows[1:]) if r0 < c0 + 16 and r1 > c0]
+        assembler.add(to_packed(pieces, kind))
+    chunked = assembler.weight()
+    assert (chunked.kind, chunked.out_features, chunked.in_features) == (whole.kind, whole.out_features, 256)
+    for a, b in [(whole.qs, chunked.qs), (whole.d, chunked.d), (whole.m, chunked.m)]:
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @needs_c_kernels(build.runnable_isas())

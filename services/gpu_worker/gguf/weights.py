@@ -27,8 +27,10 @@ import numpy as np
 import torch
 from gguf import quants as gguf_quants
 
-from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_shape
+from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, packable_shape
 from steploop.gpu_worker.gguf import blocks
+from steploop.gpu_worker.gguf.file_pages import FilePages
+from steploop.gpu_worker.gguf.packed_chunks import RowAssembler
 from steploop.gpu_worker.gguf.packed_forms import common_form, to_packed
 from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gguf
 from steploop.gpu_worker.model.moe import NOT_HELD
@@ -155,6 +157,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 
     reader = open_gguf(gguf_path)
+    pages = FilePages(reader)
     arch = architecture(reader)
     names = hf_name_map(folder)
     params = dict(model.named_parameters())
@@ -184,27 +187,27 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     for target, parts in groups.items():
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
-            _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, count_file=False)
+            _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False)
             continue                                  # its bytes are the embedding's: released after it
         if isinstance(module, SparseMoE):
             done = packed and sharder is None and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg,
-                                                            stats)
+                                                            stats, pages)
         else:
             done = _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"),
-                         sharder)
+                         sharder, pages)
         if not done:
             for part in parts:
                 _copy_fp32(params[target], part, arch, cfg, sharder, stats)
         filled.update(_filled_names(target, parts))
-        _release(reader, parts)
+        pages.drop_tensors(p.tensor for p in parts)
     if embed is not None:        # last: a tied lm_head that did not pack reads the fp32 table
         table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None
-        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats):
+        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats, pages):
             filled.add(_EMBED)
         else:
             _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
             filled.add(_EMBED)
-        _release(reader, embed)
+        pages.drop_tensors(p.tensor for p in embed)
     del reader
     return filled, stats.summary()
 
@@ -212,7 +215,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
 _EMBED = "model.embed_tokens.weight"
 
 
-def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bool:
+def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, pages: FilePages) -> bool:
     """Replace the embedding by a BlockEmbedding of the file's blocks (block types only)."""
     from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
     if part.tensor.tensor_type not in blocks.BLOCK_TYPES:
@@ -221,25 +224,11 @@ def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats) -> bo
     if (vocab, hidden) != (cfg.vocab_size, cfg.hidden_size):
         raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {[vocab, hidden]} != "
                             f"{[cfg.vocab_size, cfg.hidden_size]} expected for {part.hf_name}")
-    table = BlockEmbedding(blocks.decode_rows(_rows(part, arch, cfg), part.tensor.tensor_type, hidden))
+    table = BlockEmbedding.from_blocks(_rows(part, arch, cfg), part.tensor.tensor_type, hidden,
+                                       done=lambda r0, r1: pages.drop_rows(part.tensor, part.index, r0, r1))
     model.model.embed_tokens = table
     stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
     return True
-
-
-def _release(reader, parts: list[_Part]) -> None:
-    """Drop the parts' file pages from this process's resident set once they are read (they stay in the page
-    cache): a mapped page counts in RSS while mapped, so reading the whole file would add its size to the peak."""
-    import mmap
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    page = mmap.PAGESIZE
-    for tensor in {id(p.tensor): p.tensor for p in parts}.values():        # experts share their stacked tensor
-        start = tensor.data_offset // page * page
-        end = min(-(-(tensor.data_offset + int(tensor.n_bytes)) // page) * page, len(mm))
-        if end > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _filled_names(target: str, parts: list[_Part]) -> list[str]:
@@ -248,18 +237,20 @@ def _filled_names(target: str, parts: list[_Part]) -> list[str]:
 
 
 def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_linear_type, packed: bool,
-          sharder, count_file: bool = True) -> bool:
+          sharder, pages: FilePages | None = None, count_file: bool = True) -> bool:
     """Give a PackedLinear its packed form straight from its parts' blocks, if they all are block types that fit
     the layout and cover the whole weight; False leaves it to the fp32 path."""
     if not packed or sharder is not None or not isinstance(module, packed_linear_type):
         return False
     if any(p.expert is not None for p in parts) or not _packable(parts, module.out_features, module.in_features):
         return False
-    module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file))
+    module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file,
+                                     pages))
     return True
 
 
-def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: LoadStats) -> bool:
+def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: LoadStats,
+              pages: FilePages | None = None) -> bool:
     """A SparseMoE's experts (w13 [E, 2I, hidden], w2 [E, hidden, I]) or shared expert (shared_w13, shared_w2),
     each expert packed on its own from its parts' blocks (an expert's gate and up rows fused as a dense gate/up
     is); False (all experts left to the fp32 path) unless every expert packs. The router stays fp32."""
@@ -270,14 +261,15 @@ def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: Load
     if name.startswith("shared"):
         if not _packable(parts, n, k):
             return False
-        module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats))
+        module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats, pages=pages))
         return True
     by_expert: dict[int, list[_Part]] = defaultdict(list)
     for p in parts:
         by_expert[p.expert].append(p)
     if sorted(by_expert) != list(range(shape[0])) or not all(_packable(ps, n, k) for ps in by_expert.values()):
         return False
-    module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats) for e in range(shape[0])])
+    module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats, pages=pages)
+                             for e in range(shape[0])])
     return True
 
 
@@ -293,22 +285,39 @@ def _packable(parts: list[_Part], n: int, k: int) -> bool:
     return covered == n
 
 
-def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: LoadStats, count_file: bool = True):
-    """The [n, k] packed form of _packable parts, from their blocks (never an fp32 copy)."""
+# weights packed per chunk of rows (packed_chunks.py): a chunk's decode temporaries are a few MB, not the tensor's
+CHUNK_WEIGHTS = 1 << 22
+
+
+def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: LoadStats, count_file: bool = True,
+                   pages: FilePages | None = None):
+    """The [n, k] packed form of _packable parts, from their blocks (never an fp32 copy), packed a chunk of rows
+    at a time into the whole weight's tensors, each chunk's file pages dropped once read."""
     ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
-    decoded = []
+    spans = []                          # (part, its first row in the weight, its rows' raw blocks)
     for p in ordered:
         r0, r1 = p.rows or (0, n)
         if _shape(p.tensor, p.index is not None) != (r1 - r0, k):
             raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(_shape(p.tensor, p.index is not None))} != "
                                 f"{[r1 - r0, k]} expected for {p.hf_name}")
-        decoded.append(blocks.decode_rows(_rows(p, arch, cfg), p.tensor.tensor_type, k))
+        spans.append((p, r0, _rows(p, arch, cfg)))
     kind = common_form([p.tensor.tensor_type for p in ordered])
-    weight = to_packed(decoded, kind)
-    for p, dec in zip(ordered, decoded):
-        share = dec.q.shape[0] / n
+    step = max(GROUP, CHUNK_WEIGHTS // k // GROUP * GROUP)
+    assembler = RowAssembler(n)
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        pieces = []
+        for p, r0, raw in spans:
+            a, b = max(c0, r0) - r0, min(c1, r0 + len(raw)) - r0          # the part's rows in this chunk
+            if a < b:
+                pieces.append(blocks.decode(raw[a:b], p.tensor.tensor_type, k))
+                if pages is not None:
+                    pages.drop_rows(p.tensor, p.index, a, b)
+        assembler.add(to_packed(pieces, kind))
+    weight = assembler.weight()
+    for p, _, raw in spans:
         file_bytes = int(p.tensor.n_bytes) // (1 if p.index is None else int(p.tensor.shape[-1]))
-        stats.add(p.tensor.tensor_type.name, file_bytes if count_file else 0, int(weight.nbytes * share),
+        stats.add(p.tensor.tensor_type.name, file_bytes if count_file else 0, int(weight.nbytes * len(raw) / n),
                   KIND_NAMES[kind])
     return weight
 
