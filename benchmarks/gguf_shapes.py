@@ -1,6 +1,8 @@
 """Llama-shaped Q4_K_M-like GGUF files of random valid blocks for the GGUF benchmarks (gguf_memory.py,
-gguf_vs_llamacpp.py): Q4_K, with Q6_K for attn_v, ffn_down and the output as llama.cpp's Q4_K_M mostly does, F32
-norms, the default model's tokenizer (padded with unreachable tokens up to the shape's vocabulary).
+gguf_vs_llamacpp.py, gguf_serve_memory.py): the types llama.cpp's Q4_K_M gives a Llama (llama-quant.cpp): Q4_K,
+with Q6_K for the output and for attn_v and ffn_down in the layers use_more_bits picks (the first and last eighth
+and every third between: 16 of 32), F32 norms; the default model's tokenizer (padded with unreachable tokens up to
+the shape's vocabulary). The 8B shape comes out at 4.9 GB, as a real Llama-3.1-8B Q4_K_M file.
 
 Written tensor by tensor (header and tensor infos first, then each tensor's blocks as they are drawn): one tensor's
 bytes in memory at a time, so an 8B-shaped file (~4.9 GB) is written without holding it, let alone an fp32 copy.
@@ -37,7 +39,12 @@ SHAPES = {
 
 
 def file_name(shape: Shape) -> str:
-    return f"{shape.name}-{shape.layers}l-q4_k_m.gguf"
+    return f"{shape.name}-{shape.layers}l-q4_k_m-v2.gguf"     # v2: use_more_bits (v1 had Q6_K in every layer)
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get Q6_K in a Q4_K_M file."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
 def _tensors(shape: Shape):
@@ -46,16 +53,16 @@ def _tensors(shape: Shape):
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     yield "token_embd.weight", shape.vocab, h, T.Q4_K
     for i in range(shape.layers):
-        p = f"blk.{i}."
+        p, wide = f"blk.{i}.", T.Q6_K if use_more_bits(i, shape.layers) else T.Q4_K
         yield p + "attn_norm.weight", 1, h, None
         yield p + "ffn_norm.weight", 1, h, None
         yield p + "attn_q.weight", q, h, T.Q4_K
         yield p + "attn_k.weight", kv, h, T.Q4_K
-        yield p + "attn_v.weight", kv, h, T.Q6_K
+        yield p + "attn_v.weight", kv, h, wide
         yield p + "attn_output.weight", h, q, T.Q4_K
         yield p + "ffn_gate.weight", shape.mlp, h, T.Q4_K
         yield p + "ffn_up.weight", shape.mlp, h, T.Q4_K
-        yield p + "ffn_down.weight", h, shape.mlp, T.Q6_K
+        yield p + "ffn_down.weight", h, shape.mlp, wide
     yield "output_norm.weight", 1, h, None
     yield "output.weight", shape.vocab, h, T.Q6_K
 

@@ -98,6 +98,8 @@ def test_block_embedding_rows_are_gguf_pys_dequantize(qtype):
     ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
     assert same_values(table(ids), reference(raw, qtype)[ids])
     assert table.nbytes <= raw.shape[0] * 256 * 10 / 8
+    if qtype == T.Q4_K:                     # its own scales: the packed form's width (the q of 5-8 bits: a byte)
+        assert table.nbytes * 8 <= raw.shape[0] * 256 * K_QUANT_BITS[qtype], table.nbytes
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_1], ids=lambda t: t.name)
@@ -105,8 +107,9 @@ def test_a_block_embedding_filled_in_row_chunks_holds_the_same_table(qtype):
     from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
     raw = gguf_tensor(qtype, 48, 256, seed=9)
     whole, chunked = BlockEmbedding(blocks.decode(raw, qtype, 256)), BlockEmbedding.from_blocks(raw, qtype, 256, 20)
-    for a, b in [(whole.q, chunked.q), (whole.d, chunked.d), (whole.m, chunked.m)]:
-        assert (a is None and b is None) or torch.equal(a, b)
+    assert [name for name, _ in whole.named_buffers()] == [name for name, _ in chunked.named_buffers()]
+    for (_, a), (_, b) in zip(whole.named_buffers(), chunked.named_buffers()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("parts", [[(T.Q4_K, 48)], [(T.Q6_K, 64)], [(T.Q5_K, 32)], [(T.Q4_K, 32), (T.Q4_K, 16)],
