@@ -50,7 +50,7 @@ class BlockEmbedding(nn.Module):
         self.register_buffer("q", torch.empty(rows, k // 2 if self.nibbles else k, dtype=q_dtype), persistent=False)
         for name, a in self._sources(decoded).items():     # each [rows, per row]: one buffer of the table's rows
             self.register_buffer(name, None if a is None else torch.empty(rows, a.shape[1],
-                                                                          dtype=torch.from_numpy(a[:0]).dtype),
+                                                                          dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype),
                                  persistent=False)
 
     @staticmethod
