@@ -1,10 +1,10 @@
 """The same GGUF file decoded by steploop (read at its own width, in-process ModelRunner) and by llama.cpp
 (llama-cpp-python, its own multi-sequence batching), alternating engine by engine in one run:
-    python -m benchmarks.gguf_vs_llamacpp [--layers 16] [--streams 1 16] [--rounds 2] [--file F.gguf]
+    python -m benchmarks.gguf_vs_llamacpp [--shape 1b|8b] [--layers N] [--streams 1 16] [--rounds 2] [--file F.gguf]
         [--llama-python .venv-llamacpp/bin/python]
 
-Default file: benchmarks/gguf_memory.py's Llama-3.2-1B-shaped Q4_K_M-like file (Q4_K, Q6_K for attn_v, ffn_down
-and the output; random valid blocks). Each measurement runs in a fresh process (so its resident size is its own):
+Default file: gguf_shapes.py's Llama-3.2-1B-shaped (--shape 8b: Llama-3.1-8B-shaped, ~5 GB) Q4_K_M-like file (Q4_K,
+Q6_K for attn_v, ffn_down and the output; random valid blocks), written on first use into --out. Each measurement runs in a fresh process (so its resident size is its own):
 greedy, EOS masked, random prompt ids, a closed loop of `streams` concurrent requests, the same threads for both.
 Reports output tok/s, the resident size after loading and the peak (ru_maxrss), and steploop / llama.cpp ratios
 (the best round of each). llama-cpp-python may live in its own venv (--llama-python); steploop runs in this one.
@@ -14,6 +14,7 @@ Writes benchmarks/results/gguf_vs_llamacpp.json with the machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -21,6 +22,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from benchmarks.gguf_shapes import SHAPES, ensure_file
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "gguf_vs_llamacpp.json"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -69,7 +72,8 @@ def bytes_per_token(model, cfg, context: int) -> int:
     return weights + kv
 
 
-def run_steploop(path: str, streams: int, threads: int, prompt_len: int, new_tokens: int) -> dict:
+def run_steploop(path: str, streams_list: list[int], threads: int, prompt_len: int, new_tokens: int) -> list[dict]:
+    """One load, then each stream count in turn (the KV cache sized for the largest)."""
     import logging
     logging.basicConfig(level=logging.WARNING)
     import steploop.gpu_worker  # noqa: F401  (before torch loads libgomp: bounds its idle spin, as the worker does)
@@ -80,57 +84,65 @@ def run_steploop(path: str, streams: int, threads: int, prompt_len: int, new_tok
     folder = convert_gguf(path)
     before = rss_mib()
     per_seq = -(-(prompt_len + new_tokens + 8) // 256) * 256             # as llama_cpp_baseline sizes a slot
-    engine = InProcessEngine(folder, num_kv_blocks=streams * per_seq // 16 + 2, num_threads=threads,
+    engine = InProcessEngine(folder, num_kv_blocks=max(streams_list) * per_seq // 16 + 2, num_threads=threads,
                              max_model_len=per_seq)
     loaded = rss_mib()
     engine.run(prompts(1, prompt_len, 4))                       # warm-up, not timed
-    metrics, _ = engine.run(prompts(streams, prompt_len, new_tokens), max_concurrency=streams)
-    out = {"output_throughput": metrics["output_throughput"], "median_itl_ms": metrics["median_itl_ms"],
-           "rss_before_load_mib": before, "rss_after_load_mib": loaded}
-    if streams == 1:          # the decode step against the memory-bandwidth bound (bytes read / copy bandwidth)
-        from steploop.gpu_worker.model.model_config import LlamaModelConfig
-        read = bytes_per_token(engine.runner.model, LlamaModelConfig.from_dir(folder), prompt_len + new_tokens // 2)
-        bandwidth = copy_bandwidth(threads)
-        out.update({"bytes_per_token_mib": round(read / 2**20, 1),
-                    "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
-                    "bandwidth_bound_ms": round(read / bandwidth * 1000, 2),
-                    "itl_over_bound": round(metrics["median_itl_ms"] / (read / bandwidth * 1000), 2)})
-    return out
+    outs = []
+    for streams in streams_list:
+        metrics, _ = engine.run(prompts(streams, prompt_len, new_tokens), max_concurrency=streams)
+        out = {"output_throughput": metrics["output_throughput"], "median_itl_ms": metrics["median_itl_ms"],
+               "rss_before_load_mib": before, "rss_after_load_mib": loaded}
+        if streams == 1:      # the decode step against the memory-bandwidth bound (bytes read / copy bandwidth)
+            from steploop.gpu_worker.model.model_config import LlamaModelConfig
+            read = bytes_per_token(engine.runner.model, LlamaModelConfig.from_dir(folder),
+                                   prompt_len + new_tokens // 2)
+            bandwidth = copy_bandwidth(threads)
+            out.update({"bytes_per_token_mib": round(read / 2**20, 1),
+                        "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
+                        "bandwidth_bound_ms": round(read / bandwidth * 1000, 2),
+                        "itl_over_bound": round(metrics["median_itl_ms"] / (read / bandwidth * 1000), 2)})
+        outs.append(out)
+    return outs
 
 
-def run_llama_cpp(path: str, streams: int, threads: int, prompt_len: int, new_tokens: int) -> dict:
+def run_llama_cpp(path: str, streams_list: list[int], threads: int, prompt_len: int, new_tokens: int) -> list[dict]:
     from benchmarks.llama_cpp_baseline import batched
     before = rss_mib()
-    out = batched(prompts(streams, prompt_len, new_tokens), n_parallel=streams, threads=threads, gguf_path=path)
-    return {"output_throughput": out["output_throughput"], "rss_before_load_mib": before}
+    return [{"output_throughput": batched(prompts(streams, prompt_len, new_tokens), n_parallel=streams,
+                                          threads=threads, gguf_path=path)["output_throughput"],
+             "rss_before_load_mib": before} for streams in streams_list]
 
 
 def child(args) -> int:
     run = run_steploop if args.engine == "steploop" else run_llama_cpp
-    result = run(str(args.file), args.streams[0], args.threads, args.prompt_len, args.tokens)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print("RESULT " + json.dumps(result), flush=True)
+    for streams, result in zip(args.streams, run(str(args.file), args.streams, args.threads, args.prompt_len,
+                                                  args.tokens)):
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"RESULT {streams} " + json.dumps(result), flush=True)
     return 0
 
 
-def measure(engine: str, python: str, args, streams: int) -> dict:
+def measure(engine: str, python: str, args, streams_list: list[int]) -> dict[int, dict]:
+    """One child process of `engine` running each of streams_list; its result per stream count."""
     cmd = [python, "-m", "benchmarks.gguf_vs_llamacpp", "--engine", engine, "--file", str(args.file), "--streams",
-           str(streams), "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--tokens",
+           *map(str, streams_list), "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--tokens",
            str(args.tokens)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if engine == "llama.cpp":
         env.update(dict(kv.split("=", 1) for kv in args.llama_env))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode or line is None:
-        raise RuntimeError(f"{engine} at {streams} streams failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(line[len("RESULT "):])
+    lines = [x.split(" ", 2) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or len(lines) != len(streams_list):
+        raise RuntimeError(f"{engine} at {streams_list} streams failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return {int(streams): json.loads(result) for _, streams, result in lines}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--file", type=pathlib.Path, default=None)
-    parser.add_argument("--layers", type=int, default=16, help="layers of the written file (no --file)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="the written file's shape (no --file)")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the written file (default: the shape's)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/gguf-vs-llamacpp"))
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2)
@@ -144,17 +156,16 @@ def main(argv: list[str] | None = None) -> int:
                              "measured, so the ratio would measure spinning, not kernels; steploop bounds its spin "
                              "as its worker does)")
     parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--one-load", action="store_true",
+                        help="each engine loads the file once per round and runs every stream count (an 8B file's "
+                             "load takes minutes); its peak RSS then covers all of them")
     parser.add_argument("--engine", choices=["steploop", "llama.cpp"], help=argparse.SUPPRESS)    # a child run
     args = parser.parse_args(argv)
     if args.engine:
         return child(args)
     if args.file is None:
-        from benchmarks.gguf_memory import write_file
-        from steploop.common.model_path import default_model_dir
-        args.out.mkdir(parents=True, exist_ok=True)
-        args.file = args.out / f"llama-1b-shaped-{args.layers}l-q4_k_m.gguf"
-        if not args.file.is_file():
-            write_file(args.file, args.layers, default_model_dir())
+        shape = SHAPES[args.shape]
+        args.file = ensure_file(args.out, dataclasses.replace(shape, layers=args.layers or shape.layers))
     if not pathlib.Path(args.llama_python).is_file():
         parser.error(f"--llama-python {args.llama_python}: no such python (the venv holding llama-cpp-python)")
     from benchmarks.machine import machine_info
@@ -166,15 +177,19 @@ def main(argv: list[str] | None = None) -> int:
     machine["llama_cpp_python"], machine["llama_cpp_system_info"] = (peer + [None, None])[:2]
     engines = {"steploop": sys.executable, "llama.cpp": args.llama_python}
     best: dict[tuple[str, int], dict] = {}
-    for _ in range(args.rounds):
-        for streams in args.streams:
-            for engine, python in engines.items():            # alternate engines within each round
-                r = measure(engine, python, args, streams)
-                print(f"{engine:9s} {streams:3d} streams: {r['output_throughput']:7.1f} out tok/s, peak RSS "
-                      f"{r['peak_rss_mib']:.0f} MiB", flush=True)
-                key = (engine, streams)
-                if key not in best or r["output_throughput"] > best[key]["output_throughput"]:
-                    best[key] = r
+    # one child per engine and stream count, or (--one-load: big files) one per engine running every count
+    batches = [args.streams] if args.one_load else [[streams] for streams in args.streams]
+    for round_ in range(args.rounds):
+        for streams_list in batches:
+            order = list(engines.items())[::-1 if round_ % 2 else 1]      # ABBA: the other engine first next round
+            for engine, python in order:
+                for streams, r in measure(engine, python, args, streams_list).items():
+                    r["load_avg"] = os.getloadavg()
+                    print(f"{engine:9s} {streams:3d} streams: {r['output_throughput']:7.2f} out tok/s, peak RSS "
+                          f"{r['peak_rss_mib']:.0f} MiB, load {os.getloadavg()[0]:.1f}", flush=True)
+                    key = (engine, streams)
+                    if key not in best or r["output_throughput"] > best[key]["output_throughput"]:
+                        best[key] = r
     results = []
     for streams in args.streams:
         ours, theirs = best[("steploop", streams)], best[("llama.cpp", streams)]
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps({"machine": machine, "file": args.file.name,
                                    "file_mib": round(args.file.stat().st_size / 2**20, 1), "threads": args.threads,
-                                   "llama_env": args.llama_env,
+                                   "llama_env": args.llama_env, "one_load": args.one_load,
                                    "prompt_len": args.prompt_len, "tokens": args.tokens, "rounds": args.rounds,
                                    "results": results, "load_avg_start_end": [load_at_start, os.getloadavg()],
                                    "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")

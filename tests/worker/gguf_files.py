@@ -79,15 +79,17 @@ def _tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def _add_tokenizer(writer, tokenizer_dir: pathlib.Path, unigram: bool) -> None:
+def _add_tokenizer(writer, tokenizer_dir: pathlib.Path, unigram: bool, vocab_size: int | None = None) -> None:
     """unigram: transformers reads a Gemma GGUF's tokenizer as sentencepiece (scores, an unk id), so it gets those
-    too; the tests send token ids, so only the model's ids matter."""
+    too; the tests send token ids, so only the model's ids matter. vocab_size: pad the token list with plain tokens
+    no merge reaches (a model shaped as one with a larger vocabulary, e.g. Llama 3's 128256)."""
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = dict(spec["model"]["vocab"])
     special = {t["id"] for t in spec["added_tokens"] if t.get("special")}
     for t in spec["added_tokens"]:
         vocab[t["content"]] = t["id"]
     tokens = [tok for tok, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    tokens += [f"<pad_{i}>" for i in range(len(tokens), vocab_size or 0)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -128,6 +130,22 @@ def quantize(w: np.ndarray, qtype, seed: int = 0) -> np.ndarray:
     return raw.reshape(*w.shape[:-1], -1)
 
 
+def add_shape(writer, name: str, context: int, hidden: int, layers: int, mlp: int, heads: int, kv_heads: int,
+              head_dim: int, eps: float, rope_theta: float, vocab: int) -> None:
+    """The metadata keys of a decoder's shape that transformers' reader and llama.cpp take."""
+    writer.add_name(name)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(mlp)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_vocab_size(vocab)
+    writer.add_rope_dimension_count(head_dim)
+
+
 def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str = "steploop-test",
                qtype_of=None) -> pathlib.Path:
     """`model`: a transformers CausalLM (random weights); returns the GGUF file written at `out`.
@@ -136,18 +154,10 @@ def write_gguf(model, out: pathlib.Path, tokenizer_dir: pathlib.Path, name: str 
     import gguf
     cfg = model.config
     writer = gguf.GGUFWriter(str(out), GGUF_ARCH[cfg.model_type])
-    writer.add_name(name)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
+    add_shape(writer, name, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers,
+              cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.rms_norm_eps,
+              cfg.rope_theta, cfg.vocab_size)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if getattr(cfg, "sliding_window", None):

@@ -114,16 +114,92 @@ def test_block_embedding_rows_are_gguf_pys_dequantize(qtype):
     ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
     assert same_values(table(ids), reference(raw, qtype)[ids])
     assert table.nbytes <= raw.shape[0] * 256 * 10 / 8
+    if qtype == T.Q4_K:                     # its own scales: the packed form's width (the q of 5-8 bits: a byte)
+        assert table.nbytes * 8 <= raw.shape[0] * 256 * K_QUANT_BITS[qtype], table.nbytes
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_1], ids=lambda t: t.name)
-def test_decoding_in_row_chunks_gives_the_same_arrays(qtype):
+def test_a_block_embedding_filled_in_row_chunks_holds_the_same_table(qtype):
+    from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
     raw = gguf_tensor(qtype, 48, 256, seed=9)
-    whole, chunked = blocks.decode(raw, qtype, 256), blocks.decode_rows(raw, qtype, 256, rows_per_chunk=20)
-    for a, b in [(whole.q, chunked.q), (whole.d, chunked.d), (whole.m, chunked.m)] + list(
-            zip(whole.k4 or (), chunked.k4 or ())):
-        assert (a is None and b is None) or np.array_equal(a, b)
+    whole, chunked = BlockEmbedding(blocks.decode(raw, qtype, 256)), BlockEmbedding.from_blocks(raw, qtype, 256, 20)
+    assert [name for name, _ in whole.named_buffers()] == [name for name, _ in chunked.named_buffers()]
+    for (_, a), (_, b) in zip(whole.named_buffers(), chunked.named_buffers()):
+        assert torch.equal(a, b)
 
+
+@pytest.mark.parametrize("parts", [[(T.Q4_K, 48)], [(T.Q6_K, 64)], [(T.Q5_K, 32)], [(T.Q4_K, 32), (T.Q4_K, 16)],
+                                   [(T.Q4_K, 32), (T.Q5_K, 16)], [(T.Q8_0, 48)],
+                                   [(T.Q4_0, 16), (T.Q4_1, 32)]], ids=str)
+def test_a_weight_packed_in_row_chunks_is_the_weight_packed_whole(parts):
+    """RowAssembler: chunks of 16-row groups that cut across the parts, written in place, give the tensors of the
+    whole weight packed at once (every form's layout: group axis, stacked scales, bit planes)."""
+    from steploop.gpu_worker.gguf.packed_chunks import RowAssembler
+    decoded = [blocks.decode(gguf_tensor(t, rows, 256, seed=i), t, 256) for i, (t, rows) in enumerate(parts)]
+    kind = common_form([t for t, _ in parts])
+    whole = to_packed(decoded, kind)
+    rows = np.cumsum([0] + [r for _, r in parts])
+    assembler = RowAssembler(int(rows[-1]))
+    for c0 in range(0, int(rows[-1]), 16):
+        pieces = [blocks.Decoded(*(None if a is None else a[max(c0, r0) - r0:c0 + 16 - r0] for a in (d.q, d.d, d.m)),
+                                 d.block, *(None if g is None else tuple(a[max(c0, r0) - r0:c0 + 16 - r0] for a in g)
+                                            for g in (d.k4, d.k6)))
+                  for d, r0, r1 in zip(decoded, rows[:-1], rows[1:]) if r0 < c0 + 16 and r1 > c0]
+        assembler.add(to_packed(pieces, kind))
+    chunked = assembler.weight()
+    assert (chunked.kind, chunked.out_features, chunked.in_features) == (whole.kind, whole.out_features, 256)
+    for a, b in [(whole.qs, chunked.qs), (whole.d, chunked.d), (whole.m, chunked.m)]:
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+
+def _same_packed(a, b) -> bool:
+    """The same form, shape and tensors (a SPLIT weight's parts one by one)"""
+    if (a.kind, a.out_features, a.in_features, a.parts is None) != (b.kind, b.out_features, b.in_features,
+                                                                     b.parts is None):
+        return False
+    if a.parts is not None:
+        return len(a.parts) == len(b.parts) and all(_same_packed(x, y) for x, y in zip(a.parts, b.parts))
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in [(a.qs, b.qs), (a.d, b.d), (a.m, b.m)])
+
+
+QKV = [("q_proj", 256, T.Q4_K), ("k_proj", 128, T.Q4_K), ("v_proj", 128, T.Q6_K)]   # Q4_K_M's: a SPLIT weight
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("layer", ["qkv_proj", "down_proj"])
+def test_the_loader_packs_in_row_chunks_what_to_packed_packs_whole(layer, tp, monkeypatch):
+    """weights._packed_weight, a chunk of 48 rows at a time (chunks across the parts, and across a SPLIT weight's
+    runs), on each tensor-parallel rank's cut of the blocks (rows of q/k/v, columns of down_proj), gives the
+    tensors to_packed gives for the whole of that rank's decoded parts."""
+    from types import SimpleNamespace
+
+    from steploop.gpu_worker.gguf import weights
+    from steploop.gpu_worker.gguf.block_shards import shard_raw
+    from tests.tp.test_quant_shards import LLAMA, _sharders
+    monkeypatch.setattr(weights, "CHUNK_WEIGHTS", 48 * 256)
+    specs = QKV if layer == "qkv_proj" else [("down_proj", 256, T.Q4_K)]
+    k = 256 if layer == "qkv_proj" else 512
+    files = {}
+    for i, (name, rows, qtype) in enumerate(specs):
+        raw = gguf_tensor(qtype, rows, k, seed=i)
+        hf = f"model.layers.0.{'mlp' if name == 'down_proj' else 'self_attn'}.{name}.weight"
+        files[hf] = SimpleNamespace(data=raw, name=f"blk.0.{name}.weight", tensor_type=qtype, n_bytes=raw.nbytes,
+                                    shape=np.array([k, rows]))
+    for sharder in _sharders(LLAMA, tp) if tp > 1 else [None]:
+        cuts = [shard_raw(sharder, hf, t.data, t.tensor_type, k) for hf, t in files.items()]
+        local_k = cuts[0][1]
+        firsts = np.cumsum([0] + [raw.shape[0] for raw, _ in cuts])
+        parts = [weights._Part(t, hf, (int(r0), int(r1)) if len(files) > 1 else None, None)
+                 for (hf, t), r0, r1 in zip(files.items(), firsts[:-1], firsts[1:])]
+        qtypes = [t.tensor_type for t in files.values()]
+        whole = to_packed([blocks.decode(raw, q, local_k) for (raw, _), q in zip(cuts, qtypes)], common_form(qtypes),
+                          qtypes)
+        chunked = weights._packed_weight(parts, int(firsts[-1]), local_k, "qwen2", LLAMA, weights.LoadStats(),
+                                         sharder=sharder)
+        assert (whole.kind == SPLIT) == (layer == "qkv_proj")
+        assert _same_packed(chunked, whole)
 
 @needs_c_kernels(build.runnable_isas())
 @pytest.mark.parametrize("isa", build.runnable_isas())

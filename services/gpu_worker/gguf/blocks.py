@@ -116,16 +116,3 @@ def dequantize(decoded: Decoded) -> np.ndarray:
         w = w + decoded.m[..., None]
     return w.reshape(rows, k)
 
-
-def decode_rows(raw: np.ndarray, qtype: T, k: int, rows_per_chunk: int = 1024) -> Decoded:
-    """decode() a chunk of rows at a time: its temporaries (several arrays of the tensor's size) stay a chunk's, so
-    a large table (a 49152 x 2048 output: ~1 GB of them at once) does not raise the worker's peak memory."""
-    if raw.shape[0] <= rows_per_chunk:
-        return decode(raw, qtype, k)
-    chunks = [decode(raw[r:r + rows_per_chunk], qtype, k) for r in range(0, raw.shape[0], rows_per_chunk)]
-
-    def cat(get):
-        return None if get(chunks[0]) is None else np.concatenate([get(c) for c in chunks], axis=0)
-    k4 = None if chunks[0].k4 is None else tuple(cat(lambda c, i=i: c.k4[i]) for i in range(4))
-    k6 = None if chunks[0].k6 is None else tuple(cat(lambda c, i=i: c.k6[i]) for i in range(2))
-    return Decoded(cat(lambda c: c.q), cat(lambda c: c.d), cat(lambda c: c.m), chunks[0].block, k4, k6)

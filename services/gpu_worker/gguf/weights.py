@@ -3,12 +3,15 @@
 Each linear layer whose tensors are block-quantized (blocks.BLOCK_TYPES) and fit the packed layout (whole groups
 of 16 output rows) takes its packed form straight from the blocks (packed_forms.py): no fp32 copy of it is ever
 made. Everything else (norms, the embedding table, F32 / F16 / BF16 linears, layers off the packed grid, and every
-tensor when the plan has no packed linears) is dequantized one tensor at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers oracle computes with.
+tensor when the plan has no packed linears) is dequantized one tensor at a time by gguf-py's own dequantize into
+its fp32 parameter: the values the transformers oracle computes with.
 The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
 it; a tied lm_head packs from the same blocks. A mixture-of-experts file's stacked experts tensors ([experts, rows,
 k]: ffn_{gate,up,down}_exps) split into one part per expert, named as the HF checkpoint names that expert; on the
 CPU each expert of a SparseMoE packs on its own (its gate and up rows fused), one expert's blocks at a time.
 A tensor-parallel rank packs its share, cut from the raw blocks (block_shards.py), as one rank packs the whole.
+A packed weight is decoded and packed a chunk of rows at a time into its own tensors (packed_chunks.py), each
+chunk's file pages dropped once read (file_pages.py): the load holds about the weights plus a chunk's temporaries.
 
 GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
 llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
@@ -27,9 +30,11 @@ import numpy as np
 import torch
 from gguf import quants as gguf_quants
 
-from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, packable_shape
+from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, SPLIT, PackedWeight, packable_shape
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.block_shards import cut_inside_blocks, shard_raw
+from steploop.gpu_worker.gguf.file_pages import FilePages
+from steploop.gpu_worker.gguf.packed_chunks import RowAssembler
 from steploop.gpu_worker.gguf.packed_forms import common_form, runs, to_packed
 from steploop.gpu_worker.gguf.reader import GGUFFileError, architecture, open_gguf
 from steploop.gpu_worker.model.moe import NOT_HELD
@@ -156,6 +161,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 
     reader = open_gguf(gguf_path)
+    pages = FilePages(reader)
     arch = architecture(reader)
     names = hf_name_map(folder)
     params = dict(model.named_parameters())
@@ -186,26 +192,26 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     for target, parts in groups.items():
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
-            _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, count_file=False)
+            _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False)
             continue                                  # its bytes are the embedding's: released after it
         if isinstance(module, SparseMoE):
-            done = packed and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg, stats, sharder)
+            done = packed and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg, stats, sharder, pages)
         else:
             done = _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"),
-                         sharder)
+                         sharder, pages)
         if not done:
             for part in parts:
                 _copy_fp32(params[target], part, arch, cfg, sharder, stats)
         filled.update(_filled_names(target, parts))
-        _release(reader, parts)
+        pages.drop_tensors(p.tensor for p in parts)
     if embed is not None:        # last: a tied lm_head that did not pack reads the fp32 table
         table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None
-        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats, sharder):
+        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats, pages, sharder):
             filled.add(_EMBED)
         else:
             _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
             filled.add(_EMBED)
-        _release(reader, embed)
+        pages.drop_tensors(p.tensor for p in embed)
     del reader
     return filled, stats.summary()
 
@@ -213,7 +219,8 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
 _EMBED = "model.embed_tokens.weight"
 
 
-def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, sharder=None) -> bool:
+def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, pages: FilePages | None = None,
+                     sharder=None) -> bool:
     """Replace the embedding by a BlockEmbedding of the file's blocks (block types only); a tensor-parallel rank
     keeps its vocabulary rows. cfg: the whole model's."""
     from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
@@ -224,25 +231,11 @@ def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, shard
         raise GGUFFileError(f"tensor {part.tensor.name!r}: shape {[vocab, hidden]} != "
                             f"{[cfg.vocab_size, cfg.hidden_size]} expected for {part.hf_name}")
     rows, _ = shard_raw(sharder, part.hf_name, _rows(part, arch, cfg), part.tensor.tensor_type, hidden)
-    table = BlockEmbedding(blocks.decode_rows(rows, part.tensor.tensor_type, hidden))
+    table = BlockEmbedding.from_blocks(rows, part.tensor.tensor_type, hidden,
+                                       done=None if pages is None else lambda r0, r1: pages.drop_view(rows[r0:r1]))
     model.model.embed_tokens = table
     stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
     return True
-
-
-def _release(reader, parts: list[_Part]) -> None:
-    """Drop the parts' file pages from this process's resident set once they are read (they stay in the page
-    cache): a mapped page counts in RSS while mapped, so reading the whole file would add its size to the peak."""
-    import mmap
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    page = mmap.PAGESIZE
-    for tensor in {id(p.tensor): p.tensor for p in parts}.values():        # experts share their stacked tensor
-        start = tensor.data_offset // page * page
-        end = min(-(-(tensor.data_offset + int(tensor.n_bytes)) // page) * page, len(mm))
-        if end > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _filled_names(target: str, parts: list[_Part]) -> list[str]:
@@ -251,7 +244,7 @@ def _filled_names(target: str, parts: list[_Part]) -> list[str]:
 
 
 def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_linear_type, packed: bool,
-          sharder, count_file: bool = True) -> bool:
+          sharder, pages: FilePages | None = None, count_file: bool = True) -> bool:
     """Give a PackedLinear its packed form straight from its parts' blocks (this rank's share of them: sharder),
     if they all are block types that fit the layout and cover the whole weight; False leaves it to the fp32 path."""
     if not packed or not isinstance(module, packed_linear_type):
@@ -260,11 +253,12 @@ def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_l
                                                                     sharder):
         return False
     module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file,
-                                     sharder))
+                                     sharder, pages))
     return True
 
 
-def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: LoadStats, sharder=None) -> bool:
+def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: LoadStats, sharder=None,
+              pages: FilePages | None = None) -> bool:
     """A SparseMoE's experts (w13 [E, 2I, hidden], w2 [E, hidden, I]) or shared expert (shared_w13, shared_w2),
     each expert packed on its own from its parts' blocks (an expert's gate and up rows fused as a dense gate/up
     is); False (all experts left to the fp32 path) unless every expert packs. The router stays fp32."""
@@ -275,7 +269,7 @@ def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: Load
     if name.startswith("shared"):
         if not _packable(parts, n, k, sharder):
             return False
-        module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats, sharder=sharder))
+        module.use_packed(name, _packed_weight(parts, n, k, arch, cfg, stats, sharder=sharder, pages=pages))
         return True
     by_expert: dict[int, list[_Part]] = defaultdict(list)
     for p in parts:
@@ -283,7 +277,7 @@ def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: Load
     if sorted(by_expert) != list(range(shape[0])) or \
             not all(_packable(ps, n, k, sharder) for ps in by_expert.values()):
         return False
-    module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats, sharder=sharder)
+    module.use_packed(name, [_packed_weight(by_expert[e], n, k, arch, cfg, stats, sharder=sharder, pages=pages)
                              for e in range(shape[0])])
     return True
 
@@ -303,12 +297,18 @@ def _packable(parts: list[_Part], n: int, k: int, sharder=None) -> bool:
     return covered == n
 
 
+# weights packed per chunk of rows (packed_chunks.py): a chunk's decode temporaries are a few MB, not the tensor's
+CHUNK_WEIGHTS = 1 << 22
+
+
 def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: LoadStats, count_file: bool = True,
-                   sharder=None):
+                   sharder=None, pages: FilePages | None = None):
     """The [n, k] packed form of _packable parts, from their blocks (never an fp32 copy); with a sharder, of this
-    rank's share of them (block_shards.py)."""
+    rank's share of them (block_shards.py). Packed a chunk of rows at a time into the whole weight's tensors, each
+    chunk's file pages dropped once read; a SPLIT weight (packed_forms.py) one run of parts at a time, as to_packed
+    builds it."""
     ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
-    decoded = []
+    raws = []
     for p in ordered:
         r0, r1 = p.rows or (0, n)
         full = _shape(p.tensor, p.index is not None)
@@ -317,17 +317,38 @@ def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: Lo
             local = [raw.shape[0], local_k]
             raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(full)} (this rank's part {local}) != "
                                 f"{[r1 - r0, k]} expected for {p.hf_name}")
-        decoded.append(blocks.decode_rows(raw, p.tensor.tensor_type, k))
+        raws.append(raw)
     qtypes = [p.tensor.tensor_type for p in ordered]
-    weight = to_packed(decoded, common_form(qtypes), qtypes)
-    holders = [weight] * len(ordered) if weight.parts is None else \
-        [block for block, (a, b, _) in zip(weight.parts, runs(qtypes)) for _ in range(a, b)]    # each part's form
-    for p, dec, holder in zip(ordered, decoded, holders):
-        share = dec.q.shape[0] / holder.out_features
+    kind = common_form(qtypes)
+    run_forms = runs(qtypes) if kind == SPLIT else [(0, len(ordered), kind)]
+    blocks_of_runs = [_assembled(raws[a:b], qtypes[a:b], form, k, pages) for a, b, form in run_forms]
+    weight = PackedWeight.split(blocks_of_runs) if kind == SPLIT else blocks_of_runs[0]
+    holders = [block for block, (a, b, _) in zip(blocks_of_runs, run_forms) for _ in range(a, b)]   # each part's form
+    for p, raw, holder in zip(ordered, raws, holders):
+        share = raw.shape[0] / holder.out_features
         file_bytes = int(p.tensor.n_bytes) // (1 if p.index is None else int(p.tensor.shape[-1]))
         stats.add(p.tensor.tensor_type.name, file_bytes if count_file else 0, int(holder.nbytes * share),
                   KIND_NAMES[holder.kind])
     return weight
+
+
+def _assembled(raws: list[np.ndarray], qtypes: list, form: int, k: int, pages: FilePages | None) -> PackedWeight:
+    """to_packed(decoded raws, form) of parts stacked in order, built a chunk of 16-row groups at a time"""
+    n = sum(raw.shape[0] for raw in raws)
+    firsts = np.cumsum([0] + [raw.shape[0] for raw in raws[:-1]])
+    step = max(GROUP, CHUNK_WEIGHTS // k // GROUP * GROUP)
+    assembler = RowAssembler(n)
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        pieces = []
+        for raw, qtype, r0 in zip(raws, qtypes, firsts):
+            a, b = max(c0, r0) - r0, min(c1, r0 + raw.shape[0]) - r0          # the part's rows in this chunk
+            if a < b:
+                pieces.append(blocks.decode(raw[a:b], qtype, k))
+                if pages is not None:
+                    pages.drop_view(raw[a:b])
+        assembler.add(to_packed(pieces, form))
+    return assembler.weight()
 
 
 def _copy_fp32(param, part: _Part, arch: str, cfg, sharder, stats: LoadStats) -> None:
