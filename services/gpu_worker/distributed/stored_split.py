@@ -54,7 +54,7 @@ def check_stored_split(model_path: pathlib.Path, cfg: ModelConfig, share: RankSh
 
 
 def gguf_misfits(gguf_path: pathlib.Path, folder: pathlib.Path, sharder: CheckpointSharder) -> list[str]:
-    from steploop.gpu_worker.gguf.block_shards import block_size, misaligned
+    from steploop.gpu_worker.gguf.block_shards import block_size, cut_inside_blocks
     from steploop.gpu_worker.gguf.reader import open_gguf
     from steploop.gpu_worker.gguf.weights import _split_experts, hf_name_map
     names = hf_name_map(folder)
@@ -63,9 +63,9 @@ def gguf_misfits(gguf_path: pathlib.Path, folder: pathlib.Path, sharder: Checkpo
         hf = names.get(tensor.name)
         if hf is None or block_size(tensor.tensor_type) == 1:
             continue
-        split = sharder.split(_split_experts(tensor, hf)[0][1])     # the experts of a stacked tensor cut alike
-        if split is not None and split[0] == 1 and misaligned(split[1], split[2], tensor.tensor_type):
-            k = int(tensor.shape[0])
+        name = _split_experts(tensor, hf)[0][1]                     # the experts of a stacked tensor cut alike
+        if cut_inside_blocks(sharder, name, tensor.tensor_type):     # the loader's own test (gguf/weights.py)
+            split, k = sharder.split(name), int(tensor.shape[0])
             out.append(f"{tensor.name} ({tensor.tensor_type.name}, blocks of {block_size(tensor.tensor_type)}): "
                        f"{k} input columns, {split[2]} per rank")
     return out
