@@ -2,10 +2,14 @@
 each format's reference dequantization (tests/worker/quant_models.py): greedy tokens equal, logprobs within 1e-4,
 whatever the chunking, and after a preemption. A small random Llama and Qwen2 per format.
 
-FP8 W8A8 is held to tokens equal and logprobs within 5e-2: its activations are rounded to e4m3 (3 mantissa bits)
-per token, so an fp32 reordering difference upstream (our attention against transformers' eager one) that crosses a
-rounding boundary flips an activation by a whole e4m3 step. The oracle itself moves that much: a 1e-7 relative
-perturbation of its embeddings changed a logprob of the qwen2 per-channel model by 1.2e-2 (measured 2026-12-03).
+FP8 W8A8 is held to logprobs within 5e-2: its activations are rounded to e4m3 (3 mantissa bits) per token, so an
+fp32 reordering difference upstream (our attention against transformers' eager one) that crosses a rounding boundary
+flips an activation by a whole e4m3 step. The oracle itself moves that much: a 1e-7 relative perturbation of its
+embeddings changed a logprob of the qwen2 per-channel model by 1.2e-2, and the same oracle run over the prompt and
+its own 8 tokens at once moved one by 0.12 from its token-by-token run (measured 2026-12-03). So its greedy pick may
+differ where the oracle's top two are closer than that: the llama per-channel model's 4th token on prompt 0 is
+-4.5958 against -4.5973 (an AVX2 CPU picked the second, an AVX-512 one the first). Such a pick is allowed where it is
+within 5e-2 of the oracle's best; the tokens after it are checked against the oracle continued from our tokens.
 The FP8 linear is exact on equal inputs against compressed-tensors' own fake quantization (test_quant_formats.py).
 """
 
@@ -48,24 +52,50 @@ def served(request, tmp_path_factory, model_dir):
             os.environ.pop(envs.CPU_KERNELS, None)
         else:
             os.environ[envs.CPU_KERNELS] = saved
-    return request.param, runner, [oracle(hf_model, p) for p in prompts()]
+    return request.param, runner, [oracle(hf_model, p) for p in prompts()], hf_model
 
 
 @pytest.mark.parametrize("chunk, preempt_after", [({0: 7, 1: 64, 2: 5}, None), (16, 8)])
 def test_greedy_tokens_and_logprobs_equal_transformers(served, chunk, preempt_after):
-    (family, spec, _), runner, expected = served
+    (family, spec, _), runner, expected, hf_model = served
     got = serve(runner, chunk, preempt_after)
     for handle, (want_tokens, want_logprobs) in enumerate(expected):
         tokens, logprobs = got[handle]
+        if spec.method == "ct_fp8":
+            assert_follows_oracle(hf_model, prompts()[handle], tokens, logprobs, 5e-2, f"{family} {spec.id} {handle}")
+            continue
         assert tokens == want_tokens, f"{family} {spec.id} prompt {handle}"
-        tolerance = 5e-2 if spec.method == "ct_fp8" else 1e-4
-        assert logprobs == pytest.approx(want_logprobs, abs=tolerance), f"{family} {spec.id} prompt {handle}"
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4), f"{family} {spec.id} prompt {handle}"
     assert len(expected) == len(PROMPT_LENS)
+
+
+def assert_follows_oracle(hf_model, prompt: list[int], tokens: list[int], logprobs: list[float], tolerance: float,
+                          what: str) -> None:
+    """Our greedy tokens and logprobs against the oracle's greedy run, allowing a different pick only where it is
+    within `tolerance` of the oracle's best; from there on the oracle runs on from our tokens."""
+    start = 0
+    while start < len(tokens):
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt + tokens[:start]]), max_new_tokens=len(tokens) - start,
+                                    min_new_tokens=len(tokens) - start, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True, pad_token_id=0)
+        picks = out.sequences[0, len(prompt) + start:].tolist()
+        for offset, (pick, logits) in enumerate(zip(picks, out.logits)):
+            at = start + offset
+            oracle = torch.log_softmax(logits[0].float(), -1)
+            ours = oracle[tokens[at]].item()
+            assert logprobs[at] == pytest.approx(ours, abs=tolerance), f"{what} token {at}"
+            if tokens[at] != pick:
+                assert oracle[pick].item() - ours <= tolerance, f"{what} token {at}: {tokens[at]} is no near-tie"
+                start = at + 1
+                break
+        else:
+            return
 
 
 def test_weights_stay_quantized(served):
     """No quantized layer holds an fp32 weight; what it holds is a fraction of the fp32 size."""
-    (family, spec, kernels), runner, _ = served
+    (family, spec, kernels), runner, _, _ = served
     layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * runner.model.config.num_hidden_layers
     fp32 = sum(m.in_features * m.out_features * 4 for m in layers)
