@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
-
-from steploop.common import grpc_options, tls
+from steploop.common import grpc_options, tls, tracing
 from steploop.common.kv_pull import KvExport, KvPullHint
 from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc
 from steploop.common.pd_transfer import PdMoves, PdReceive
 from steploop.common.step_contract import StepPlan, StepResult
+from steploop.scheduler import tracing as request_tracing
 from steploop.scheduler.prefix_cache import ensure_block_hashes
 from steploop.scheduler.request import Request
 
@@ -121,12 +121,22 @@ class KvPullImport:
         lease = self.engine.server_config.kv_transfer_lease
         call = engine_pb2.KvExportRequest(transfer_id=job.transfer_id, block_hashes=job.keys,
                                           destination=self.engine.worker_info.kv_transfer_address)
+        rid = job.request.request_id
+        span = request_tracing.kv_pull_start(getattr(self.engine.observer, "live", {}).get(rid), rid,
+                                             job.hint.source, len(job.keys)) if tracing.ENABLED else None
         try:
-            reply = await self._stub(job.hint.source).ExportKvBlocks(call, timeout=lease)
+            reply = await self._stub(job.hint.source).ExportKvBlocks(call, timeout=lease,
+                                                                     metadata=tracing.grpc_metadata(span))
             job.answer = KvExport.from_pb(reply)
         except grpc.aio.AioRpcError as err:
             job.answer = KvExport(0, reason=f"{err.code().name}: {err.details()}")
+        except asyncio.CancelledError:
+            if span is not None:
+                request_tracing.kv_pull_end(span, 0, 0, "aborted")
+            raise
         self.stats.seconds += time.monotonic() - start
+        if span is not None:
+            request_tracing.kv_pull_end(span, job.answer.num_blocks, job.answer.bytes, job.answer.reason)
         if self.jobs.pop(job.request.request_id, None) is None:
             return                        # aborted meanwhile
         if not job.answer.num_blocks:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 
 import grpc
-
 from steploop.common import metrics, tracing
 from steploop.common.engine_contract import KV_EVENTS_RESUMED_METADATA, EngineRequest
 from steploop.common.engine_control import PAUSE_MODES
 from steploop.common.errors import EngineError, InvalidRequestError, abort_with
 from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc, worker_pb2_grpc
 from steploop.common.step_contract import SCHEDULER_STOPPING_METADATA, WorkerInfo
+from steploop.scheduler import tracing as request_tracing
 from steploop.scheduler.engine_loop import EngineLoop
 from steploop.scheduler.kv_events.hub import WatcherCutOff, message_pb
 from steploop.scheduler.session import EngineSession
@@ -71,9 +71,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def ExportKvBlocks(self, request, context):
         """Another replica pulls a prefix cached here (kv_pull_export.py): sent blocks, or 0 and why."""
-        answer = await self.loop.kv_export.export(request.transfer_id, list(request.block_hashes),
-                                                  request.destination, self.loop.server_config.kv_transfer_lease)
+        if not tracing.ENABLED:
+            return (await self._export(request)).to_pb()
+        with tracing.grpc_server_context(context), \
+                request_tracing.kv_export(request.transfer_id, len(request.block_hashes)) as span:
+            answer = await self._export(request)
+            span.set_attributes({"steploop.kv_pull.blocks": answer.num_blocks, "steploop.kv_pull.bytes": answer.bytes})
+            if not answer.num_blocks:
+                span.set_attribute("steploop.kv_pull.reason", answer.reason)
         return answer.to_pb()
+
+    async def _export(self, request):
+        return await self.loop.kv_export.export(request.transfer_id, list(request.block_hashes),
+                                                request.destination, self.loop.server_config.kv_transfer_lease)
 
     async def GetLoadReport(self, request, context):
         return self.loop.load_report().to_pb()

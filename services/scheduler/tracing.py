@@ -66,6 +66,38 @@ def kv_transfer(rec: Any, request_id: str, num_blocks: int, num_bytes: int, seco
     span.end(end_time=end)
 
 
+def kv_pull_start(rec: Any, request_id: str, source: str, num_blocks: int) -> Any:
+    """The receiving side of a cross-replica KV pull (kv_pull_import.py): a client span, child of the request's,
+    from asking the source replica to its answer; its traceparent rides on the ExportKvBlocks call, so the
+    source's export span joins the same trace. End it with kv_pull_end."""
+    from opentelemetry import trace
+    from opentelemetry.trace import SpanKind
+    parent = trace.set_span_in_context(rec.span) if rec is not None and getattr(rec, "span", None) else None
+    return tracing.tracer().start_span("steploop.scheduler.kv_pull", context=parent, kind=SpanKind.CLIENT,
+                                       attributes={tracing.SERVICE: "scheduler", "steploop.request_id": request_id,
+                                                   "steploop.kv_pull.source": source,
+                                                   "steploop.kv_pull.blocks_asked": num_blocks})
+
+
+def kv_pull_end(span: Any, num_blocks: int, num_bytes: int, reason: str) -> None:
+    """The source's answer: how many leading blocks it sent (0: recomputed here, and why)."""
+    span.set_attributes({"steploop.kv_pull.blocks": num_blocks, "steploop.kv_pull.bytes": num_bytes,
+                         "steploop.kv_pull.ok": num_blocks > 0})
+    if not num_blocks:
+        span.set_attribute("steploop.kv_pull.reason", reason)
+    span.end()
+
+
+def kv_export(transfer_id: str, num_asked: int) -> Any:
+    """The source side of a pull (servicers.ExportKvBlocks, inside the caller's trace): a server span over the
+    export; its attributes are set by the caller before ending it."""
+    from opentelemetry.trace import SpanKind
+    return tracing.tracer().start_as_current_span(
+        "steploop.scheduler.kv_export", kind=SpanKind.SERVER,
+        attributes={tracing.SERVICE: "scheduler", "steploop.kv_pull.transfer_id": transfer_id,
+                    "steploop.kv_pull.blocks_asked": num_asked})
+
+
 def pd_choice(rec: Any, choice: Any) -> None:
     """Where the prompt runs (pd_choice.Choice) and, when the step-cost models priced it, both estimates."""
     if rec is None or getattr(rec, "span", None) is None:

@@ -31,7 +31,8 @@ def engine(sched) -> SimpleNamespace:
     info = WorkerInfo("w", "m", BS, 40, 1024, 1000, (2,), kv_role="both", kv_block_bytes=100,
                       kv_transfer_address="127.0.0.1:9")
     eng = SimpleNamespace(worker_info=info, scheduler=sched, group=object(), woken=0,
-                          server_config=SimpleNamespace(kv_transfer_lease=5.0, tls=TlsConfig()))
+                          server_config=SimpleNamespace(kv_transfer_lease=5.0, tls=TlsConfig()),
+                          observer=SimpleNamespace(live={}))
     eng.wake = lambda: setattr(eng, "woken", eng.woken + 1)
     eng.admit_held = sched.add_request
     return eng
@@ -108,10 +109,11 @@ class FakeSource:
     """A's Engine stub: answers ExportKvBlocks with `blocks` blocks sent, or fails, or never answers."""
 
     def __init__(self, blocks: int = 0, error: grpc.StatusCode | None = None, hang: bool = False):
-        self.blocks, self.error, self.hang, self.asked = blocks, error, hang, []
+        self.blocks, self.error, self.hang, self.asked, self.metadata = blocks, error, hang, [], []
 
-    async def ExportKvBlocks(self, call, timeout):
+    async def ExportKvBlocks(self, call, timeout, metadata=None):
         self.asked.append(call)
+        self.metadata.append(metadata)
         if self.hang:
             await asyncio.Event().wait()
         if self.error is not None:
@@ -206,3 +208,73 @@ async def test_a_replica_that_cannot_receive_recomputes_and_counts_it():
     sched = create_scheduler(num_blocks=20, block_size=BS)              # no host tier
     imp = KvPullImport(engine(sched))
     assert not imp.start(request(), KvPullHint("10.0.0.1:50051", 4)) and imp.stats.failures == 1
+
+
+async def test_each_pull_is_a_client_span_under_the_request_whose_trace_rides_to_the_source():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from steploop.common import tracing
+
+    memory, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.enable(provider)
+    try:
+        for source in (FakeSource(blocks=4), FakeSource(error=grpc.StatusCode.UNAVAILABLE)):
+            sched, imp = receiver(source)
+            r = request()
+            parent = tracing.tracer().start_span("steploop.scheduler.request")
+            imp.engine.observer.live[r.request_id] = SimpleNamespace(span=parent)
+            await ask(imp, r)
+            parent.end()
+            (key, traceparent), = source.metadata[0]
+            span = pull_span(memory, parent).get_span_context()
+            assert key == "traceparent" and traceparent.split("-")[1:3] == [f"{span.trace_id:032x}", f"{span.span_id:016x}"]
+    finally:
+        tracing.disable()
+    spans = [s for s in memory.get_finished_spans() if s.name == "steploop.scheduler.kv_pull"]
+    assert [(s.attributes["steploop.kv_pull.blocks_asked"], s.attributes["steploop.kv_pull.blocks"],
+             s.attributes["steploop.kv_pull.bytes"], s.attributes["steploop.kv_pull.ok"]) for s in spans] == [
+        (4, 4, 400, True), (4, 0, 0, False)]
+    assert spans[0].attributes["steploop.kv_pull.source"] == "10.0.0.1:50051"
+    assert spans[1].attributes["steploop.kv_pull.reason"].startswith("UNAVAILABLE")
+
+
+def pull_span(memory, parent):
+    """the finished pull span whose parent is `parent`"""
+    return next(s for s in memory.get_finished_spans()
+                if s.name == "steploop.scheduler.kv_pull" and s.parent.span_id == parent.get_span_context().span_id)
+
+
+async def test_the_source_export_is_a_server_span_in_the_callers_trace():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from steploop.common import tracing
+    from steploop.common.kv_pull import KvExport
+    from steploop.scheduler.servicers import EngineServicer
+
+    async def export(transfer_id, keys, destination, lease):
+        return KvExport(3, 300) if transfer_id == "t1" else KvExport(0, reason="evicted")
+
+    loop = SimpleNamespace(kv_export=SimpleNamespace(export=export),
+                           server_config=SimpleNamespace(kv_transfer_lease=1.0))
+    memory, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracing.enable(provider)
+    try:
+        caller = tracing.tracer().start_span("steploop.scheduler.kv_pull")
+        context = SimpleNamespace(invocation_metadata=lambda: tracing.grpc_metadata(caller))
+        replies = [await EngineServicer(loop).ExportKvBlocks(
+            engine_pb2.KvExportRequest(transfer_id=t, block_hashes=[b"k"] * 4), context) for t in ("t1", "t2")]
+        caller.end()
+    finally:
+        tracing.disable()
+    assert [(r.num_blocks, r.bytes, r.reason) for r in replies] == [(3, 300, ""), (0, 0, "evicted")]
+    spans = [s for s in memory.get_finished_spans() if s.name == "steploop.scheduler.kv_export"]
+    assert [s.parent.span_id for s in spans] == [caller.get_span_context().span_id] * 2
+    assert [(s.attributes["steploop.kv_pull.blocks_asked"], s.attributes["steploop.kv_pull.blocks"]) for s in spans] \
+        == [(4, 3), (4, 0)]
+    assert spans[1].attributes["steploop.kv_pull.reason"] == "evicted"
