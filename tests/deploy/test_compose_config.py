@@ -19,6 +19,7 @@ from tests.deploy.k8s_render import ROOT
 COMPOSE = ROOT / "deploy" / "compose"
 HOST = "host-network.yml"
 OVERRIDES = sorted(p.name for p in COMPOSE.glob("*.yml") if p.name != HOST and not p.stem.endswith("-host-network"))
+NEEDS = {"kv-pull.yml": ["replicas.yml"]}    # an override that is layered after others (its header says so)
 REGISTRY = "registry.example.com/steploop"
 pytestmark = pytest.mark.slow   # ~40 s of `docker compose config` runs: `make test` runs them, `make test-fast` not
 
@@ -50,10 +51,16 @@ def config(certs, files: list[str], profiles: str = "cpu", **env: str) -> dict:
     return json.loads(out.stdout)
 
 
+def layered(name: str) -> list[str]:
+    """name with the overrides it is layered after"""
+    return [*NEEDS.get(name, []), name]
+
+
 def host_form(name: str) -> list[str]:
-    """name's layering under host networking: host-network.yml, name, and name's host-network form if any."""
-    extra = name.replace(".yml", "-host-network.yml")
-    return [HOST, name] + ([extra] if (COMPOSE / extra).is_file() else [])
+    """name's layering under host networking: host-network.yml, then each of layered(name) followed by its
+    host-network form if it has one."""
+    forms = [(f, f.replace(".yml", "-host-network.yml")) for f in layered(name)]
+    return [HOST] + [p for f, extra in forms for p in [f] + ([extra] if (COMPOSE / extra).is_file() else [])]
 
 
 def test_every_file_is_covered():
@@ -62,8 +69,8 @@ def test_every_file_is_covered():
         assert path.name.replace("-host-network", "") in OVERRIDES, f"{path.name} forms no override's host form"
 
 
-@pytest.mark.parametrize("files", [[]] + [[name] for name in OVERRIDES] + [[HOST]] + [[HOST, name] for name in
-                                                                                     OVERRIDES], ids=str)
+@pytest.mark.parametrize("files", [[]] + [layered(name) for name in OVERRIDES] + [[HOST]] +
+                         [[HOST, *layered(name)] for name in OVERRIDES], ids=str)
 @pytest.mark.parametrize("profiles", ["cpu", "gpu"])
 def test_validates(certs, files, profiles):
     services = config(certs, files, profiles)["services"]
@@ -134,6 +141,25 @@ def test_pd_runs_one_decode_and_one_prefill_worker(certs, profiles, host_network
     if profiles == "gpu":   # two GPUs: the prefill worker does not share the decode worker's
         (device,) = services["prefill-gpu"]["deploy"]["resources"]["reservations"]["devices"]
         assert device["device_ids"] == ["1"] and "count" not in device
+
+
+@pytest.mark.parametrize("host_network", [False, True], ids=["bridge", "host-network"])
+def test_kv_pull_makes_both_replicas_send_and_receive(certs, host_network):
+    """kv-pull.yml over replicas.yml: both workers send and receive (a host tier, each receiver on an address the
+    other replica's worker reaches, distinct ports on one host), both schedulers publish KV events, the gateway
+    hints pulls."""
+    services = config(certs, host_form("kv-pull.yml") if host_network else layered("kv-pull.yml"))["services"]
+    workers = {name: services[name]["environment"] for name in ("worker", "worker-2")}
+    for name, env in workers.items():
+        assert env["STEPLOOP_KV_ROLE"] == "both" and float(env["STEPLOOP_KV_OFFLOADING_SIZE"]) > 0, name
+        assert env["STEPLOOP_KV_TRANSFER_HOST"] == ("127.0.0.1" if host_network else name)
+    assert len({env["STEPLOOP_KV_TRANSFER_PORT"] for env in workers.values()}) == 2
+    for name in ("scheduler", "scheduler-2"):
+        events = json.loads(services[name]["environment"]["STEPLOOP_KV_EVENTS_CONFIG"])
+        assert events["enable_kv_cache_events"] is True, name
+    gateway = services["gateway"]["environment"]
+    assert gateway["STEPLOOP_ENABLE_KV_PULL"] == "true" and float(gateway["STEPLOOP_KV_PULL_BANDWIDTH"]) > 0
+    assert len(gateway["STEPLOOP_SCHEDULER_ADDRESS"].split(",")) == 2
 
 
 def flag_variables() -> dict[str, set[str]]:
