@@ -148,8 +148,11 @@ class KvPullImport:
     def _stub(self, address: str) -> engine_pb2_grpc.EngineStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = tls.open_channel(address, self.engine.server_config.tls,
-                                                                 grpc_options.CLIENT)
+            config = self.engine.server_config
+            options = list(grpc_options.CLIENT)
+            if config.tls.enabled and config.kv_pull_tls_server_name:
+                options.append(("grpc.ssl_target_name_override", config.kv_pull_tls_server_name))
+            channel = self._channels[address] = tls.open_channel(address, config.tls, options)
         return engine_pb2_grpc.EngineStub(channel)
 
     def abort(self, request_id: str) -> None:

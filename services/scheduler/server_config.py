@@ -39,6 +39,10 @@ class ServerConfig:
     disagg_policy: str = "cost"
     disagg_min_prompt_tokens: int = 256
     kv_transfer_lease: float = 60.0
+    # The name another replica's scheduler certificate is checked against when this one pulls KV blocks from it
+    # (kv_pull_import.py): the gateway hands out the address it dials, a Kubernetes pod IP that no certificate
+    # names; "": the address's own host (compose service names, which make-certs.sh puts in the certificate).
+    kv_pull_tls_server_name: str = ""
 
     def validate(self) -> "ServerConfig":
         for name in ("worker_timeout", "hang_timeout", "shutdown_timeout"):
@@ -106,6 +110,11 @@ class ServerConfig:
         add_flag(parser, "--kv-transfer-lease", type=float, default=60.0,
                  help="seconds a disaggregated prompt may take from arrival to its KV blocks confirmed on the "
                       "decode group; past that it is recomputed there")
+        add_flag(parser, "--kv-pull-tls-server-name", default="",
+                 help="with TLS, the name other replicas' scheduler certificates are checked against when this one "
+                      "pulls KV blocks from them (their addresses come from the gateway: behind a Kubernetes "
+                      "headless Service, pod IPs no certificate names, so give the Service's name); empty: each "
+                      "address's host")
         lora_config.add_cli_args(parser)
 
     @classmethod
@@ -118,4 +127,5 @@ class ServerConfig:
                    pipeline_parallel_size=args.pipeline_parallel_size,
                    tp_collective_timeout=args.tp_collective_timeout, lora=LoraConfig.from_args(args),
                    disagg_policy=args.disagg_policy, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
-                   kv_transfer_lease=args.kv_transfer_lease).validate()
+                   kv_transfer_lease=args.kv_transfer_lease,
+                   kv_pull_tls_server_name=args.kv_pull_tls_server_name).validate()

@@ -6,6 +6,9 @@ of the engine replicas, one image naming scheme with compose and `make images`, 
 
 from __future__ import annotations
 
+import json
+import re
+
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -358,6 +361,32 @@ def test_the_pd_overlay_pairs_a_prefill_pod_with_each_scheduler(rendered):
     (ingress,) = policy["spec"]["ingress"]
     assert ingress["from"] == peers and {"protocol": "TCP", "port": port} in ingress["ports"]
     assert policy["spec"]["egress"][0]["to"] == peers
+
+
+def test_the_kv_pull_example_lets_engine_replicas_pull_from_each_other(rendered):
+    """examples/kv-pull: each engine pod's scheduler publishes KV events and checks the other replicas' certificate
+    against a name make-certs.sh puts in it (the gateway hands out pod IPs); its worker sends and receives
+    (--kv-role both, a host tier, the receiver on the pod IP at a named port); the gateways hint pulls; engine pods
+    reach each other on the scheduler and transfer ports and on nothing else."""
+    docs = rendered["examples/kv-pull"]
+    (engine,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    containers = {c["name"]: c for c in engine["spec"]["template"]["spec"]["containers"]}
+    scheduler = env_of(containers["scheduler"])
+    assert json.loads(scheduler["STEPLOOP_KV_EVENTS_CONFIG"])["enable_kv_cache_events"] is True
+    name = re.escape(scheduler["STEPLOOP_KV_PULL_TLS_SERVER_NAME"])
+    assert re.search(rf'DNS:{name}[,"]', (ROOT / "deploy" / "make-certs.sh").read_text())
+    worker = {e["name"]: e for e in containers["worker"]["env"]}
+    assert worker["STEPLOOP_KV_ROLE"]["value"] == "both" and float(worker["STEPLOOP_KV_OFFLOADING_SIZE"]["value"]) > 0
+    assert worker["STEPLOOP_KV_TRANSFER_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    port = int(worker["STEPLOOP_KV_TRANSFER_PORT"]["value"])
+    assert {"name": "kv-transfer", "containerPort": port} in containers["worker"]["ports"]
+    (gateway,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway"]
+    assert env_of(gateway["spec"]["template"]["spec"]["containers"][0])["STEPLOOP_ENABLE_KV_PULL"] == "true"
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "engine-kv-pull")
+    engines = [{"podSelector": {"matchLabels": engine["spec"]["selector"]["matchLabels"]}}]
+    ports = [{"protocol": "TCP", "port": 50051}, {"protocol": "TCP", "port": port}]
+    assert policy["spec"]["ingress"] == [{"from": engines, "ports": ports}]
+    assert policy["spec"]["egress"] == [{"to": engines, "ports": ports}]
 
 
 # STEPLOOP_* variables that are not flags: the images' healthcheck's server name (deploy/docker/healthcheck.py)

@@ -278,3 +278,24 @@ async def test_the_source_export_is_a_server_span_in_the_callers_trace():
     assert [(s.attributes["steploop.kv_pull.blocks_asked"], s.attributes["steploop.kv_pull.blocks"]) for s in spans] \
         == [(4, 3), (4, 0)]
     assert spans[1].attributes["steploop.kv_pull.reason"] == "evicted"
+
+
+def test_the_source_certificate_is_checked_against_the_configured_name(monkeypatch):
+    """Behind a headless Service the gateway hands out pod IPs: --kv-pull-tls-server-name names the certificate's
+    host instead (only with TLS; without the flag, the address's own host)."""
+    from unittest.mock import MagicMock
+
+    from steploop.scheduler import kv_pull_import
+
+    opened = []
+    monkeypatch.setattr(kv_pull_import.tls, "open_channel",
+                        lambda address, config, options: opened.append((address, dict(options))) or MagicMock())
+    tls_on = TlsConfig(ca="ca.pem", cert="s.pem", key="s.key")
+    for config, name in [(tls_on, "engine-headless"), (tls_on, ""), (TlsConfig(), "engine-headless")]:
+        sched = create_scheduler(num_blocks=4, block_size=BS)
+        imp = KvPullImport(engine(sched))
+        imp.engine.server_config = SimpleNamespace(tls=config, kv_pull_tls_server_name=name)
+        imp._stub("10.0.0.7:50051")
+        imp._stub("10.0.0.7:50051")                     # one channel per source, reused
+    assert [(a, o.get("grpc.ssl_target_name_override")) for a, o in opened] == [
+        ("10.0.0.7:50051", "engine-headless"), ("10.0.0.7:50051", None), ("10.0.0.7:50051", None)]
