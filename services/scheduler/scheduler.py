@@ -311,9 +311,13 @@ class Scheduler:
         num_new = min(gap, budget, self.max_model_len - (request.pooling is None) - computed)
         images = request.mm_features and computed < request.mm_features[-1].end
         if self.pacer is not None and gap > 1 + len(request.spec_token_ids):     # a prompt chunk, not a decode
-            paced = self.pacer.clip(num_new, computed,
-                                    self.encoder.to_encode(request, computed, num_new) if images else (),
-                                    sliceable=self.encoder.depth > 0 and request.status is RUNNING)
+            to_encode = self.encoder.to_encode(request, computed, num_new) if images else []
+            # Sliceable: the chunk may stop before an image the allowance does not pay for, and slices finish it.
+            # A waiting request too, when text comes before its first such image: admitted with that text, its
+            # image is sliced while it runs (a chunk starting at the image would admit nothing, so it stays whole).
+            sliceable = self.encoder.depth > 0 and (request.status is RUNNING
+                                                     or bool(to_encode) and to_encode[0][0] > computed)
+            paced = self.pacer.clip(num_new, computed, to_encode, sliceable=sliceable)
             if images and self.encoder.whole_images:      # Gemma 3: never stuck inside an image while decodes run
                 paced = paced_whole_image(request.mm_features, computed, num_new, paced)
             num_new = paced

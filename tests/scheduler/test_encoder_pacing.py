@@ -112,9 +112,14 @@ class ImageTimedWorker(FakeWorker):
     """FakeWorker whose results carry the forward time true_cost gives the plan's shape, encoder work included (an
     image is encoded in the step whose chunk first reaches it)."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, depth: int = 0, **kw) -> None:
+        """depth > 0: a tower of that many layers run in the plans' slices (its layers' share of the image's cost
+        each); a chunk reaching the image runs the layers left."""
         super().__init__(**kw)
+        self.depth = depth
         self.features: dict[int, list[MultiModalFeature]] = {}
+        self.lengths: dict[str, int] = {}
+        self.layers_done: dict[str, int] = {}
         self.encoded: set[str] = set()
         # per step: (tokens, pairs, encoder tokens, decode tokens, decode pairs)
         self.shapes: list[tuple[int, float, int, int, float]] = []
@@ -124,8 +129,12 @@ class ImageTimedWorker(FakeWorker):
         for new in plan.new_requests:
             starts[new.handle] = new.num_computed_tokens
             self.features[new.handle] = new.mm_features
+            self.lengths.update((f.hash, f.length) for f in new.mm_features)
         result = super().execute(plan)
         tokens = pairs = encoder = dec_tokens = dec_pairs = 0
+        for image, layers in plan.encoder_slices:
+            encoder += self.lengths[image] * layers / self.depth
+            self.layers_done[image] = self.layers_done.get(image, 0) + layers
         for h, n in zip(plan.scheduled_handles, plan.num_scheduled_tokens):
             p = attention_pairs(n, starts[h] + n)
             tokens, pairs = tokens + n, pairs + p
@@ -134,17 +143,21 @@ class ImageTimedWorker(FakeWorker):
             for f in self.features.get(h, ()):
                 if f.offset < starts[h] + n and starts[h] < f.end and f.hash not in self.encoded:
                     self.encoded.add(f.hash)
-                    encoder += f.length
+                    done = self.layers_done.get(f.hash, 0)
+                    encoder += f.length * (1 - done / self.depth) if self.depth else f.length
         self.shapes.append((tokens, pairs, encoder, dec_tokens, dec_pairs))
         result.forward_seconds = true_cost(tokens, pairs, encoder)
         return result
 
 
-def test_images_arriving_while_streams_decode_keep_steps_within_the_ratio():
-    ratio = 1.5
+def streams_and_images(depth: int, ratio: float, budget: int):
+    """8 streams decoding, then 6 image requests arriving (text before each image; the fourth image, 64 encoder
+    tokens = 128 ms, never fits the ~50 ms allowance whole). Returns the shapes of the steps after the streams
+    started and the ratio's check per step: (prompt tokens, encoder tokens) of each step over the ratio."""
     sched = create_scheduler(max_num_batched_tokens=512, max_num_seqs=32, block_size=16, num_blocks=600,
-                             max_decode_slowdown=ratio, max_num_encoder_input_tokens=256)
-    worker = ImageTimedWorker(block_size=16)
+                             max_decode_slowdown=ratio, max_num_encoder_input_tokens=budget)
+    worker = ImageTimedWorker(depth=depth, block_size=16)
+    sched.encoder.depth = depth                              # what the worker's hello sets
     # Warm up the cost model on text prompts and images of several sizes, with nothing decoding beside them.
     for i, (offset, length) in enumerate([(4, 16), (24, 64), (10, 32), (40, 8), (8, 128), (30, 48)]):
         sched.add_request(image_request(f"warm-img{i}", offset, length))
@@ -173,6 +186,18 @@ def test_images_arriving_while_streams_decode_keep_steps_within_the_ratio():
         assert dec_tokens >= 8                               # the streams decode throughout
         if true_cost(tokens, pairs, encoder) > ratio * true_cost(dec_tokens, dec_pairs) * 1.05:
             over.append((tokens - dec_tokens, encoder))
+    assert sum(s[2] for s in worker.shapes[first:]) == pytest.approx(5 * 16 + 64)     # each image encoded once
+    sched.check_integrity()
+    return over
+
+
+def test_images_arriving_while_streams_decode_keep_steps_within_the_ratio():
     # Only the large image's step goes over: with the decodes and no more than the guaranteed chunk.
-    assert over == [(16, 64)]
-    assert sum(s[2] for s in worker.shapes[first:]) == 5 * 16 + 64     # each image encoded once
+    assert streams_and_images(depth=0, ratio=1.5, budget=256) == [(16, 64)]
+
+
+def test_a_sliced_tower_keeps_every_step_within_the_ratio_at_the_default_budget():
+    """Serving's defaults (the encoder budget is the token budget): a new request whose text comes before an image
+    the allowance cannot pay for is admitted with that text and its image sliced as the allowance pays, so not even
+    the large image's step goes over."""
+    assert streams_and_images(depth=4, ratio=1.5, budget=0) == []
