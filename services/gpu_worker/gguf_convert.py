@@ -159,11 +159,18 @@ def convert_gguf(model: str | pathlib.Path, force: bool = False) -> pathlib.Path
     out = gguf_model_dir(str(gguf))
     if is_model_dir(out) and not force:
         return out
-    from steploop.gpu_worker.gguf.reader import DIRECT_ARCHITECTURES, architecture, open_gguf
+    from steploop.gpu_worker.gguf.reader import DIRECT_ARCHITECTURES, architecture, fast_gguf_readers, open_gguf
     direct = architecture(open_gguf(gguf)) in DIRECT_ARCHITECTURES     # checks every tensor's type and size first
-    model_type = gguf_model_type(gguf)
-    if direct:
-        return _write_folder(gguf, out, lambda tmp: _save_direct(gguf, tmp, model_type), verb="reading metadata of")
+    with fast_gguf_readers():                   # transformers opens the file 3-4 times more below
+        model_type = gguf_model_type(gguf)
+        if direct:
+            return _write_folder(gguf, out, lambda tmp: _save_direct(gguf, tmp, model_type),
+                                 verb="reading metadata of")
+        return _write_folder(gguf, out, _fill_dequantized(gguf, model_type))
+
+
+def _fill_dequantized(gguf: pathlib.Path, model_type: str):
+    """The fp32 conversion of a family that does not load directly: transformers dequantizes the file."""
 
     def fill(tmp: pathlib.Path) -> None:
         import torch
@@ -172,7 +179,7 @@ def convert_gguf(model: str | pathlib.Path, force: bool = False) -> pathlib.Path
         loaded.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         _log(f"{model_type}: {sum(p.numel() for p in loaded.parameters()) / 1e6:.1f} M params")
-    return _write_folder(gguf, out, fill)
+    return fill
 
 
 def _save_direct(gguf: pathlib.Path, tmp: pathlib.Path, model_type: str) -> None:

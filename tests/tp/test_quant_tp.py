@@ -57,8 +57,11 @@ def _gguf_case(tmp_path, model_dir, family: str):
     folder = convert_gguf(path)
     if family == "llama":      # transformers' own GGUF reader (gguf-py's dequantize, llama.cpp's q/k order undone)
         import transformers
-        return folder, transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
+
+        from steploop.gpu_worker.gguf.reader import fast_gguf_readers
+        with fast_gguf_readers():
+            return folder, transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
     return folder, reference_model(path, folder)
 
 

@@ -21,7 +21,7 @@ from steploop.common.model_path import gguf_model_dir
 from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q6_K, SPLIT
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
-from steploop.gpu_worker.gguf.reader import GGUFFileError, open_gguf
+from steploop.gpu_worker.gguf.reader import GGUFFileError, fast_gguf_readers, open_gguf
 from steploop.gpu_worker.gguf_convert import convert_gguf
 from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 from steploop.gpu_worker.model_runner import ModelRunner
@@ -93,8 +93,9 @@ def test_gguf_blocks_serve_transformers_greedy_tokens(family, tmp_path, model_di
     path = gguf_file(family, tmp_path, model_dir)
     folder = convert_gguf(path)
     assert not list(folder.glob("*.safetensors")) and (folder / "gguf_source.json").is_file()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    with fast_gguf_readers():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
     with caplog.at_level("INFO"):
         runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=64, max_model_len=256,
                                                       device="cpu"), folder)
