@@ -12,6 +12,7 @@ from aiohttp import web
 from steploop.gateway.errors import APIError
 from steploop.gateway.media import MediaPolicy, parts
 from tests.gateway.media_images import data_url, encode, noise_image
+from tests.span_recorder import recorded_spans
 
 ImageRef, load_images = parts.ImageRef, parts.load_images
 openai_image_part, responses_image_part = parts.openai_image_part, parts.responses_image_part
@@ -112,21 +113,11 @@ async def test_anthropic_media_type_must_match_the_bytes():
 
 
 async def test_loading_is_traced_when_tracing_is_on():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from steploop.common import tracing
-    memory, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing.enable(provider)
-    try:
+    with recorded_spans() as memory:
         await load_images([ImageRef("messages[0].content[0]", "messages", url=data_url(PNG))], MediaPolicy())
         with pytest.raises(APIError):
             await load_images([ImageRef("messages[0].content[1]", "messages", base64="@@", media_type="image/png")],
                               MediaPolicy())
-    finally:
-        tracing.disable()
     spans = {(s.name, s.attributes.get("steploop.image.part")): s for s in memory.get_finished_spans()}
     ok, failed = spans["load image", "messages[0].content[0]"], spans["load image", "messages[0].content[1]"]
     assert ok.attributes["steploop.image.kind"] == "data" and ok.attributes["steploop.image.width"] == 16

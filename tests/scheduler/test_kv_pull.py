@@ -22,6 +22,7 @@ from steploop.scheduler.kv_pull_import import KvPullImport
 from steploop.scheduler.kv_tiers import KvTiers
 from steploop.scheduler.prefix_cache import ensure_block_hashes
 from steploop.scheduler.request import Request
+from tests.span_recorder import recorded_spans
 
 BS = 4
 PROMPT = list(range(100, 117))          # 17 tokens: 4 full blocks + 1
@@ -211,16 +212,9 @@ async def test_a_replica_that_cannot_receive_recomputes_and_counts_it():
 
 
 async def test_each_pull_is_a_client_span_under_the_request_whose_trace_rides_to_the_source():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from steploop.common import tracing
 
-    memory, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing.enable(provider)
-    try:
+    with recorded_spans() as memory:
         for source in (FakeSource(blocks=4), FakeSource(error=grpc.StatusCode.UNAVAILABLE)):
             sched, imp = receiver(source)
             r = request()
@@ -230,9 +224,8 @@ async def test_each_pull_is_a_client_span_under_the_request_whose_trace_rides_to
             parent.end()
             (key, traceparent), = source.metadata[0]
             span = pull_span(memory, parent).get_span_context()
-            assert key == "traceparent" and traceparent.split("-")[1:3] == [f"{span.trace_id:032x}", f"{span.span_id:016x}"]
-    finally:
-        tracing.disable()
+            assert key == "traceparent"
+            assert traceparent.split("-")[1:3] == [f"{span.trace_id:032x}", f"{span.span_id:016x}"]
     spans = [s for s in memory.get_finished_spans() if s.name == "steploop.scheduler.kv_pull"]
     assert [(s.attributes["steploop.kv_pull.blocks_asked"], s.attributes["steploop.kv_pull.blocks"],
              s.attributes["steploop.kv_pull.bytes"], s.attributes["steploop.kv_pull.ok"]) for s in spans] == [
@@ -248,10 +241,6 @@ def pull_span(memory, parent):
 
 
 async def test_the_source_export_is_a_server_span_in_the_callers_trace():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from steploop.common import tracing
     from steploop.common.kv_pull import KvExport
     from steploop.scheduler.servicers import EngineServicer
@@ -261,17 +250,12 @@ async def test_the_source_export_is_a_server_span_in_the_callers_trace():
 
     loop = SimpleNamespace(kv_export=SimpleNamespace(export=export),
                            server_config=SimpleNamespace(kv_transfer_lease=1.0))
-    memory, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing.enable(provider)
-    try:
+    with recorded_spans() as memory:
         caller = tracing.tracer().start_span("steploop.scheduler.kv_pull")
         context = SimpleNamespace(invocation_metadata=lambda: tracing.grpc_metadata(caller))
         replies = [await EngineServicer(loop).ExportKvBlocks(
             engine_pb2.KvExportRequest(transfer_id=t, block_hashes=[b"k"] * 4), context) for t in ("t1", "t2")]
         caller.end()
-    finally:
-        tracing.disable()
     assert [(r.num_blocks, r.bytes, r.reason) for r in replies] == [(3, 300, ""), (0, 0, "evicted")]
     spans = [s for s in memory.get_finished_spans() if s.name == "steploop.scheduler.kv_export"]
     assert [s.parent.span_id for s in spans] == [caller.get_span_context().span_id] * 2

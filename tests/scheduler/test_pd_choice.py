@@ -18,6 +18,7 @@ from steploop.scheduler.pd_disagg import PdDisagg
 from steploop.scheduler.pd_metrics import pd_families
 from steploop.scheduler.request import Request
 from steploop.scheduler.step_cost import attention_pairs
+from tests.span_recorder import recorded_spans
 
 BS = 16
 A, B, C = 0.005, 5e-5, 1e-9                   # step base, per token, per attention pair (seconds)
@@ -200,23 +201,14 @@ def test_decisions_are_a_labelled_counter():
 
 
 def test_the_choice_is_on_the_request_span():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from steploop.common import tracing
 
-    memory, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing.enable(provider)
-    try:
+    with recorded_spans() as memory:
         engine, pd = setup(streams=4)
         rec = SimpleNamespace(span=tracing.tracer().start_span("steploop.scheduler.request"))
         engine.observer.live["a"] = rec
         pd.trace_choice("a", pd.choose(req("a"), ""))
         rec.span.end()
-    finally:
-        tracing.disable()
     (span,) = memory.get_finished_spans()
     attrs = span.attributes
     assert (attrs["steploop.pd.choice"], attrs["steploop.pd.reason"]) == ("disaggregated", "cost")

@@ -14,6 +14,7 @@ from steploop.common.sampling_params import SamplingParams
 from steploop.scheduler.kv_tiers import KvTiers
 from steploop.scheduler.pd_disagg import PdDisagg
 from steploop.scheduler.request import Request
+from tests.span_recorder import recorded_spans
 
 BS = 4
 
@@ -150,22 +151,11 @@ def test_a_lost_prefill_group_and_an_expired_lease_fall_back():
 
 
 def test_each_transfer_is_a_span_when_tracing_is_on():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from steploop.common import tracing
-
-    memory, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing.enable(provider)
-    try:
+    with recorded_spans() as memory:
         _, pd = setup()
         pd.start(req("a"))
         pd.start(req("b"))
         prefill_step(pd, FakeWorker(), send_ok=True)
-    finally:
-        tracing.disable()
     spans = sorted(memory.get_finished_spans(), key=lambda s: s.attributes["steploop.request_id"])
     assert [s.name for s in spans] == ["steploop.scheduler.kv_transfer"] * 2
     assert [(s.attributes["steploop.request_id"], s.attributes["steploop.kv_transfer.blocks"],

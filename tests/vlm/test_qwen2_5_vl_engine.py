@@ -12,6 +12,7 @@ from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.model_runner import ModelRunner
 from steploop.scheduler.request import Request, RequestRejectedError
 from tests.scheduler.sched_factories import create_scheduler
+from tests.span_recorder import recorded_spans
 from tests.vlm.engine_steps import assert_images_never_share_a_block, run
 from tests.vlm.vlm_models import oracle_generate, prompt_with_images
 
@@ -109,18 +110,11 @@ def test_an_image_larger_than_the_encoder_budget_is_refused(two_image_prompt):
 
 
 def test_encoding_is_traced_in_the_request_trace(runner, two_image_prompt):
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     from steploop.common import tracing
     ids, features = two_image_prompt
-    memory, provider = InMemorySpanExporter(), TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracing.enable(provider)
-    sched = create_scheduler(max_num_batched_tokens=256, block_size=BLOCK, num_blocks=128,
-                             enable_prefix_caching=False, max_num_encoder_input_tokens=24)
-    try:
+    with recorded_spans() as memory:
+        sched = create_scheduler(max_num_batched_tokens=256, block_size=BLOCK, num_blocks=128,
+                                 enable_prefix_caching=False, max_num_encoder_input_tokens=24)
         parent = tracing.tracer().start_span("request")
         sched.add_request(request("traced", ids, features))
         while sched.has_unfinished_requests():
@@ -130,8 +124,6 @@ def test_encoding_is_traced_in_the_request_trace(runner, two_image_prompt):
             sched.update_from_output(plan, runner.execute(plan))
         runner.execute(sched.schedule())
         parent.end()
-    finally:
-        tracing.disable()
     spans = [s for s in memory.get_finished_spans() if s.name == "steploop.worker.encode_image"]
     assert sorted(s.attributes["steploop.image_hash"] for s in spans) == sorted(f.hash for f in features)
     assert {s.attributes["steploop.image_tokens"] for s in spans} == {f.length for f in features}
