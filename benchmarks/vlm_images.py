@@ -15,8 +15,8 @@ streams, a layer ~half of one, as Qwen2.5-VL-7B's 32-layer tower does on compute
    tower layers per step within a small budget ('sliced': --max-num-encoder-input-tokens = --sliced-encoder-budget,
    scheduler/encoder_budget.py), vs the same streams alone, alternating alone/whole/default/sliced and back per
    round (issue 35 asks p99 / median <= 1.5x); each run's scheduler first serves a few text prompts and an image,
-   as a serving one has, so prefill pacing's cost model is fitted. The 'wall' clock is the latency a client sees; the 'cpu' clock is
-   this process's CPU time, the C kernels' threads included, so it counts work rather than waiting.
+   as a serving one has, so prefill pacing's cost model is fitted. The 'wall' clock is the latency a client sees;
+   the 'cpu' clock is this process's CPU time, the C kernels' threads included, so it counts work, not waiting.
 
 Timings on a shared CPU are noisy: each scenario runs one discarded warm-up round, then alternates its modes and
 reports the median per mode.

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
+
 from steploop.common import grpc_options, tls, tracing
 from steploop.common.kv_pull import KvExport, KvPullHint
 from steploop.common.pb.steploop.v1 import engine_pb2, engine_pb2_grpc

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+
 from steploop.common import metrics, tracing
 from steploop.common.engine_contract import KV_EVENTS_RESUMED_METADATA, EngineRequest
 from steploop.common.engine_control import PAUSE_MODES
@@ -76,9 +77,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         with tracing.grpc_server_context(context), \
                 request_tracing.kv_export(request.transfer_id, len(request.block_hashes)) as span:
             answer = await self._export(request)
-            span.set_attributes({"steploop.kv_pull.blocks": answer.num_blocks, "steploop.kv_pull.bytes": answer.bytes})
-            if not answer.num_blocks:
-                span.set_attribute("steploop.kv_pull.reason", answer.reason)
+            request_tracing.kv_export_answer(span, answer.num_blocks, answer.bytes, answer.reason)
         return answer.to_pb()
 
     async def _export(self, request):

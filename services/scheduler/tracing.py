@@ -81,16 +81,21 @@ def kv_pull_start(rec: Any, request_id: str, source: str, num_blocks: int) -> An
 
 def kv_pull_end(span: Any, num_blocks: int, num_bytes: int, reason: str) -> None:
     """The source's answer: how many leading blocks it sent (0: recomputed here, and why)."""
-    span.set_attributes({"steploop.kv_pull.blocks": num_blocks, "steploop.kv_pull.bytes": num_bytes,
-                         "steploop.kv_pull.ok": num_blocks > 0})
+    kv_export_answer(span, num_blocks, num_bytes, reason)
+    span.set_attribute("steploop.kv_pull.ok", num_blocks > 0)
+    span.end()
+
+
+def kv_export_answer(span: Any, num_blocks: int, num_bytes: int, reason: str) -> None:
+    """A pull's answer on either side's span: the leading blocks sent, their bytes, and why none when none."""
+    span.set_attributes({"steploop.kv_pull.blocks": num_blocks, "steploop.kv_pull.bytes": num_bytes})
     if not num_blocks:
         span.set_attribute("steploop.kv_pull.reason", reason)
-    span.end()
 
 
 def kv_export(transfer_id: str, num_asked: int) -> Any:
     """The source side of a pull (servicers.ExportKvBlocks, inside the caller's trace): a server span over the
-    export; its attributes are set by the caller before ending it."""
+    export; the caller sets its answer (kv_export_answer) before the block ends it."""
     from opentelemetry.trace import SpanKind
     return tracing.tracer().start_as_current_span(
         "steploop.scheduler.kv_export", kind=SpanKind.SERVER,
