@@ -142,6 +142,10 @@ def itl_with_images(runner, with_images: bool, streams: int, tokens: int, every:
     scheduler()'s)."""
     sched = scheduler(runner, budget, slowdown, encoder_budget, slices)
     warm_up(runner, sched, size)
+    # The image requests are built before the clock runs: in serving the gateway decodes and preprocesses an image
+    # (~14 ms here) in its own process, not inside the scheduler's step loop, so it is no part of a stream's gap.
+    arrivals = [image_request(f"img{n}", png_bytes(size, size, 5000 + n), n, max_tokens=4)
+                for n in range(0, 2 * tokens + 8 * every, every)] if with_images else []
     for i in range(streams):
         ids, _ = prompt_with_images([], [32], seed=1000 + i)
         sched.add_request(Request(f"t{i}", ids, sampling=greedy(tokens)))
@@ -149,8 +153,8 @@ def itl_with_images(runner, with_images: bool, streams: int, tokens: int, every:
     gaps: list[tuple[float, float]] = []
     n = 0
     while any(f"t{i}" in sched.requests for i in range(streams)):
-        if with_images and n % every == 0:
-            sched.add_request(image_request(f"img{n}", png_bytes(size, size, 5000 + n), n, max_tokens=4))
+        if with_images and n % every == 0 and n // every < len(arrivals):
+            sched.add_request(arrivals[n // every])
         n += 1
         at, outputs = step(runner, sched)
         for o in outputs:
@@ -164,13 +168,25 @@ def itl_with_images(runner, with_images: bool, streams: int, tokens: int, every:
 
 
 def warm_up(runner, sched, size: int) -> None:
-    """What a serving scheduler has seen before these streams: text prompts and an image, so prefill pacing's cost
-    model is fitted (it caps nothing until it is) and knows the tower's time per image token."""
+    """What a serving scheduler has seen before these streams: text prompts and an image alone, so prefill pacing's
+    cost model is fitted (it caps nothing until it is) and knows the tower's time per image token; then images
+    arriving beside two decoding streams, so it knows how far such steps stray from its predictions
+    (prediction_spread.py: it paces by that spread only after a few of them)."""
     for i in range(3):
         ids, _ = prompt_with_images([], [40 + 30 * i], seed=900 + i)
         sched.add_request(Request(f"warm{i}", ids, sampling=greedy(8)))
     sched.add_request(image_request("warm-img", png_bytes(size, size, 4999), 4999))
     while sched.has_unfinished_requests():
+        step(runner, sched)
+    images = [image_request(f"warm-img{i}", png_bytes(size, size, 4000 + i), 4000 + i) for i in range(4)]
+    for i in range(2):
+        ids, _ = prompt_with_images([], [32], seed=950 + i)
+        sched.add_request(Request(f"warm-stream{i}", ids, sampling=greedy(40)))
+    n = 0
+    while sched.has_unfinished_requests():
+        if n % 8 == 4 and n // 8 < len(images):
+            sched.add_request(images[n // 8])
+        n += 1
         step(runner, sched)
 
 

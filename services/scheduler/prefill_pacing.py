@@ -23,12 +23,20 @@ image, and the slices, which the allowance pays for (encoder_tokens_affordable /
 The decode part of the step being built is not known until the running queue has been walked, so the allowance
 is derived from the previous step's decodes (one token of context apart, the same), scaled down to the requests
 still running.
+
+The bound is on real time, the model's fit is right on average: the allowance is corrected by how real steps
+stray from their predictions (prediction_spread.py), decodes at their mean and mixed steps at a high quantile,
+
+    allowance = (ratio * decode_mean / mixed_upper - 1) * predicted time of the decodes alone
+
+so a step with prompt work stays within the ratio at the tail (p99 ITL), not only on average.
 """
 
 from __future__ import annotations
 
 import math
 
+from steploop.scheduler.prediction_spread import PredictionSpread
 from steploop.scheduler.step_cost import StepCostModel, attention_pairs
 
 
@@ -47,7 +55,9 @@ class PrefillPacer:
         self._step_pairs = 0.0
         self._step_encoder = 0                     # encoder tokens of the images this step encodes
         self._encoder_seconds = 0.0                # e: seconds per encoder token, this step
-        self._shapes: dict[int, tuple[int, float, int]] = {}    # step_id -> shape, until its result arrives
+        self._shapes: dict[int, tuple[int, float, int, bool]] = {}   # step_id -> shape, until its result arrives
+        self.decode_spread = PredictionSpread()    # real / predicted time of steps with decodes only
+        self.mixed_spread = PredictionSpread()     # ... of steps with decodes and prompt or encoder work
         self.num_paced_steps = 0                   # steps in which pacing cut a prompt chunk (metrics)
         self.num_deferred_tokens = 0               # per step, prompt tokens held back by those cuts, summed
         self._cut_this_step = False
@@ -69,7 +79,8 @@ class PrefillPacer:
             return
         a, b, c = self._coef
         self._encoder_seconds = self.cost.encoder_token_seconds()
-        self._allowance = self._full_allowance = (self.ratio - 1.0) * (a + b * decodes + c * pairs)
+        target = self.ratio * self.decode_spread.mean() / self.mixed_spread.upper()
+        self._allowance = self._full_allowance = max(target - 1.0, 0.0) * (a + b * decodes + c * pairs)
         self._min_left = self.min_chunk
 
     def clip(self, num_new: int, start: int, images: list[tuple[int, int]] = (), sliceable: bool = False) -> int:
@@ -157,13 +168,20 @@ class PrefillPacer:
 
     def end_step(self, step_id: int) -> None:
         if self._step_tokens:
-            self._shapes[step_id] = (self._step_tokens, self._step_pairs, self._step_encoder)
+            decodes_only = self._step_tokens == self._decode_tokens and not self._step_encoder
+            self._shapes[step_id] = (self._step_tokens, self._step_pairs, self._step_encoder,
+                                     decodes_only if self._decode_tokens else None)
 
     # ---------------------------------------------------------------- results
     def observe(self, step_id: int, forward_seconds: float) -> None:
         shape = self._shapes.pop(step_id, None)
-        if shape is not None:
-            self.cost.observe(shape[0], shape[1], forward_seconds, shape[2])
+        if shape is None:
+            return
+        tokens, pairs, encoder, decodes_only = shape
+        if decodes_only is not None:            # a step with decodes: how far its real time strays
+            spread = self.decode_spread if decodes_only else self.mixed_spread
+            spread.observe(forward_seconds, self.cost.predict(tokens, pairs, encoder))
+        self.cost.observe(tokens, pairs, forward_seconds, encoder)
 
     def forget_in_flight(self) -> None:
         """Plans sent to a lost worker never report back."""

@@ -142,3 +142,67 @@ def test_pacing_changes_no_output_and_can_be_turned_off():
         return run_until_idle(sched, TimedWorker(block_size=8)).tokens
 
     assert outputs(1.2) == outputs(0)
+
+
+class NoisyTimedWorker(TimedWorker):
+    """A machine the linear model fits only on average: decode-only steps run 5% under true_cost (the fit's
+    intercept leans on the larger steps) and a step with prompt work lands up to 10% either side of it."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.rng = random.Random(7)
+        self.seconds: list[float] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = super().execute(plan)
+        tokens, _, dec_tokens, _ = self.shapes[-1]
+        result.forward_seconds *= 0.95 if tokens == dec_tokens else self.rng.uniform(0.9, 1.1)
+        self.seconds.append(result.forward_seconds)
+        return result
+
+
+def test_pacing_bounds_real_step_times_where_the_model_fits_only_on_average():
+    ratio = 1.5
+    sched = create_scheduler(max_num_batched_tokens=2048, max_num_seqs=32, block_size=16, num_blocks=600,
+                             max_model_len=4096, max_decode_slowdown=ratio)
+    worker = NoisyTimedWorker(block_size=16)
+    for r in create_requests(8, prompt_len=[20 + i for i in range(8)], max_tokens=400, ignore_eos=True):
+        sched.add_request(r)
+    run = Run()
+    for _ in range(40):
+        step(sched, worker, run)
+    longs = create_requests(4, prompt_len=1200, max_tokens=2, ignore_eos=True, prefix="long", seed=3)
+    first = len(worker.shapes)
+    for r in longs:
+        sched.add_request(r)
+    while any(r.request_id not in run.finish for r in longs):
+        step(sched, worker, run)
+        assert len(worker.shapes) < first + 600, "the long prompts made no progress"
+    # Real time of each step with a prompt chunk beside the decodes, over the decodes' real time alone.
+    real = worker_ratios(worker, first)
+    assert len(real) >= 20
+    real.sort()
+    assert real[int(0.95 * len(real))] <= ratio          # the bound holds at the tail, not only on average
+    assert real[len(real) // 2] >= 1.25                  # and the allowance is still used, not thrown away
+    assert sched.pacer.mixed_spread.upper() > 1.05       # the spread it paced by
+
+
+def worker_ratios(worker: NoisyTimedWorker, first: int) -> list[float]:
+    out = []
+    for (tokens, pairs, dec_tokens, dec_pairs), seconds in zip(worker.shapes[first:], worker.seconds[first:]):
+        if dec_tokens and tokens - dec_tokens > 16:
+            out.append(seconds / (0.95 * true_cost(dec_tokens, dec_pairs)))
+    return out
+
+
+def test_prediction_spread_tracks_mean_and_tail():
+    from steploop.scheduler.prediction_spread import PredictionSpread
+    spread, rng = PredictionSpread(min_observations=4), random.Random(0)
+    assert spread.mean() == spread.upper() == 1.0
+    spread.observe(1.0, None)                            # an unfitted model's step teaches nothing
+    spread.observe(0.0, 1.0)
+    assert spread.num_observations == 0
+    for _ in range(400):
+        spread.observe(rng.gauss(1.2, 0.05), 1.0)
+    assert spread.mean() == pytest.approx(1.2, abs=0.03)
+    assert spread.upper() == pytest.approx(1.3, abs=0.05)
