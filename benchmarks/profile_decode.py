@@ -60,11 +60,13 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--model", default=None, help="a model folder or GGUF file (default: the default model)")
+    p.add_argument("--prompt-len", type=int, default=128)
     args = p.parse_args(argv)
-    engine = InProcessEngine(resolve_model(None), 2048, num_threads=args.threads)
+    engine = InProcessEngine(resolve_model(args.model), 2048, num_threads=args.threads)
     runner, sched = engine.runner, engine._new_scheduler()
     tok = datasets.load_tokenizer(None)
-    for i, r in enumerate(datasets.random_dataset(args.batch, 128, 10_000, 0.0, tok, seed=5, as_ids=True)):
+    for i, r in enumerate(datasets.random_dataset(args.batch, args.prompt_len, 10_000, 0.0, tok, seed=5, as_ids=True)):
         sched.add_request(Request(f"r{i}", r.prompt,
                                   sampling=SamplingParams(max_tokens=4 * args.steps + 16, ignore_eos=True)))
     while sched.num_waiting or _prefilling(sched):
