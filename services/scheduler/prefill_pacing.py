@@ -29,7 +29,8 @@ stray from their predictions (prediction_spread.py), decodes at their mean and m
 
     allowance = (ratio * decode_mean / mixed_upper - 1) * predicted time of the decodes alone
 
-so a step with prompt work stays within the ratio at the tail (p99 ITL), not only on average.
+so a step with prompt work stays within the ratio at the tail (p99 ITL), not only on average. The correction
+never takes more than half of the uncorrected allowance (nor adds to it).
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ class PrefillPacer:
             return
         a, b, c = self._coef
         self._encoder_seconds = self.cost.encoder_token_seconds()
+        # The correction takes at most half the allowance: on a machine shared with noisy neighbours the spread is
+        # their noise, which pacing cannot remove, and prompts must still progress faster than min_chunk a step.
         target = self.ratio * self.decode_spread.mean() / self.mixed_spread.upper()
-        self._allowance = self._full_allowance = max(target - 1.0, 0.0) * (a + b * decodes + c * pairs)
+        target = min(max(target, 1.0 + (self.ratio - 1.0) / 2), self.ratio)
+        self._allowance = self._full_allowance = (target - 1.0) * (a + b * decodes + c * pairs)
         self._min_left = self.min_chunk
 
     def clip(self, num_new: int, start: int, images: list[tuple[int, int]] = (), sliceable: bool = False) -> int:

@@ -206,3 +206,18 @@ def test_prediction_spread_tracks_mean_and_tail():
         spread.observe(rng.gauss(1.2, 0.05), 1.0)
     assert spread.mean() == pytest.approx(1.2, abs=0.03)
     assert spread.upper() == pytest.approx(1.3, abs=0.05)
+
+
+def test_a_noisy_machine_costs_prompts_at_most_half_the_allowance():
+    """Neighbours' noise makes the spread wide; prompts still get half the uncorrected allowance."""
+    from steploop.scheduler.prefill_pacing import PrefillPacer
+    from tests.scheduler.test_encoder_pacing import FixedCost
+    pacer = PrefillPacer(1.5, 16, FixedCost(0.1, 0.001, 0.0, 0.0))
+    for i in range(40):
+        pacer.mixed_spread.observe((0.5, 2.0)[i % 2], 1.0)
+    assert pacer.mixed_spread.upper() > 2.0
+    pacer.begin_step(4)
+    pacer.tally_decodes(4, 400)
+    pacer.end_step(0)
+    pacer.begin_step(4)
+    assert pacer.clip(1000, 0) == 26          # (1.25 - 1) * (0.1 + 4 * 0.001) s at 1 ms a token
