@@ -1,7 +1,7 @@
 """The same GGUF file decoded by steploop (read at its own width, in-process ModelRunner) and by llama.cpp
 (llama-cpp-python, its own multi-sequence batching), alternating engine by engine in one run:
     python -m benchmarks.gguf_vs_llamacpp [--shape 1b|8b] [--layers N] [--streams 1 16] [--rounds 2] [--file F.gguf]
-        [--llama-python .venv-llamacpp/bin/python]
+        [--llama-python .venv-llamacpp/bin/python] [--int8]
 
 Default file: gguf_shapes.py's Llama-3.2-1B-shaped (--shape 8b: Llama-3.1-8B-shaped, ~5 GB) Q4_K_M-like file (Q4_K,
 Q6_K for attn_v, ffn_down and the output; random valid blocks), written on first use into --out. Each measurement runs in a fresh process (so its resident size is its own):
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -72,8 +73,10 @@ def bytes_per_token(model, cfg, context: int) -> int:
     return weights + kv
 
 
-def run_steploop(path: str, streams_list: list[int], threads: int, prompt_len: int, new_tokens: int) -> list[dict]:
-    """One load, then each stream count in turn (the KV cache sized for the largest)."""
+def run_steploop(path: str, streams_list: list[int], threads: int, prompt_len: int, new_tokens: int,
+                 int8: bool = False) -> list[dict]:
+    """One load, then each stream count in turn (the KV cache sized for the largest); int8: the worker's
+    --cpu-int8-activations (Q4_K / Q6_K with int8 activations, as llama.cpp; not exact)."""
     import logging
     logging.basicConfig(level=logging.WARNING)
     import steploop.gpu_worker  # noqa: F401  (before torch loads libgomp: bounds its idle spin, as the worker does)
@@ -87,6 +90,9 @@ def run_steploop(path: str, streams_list: list[int], threads: int, prompt_len: i
     engine = InProcessEngine(folder, num_kv_blocks=max(streams_list) * per_seq // 16 + 2, num_threads=threads,
                              max_model_len=per_seq)
     loaded = rss_mib()
+    if int8:
+        from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
+        set_int8_activations(True)
     engine.run(prompts(1, prompt_len, 4))                       # warm-up, not timed
     outs = []
     for streams in streams_list:
@@ -115,7 +121,8 @@ def run_llama_cpp(path: str, streams_list: list[int], threads: int, prompt_len: 
 
 
 def child(args) -> int:
-    run = run_steploop if args.engine == "steploop" else run_llama_cpp
+    run = (run_llama_cpp if args.engine == "llama.cpp" else
+           functools.partial(run_steploop, int8=args.engine == "steploop-int8"))
     for streams, result in zip(args.streams, run(str(args.file), args.streams, args.threads, args.prompt_len,
                                                   args.tokens)):
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -159,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-load", action="store_true",
                         help="each engine loads the file once per round and runs every stream count (an 8B file's "
                              "load takes minutes); its peak RSS then covers all of them")
-    parser.add_argument("--engine", choices=["steploop", "llama.cpp"], help=argparse.SUPPRESS)    # a child run
+    parser.add_argument("--int8", action="store_true",
+                        help="also run steploop with --cpu-int8-activations (llama.cpp's arithmetic; not exact)")
+    parser.add_argument("--engine", choices=["steploop", "steploop-int8", "llama.cpp"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.engine:
         return child(args)
@@ -176,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                           check=False).stdout.splitlines()
     machine["llama_cpp_python"], machine["llama_cpp_system_info"] = (peer + [None, None])[:2]
     engines = {"steploop": sys.executable, "llama.cpp": args.llama_python}
+    if args.int8:
+        engines["steploop-int8"] = sys.executable
     best: dict[tuple[str, int], dict] = {}
     # one child per engine and stream count, or (--one-load: big files) one per engine running every count
     batches = [args.streams] if args.one_load else [[streams] for streams in args.streams]
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             for engine, python in order:
                 for streams, r in measure(engine, python, args, streams_list).items():
                     r["load_avg"] = os.getloadavg()
-                    print(f"{engine:9s} {streams:3d} streams: {r['output_throughput']:7.2f} out tok/s, peak RSS "
+                    print(f"{engine:13s} {streams:3d} streams: {r['output_throughput']:7.2f} out tok/s, peak RSS "
                           f"{r['peak_rss_mib']:.0f} MiB, load {os.getloadavg()[0]:.1f}", flush=True)
                     key = (engine, streams)
                     if key not in best or r["output_throughput"] > best[key]["output_throughput"]:
@@ -198,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
                         "peak_rss_ratio": ours["peak_rss_mib"] / theirs["peak_rss_mib"]})
         print(f"{streams:3d} streams: steploop / llama.cpp = {results[-1]['throughput_ratio']:.2f}x tok/s, "
               f"{results[-1]['peak_rss_ratio']:.2f}x peak RSS")
+        if ("steploop-int8", streams) in best:
+            int8 = best[("steploop-int8", streams)]
+            results[-1].update(steploop_int8=int8,
+                               int8_throughput_ratio=int8["output_throughput"] / theirs["output_throughput"])
+            print(f"  with --cpu-int8-activations: {results[-1]['int8_throughput_ratio']:.2f}x llama.cpp's tok/s, "
+                  f"median ITL {int8['median_itl_ms']:.1f} ms")
         if "bandwidth_bound_ms" in ours:
             print(f"  steploop one stream: {ours['median_itl_ms']:.1f} ms/token, bound "
                   f"{ours['bandwidth_bound_ms']:.1f} ms ({ours['bytes_per_token_mib']} MiB / "

@@ -115,6 +115,7 @@ class ModelRunner:
         stored_quantized = cfg.quant is not None or gguf
         plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized), gguf)
         log.info("kernel plan: %s", plan.describe())
+        _set_int8_activations(config.cpu_int8_activations, gguf, plan)
         local = rank.local_cfg
         backend = create_backend(plan.attention_backend, local.num_attention_heads, local.num_key_value_heads,
                                  local.head_dim, local.head_dim ** -0.5, plan.cpu_attention_kernel)
@@ -521,3 +522,22 @@ def _cuda_profile(model: LlamaForCausalLM, config: WorkerConfig, cfg: LlamaModel
     return kv_cache.CudaProfile(
         forward=lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device, budget),
         sampler=lambda: _profile_sampler(model, config.max_num_seqs, device), reserves=reserves)
+
+
+def _set_int8_activations(wanted: bool, gguf: bool, plan) -> None:
+    """--cpu-int8-activations: the packed Q4_K / Q6_K kernels round activations to int8 (int8_activations.c), or
+    the exact kernels (the default; also set back so, since the library is shared by every runner of a process).
+    Refused where it would change nothing: not a GGUF file read at its width by the C kernels."""
+    if not wanted:
+        if plan.packed_linears:
+            from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
+            set_int8_activations(False)
+        return
+    if not (gguf and plan.packed_linears):
+        raise ValueError("--cpu-int8-activations applies to a GGUF file's Q4_K / Q6_K weights read at their width by "
+                         "the CPU kernels; this worker has " + ("no packed linears (" + plan.describe() + ")"
+                                                                if gguf else "no GGUF model"))
+    from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
+    set_int8_activations(True)
+    log.warning("--cpu-int8-activations: Q4_K / Q6_K weights multiply int8-rounded activations (llama.cpp's "
+                "arithmetic); outputs are NOT equal to the fp32 reference")

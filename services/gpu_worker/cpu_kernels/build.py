@@ -54,6 +54,8 @@ SOURCES = {
     # products and sums round one by one, as torch's separate elementwise ops do
     "elementwise": _COMMON + ["-ffp-contract=off"],
     "decoder": _COMMON,
+    # explicit fmas (intrinsics, fmaf) only: the AVX2 and portable epilogues round alike
+    "int8_activations": _COMMON + ["-ffp-contract=off"],
 }
 HEADERS = ["vector_width.h"]          # included by the sources: part of the library's hash
 NAME = "steploop_cpu"

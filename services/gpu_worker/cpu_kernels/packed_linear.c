@@ -57,6 +57,13 @@
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
+/* int8_activations.c: Q4_K and Q6_K with int8 activations, when the worker opted in (not exact) */
+extern int steploop_int8_activations_on;
+int steploop_int8_linear_q4k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
+                             int64_t M, int64_t N, int64_t K, int num_threads);
+int steploop_int8_linear_q6k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
+                             int64_t M, int64_t N, int64_t K, int num_threads);
+
 static inline vf loadv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
@@ -657,6 +664,8 @@ int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, cons
 {
     if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK_K)
         return -1;
+    if (steploop_int8_activations_on)      /* opt-in, not exact: int8_activations.c */
+        return steploop_int8_linear_q4k(y, x, qs, dd, scales, M, N, K, num_threads);
     if (M == 0)
         return 0;
     const uint8_t *sc = scales, *mn = scales + N * (K / QK);
@@ -829,6 +838,8 @@ int steploop_packed_linear_kquant(float *y, const float *x, const uint8_t *qs, c
 {
     if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK_K)
         return -1;
+    if (q6 && steploop_int8_activations_on)
+        return steploop_int8_linear_q6k(y, x, qs, dd, scales, M, N, K, num_threads);
     if (M == 0)
         return 0;
     tile_weight w = {q6 ? TILE_Q6K : TILE_Q5K, qs, dd, NULL, 0, scales, q6 ? NULL : scales + N * (K / QK),

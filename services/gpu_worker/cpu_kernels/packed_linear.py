@@ -38,6 +38,20 @@ def _kquant_kernel(isa: str | None = None):
     return function("steploop_packed_linear_kquant", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int], isa=isa)
 
 
+@functools.cache
+def _int8_switch(isa: str | None = None):
+    return function("steploop_set_int8_activations", [ctypes.c_int], restype=None, isa=isa)
+
+
+def set_int8_activations(on: bool, isa: str | None = None) -> None:
+    """Q4_K and Q6_K weights multiply int8-rounded activations from now on (int8_activations.c: llama.cpp's
+    arithmetic, faster on the CPU and NOT exact), or the exact fp32 kernels again; for the whole library."""
+    switch = _int8_switch(isa)
+    if switch is None:
+        raise RuntimeError("the packed linear library is not available (see build.py's warning)")
+    switch(int(on))
+
+
 def available(isa: str | None = None) -> bool:
     return _kernel(isa) is not None
 
