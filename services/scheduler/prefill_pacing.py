@@ -56,7 +56,9 @@ class PrefillPacer:
         self._step_pairs = 0.0
         self._step_encoder = 0                     # encoder tokens of the images this step encodes
         self._encoder_seconds = 0.0                # e: seconds per encoder token, this step
-        self._shapes: dict[int, tuple[int, float, int, bool]] = {}   # step_id -> shape, until its result arrives
+        # step_id -> (tokens, pairs, encoder tokens, the spread it informs, the time it was paced by), until its
+        # result arrives
+        self._shapes: dict[int, tuple[int, float, int, PredictionSpread | None, float]] = {}
         self.decode_spread = PredictionSpread()    # real / predicted time of steps with decodes only
         self.mixed_spread = PredictionSpread()     # ... of steps with decodes and prompt or encoder work
         self.num_paced_steps = 0                   # steps in which pacing cut a prompt chunk (metrics)
@@ -171,20 +173,24 @@ class PrefillPacer:
         self._decode_pairs += context
 
     def end_step(self, step_id: int) -> None:
-        if self._step_tokens:
+        if not self._step_tokens:
+            return
+        spread, predicted = None, 0.0
+        if self._allowance is not None and self._decode_tokens:     # paced: how far its real time will stray
             decodes_only = self._step_tokens == self._decode_tokens and not self._step_encoder
-            self._shapes[step_id] = (self._step_tokens, self._step_pairs, self._step_encoder,
-                                     decodes_only if self._decode_tokens else None)
+            spread = self.decode_spread if decodes_only else self.mixed_spread
+            a, b, c = self._coef
+            predicted = a + b * self._step_tokens + c * self._step_pairs + self._encoder_seconds * self._step_encoder
+        self._shapes[step_id] = (self._step_tokens, self._step_pairs, self._step_encoder, spread, predicted)
 
     # ---------------------------------------------------------------- results
     def observe(self, step_id: int, forward_seconds: float) -> None:
         shape = self._shapes.pop(step_id, None)
         if shape is None:
             return
-        tokens, pairs, encoder, decodes_only = shape
-        if decodes_only is not None:            # a step with decodes: how far its real time strays
-            spread = self.decode_spread if decodes_only else self.mixed_spread
-            spread.observe(forward_seconds, self.cost.predict(tokens, pairs, encoder))
+        tokens, pairs, encoder, spread, predicted = shape
+        if spread is not None:
+            spread.observe(forward_seconds, predicted)
         self.cost.observe(tokens, pairs, forward_seconds, encoder)
 
     def forget_in_flight(self) -> None:
