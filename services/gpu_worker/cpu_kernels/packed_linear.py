@@ -12,10 +12,17 @@ import functools
 
 import torch
 
-from steploop.gpu_worker.cpu_kernels.build import function
+from steploop.gpu_worker.cpu_kernels.build import function, selected_isa
 from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q5_K, Q6_K, Q8B_BLOCK, SPLIT, PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _default_isa() -> str:
+    """The build that calls without an `isa` use, fixed at first use, so the int8 switch and every kernel of this
+    module reach the same library (each build is its own shared object, with its own switch)."""
+    return selected_isa()
 
 
 @functools.cache
@@ -46,14 +53,14 @@ def _int8_switch(isa: str | None = None):
 def set_int8_activations(on: bool, isa: str | None = None) -> None:
     """Q4_K and Q6_K weights multiply int8-rounded activations from now on (int8_activations.c: llama.cpp's
     arithmetic, faster on the CPU and NOT exact), or the exact fp32 kernels again; for the whole library."""
-    switch = _int8_switch(isa)
+    switch = _int8_switch(isa or _default_isa())
     if switch is None:
         raise RuntimeError("the packed linear library is not available (see build.py's warning)")
     switch(int(on))
 
 
 def available(isa: str | None = None) -> bool:
-    return _kernel(isa) is not None
+    return _kernel(isa or _default_isa()) is not None
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
@@ -62,6 +69,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] != packed.in_features:
         raise ValueError(f"packed_linear: expected fp32 CPU input [..., {packed.in_features}], got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    isa = isa or _default_isa()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.in_features).contiguous()
     y = out if out is not None else torch.empty(x2.shape[0], packed.out_features, dtype=torch.float32)
