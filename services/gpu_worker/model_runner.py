@@ -528,16 +528,13 @@ def _set_int8_activations(wanted: bool, gguf: bool, plan) -> None:
     """--cpu-int8-activations: the packed Q4_K / Q6_K kernels round activations to int8 (int8_activations.c), or
     the exact kernels (the default; also set back so, since the library is shared by every runner of a process).
     Refused where it would change nothing: not a GGUF file read at its width by the C kernels."""
-    if not wanted:
-        if plan.packed_linears:
-            from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
-            set_int8_activations(False)
-        return
-    if not (gguf and plan.packed_linears):
+    if wanted and not (gguf and plan.packed_linears):
         raise ValueError("--cpu-int8-activations applies to a GGUF file's Q4_K / Q6_K weights read at their width by "
                          "the CPU kernels; this worker has " + ("no packed linears (" + plan.describe() + ")"
                                                                 if gguf else "no GGUF model"))
-    from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
-    set_int8_activations(True)
-    log.warning("--cpu-int8-activations: Q4_K / Q6_K weights multiply int8-rounded activations (llama.cpp's "
-                "arithmetic); outputs are NOT equal to the fp32 reference")
+    if plan.packed_linears:
+        from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
+        set_int8_activations(wanted)
+    if wanted:
+        log.warning("--cpu-int8-activations: Q4_K / Q6_K weights multiply int8-rounded activations (llama.cpp's "
+                    "arithmetic); outputs are NOT equal to the fp32 reference")
