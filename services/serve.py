@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         metrics_port.default = SERVE_METRICS_PORT
         metrics_port.help = metrics_port.help.replace("default 0)", f"default {SERVE_METRICS_PORT} here)")
     envs.add_flag(parser, "--disaggregated-prefill", type=bool, default=False,
-                  help="start a second worker as the scheduler's prefill group (--kv-role prefill) and the first as "
-                       "its decode group (--kv-role decode; needs --kv-offloading-size for received blocks): the "
-                       "prompts --disagg-policy sends there are computed there and their KV sent over TCP")
+                  help="start a second worker group as the scheduler's prefill group (--kv-role prefill) and the "
+                       "first as its decode group (--kv-role decode; needs --kv-offloading-size for received blocks), "
+                       "each of -tp ranks: the prompts --disagg-policy sends there are computed there and their KV "
+                       "sent over TCP")
     envs.add_flag(parser, "--ready-timeout", type=float, default=600.0,
                   help="seconds to wait for the whole path to answer /health before giving up")
     # Replaces the gateway's and worker's --scheduler-address (conflict_handler="resolve"), hidden from --help.
@@ -109,9 +110,8 @@ def validate_configs(args: argparse.Namespace) -> None:
     if getattr(args, "disaggregated_prefill", False):
         if args.kv_role:
             raise ValueError("--disaggregated-prefill sets each worker's --kv-role itself; drop --kv-role")
-        if args.tensor_parallel_size != 1 or getattr(args, "pipeline_parallel_size", 1) != 1 or \
-                args.kv_offloading_size <= 0:
-            raise ValueError("--disaggregated-prefill needs -tp 1, -pp 1 and --kv-offloading-size > 0 (the decode worker "
+        if getattr(args, "pipeline_parallel_size", 1) != 1 or args.kv_offloading_size <= 0:
+            raise ValueError("--disaggregated-prefill needs -pp 1 and --kv-offloading-size > 0 (the decode group "
                              "receives the prompt's blocks into host memory, checked, before its pool loads them)")
     observability.validate(args)
     check_ports_free(serve_ports(args))
@@ -146,32 +146,32 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
 
 
 def worker_specs(args: argparse.Namespace, env: dict[str, str]) -> list[ServiceSpec]:
-    """One worker per rank: rank R gets STEPLOOP_RANK=R, its own metrics port, and its share of the CPUs."""
+    """One worker per rank: rank R gets STEPLOOP_RANK=R, its own metrics port, and its share of the CPUs. With
+    --disaggregated-prefill, -tp N ranks in each of two groups: the decode group (--kv-role decode, the host tier
+    received blocks land in) and the prefill group (--kv-role prefill, no tiers)."""
     size = args.tensor_parallel_size * getattr(args, "pipeline_parallel_size", 1)
-    if getattr(args, "disaggregated_prefill", False):     # a decode worker and a prefill worker, -tp 1 each
-        role = envs.env_name("--kv-role")
-        prefill_env = dict(env, **{role: "prefill", envs.env_name("--kv-offloading-size"): "0",
-                                   envs.env_name("--kv-disk-path"): "", envs.env_name("--kv-disk-size"): "0"})
-        if args.worker_metrics_port:
-            prefill_env[envs.env_name("--worker-metrics-port")] = str(args.worker_metrics_port + 1)
-        if args.num_threads is None:
-            prefill_env[envs.env_name("--num-threads")] = str(max(1, len(os.sched_getaffinity(0)) // 2))
-        decode_env = dict(env, **{role: "decode"})
-        if args.num_threads is None:
-            decode_env[envs.env_name("--num-threads")] = prefill_env[envs.env_name("--num-threads")]
-        return [ServiceSpec("worker", [sys.executable, "-m", "steploop.gpu_worker"], decode_env),
-                ServiceSpec("worker-prefill", [sys.executable, "-m", "steploop.gpu_worker"], prefill_env)]
-    if size == 1:
-        return [ServiceSpec("worker", [sys.executable, "-m", "steploop.gpu_worker"], env)]
+    if not getattr(args, "disaggregated_prefill", False):
+        return _rank_specs(args, env, size, "worker", 0, size)
+    role = envs.env_name("--kv-role")
+    prefill_env = dict(env, **{role: "prefill", envs.env_name("--kv-offloading-size"): "0",
+                               envs.env_name("--kv-disk-path"): "", envs.env_name("--kv-disk-size"): "0"})
+    return [*_rank_specs(args, dict(env, **{role: "decode"}), size, "worker", 0, 2 * size),
+            *_rank_specs(args, prefill_env, size, "worker-prefill", size, 2 * size)]
+
+
+def _rank_specs(args: argparse.Namespace, env: dict[str, str], size: int, name: str, port_offset: int,
+                processes: int) -> list[ServiceSpec]:
+    """A group's ranks, named `name` (rank 0) and `name-R`; metrics ports from --worker-metrics-port +
+    port_offset; each gets the CPUs split over every worker process serve starts."""
     specs = []
     for rank in range(size):
-        rank_env = dict(env, **{envs.env_name("--rank"): str(rank)})
+        rank_env = dict(env, **({envs.env_name("--rank"): str(rank)} if size > 1 else {}))
         if args.worker_metrics_port:
-            rank_env[envs.env_name("--worker-metrics-port")] = str(args.worker_metrics_port + rank)
-        if args.num_threads is None:
-            rank_env[envs.env_name("--num-threads")] = str(max(1, len(os.sched_getaffinity(0)) // size))
-        specs.append(ServiceSpec("worker" if rank == 0 else f"worker-{rank}",
-                                 [sys.executable, "-m", "steploop.gpu_worker"], rank_env))
+            rank_env[envs.env_name("--worker-metrics-port")] = str(args.worker_metrics_port + port_offset + rank)
+        if args.num_threads is None and processes > 1:
+            rank_env[envs.env_name("--num-threads")] = str(max(1, len(os.sched_getaffinity(0)) // processes))
+        specs.append(ServiceSpec(name if rank == 0 else f"{name}-{rank}", [sys.executable, "-m",
+                                                                           "steploop.gpu_worker"], rank_env))
     return specs
 
 

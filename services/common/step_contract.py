@@ -283,9 +283,15 @@ class WorkerInfo:
     kv_block_bytes: int = 0              # bytes of one block over all layers
     kv_role: str = ""                    # --kv-role: "" (everything), "prefill" or "decode" (pd_disagg.py)
     kv_transfer_address: str = ""        # a decode worker's block receiver, host:port
+    kv_transfer_block_bytes: int = 0     # one block as transfers carry it (every KV head); 0: kv_block_bytes
     accepts_images: bool = False         # a vision-language model (requests may carry images)
     images_whole: bool = False           # its images attend both ways (Gemma 3): chunks never end inside one
     encoder_layers: int = 0              # its vision tower's layers, run a slice at a time; 0: whole images only
+
+    @property
+    def transfer_block_bytes(self) -> int:
+        """Bytes of one block on a P/D or pull link (every KV head, whatever the group's -tp)."""
+        return self.kv_transfer_block_bytes or self.kv_block_bytes
 
     @property
     def answer_rank(self) -> int:
@@ -302,7 +308,8 @@ class WorkerInfo:
             kv_host_blocks=self.kv_host_blocks, kv_disk_blocks=self.kv_disk_blocks,
             kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
             accepts_images=self.accepts_images,
-            images_whole=self.images_whole, encoder_layers=self.encoder_layers, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address)
+            images_whole=self.images_whole, encoder_layers=self.encoder_layers, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address,
+            kv_transfer_block_bytes=self.kv_transfer_block_bytes)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -331,4 +338,5 @@ class WorkerInfo:
                    kv_host_blocks=pb.kv_host_blocks, kv_disk_blocks=pb.kv_disk_blocks,
                    kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
                    accepts_images=pb.accepts_images,
-                   images_whole=pb.images_whole, encoder_layers=pb.encoder_layers, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address)
+                   images_whole=pb.images_whole, encoder_layers=pb.encoder_layers, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address,
+                   kv_transfer_block_bytes=pb.kv_transfer_block_bytes)

@@ -94,10 +94,15 @@ class WorkerConfig:
         return self.worker_id or f"{socket.gethostname()}:{os.getpid()}"
 
     def resolved_device(self) -> str:
+        """auto: the CPU without CUDA; with it, one GPU per rank of a group on this host (rank R of -tp N on
+        cuda:R, wrapping around when the host has fewer GPUs), as `--device cuda:N` picks one by hand. NCCL refuses
+        two ranks of one group on the same GPU."""
         if self.device != "auto":
             return self.device
         import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{self.rank % max(1, torch.cuda.device_count())}"
 
     def resolved_attention_backend(self, device: str) -> str:
         """auto -> triton on CUDA, torch on CPU. An explicit triton on the CPU needs TRITON_INTERPRET=1."""
@@ -161,11 +166,7 @@ def _validate(c: WorkerConfig) -> None:
           "--kv-disk-path needs --kv-disk-size > 0 and --kv-offloading-size > 0 (disk blocks come back through "
           "host memory)")
     check(not c.kv_disk_size or c.kv_disk_path, "--kv-disk-size needs --kv-disk-path")
-    check(c.tensor_parallel_size == 1 or not c.kv_offloading_size,
-          f"--kv-offloading-size with -tp {c.tensor_parallel_size}: KV tiers run on unsharded workers only (-tp 1)")
     check(c.kv_role in ("", "prefill", "decode", "both"), f"--kv-role {c.kv_role!r} must be prefill, decode or both")
-    check(not c.kv_role or c.tensor_parallel_size == 1,
-          f"--kv-role with -tp {c.tensor_parallel_size}: prefill/decode groups are unsharded workers (-tp 1) here")
     check(c.kv_role not in ("decode", "both") or c.kv_offloading_size > 0,
           f"--kv-role {c.kv_role} needs --kv-offloading-size > 0: received blocks land in host slots, checked, before "
           "the pool loads them")
@@ -181,6 +182,8 @@ def _check_pipeline(c: WorkerConfig, check) -> None:
     check(not c.lora.enable_lora, f"--enable-lora with -pp {pp}: LoRA adapters run without pipeline stages only")
     check(c.runner == "generate", f"--runner {c.runner} with -pp {pp}: the pooling runner serves with -pp 1 only")
     check(not c.kv_offloading_size, f"--kv-offloading-size with -pp {pp}: KV tiers run without pipeline stages only")
+    check(not c.kv_role, f"--kv-role {c.kv_role} with -pp {pp}: KV transfers gather a tensor-parallel group's heads, "
+                         "not a pipeline's layers; run the prefill and decode groups with -pp 1")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -82,13 +82,30 @@ class KvTierMover:
         return self.host[slot].reshape(-1).view(torch.uint8).numpy().data
 
 
-def apply(mover: KvTierMover | None, plan) -> KvMoveReport | None:
-    """Run the plan's moves (model_runner calls this before anything of the step); None when it has none."""
+def apply(mover: KvTierMover | None, plan, comm=None) -> KvMoveReport | None:
+    """Run the plan's moves (model_runner calls this before anything of the step); None when it has none.
+    comm: a tensor-parallel group's collectives. Each rank moves its own heads; a disk read or write that failed on
+    any rank fails on all (the answering rank reports the union), so no rank loads a block another one lacks."""
     if plan.kv_moves is None:
         return None
     if mover is None:
         raise RuntimeError("the plan moves KV blocks between tiers but this worker has none (--kv-offloading-size)")
-    return mover.apply(plan.kv_moves)
+    report = mover.apply(plan.kv_moves)
+    if comm is not None and comm.world_size > 1 and (plan.kv_moves.promotes or plan.kv_moves.demotes):
+        report = agree(plan.kv_moves, report, comm, mover.device)
+    return report
+
+
+def agree(moves: KvMoves, report: KvMoveReport, comm, device: torch.device) -> KvMoveReport:
+    """The union over the group's ranks of the promotes and demotes that failed (an element-wise max)."""
+    promotes, demotes = moves.promotes, moves.demotes
+    failed_slots, failed_keys = set(report.failed_promote_slots), set(report.failed_demote_hashes)
+    flags = torch.tensor([int(slot in failed_slots) for _, slot in promotes] +
+                         [int(key in failed_keys) for _, key in demotes], dtype=torch.int32, device=device)
+    flags = comm.all_reduce_max(flags).tolist()
+    return dataclasses.replace(
+        report, failed_promote_slots=[slot for (_, slot), f in zip(promotes, flags) if f],
+        failed_demote_hashes=[key for (_, key), f in zip(demotes, flags[len(promotes):]) if f])
 
 
 def hello_fields(mover: KvTierMover | None) -> dict:
@@ -133,7 +150,9 @@ def build(config, caches: list[torch.Tensor], model_id: str, dtype: torch.dtype,
                          f"({per_block} bytes each)")
     disk, disk_blocks = None, 0
     if config.kv_disk_path:
-        fp = fingerprint("steploop-kv-v1", model_id, str(dtype), block_size, len(caches), hk, d, layout)
+        # a -tp rank's files hold its heads only: each rank of each group size has its own folder
+        shard = (f"tp{config.tensor_parallel_size}-rank{config.rank}",) if config.tensor_parallel_size > 1 else ()
+        fp = fingerprint("steploop-kv-v1", model_id, str(dtype), block_size, len(caches), hk, d, layout, *shard)
         disk = DiskTier(config.kv_disk_path, fp, per_block)
         disk_blocks = int(config.kv_disk_size * GIB) // disk.file_bytes
         if disk_blocks < 1:

@@ -1,13 +1,18 @@
 """Prefill/decode block transfer between workers over plain TCP, a CRC32 per block (common/pd_transfer.py).
 
     KvSender (prefill worker)    after a step's forward, reads the prompt's pool blocks (every layer's K and V of a
-                                 block: one host-slot's layout), sends them to the decode worker's receiver and
-                                 waits for its answer; a refusal, a timeout or a broken link is a failed send.
+                                 block), sends them to the decode worker's receiver and waits for its answer; a
+                                 refusal, a timeout or a broken link is a failed send.
     KvReceiver (decode worker)   a thread per connection: reads a transfer, verifies every block's checksum and size,
                                  keeps it staged and acknowledges; a mismatch is refused (nothing staged). The
                                  scheduler then copies staged blocks into reserved host slots (`receive`, before a
                                  forward, checksums checked again) or discards them. A staged transfer no plan
                                  claims within the lease is dropped, so a scheduler that went away leaks nothing.
+
+Blocks travel whole: every KV head, [layers, 2, block_size, heads, head_dim] (kv_heads.py). In a tensor-parallel
+group every rank takes part: a sending group's ranks gather their heads to rank 0, which sends; a receiving group's
+rank 0 runs the receiver and broadcasts what it took, and each rank keeps its own heads in its host slot. So a
+prefill group and a decode group of different -tp sizes exchange blocks, and the ranks agree on which arrived.
 
 Wire: b"SLKV1", u32 id length, id (utf-8), u32 blocks, u64 bytes per block, then per block u32 crc32 + payload.
 Answer: one byte, 1 = every checksum verified and staged, 0 = refused.
@@ -28,7 +33,8 @@ import numpy
 import torch
 
 from steploop.common import envs
-from steploop.common.pd_transfer import PdMoves, PdReport
+from steploop.common.pd_transfer import PdMoves, PdReceive, PdReport
+from steploop.gpu_worker.kv_heads import KvHeads
 
 log = logging.getLogger(__name__)
 
@@ -46,37 +52,58 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def block_bytes(caches: list[torch.Tensor], block_id: int) -> bytes:
-    """Every layer's K and V of one pool block, in a host slot's layout [layers, 2, block_size, Hk, D]."""
-    return torch.stack([c[:, block_id] for c in caches]).cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+def local_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """This rank's heads of the pool blocks, [blocks, layers, 2, block_size, heads here, head_dim]."""
+    return torch.stack([torch.stack([c[:, b] for c in caches]) for b in block_ids])
 
 
 class KvSender:
-    def __init__(self, caches: list[torch.Tensor], timeout: float):
+    """On every rank of a sending group; rank 0 holds the link (the others only give it their heads)."""
+
+    def __init__(self, caches: list[torch.Tensor], timeout: float, comm=None, heads: KvHeads | None = None):
         self.caches, self.timeout = caches, timeout
+        self.comm, self.heads = comm, heads
         self.corrupt = os.environ.get(envs.TEST_CORRUPT_KV_TRANSFER, "") == "1"
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank if self.comm is not None else 0
+
+    def whole_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
+        """The blocks with every KV head, on rank 0 (host memory); None on the other ranks. A collective in a
+        group: every rank calls it for the same blocks in the same order."""
+        local = local_blocks(self.caches, block_ids)
+        parts = self.comm.gather_to_first(local) if self.comm is not None else [local]
+        if parts is None:
+            return None
+        whole = self.heads.whole(parts) if self.heads is not None else parts[0]
+        return whole.cpu().contiguous()
 
     def apply(self, moves: PdMoves, report: PdReport) -> None:
         start = time.perf_counter()
-        for send in moves.sends:
+        wholes = [self.whole_blocks(send.block_ids) if send.block_ids else None for send in moves.sends]
+        if self.rank != 0:
+            return
+        for send, whole in zip(moves.sends, wholes):
             try:
-                report.bytes_sent += self._send(moves.address, send.transfer_id, send.block_ids)
+                report.bytes_sent += self._send(moves.address, send.transfer_id, whole)
                 report.sent.append(send.transfer_id)
             except (OSError, ConnectionError, ValueError) as exc:
                 log.warning("KV transfer %s to %s failed: %s", send.transfer_id, moves.address, exc)
                 report.failed_sends.append(send.transfer_id)
         report.seconds += time.perf_counter() - start
 
-    def _send(self, address: str, transfer_id: str, block_ids: list[int]) -> int:
+    def _send(self, address: str, transfer_id: str, whole: torch.Tensor | None) -> int:
         host, _, port = address.rpartition(":")
-        blocks = [block_bytes(self.caches, b) for b in block_ids]
-        size = len(blocks[0]) if blocks else 0
+        flat = whole.view(whole.shape[0], -1).view(torch.uint8).numpy() if whole is not None else ()
+        size = flat.shape[1] if whole is not None else 0
         tid = transfer_id.encode()
-        parts = [MAGIC, struct.pack("<I", len(tid)), tid, _HEAD.pack(len(blocks), size)]
-        for i, data in enumerate(blocks):
+        parts = [MAGIC, struct.pack("<I", len(tid)), tid, _HEAD.pack(len(flat), size)]
+        for i, row in enumerate(flat):
+            data = row.data
             parts.append(struct.pack("<I", zlib.crc32(data)))
             if i == 0 and self.corrupt:      # the test hook: a byte flipped in flight, after its checksum
-                data = bytes([data[0] ^ 0x40]) + data[1:]
+                data = bytes([row[0] ^ 0x40]) + row[1:].tobytes()
             parts.append(data)
         with socket.create_connection((host, int(port)), timeout=self.timeout) as sock:
             sock.settimeout(self.timeout)
@@ -85,7 +112,7 @@ class KvSender:
             answer = _read_exact(sock, 1)
         if answer != b"\x01":
             raise ValueError("the receiver refused the transfer (checksum or size mismatch)")
-        return size * len(blocks)
+        return size * len(flat)
 
 
 class KvReceiver:
@@ -162,17 +189,24 @@ class KvReceiver:
         with self._lock:
             return len(self._staged)
 
-    def apply(self, moves: PdMoves, host: torch.Tensor, report: PdReport) -> None:
-        """Before the forward: receives into host slots (checksums checked again), then discards."""
+    def take(self, recv: PdReceive, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A staged transfer's blocks for a plan's receive, (whole blocks [slots, *shape], ok [slots] int32): a
+        block absent or whose checksum no longer matches is not ok (its slot is reported failed)."""
+        whole = torch.zeros((len(recv.slots), *shape), dtype=dtype)
+        ok = torch.zeros(len(recv.slots), dtype=torch.int32)
         with self._lock:
-            for recv in moves.receives:
-                _, blocks = self._staged.pop(recv.transfer_id, (0.0, []))
-                for index, slot in zip(recv.indexes, recv.slots):
-                    if index >= len(blocks) or zlib.crc32(blocks[index][1]) != blocks[index][0]:
-                        report.failed_recv_slots.append(slot)
-                        continue
-                    host[slot].view(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(blocks[index][1], numpy.uint8)
-            for tid in moves.discards:
+            _, blocks = self._staged.pop(recv.transfer_id, (0.0, []))
+        flat = whole.reshape(len(recv.slots), -1).view(torch.uint8).numpy() if recv.slots else ()
+        for i, index in enumerate(recv.indexes):
+            if index < len(blocks) and zlib.crc32(blocks[index][1]) == blocks[index][0] and \
+                    len(blocks[index][1]) == flat.shape[1]:
+                flat[i] = numpy.frombuffer(blocks[index][1], numpy.uint8)
+                ok[i] = 1
+        return whole, ok
+
+    def discard(self, transfer_ids: list[str]) -> None:
+        with self._lock:
+            for tid in transfer_ids:
                 self._staged.pop(tid, None)
 
 
@@ -181,10 +215,37 @@ def apply(runner, plan) -> PdReport | None:
     moves = plan.pd_moves
     if moves is None or not (moves.receives or moves.discards):
         return None
-    if runner.kv_receiver is None or runner.tiers is None:
+    comm = runner.tp_comm
+    if runner.tiers is None or ((comm is None or comm.rank == 0) and runner.kv_receiver is None):
         raise RuntimeError("the plan receives KV blocks but this worker does not receive them (--kv-role decode or both)")
+    return receive(moves, runner.tiers.host, runner.kv_receiver, comm, runner.kv_heads, runner.kv_caches[0].device)
+
+
+def receive(moves: PdMoves, host: torch.Tensor, receiver: KvReceiver | None, comm=None, heads: KvHeads | None = None,
+            device: torch.device | None = None) -> PdReport:
+    """Receives into host slots [slots, layers, 2, block_size, heads here, head_dim], then discards. Every rank of
+    a receiving group takes part: rank 0's receiver takes the staged blocks, a broadcast gives every rank the same
+    blocks and the same verdicts, and each rank copies its heads into its slots."""
+    rank = comm.rank if comm is not None else 0
     report = PdReport()
-    runner.kv_receiver.apply(moves, runner.tiers.host, report)
+    shape = (*host.shape[1:-2], heads.total if heads is not None else host.shape[-2], host.shape[-1])
+    for recv in moves.receives:
+        if rank == 0:
+            whole, ok = receiver.take(recv, shape, host.dtype)
+        else:
+            whole = torch.empty((len(recv.slots), *shape), dtype=host.dtype)
+            ok = torch.empty(len(recv.slots), dtype=torch.int32)
+        if comm is not None and comm.world_size > 1 and recv.slots:   # NCCL broadcasts device tensors, gloo host
+            whole = comm.broadcast_from_first(whole.to(device or host.device))
+            ok = comm.broadcast_from_first(ok.to(device or host.device))
+        mine = heads.mine(whole, rank) if heads is not None else whole
+        for i, (slot, arrived) in enumerate(zip(recv.slots, ok.tolist())):
+            if arrived:
+                host[slot].copy_(mine[i])
+            else:
+                report.failed_recv_slots.append(slot)
+    if rank == 0:
+        receiver.discard(moves.discards)
     return report
 
 

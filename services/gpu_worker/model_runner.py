@@ -35,6 +35,7 @@ from steploop.gpu_worker.encoder_cache import EncoderCache
 from steploop.gpu_worker.generation_config import generation_eos_ids, read_generation_defaults
 from steploop.gpu_worker.gguf.weights import gguf_source
 from steploop.gpu_worker.input_batch import InputBatch
+from steploop.gpu_worker.kv_heads import KvHeads
 from steploop.gpu_worker.kernel_plan import resolve_kernel_plan
 from steploop.gpu_worker.kv_tier_mover import KvTierMover, model_identity
 from steploop.gpu_worker.logits_processors import LogitsEdits
@@ -87,7 +88,8 @@ class ModelRunner:
         self.receiver = None     # update_weights_from_distributed (weight_receiver.py); from_config sets it
         self.tiers: KvTierMover | None = None        # KV tiers below the pool (kv_tier_mover.py)
         self.kv_sender = None        # --kv-role prefill: sends prompts' blocks after the forward (kv_transfer.py)
-        self.kv_receiver = None      # --kv-role decode: stages received blocks for the plans to claim
+        self.kv_receiver = None      # --kv-role decode: stages received blocks for the plans to claim (rank 0)
+        self.kv_heads = None         # --kv-role: which KV heads each rank of the group holds (kv_heads.py)
         self.kernel_tuning: dict | None = None     # CUDA + triton: the launch configs chosen and variants warmed
         # vision-language models: images, M-RoPE positions and the encoder cache (encoder_cache.py)
         self.encoder = EncoderCache(model, self.device) if getattr(model.config, "is_multimodal", False) else None
@@ -99,6 +101,8 @@ class ModelRunner:
         dtype = config.resolved_dtype(device.type)
         if device.type == "cpu":
             torch.set_num_threads(config.num_threads or granted_cpus())
+        elif device.index is not None:
+            torch.cuda.set_device(device)   # Triton launches, graph captures and NCCL use the current device
         cfg = LlamaModelConfig.from_dir(model_path)
         if cfg.model_type == "gemma3" and device.type != "cpu":
             raise ValueError("gemma3 with images runs on the CPU only for now: its image tokens attend to each other "
@@ -154,11 +158,16 @@ class ModelRunner:
                           accepts_images=cfg.is_multimodal, images_whole=getattr(model, "images_whole", False),
                           encoder_layers=getattr(model, "encoder_layers", 0) if cfg.is_multimodal else 0,
                           **kv_tier_mover.hello_fields(tiers), kv_role=config.kv_role)
-        sender = receiver = None
+        sender = receiver = heads = None
+        if config.kv_role:           # transfers carry every KV head; a -tp group's ranks gather or share them
+            heads = KvHeads(cfg.num_key_value_heads, config.tensor_parallel_size)
+            local_bytes = sum(c[:, 0].numel() * c.element_size() for c in caches)
+            info = replace(info, kv_transfer_block_bytes=local_bytes // heads.per_rank * heads.total)
         if config.kv_role in ("prefill", "both"):
-            sender = kv_transfer.KvSender(caches, config.kv_transfer_timeout)
-        if config.kv_role in ("decode", "both"):
-            receiver = kv_transfer.KvReceiver(config.kv_transfer_host, config.kv_transfer_port, tiers.block_bytes,
+            sender = kv_transfer.KvSender(caches, config.kv_transfer_timeout, rank.comm, heads)
+        if config.kv_role in ("decode", "both") and rank.comm.rank == 0:   # rank 0 receives for its group
+            receiver = kv_transfer.KvReceiver(config.kv_transfer_host, config.kv_transfer_port,
+                                              info.kv_transfer_block_bytes,
                                               lease=max(60.0, 2 * config.kv_transfer_timeout),
                                               max_blocks=tiers.num_host_blocks)
             info = replace(info, kv_transfer_address=receiver.address)
@@ -178,7 +187,7 @@ class ModelRunner:
         runner.tp_comm = rank.comm
         runner.pipe = rank.pipe
         runner.tiers = tiers
-        runner.kv_sender, runner.kv_receiver = sender, receiver
+        runner.kv_sender, runner.kv_receiver, runner.kv_heads = sender, receiver, heads
         runner.kernel_tuning = tuning
         runner.threads = make_thread_governor(config, device, plan)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
@@ -206,7 +215,7 @@ class ModelRunner:
         start = time.perf_counter()
         moved = pd = None
         try:
-            moved = kv_tier_mover.apply(self.tiers, plan)      # before the forward: stores read, loads write
+            moved = kv_tier_mover.apply(self.tiers, plan, self.tp_comm)   # before the forward: stores read, loads write
             pd = kv_transfer.apply(self, plan)                 # received blocks into host slots, after the moves
             if self.pipe is not None:
                 self.batch.take_stage_tokens(plan, verify=self.samples_here)

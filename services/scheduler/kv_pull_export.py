@@ -107,7 +107,7 @@ class KvPullExport:
             return
         report = result.pd_report
         sent = set(report.sent) if report is not None else set()
-        size = self.engine.worker_info.kv_block_bytes if self.engine.worker_info is not None else 0
+        size = self.engine.worker_info.transfer_block_bytes if self.engine.worker_info is not None else 0
         for job in jobs:
             if job.transfer_id in sent:
                 self.exports += 1

@@ -23,9 +23,17 @@ class LoraRegistry:
         self.config = config
         self.adapters: dict[str, str] = {}            # name -> folder, in registration order
         self.unloaded: set[str] = set()               # unregistered; the worker still may hold them
+        self._also_unloaded: list[set[str]] = []      # the same for other worker groups (a P/D prefill group)
         self.shapes: LoraModelShapes | None = None    # from the worker's hello
         for module in config.lora_modules:            # checked by ServerConfig.validate at start-up
             self.adapters[module.name] = module.path
+
+    def track_unloads(self) -> set[str]:
+        """A set of unloaded adapters kept like `unloaded`, for another worker group's LoraSteps (each group's
+        steps take what they dropped out of their own set)."""
+        tracked = set(self.unloaded)
+        self._also_unloaded.append(tracked)
+        return tracked
 
     @property
     def modules(self) -> list[LoraModule]:
@@ -61,7 +69,8 @@ class LoraRegistry:
             raise err(f"Failed to load LoRA adapter '{name}': {exc}", param="lora_path",
                       code="lora_adapter_not_found" if exc.not_found else "invalid_lora_adapter") from None
         self.adapters[name] = path
-        self.unloaded.discard(name)
+        for unloaded in (self.unloaded, *self._also_unloaded):
+            unloaded.discard(name)
         log.info("LoRA adapter %s registered from %s", name, path)
 
     def unload(self, name: str) -> None:
@@ -69,7 +78,8 @@ class LoraRegistry:
             raise NotFoundError(f"The lora adapter '{name}' cannot be found.", param="lora_name",
                                 code="lora_adapter_not_found")
         del self.adapters[name]
-        self.unloaded.add(name)
+        for unloaded in (self.unloaded, *self._also_unloaded):
+            unloaded.add(name)
         log.info("LoRA adapter %s unloaded", name)
 
     def resolve(self, name: str) -> str:

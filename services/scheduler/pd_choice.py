@@ -1,9 +1,10 @@
 """Where a prompt runs, per request at admission: on the prefill group (disaggregated) or on the decode group (local).
 
 Forced by the request's `disaggregation` field; local whenever a group cannot take part (the prefill group is down,
-the decode worker has no receiver) or the request needs what the prefill side lacks. Otherwise, with
---disagg-policy cost (the default), the step-cost models of both groups (step_cost.py, learned from their own
-steps) price the two ways as seconds of delay summed over everyone they delay:
+the decode worker has no receiver) or the request needs what the prefill side lacks (an adapter, where the prefill
+workers run without --enable-lora). Otherwise, with --disagg-policy cost (the default), the step-cost models of
+both groups (step_cost.py, learned from their own steps) price the two ways as seconds of delay summed over everyone
+they delay:
 
   local = ttft_local + streams * prompt_local
       prompt_local  = b*T + c*pairs(T)            T: prompt tokens not cached on the decode group (pool or host)
@@ -145,7 +146,7 @@ def snapshot(pd: PdDisagg, request: Request, local: Coef, remote: Coef) -> Load:
     _, remote_hit = prefill.kv.get_computed_blocks(request)
     tiers = sched.kv.tiers
     return Load(prompt_tokens=request.num_prompt_tokens, block_size=sched.kv.block_size,
-                block_bytes=engine.worker_info.kv_block_bytes, budget=budget,
+                block_bytes=engine.worker_info.transfer_block_bytes, budget=budget,
                 local_hit=local_hit_tokens(sched.kv, request), remote_hit=remote_hit,
                 streams=len(sched.running) + len(sched.waiting), decode_context=context,
                 queue_local=queue_local, queue_remote=queue_remote,
@@ -168,8 +169,9 @@ class PdChooser:
         sched = engine.scheduler
         if (sched is None or sched.kv.tiers is None or not sched.kv.enable_prefix_caching
                 or engine.control.weight_updates          # the prefill worker still holds the weights it started with
-                or request.lora_name or request.pooling is not None or request.sampling.prompt_logprobs >= 0
-                or request.output_token_ids):             # LoRA KV, pooling, prompt logprobs, a resumed request
+                or (request.lora_name and not pd.serves_lora)      # its prefill workers load no adapters
+                or request.pooling is not None or request.sampling.prompt_logprobs >= 0
+                or request.output_token_ids):             # pooling, prompt logprobs, a resumed request
             return Choice(False, "unsupported")
         if request.num_prompt_tokens <= decode.block_size:
             return Choice(False, "short")                 # not one full block to move

@@ -38,6 +38,7 @@ from steploop.common.step_contract import StepPlan, StepResult
 from steploop.scheduler import tracing as request_tracing
 from steploop.scheduler.async_scheduler import make_scheduler
 from steploop.scheduler.kv_cache_manager import KVCacheManager
+from steploop.scheduler.lora_steps import LoraSteps
 from steploop.scheduler.pd_choice import Choice, PdChooser
 from steploop.scheduler.prefix_cache import ensure_block_hashes
 from steploop.scheduler.request import Request, RequestRejectedError
@@ -85,7 +86,8 @@ class PdDisagg:
         cfg = engine.server_config
         self.lease = cfg.kv_transfer_lease
         self.chooser = PdChooser(self, cfg.disagg_policy, cfg.disagg_min_prompt_tokens)
-        self.assembler = GroupAssembler(1, cfg.tp_collective_timeout)
+        self.timeout = cfg.tp_collective_timeout
+        self.assembler = GroupAssembler(1, self.timeout)
         self.group: WorkerGroup | None = None
         self.scheduler = None
         self.jobs: dict[str, PdJob] = {}             # on the prefill group
@@ -94,6 +96,8 @@ class PdDisagg:
         self.receiving: dict[int, list[tuple[str, bytes, int]]] = {}   # decode step id -> (request id, hash, slot)
         self.stats = PdStats()
         self._wakeup = asyncio.Event()
+        self.with_lora = False                                  # the prefill group loads adapters (--enable-lora)
+        self._lora_unloaded: set[str] | None = None             # adapters unloaded, as the prefill group's steps see it
         self._moves: PdMoves | None = None                      # for the decode plan being built
         self._received: list[tuple[str, bytes, int]] = []       # its receives: (request id, hash, host slot)
 
@@ -108,7 +112,11 @@ class PdDisagg:
                                       f"{info.block_size}, {info.dtype}); the decode group {decode.model_name!r} "
                                       f"(block size {decode.block_size}, {decode.dtype}): they must match",
                                       param="model")
-        group = self.assembler.add(link)
+        if not self.assembler.pending and info.world_size != self.assembler.world_size:
+            # the prefill group is as large as its workers say (-tp N on each); its own size, not the decode group's
+            generation, self.assembler = self.assembler.generation, GroupAssembler(info.world_size, self.timeout)
+            self.assembler.generation = generation
+        group = self.assembler.add(link)     # refuses a rank that cannot join this group, naming why
         if self.group is not None:
             self.lose(f"replaced by worker {info.worker_id}")
         if group is None:
@@ -116,11 +124,20 @@ class PdDisagg:
         config = dataclasses.replace(self.engine.sched_config, async_scheduling=False)
         kv = KVCacheManager(group.info.num_kv_blocks, group.info.block_size, config.enable_prefix_caching,
                             get_block_hasher(config.prefix_caching_hash_algo))
-        self.scheduler = make_scheduler(config, kv, group.info.max_model_len, list(group.info.eos_token_ids))
+        lora = None
+        if group.info.lora_shapes is not None and self.engine.server_config.lora.enable_lora:
+            # its workers run --enable-lora: LoRA prompts may run there, the adapters loaded as on the decode group
+            if self._lora_unloaded is None:
+                self._lora_unloaded = self.engine.lora.track_unloads()
+            lora = LoraSteps(self.engine.server_config.lora.max_loras, self._lora_unloaded)
+        self.scheduler = make_scheduler(config, kv, group.info.max_model_len, list(group.info.eos_token_ids),
+                                        lora=lora)
+        self.with_lora = lora is not None
         self.scheduler.encoder.whole_images = group.info.images_whole     # Gemma 3: prompt chunks keep images whole
         self.scheduler.encoder.depth = group.info.encoder_layers          # encoder slices (0: whole images)
         self.group = group
-        log.info("prefill worker %s attached: %d KV blocks", group.info.worker_id, group.info.num_kv_blocks)
+        log.info("prefill group %s attached (-tp %d): %d KV blocks", group.info.worker_id, group.world_size,
+                 group.info.num_kv_blocks)
         self._wakeup.set()
 
     def detach(self, link: WorkerLink, reason: str) -> None:
@@ -141,6 +158,11 @@ class PdDisagg:
     @property
     def up(self) -> bool:
         return self.group is not None and not self.group.is_closed
+
+    @property
+    def serves_lora(self) -> bool:
+        """The prefill group's workers run --enable-lora (and so does this scheduler): LoRA prompts may go there."""
+        return self.scheduler is not None and self.with_lora
 
     # ---- per request
     def choose(self, request: Request, mode: str) -> Choice:
@@ -163,7 +185,8 @@ class PdDisagg:
     def start(self, request: Request) -> bool:
         """Queues the prompt on the prefill group; False: that group cannot hold it (it runs locally)."""
         prefill = Request(request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
-                          sampling=SamplingParams(max_tokens=1, ignore_eos=True), cache_salt=request.cache_salt)
+                          sampling=SamplingParams(max_tokens=1, ignore_eos=True), cache_salt=request.cache_salt,
+                          lora_name=request.lora_name, lora_path=request.lora_path)   # the same blocks' keys
         try:
             self.scheduler.add_request(prefill)
         except RequestRejectedError as exc:
@@ -320,7 +343,7 @@ class PdDisagg:
                 rec = getattr(self.engine.observer, "live", {}).get(send.transfer_id)
                 decode = self.engine.worker_info
                 request_tracing.kv_transfer(rec, send.transfer_id, len(send.block_ids),
-                                            len(send.block_ids) * (decode.kv_block_bytes if decode else 0),
+                                            len(send.block_ids) * (decode.transfer_block_bytes if decode else 0),
                                             report.seconds if report is not None else 0.0, ok)
             self.stats.transfers += ok
             if not ok:

@@ -68,7 +68,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             pooling=info.pooling.to_pb() if info.pooling is not None else None,
             generation_defaults=info.generation_defaults.to_pb(),
             lora_adapters=[engine_pb2.LoraAdapterRef(name=m.name, path=m.path) for m in self.loop.lora.modules],
-            kv_block_bytes=info.kv_block_bytes)
+            kv_block_bytes=info.transfer_block_bytes)
 
     async def ExportKvBlocks(self, request, context):
         """Another replica pulls a prefix cached here (kv_pull_export.py): sent blocks, or 0 and why."""

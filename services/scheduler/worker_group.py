@@ -38,7 +38,12 @@ class WorkerGroup:
         self.info, self._formed = rank0, None
         self.answer_rank = rank0.answer_rank
         if self.world_size > 1:       # the ranks' process group; one rank computes alone
-            self.info = dataclasses.replace(rank0, num_kv_blocks=min(link.info.num_kv_blocks for link in links),
+            infos = [link.info for link in links]
+            on_every_disk = set.intersection(*(set(i.kv_disk_hashes) for i in infos))   # each rank holds its heads
+            self.info = dataclasses.replace(rank0, num_kv_blocks=min(i.num_kv_blocks for i in infos),
+                                            kv_host_blocks=min(i.kv_host_blocks for i in infos),
+                                            kv_disk_blocks=min(i.kv_disk_blocks for i in infos),
+                                            kv_disk_hashes=tuple(h for h in rank0.kv_disk_hashes if h in on_every_disk),
                                             worker_id=f"tp-group-{generation}({rank0.worker_id}+{len(links) - 1})")
             form = worker_pb2.TpGroupForm(generation=generation, world_size=len(links),
                                           rendezvous=rank0.tp_rendezvous, collective_timeout_s=collective_timeout)

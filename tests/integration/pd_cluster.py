@@ -19,8 +19,8 @@ LONG = [p * 7 for p in PROMPTS[:3]]     # ~300 tokens: prefills that take a whil
 def pd_cluster(tmp_path, env: dict | None = None, lora: list[str] = (), scheduler_host: str | None = None,
                prefill_prefix: list[str] = (), kv_transfer: tuple[str, int] | None = None,
                transfer_timeout: float = 20, policy: str = "cost") -> Cluster:
-    """lora: the adapter flags, for the scheduler, the decode worker and the gateway (the prefill worker gets none:
-    LoRA requests stay on the decode group). scheduler_host: the address the scheduler binds and every service
+    """lora: the adapter flags, for the scheduler, both workers and the gateway (a LoRA request's prompt may run on
+    the prefill group, which loads the adapter as the decode group does). scheduler_host: the address the scheduler binds and every service
     dials (one the prefill worker reaches from its namespace); prefill_prefix: the prefill worker's argv prefix
     (`ip netns exec NAME`); kv_transfer: the decode worker's receiver (host, port); policy: --disagg-policy (a test
     that needs a prompt to cross forces it with the request's `disaggregation` field)."""
@@ -37,7 +37,7 @@ def pd_cluster(tmp_path, env: dict | None = None, lora: list[str] = (), schedule
         cluster.argv["worker"][1] = cluster.argv["gateway"][3] = cluster.scheduler_address
     cluster.argv["prefill"] = ["--scheduler-address", cluster.scheduler_address, "--num-kv-blocks", "64",
                                "--max-model-len", "512", "--kv-role", "prefill", "--kv-transfer-timeout",
-                               str(transfer_timeout)]
+                               str(transfer_timeout), *lora]
     try:
         cluster.start_service("prefill")
         cluster.start()
@@ -66,8 +66,8 @@ def complete(cluster: Cluster, prompt: str, max_tokens: int = 8, **extra) -> lis
     return [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
 
 
-def assert_both_pools_whole(cluster: Cluster) -> None:
-    assert_healthy_and_no_leak(cluster, "Hello", 4, timeout=60)
+def assert_both_pools_whole(cluster: Cluster, model: str = MODEL) -> None:
+    assert_healthy_and_no_leak(cluster, "Hello", 4, timeout=60, model=model)
     deadline = time.monotonic() + 60
     while metric(cluster, "steploop:pd_prefill_free_blocks") != metric(cluster, "steploop:pd_prefill_total_blocks"):
         assert time.monotonic() < deadline, "prefill pool not whole at idle"

@@ -2,8 +2,8 @@
 received blocks), a prefill worker (--kv-role prefill), a gateway. Greedy output equals a one-group run (transformers,
 or the same request forced local) for plain, streamed, n=2, json_schema and top-5 logprobs requests whose prompts
 ran on the prefill group (forced, or where --disagg-policy cost chose it) and whose KV moved over TCP; a LoRA
-request runs on the decode group alone (the prefill worker loads no adapters), exact against transformers + peft and
-counted as local; a client that disconnects while its prompt is on the prefill group leaves no request and no block
+request's prompt runs on the prefill group too (it loads the adapter as the decode group does), exact against
+transformers + peft; a client that disconnects while its prompt is on the prefill group leaves no request and no block
 behind; a block corrupted in flight (the test hook) is refused by its checksum and recomputed on the decode group
 (counted); a SIGKILLed prefill worker leaves its requests to complete locally. Every case ends with no KV block
 held on either side.
@@ -118,7 +118,7 @@ def test_json_schema_and_logprobs_match_a_local_run(pd):
     assert_both_pools_whole(cluster)
 
 
-def test_a_lora_request_runs_locally_exact_and_counted(pd, hf, model_dir, adapter_dir):
+def test_a_lora_request_crosses_with_its_adapter_exact_and_counted(pd, hf, model_dir, adapter_dir):
     cluster = pd
     names = ("disaggregated_requests", "local_requests", "kv_transfers")
     before = {m: metric(cluster, f"steploop:pd_{m}_total") for m in names}
@@ -129,7 +129,8 @@ def test_a_lora_request_runs_locally_exact_and_counted(pd, hf, model_dir, adapte
                                                     "temperature": 0, "disaggregation": "disaggregated"})
     assert status == 200 and body["choices"][0]["text"] == want, body
     after = {m: metric(cluster, f"steploop:pd_{m}_total") for m in names}
-    assert after == {**before, "local_requests": before["local_requests"] + 1}
+    assert after == {**before, "disaggregated_requests": before["disaggregated_requests"] + 1,
+                     "kv_transfers": before["kv_transfers"] + 1}      # its prompt ran on the prefill group
     assert_both_pools_whole(cluster)
 
 

@@ -31,7 +31,8 @@ class FakeEngine:
                                              kv_transfer_lease=60.0, tp_collective_timeout=5.0)
         self.sched_config = None
         self.worker_info = SimpleNamespace(kv_transfer_address="127.0.0.1:9", block_size=BS, model_name="m",
-                                           dtype="float32", kv_block_bytes=BLOCK_BYTES)
+                                           dtype="float32", kv_block_bytes=BLOCK_BYTES,
+                                           transfer_block_bytes=BLOCK_BYTES)
         self.observer = SimpleNamespace(live={})
         self.scheduler = create_scheduler(max_num_batched_tokens=512, num_blocks=2000, block_size=BS,
                                           max_model_len=8192)
@@ -151,7 +152,9 @@ def test_the_flag_forces_either_way():
     assert forced.disaggregate and forced.reason == "forced"
     lora = req("d")
     lora.lora_name = "x"
-    assert pd.choose(lora, "disaggregated").reason == "unsupported"
+    assert pd.choose(lora, "disaggregated").reason == "unsupported"     # the prefill workers load no adapters
+    pd.with_lora = True                                                  # they run --enable-lora
+    assert pd.choose(lora, "disaggregated") == pd.choose(req("e"), "disaggregated")
 
 
 def test_length_policy_and_a_cold_model_use_the_threshold_on_uncached_tokens():

@@ -25,7 +25,7 @@ class FakeEngine:
                                              tp_collective_timeout=5.0)
         self.sched_config = None
         self.worker_info = SimpleNamespace(kv_transfer_address="127.0.0.1:9", block_size=BS, model_name="m",
-                                           dtype="float32", kv_block_bytes=100)
+                                           dtype="float32", kv_block_bytes=100, transfer_block_bytes=100)
         self.observer = SimpleNamespace(live={})
         self.scheduler = create_scheduler(num_blocks=20, block_size=BS)
         self.scheduler.kv.attach_tiers(KvTiers(8, 0, 100))
@@ -167,3 +167,27 @@ def test_a_prompt_the_prefill_pool_cannot_hold_runs_locally():
     engine, pd = setup()
     assert not pd.start(req("a", 100))         # 16 blocks of 4 tokens: no room for 100
     assert not pd.jobs and pd.stats.disaggregated == 0 and prefill_whole(pd)
+
+
+def test_a_lora_prompt_runs_on_the_prefill_group_with_its_adapter_and_its_blocks_keyed_alike():
+    from steploop.scheduler.async_scheduler import make_scheduler
+    from steploop.scheduler.config import SchedulerConfig
+    from steploop.scheduler.kv_cache_manager import KVCacheManager
+    from steploop.scheduler.lora_steps import LoraSteps
+    from steploop.scheduler.prefix_cache import ensure_block_hashes
+
+    engine, pd = setup()
+    pd.scheduler = make_scheduler(SchedulerConfig(), KVCacheManager(16, BS, True), 1024, [2], lora=LoraSteps(2))
+    pd.with_lora = True
+    request = Request("a", list(range(100, 140)), sampling=SamplingParams(max_tokens=4, ignore_eos=True),
+                      lora_name="sql", lora_path="/adapters/sql")
+    assert pd.choose(request, "disaggregated").disaggregate and pd.start(request)
+    plan = pd.scheduler.schedule()
+    assert [(m.name, m.path) for m in plan.lora_loads] == [("sql", "/adapters/sql")]   # the prefill worker loads it
+    prefill = pd.jobs["a"].prefill
+    kv = engine.scheduler.kv
+    # the prefill side's blocks carry the adapter in their keys as the decode side's do: a hit never crosses adapters
+    n = 40 // BS
+    assert ensure_block_hashes(prefill, n, BS, kv.hasher)[:n] == ensure_block_hashes(request, n, BS, kv.hasher)[:n]
+    base = Request("b", list(range(100, 140)), sampling=SamplingParams(max_tokens=4))
+    assert ensure_block_hashes(base, 1, BS, kv.hasher)[0] != ensure_block_hashes(request, 1, BS, kv.hasher)[0]

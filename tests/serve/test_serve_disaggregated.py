@@ -1,5 +1,5 @@
-"""`steploop serve --disaggregated-prefill`: a decode worker and a prefill worker under the one scheduler, and the
-flag combinations it refuses before starting anything."""
+"""`steploop serve --disaggregated-prefill`: a decode group and a prefill group (each of -tp ranks) under the one
+scheduler, and the flag combinations it refuses before starting anything."""
 
 from __future__ import annotations
 
@@ -36,3 +36,17 @@ def test_refused_without_a_landing_tier_or_with_a_role(extra, words):
 def test_without_the_flag_one_worker_serves_everything():
     _, workers = specs()
     assert [w.name for w in workers] == ["worker"] and workers[0].env["STEPLOOP_KV_ROLE"] == ""
+
+
+def test_with_tp_two_each_group_gets_its_ranks_and_its_share_of_the_cpus():
+    import os
+
+    args, workers = specs("--disaggregated-prefill", "--kv-offloading-size", "1", "-tp", "2",
+                          "--worker-metrics-port", "9100")
+    serve.validate_configs(args)
+    assert [w.name for w in workers] == ["worker", "worker-1", "worker-prefill", "worker-prefill-1"]
+    assert [w.env["STEPLOOP_KV_ROLE"] for w in workers] == ["decode", "decode", "prefill", "prefill"]
+    assert [w.env["STEPLOOP_RANK"] for w in workers] == ["0", "1", "0", "1"]
+    assert [w.env["STEPLOOP_WORKER_METRICS_PORT"] for w in workers] == ["9100", "9101", "9102", "9103"]
+    threads = str(max(1, len(os.sched_getaffinity(0)) // 4))
+    assert all(w.env["STEPLOOP_NUM_THREADS"] == threads for w in workers)

@@ -44,29 +44,39 @@ def run_ranks(model_dir: pathlib.Path, world_size: int, prompts: list[list[int]]
     from tests.worker.driver import Driver
 
     store = GroupStore("127.0.0.1", world_size)
+
+    def rank_main(rank: int) -> dict[int, list[int]]:
+        rank_device = f"cuda:{rank}" if device == "cuda" else "cpu"
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        config = WorkerConfig(model=str(model_dir), num_kv_blocks=160, max_model_len=512, device=rank_device,
+                              dtype="float32", tensor_parallel_size=world_size, rank=rank, num_threads=1)
+        runner = ModelRunner.from_config(config, model_dir)
+        timeout = timedelta(seconds=120)
+        group = form_group(rank, world_size, store.address, 1, timeout, "127.0.0.1", torch.device(rank_device),
+                           store if rank == 0 else None)
+        runner.tp_comm.attach(group, 1, timeout)
+        driver = Driver(runner)
+        for handle, prompt in enumerate(prompts):
+            driver.add(handle, prompt, max_tokens)
+        return driver.run(chunk=chunk)
+
+    return each_rank_in_a_thread(world_size, rank_main)
+
+
+def each_rank_in_a_thread(world_size: int, rank_main) -> list:
+    """rank_main(rank) for every rank, each in its own thread (a collective needs them all at once); their
+    results in rank order, or the first rank's exception raised."""
     outputs: list = [None] * world_size
     errors: list[BaseException] = []
 
-    def rank_main(rank: int) -> None:
+    def run(rank: int) -> None:
         try:
-            rank_device = f"cuda:{rank}" if device == "cuda" else "cpu"
-            if device == "cuda":
-                torch.cuda.set_device(rank)
-            config = WorkerConfig(model=str(model_dir), num_kv_blocks=160, max_model_len=512, device=rank_device,
-                                  dtype="float32", tensor_parallel_size=world_size, rank=rank, num_threads=1)
-            runner = ModelRunner.from_config(config, model_dir)
-            timeout = timedelta(seconds=120)
-            group = form_group(rank, world_size, store.address, 1, timeout, "127.0.0.1", torch.device(rank_device),
-                               store if rank == 0 else None)
-            runner.tp_comm.attach(group, 1, timeout)
-            driver = Driver(runner)
-            for handle, prompt in enumerate(prompts):
-                driver.add(handle, prompt, max_tokens)
-            outputs[rank] = driver.run(chunk=chunk)
+            outputs[rank] = rank_main(rank)
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world_size)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:

@@ -145,7 +145,8 @@ def test_restart_lists_files_oldest_first_and_clears_half_writes(tmp_path):
     ({"kv_disk_path": "/tmp/x", "kv_offloading_size": 1.0}, "--kv-disk-path needs"),
     ({"kv_disk_size": 1.0, "kv_offloading_size": 1.0}, "--kv-disk-size needs --kv-disk-path"),
     ({"kv_offloading_size": -1.0}, "--kv-offloading-size"),
-    ({"kv_offloading_size": 1.0, "tensor_parallel_size": 2}, "unsharded workers only"),
+    ({"kv_offloading_size": 1.0, "pipeline_parallel_size": 2}, "KV tiers run without pipeline stages"),
+    ({"kv_role": "prefill", "pipeline_parallel_size": 2}, "--kv-role prefill with -pp 2"),
 ])
 def test_tier_flags_that_cannot_run_are_refused(kwargs, message):
     from steploop.gpu_worker.config import WorkerConfig

@@ -10,7 +10,7 @@ import torch
 
 from steploop.common.pd_transfer import PdMoves, PdReceive, PdReport, PdSend
 from steploop.common.step_contract import StepPlan, StepResult
-from steploop.gpu_worker.kv_transfer import KvReceiver, KvSender
+from steploop.gpu_worker.kv_transfer import KvReceiver, KvSender, receive
 
 LAYERS, BLOCKS, BS, HK, D = 3, 8, 4, 2, 8
 BLOCK_BYTES = LAYERS * 2 * BS * HK * D * 4
@@ -36,8 +36,7 @@ def test_sent_blocks_land_byte_exact_in_the_reserved_host_slots():
         report = PdReport()
         KvSender(cs, timeout=10).apply(PdMoves(address=receiver.address, sends=[PdSend("r1", [5, 2, 7])]), report)
         assert report.sent == ["r1"] and not report.failed_sends and report.bytes_sent == 3 * BLOCK_BYTES
-        got = PdReport()
-        receiver.apply(PdMoves(receives=[PdReceive("r1", [0, 1, 2], [4, 0, 3])]), h, got)
+        got = receive(PdMoves(receives=[PdReceive("r1", [0, 1, 2], [4, 0, 3])]), h, receiver)
         assert not got.failed_recv_slots
         for slot, b in ((4, 5), (0, 2), (3, 7)):
             assert torch.equal(h[slot], block(cs, b))
@@ -56,8 +55,8 @@ def test_a_block_corrupted_in_flight_is_refused_and_nothing_is_staged():
         sender.apply(PdMoves(address=receiver.address, sends=[PdSend("r1", [1, 2])]), report)
         assert report.failed_sends == ["r1"] and not report.sent
         assert receiver.refused == 1 and receiver.num_staged() == 0
-        got = PdReport()                      # a receive of a transfer that is not there fills no slot
-        receiver.apply(PdMoves(receives=[PdReceive("r1", [0, 1], [2, 3])]), h, got)
+        # a receive of a transfer that is not there fills no slot
+        got = receive(PdMoves(receives=[PdReceive("r1", [0, 1], [2, 3])]), h, receiver)
         assert got.failed_recv_slots == [2, 3] and not h.any()
     finally:
         receiver.close()
@@ -79,7 +78,7 @@ def test_staged_transfers_are_discarded_or_expire():
         sender = KvSender(cs, timeout=10)
         sender.apply(PdMoves(address=receiver.address, sends=[PdSend("a", [1]), PdSend("b", [2])]), PdReport())
         assert receiver.num_staged() == 2
-        receiver.apply(PdMoves(discards=["a"]), host(), PdReport())
+        receive(PdMoves(discards=["a"]), host(), receiver)
         assert receiver.num_staged() == 1
         receiver.lease = 0.0                  # the next arrival drops what no plan claimed in time
         sender.apply(PdMoves(address=receiver.address, sends=[PdSend("c", [3])]), PdReport())

@@ -91,6 +91,27 @@ class TensorParallelComm:
         self._run(lambda g: g.allgather([parts], [x]), host_wait=True)   # the step's last collective
         return torch.cat(parts, dim=-1)
 
+    def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x (same shape) on rank 0, rank order; None on the others (KV blocks leaving the group)."""
+        if self.world_size == 1:
+            return [x]
+        import torch.distributed as dist
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else []
+        self._run(lambda g: g.gather([parts] if self.rank == 0 else [], [x], opts), host_wait=True)
+        return parts if self.rank == 0 else None
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place (KV blocks entering the group at rank 0)."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._run(lambda g: g.broadcast([x], opts), host_wait=True)
+        return x
+
     def _run(self, start, host_wait: bool = False) -> None:
         if self.group is None:
             raise CollectiveError(f"rank {self.rank}: no tensor-parallel group formed (the group is incomplete)")
