@@ -72,6 +72,37 @@ def attention_case(query_lens, seq_lens, h, hk, d, dtype, device, window=None, s
             "first_call_s": round(seconds, 3)}
 
 
+def fp8_attention_case(query_lens, seq_lens, h, hk, d, dtype, device, kv_dtype) -> dict:
+    """An FP8 KV cache (--kv-cache-dtype): the kernel writes the step's K/V through the scales, then attends over
+    the cache; the reference attends over the dequantized cache in fp32."""
+    from steploop.gpu_worker import kv_cache_dtype
+    from steploop.gpu_worker.kernels.cache_write import write_kv_cache
+    from steploop.gpu_worker.kernels.paged_attention import plan_attention, unified_attention
+    from steploop.gpu_worker.kernels.reference import paged_attention_ref
+
+    q, cache, tables = _paged(query_lens, seq_lens, h, hk, d, dtype, device)
+    scales = (torch.tensor([0.05], device=device), torch.tensor([0.02], device=device))
+    fp8 = torch.stack([kv_cache_dtype.quantize(cache[i], scales[i], kv_dtype) for i in range(2)])
+    slots = torch.arange(16, 16 + sum(query_lens), device=device, dtype=torch.int64)   # blocks the tables read
+    write_kv_cache(q[:, :hk], q[:, :hk], fp8, slots, scales)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32, device=device)
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    plan = plan_attention(qsl, seq, tables, np.array(query_lens, np.int32), np.array(seq_lens, np.int32), h, hk)
+    out = torch.empty_like(q)
+    t0 = time.perf_counter()
+    unified_attention(q, fp8, out, plan, d ** -0.5, kv_scales=scales)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    deq = torch.stack([kv_cache_dtype.dequantize(fp8[i], scales[i]) for i in range(2)])
+    want = paged_attention_ref(q.float(), deq, query_lens, seq_lens, tables, d ** -0.5)
+    written = kv_cache_dtype.quantize(q[:, :hk], scales[0], kv_dtype).view(torch.uint8)
+    stored = fp8[0].reshape(-1, hk, d)[16:16 + sum(query_lens)].view(torch.uint8)
+    result = compare(out, want, dtype)
+    exact = bool(torch.equal(stored, written))
+    return {**result, "ok": result["ok"] and exact, "write_exact": exact, "num_splits": plan.num_splits,
+            "first_call_s": round(seconds, 3)}
+
+
 def cache_write_case(num_tokens, hk, d, dtype, device, num_blocks) -> dict:
     from steploop.gpu_worker.kernels.cache_write import write_kv_cache
     from steploop.gpu_worker.kernels.reference import write_kv_cache_ref
@@ -225,6 +256,9 @@ def cases(dry: bool) -> dict[str, Callable[[], dict]]:
                                                         h, hk, d, dt, dev)
         out[f"window_softcap_d{d}"] = lambda d=d: attention_case([1, pre // 8], [ctx4k, pre // 4], h, hk, d, dt,
                                                                  dev, window=ctx4k // 4, softcap=30.0)
+        for name, kv_dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+            out[f"fp8_{name}_mixed_d{d}"] = lambda d=d, kv_dtype=kv_dtype: fp8_attention_case(
+                [1, 1, pre // 8, 3], [ctx4k, 7, pre // 8, ctx4k // 2], h, hk, d, dt, dev, kv_dtype)
     d = 32 if dry else 128
     out["decode_kv_over_2e31"] = lambda: attention_case([1, 1], [ctx4k, 33], h, hk, d, dt, dev,
                                                         extra_blocks=big_blocks, high_blocks=True)

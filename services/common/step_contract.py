@@ -284,9 +284,14 @@ class WorkerInfo:
     kv_role: str = ""                    # --kv-role: "" (everything), "prefill" or "decode" (pd_disagg.py)
     kv_transfer_address: str = ""        # a decode worker's block receiver, host:port
     kv_transfer_block_bytes: int = 0     # one block as transfers carry it (every KV head); 0: kv_block_bytes
+    kv_cache_dtype: str = ""             # what the KV cache stores (--kv-cache-dtype); "": the same as dtype
     accepts_images: bool = False         # a vision-language model (requests may carry images)
     images_whole: bool = False           # its images attend both ways (Gemma 3): chunks never end inside one
     encoder_layers: int = 0              # its vision tower's layers, run a slice at a time; 0: whole images only
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def transfer_block_bytes(self) -> int:
@@ -309,7 +314,7 @@ class WorkerInfo:
             kv_disk_hashes=list(self.kv_disk_hashes), kv_block_bytes=self.kv_block_bytes,
             accepts_images=self.accepts_images,
             images_whole=self.images_whole, encoder_layers=self.encoder_layers, kv_role=self.kv_role, kv_transfer_address=self.kv_transfer_address,
-            kv_transfer_block_bytes=self.kv_transfer_block_bytes)
+            kv_transfer_block_bytes=self.kv_transfer_block_bytes, kv_cache_dtype=self.kv_cache_dtype)
         if self.pooling is not None:
             pb.pooling.CopyFrom(self.pooling.to_pb())
         if self.lora_shapes is not None:
@@ -339,4 +344,4 @@ class WorkerInfo:
                    kv_disk_hashes=tuple(pb.kv_disk_hashes), kv_block_bytes=pb.kv_block_bytes,
                    accepts_images=pb.accepts_images,
                    images_whole=pb.images_whole, encoder_layers=pb.encoder_layers, kv_role=pb.kv_role, kv_transfer_address=pb.kv_transfer_address,
-                   kv_transfer_block_bytes=pb.kv_transfer_block_bytes)
+                   kv_transfer_block_bytes=pb.kv_transfer_block_bytes, kv_cache_dtype=pb.kv_cache_dtype)

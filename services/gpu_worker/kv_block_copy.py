@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from steploop.gpu_worker.kv_cache_dtype import as_bytes
+
 
 def copy_blocks(caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]]) -> None:
     """copies: (source block, destination block) pairs; a destination is never a source of the same call."""
@@ -21,4 +23,5 @@ def copy_blocks(caches: Sequence[torch.Tensor], copies: Sequence[tuple[int, int]
     src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
     for cache in caches:
+        cache = as_bytes(cache)
         cache[:, dst] = cache[:, src]

@@ -14,8 +14,10 @@ group every rank takes part: a sending group's ranks gather their heads to rank 
 rank 0 runs the receiver and broadcasts what it took, and each rank keeps its own heads in its host slot. So a
 prefill group and a decode group of different -tp sizes exchange blocks, and the ranks agree on which arrived.
 
-Wire: b"SLKV1", u32 id length, id (utf-8), u32 blocks, u64 bytes per block, then per block u32 crc32 + payload.
-Answer: one byte, 1 = every checksum verified and staged, 0 = refused.
+Wire: b"SLKV2", u32 id length, id (utf-8), u32 format length, format (utf-8: the cache dtype, e.g. "float32" or
+"float8_e4m3fn"), u32 blocks, u64 bytes per block, then per block u32 crc32 + payload.
+Answer: one byte, 1 = every checksum verified and staged, 0 = refused (a checksum, a block size or a format that
+is not the receiver's: e4m3 and e5m2 blocks have the same size, not the same meaning).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ import torch
 
 from steploop.common import envs
 from steploop.common.pd_transfer import PdMoves, PdReceive, PdReport
+from steploop.gpu_worker.kv_cache_dtype import as_bytes
 from steploop.gpu_worker.kv_heads import KvHeads
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SLKV1"
+MAGIC = b"SLKV2"
 _HEAD = struct.Struct("<IQ")
 
 
@@ -52,8 +55,14 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def kv_format(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def local_blocks(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
-    """This rank's heads of the pool blocks, [blocks, layers, 2, block_size, heads here, head_dim]."""
+    """This rank's heads of the pool blocks, [blocks, layers, 2, block_size, heads here, head_dim] (an FP8 cache's
+    as their bytes)."""
+    caches = [as_bytes(c) for c in caches]
     return torch.stack([torch.stack([c[:, b] for c in caches]) for b in block_ids])
 
 
@@ -98,7 +107,8 @@ class KvSender:
         flat = whole.view(whole.shape[0], -1).view(torch.uint8).numpy() if whole is not None else ()
         size = flat.shape[1] if whole is not None else 0
         tid = transfer_id.encode()
-        parts = [MAGIC, struct.pack("<I", len(tid)), tid, _HEAD.pack(len(flat), size)]
+        fmt = kv_format(self.caches[0].dtype).encode()
+        parts = [MAGIC, struct.pack("<I", len(tid)), tid, struct.pack("<I", len(fmt)), fmt, _HEAD.pack(len(flat), size)]
         for i, row in enumerate(flat):
             data = row.data
             parts.append(struct.pack("<I", zlib.crc32(data)))
@@ -116,8 +126,10 @@ class KvSender:
 
 
 class KvReceiver:
-    def __init__(self, host: str, port: int, block_size_bytes: int, lease: float, max_blocks: int = 1 << 20):
+    def __init__(self, host: str, port: int, block_size_bytes: int, lease: float, max_blocks: int = 1 << 20,
+                 dtype: torch.dtype = torch.float32):
         self.block_size_bytes, self.lease = block_size_bytes, lease
+        self.format = kv_format(dtype)        # what the blocks must hold (the cache dtype)
         self.max_blocks = max_blocks          # staged at most (the host slots they could land in): more is refused
         self._staged: dict[str, tuple[float, list[tuple[int, bytes]]]] = {}
         self._lock = threading.Lock()
@@ -148,11 +160,13 @@ class KvReceiver:
                 raise ValueError("not a KV transfer")
             (n,) = struct.unpack("<I", _read_exact(sock, 4))
             tid = _read_exact(sock, n).decode()
+            (n,) = struct.unpack("<I", _read_exact(sock, 4))
+            fmt = _read_exact(sock, n).decode()
             count, size = _HEAD.unpack(_read_exact(sock, _HEAD.size))
-            if count and size != self.block_size_bytes:      # another model or layout: refused unread
+            if count and (size != self.block_size_bytes or fmt != self.format):   # another model or layout
                 self.refused += 1
-                log.warning("KV transfer %s refused: blocks of %d bytes, this worker's are %d", tid, size,
-                            self.block_size_bytes)
+                log.warning("KV transfer %s refused: blocks of %d bytes of %s, this worker's are %d of %s", tid,
+                            size, fmt, self.block_size_bytes, self.format)
                 sock.sendall(b"\x00")
                 return
             ok, blocks = True, []

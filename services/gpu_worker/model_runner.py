@@ -21,7 +21,7 @@ import torch
 from steploop.common.model_path import served_model_name
 from steploop.common.sampling_params import SamplingParams
 from steploop.common.step_contract import StepPlan, StepResult, TokenLogprob, WorkerInfo
-from steploop.gpu_worker import kv_block_copy, kv_cache, kv_tier_mover, kv_transfer
+from steploop.gpu_worker import kv_block_copy, kv_cache, kv_cache_dtype, kv_tier_mover, kv_transfer
 from steploop.gpu_worker.attention.selector import create_backend
 from steploop.gpu_worker.capture_plan import graph_plan
 from steploop.gpu_worker.config import WorkerConfig
@@ -123,6 +123,12 @@ class ModelRunner:
         local = rank.local_cfg
         backend = create_backend(plan.attention_backend, local.num_attention_heads, local.num_key_value_heads,
                                  local.head_dim, local.head_dim ** -0.5, plan.cpu_attention_kernel)
+        kv_dtype = kv_cache_dtype.resolve(config.kv_cache_dtype, dtype)
+        if kv_cache_dtype.is_fp8(kv_dtype) and not backend.supports_fp8_kv:
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: only the Triton attention kernels read an "
+                             f"FP8 KV cache (CUDA); this worker runs the {plan.attention_backend} backend on "
+                             f"{device.type}, whose kernels read a {str(dtype).removeprefix('torch.')} cache. "
+                             "Use --kv-cache-dtype auto")
         start = time.perf_counter()
         log.info("loading model %s (%d layers, %s on %s)", model_path, cfg.num_hidden_layers,
                  str(dtype).removeprefix("torch."), device)
@@ -134,10 +140,11 @@ class ModelRunner:
         profile = _cuda_profile(model, config, local, max_len, dtype, device, plan)
         for comm in rank.comms:           # the memory profile runs before the group exists: shapes only
             comm.local_only = True
-        num_blocks = kv_cache.decide_num_blocks(config, local, max_len, dtype, device, profile)
+        num_blocks = kv_cache.decide_num_blocks(config, local, max_len, kv_dtype, device, profile)
         for comm in rank.comms:
             comm.local_only = False
-        caches = kv_cache.allocate_kv_caches(local, num_blocks, config.block_size, dtype, device, plan.hugepages)
+        caches = kv_cache.allocate_kv_caches(local, num_blocks, config.block_size, kv_dtype, device, plan.hugepages)
+        _set_kv_scales(model, backend, kv_dtype, len(caches), device)
         log.info("decode steps: %s", model.bind_kv_caches(caches))
         if cfg.is_multimodal and (pooling is not None or config.lora.enable_lora):
             raise ValueError(f"{cfg.model_type}: a vision-language model runs --runner generate without "
@@ -146,13 +153,14 @@ class ModelRunner:
             raise ValueError("--enable-lora serves generate models; this worker runs --runner pooling (embeddings)")
         lora = LoraManager.build(model, config.lora, dtype, device) if config.lora.enable_lora else None
         model.lora = lora.layers if lora is not None else None
-        tiers = kv_tier_mover.build(config, caches, model_identity(model_path), dtype, plan.describe())
+        tiers = kv_tier_mover.build(config, caches, model_identity(model_path), kv_dtype, plan.describe())
         info = WorkerInfo(worker_id=config.resolved_worker_id, model_name=served_model_name(config.model, model_path),
                           block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_len,
                           vocab_size=cfg.vocab_size, eos_token_ids=eos_ids, generation_defaults=defaults,
                           rank=config.rank, world_size=config.world_size,
                           pipeline_parallel_size=config.pipeline_parallel_size,
-                          dtype=str(dtype).removeprefix("torch."), expert_parallel=config.enable_expert_parallel,
+                          dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+                          expert_parallel=config.enable_expert_parallel,
                           runner="generate" if pooling is None else "pooling", pooling=pooling,
                           lora_shapes=lora.store.shapes if lora is not None else None,
                           accepts_images=cfg.is_multimodal, images_whole=getattr(model, "images_whole", False),
@@ -169,12 +177,12 @@ class ModelRunner:
             receiver = kv_transfer.KvReceiver(config.kv_transfer_host, config.kv_transfer_port,
                                               info.kv_transfer_block_bytes,
                                               lease=max(60.0, 2 * config.kv_transfer_timeout),
-                                              max_blocks=tiers.num_host_blocks)
+                                              max_blocks=tiers.num_host_blocks, dtype=kv_dtype)
             info = replace(info, kv_transfer_address=receiver.address)
         if pooling is not None:
             log.info("runner pooling: %s pooling, %snormalized, %d dims", pooling.pooling_type,
                      "" if pooling.normalize else "not ", pooling.hidden_size)
-        tuning = _tune_and_warm_up(model, caches, config.block_size, max_len, config.tune_kernels) \
+        tuning = _tune_and_warm_up(model, caches, config.block_size, max_len, dtype, config.tune_kernels) \
             if plan.attention_backend == "triton" and device.type == "cuda" else None
         graphs = None
         # graphs are for sampling steps (a pooling runner has none) over [T] positions (M-RoPE's are [3, T])
@@ -196,7 +204,7 @@ class ModelRunner:
         from steploop.gpu_worker.weight_receiver import WeightReceiver
         runner.receiver = WeightReceiver(runner, config.tp_host)
         runner.sleep_mode = SleepMode(runner, lambda: kv_cache.allocate_kv_caches(
-            local, num_blocks, config.block_size, dtype, device, plan.hugepages))
+            local, num_blocks, config.block_size, kv_dtype, device, plan.hugepages))
         return runner
 
     def reset(self) -> None:
@@ -427,14 +435,15 @@ class PreparedStep:
 
 
 def _tune_and_warm_up(model: LlamaForCausalLM, caches: list[torch.Tensor], block_size: int, max_len: int,
-                      tune: bool = True) -> dict:
+                      dtype: torch.dtype, tune: bool = True) -> dict:
     """Before the worker reports ready: pick the attention kernel's launch configs (kernels/tuning.py), then compile
     every variant serving can launch, so no Triton compile lands inside a step (graph capture warms the rest)."""
     from steploop.gpu_worker.kernels.tuning import tune_attention, warm_up_attention
 
     start = time.perf_counter()
-    report = tune_attention(model.backend, caches[0], block_size, max_len) if tune else {"classes": "defaults"}
-    report["warmed"] = warm_up_attention(model.backend, caches[0], block_size)
+    report = tune_attention(model.backend, caches[0], block_size, max_len, q_dtype=dtype) if tune \
+        else {"classes": "defaults"}
+    report["warmed"] = warm_up_attention(model.backend, caches[0], block_size, dtype)
     log.info("attention warm-up: %d variants compiled in %.1f s", len(report["warmed"]), time.perf_counter() - start)
     return report
 
@@ -445,7 +454,8 @@ def _num_params(model: LlamaForCausalLM) -> int:
     packed = sum(m.packed.out_features * m.packed.in_features for name, m in model.named_modules()
                  if getattr(m, "packed", None) is not None and not (tied and name == "lm_head"))
     experts = sum(w.out_features * w.in_features for m in model.modules()              # GGUF MoE experts
-                  for ws in getattr(m, "packed_experts", {}).values() for w in (ws if isinstance(ws, list) else [ws]))
+                  for ws in getattr(m, "packed_experts", {}).values() for w in (ws if isinstance(ws, list) else [ws])
+                  if not isinstance(w, torch.nn.Module))     # a quantized checkpoint's: counted as modules
     return sum(p.numel() for p in model.parameters()) + packed + experts
 
 
@@ -531,6 +541,23 @@ def _cuda_profile(model: LlamaForCausalLM, config: WorkerConfig, cfg: LlamaModel
     return kv_cache.CudaProfile(
         forward=lambda: _profile_forward(model, cfg, config.block_size, max_len, dtype, device, budget),
         sampler=lambda: _profile_sampler(model, config.max_num_seqs, device), reserves=reserves)
+
+
+def _set_kv_scales(model: LlamaForCausalLM, backend, kv_dtype: torch.dtype, num_layers: int,
+                   device: torch.device) -> None:
+    """An FP8 cache's per-layer (k_scale, v_scale): the checkpoint's for e4m3 (else 1.0, as vLLM), 1.0 for e5m2."""
+    stored = getattr(model, "kv_scales", None)
+    if not kv_cache_dtype.is_fp8(kv_dtype):
+        if stored is not None and stored.stored:
+            log.info("the checkpoint carries FP8 KV cache scales; --kv-cache-dtype fp8 would use them")
+        return
+    if kv_cache_dtype.takes_scales(kv_dtype) and stored is not None:
+        scales, source = stored.for_layers(num_layers)
+    else:
+        scales, source = {i: (1.0, 1.0) for i in range(num_layers)}, "1.0 (e5m2 runs unscaled)"
+    backend.set_kv_scales(scales, device)
+    log.info("KV cache %s (not exact: K and V rounded to 8 bits), scales %s", str(kv_dtype).removeprefix("torch."),
+             source)
 
 
 def _set_int8_activations(wanted: bool, gguf: bool, plan) -> None:

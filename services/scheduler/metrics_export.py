@@ -87,15 +87,20 @@ def families(obs: Any, labels: list[str]) -> Iterator:
     worker = obs.worker_info
     if worker is not None and load.num_total_blocks:
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=MODEL + ["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+                                 labels=MODEL + ["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"])
         info.add_metric(labels + [str(worker.block_size), str(worker.num_kv_blocks),
-                                  str(obs.enable_prefix_caching)], 1.0)
+                                  str(obs.enable_prefix_caching), _CACHE_DTYPE_FLAG.get(worker.cache_dtype, "auto")],
+                        1.0)
         yield info
     yield from _steploop(obs, load, labels)
     yield from _pacing(load, labels)
     yield from kv_tier_families(load, labels)
     yield from pd_families(load, labels)
     yield from encoder_families(load, labels)
+
+
+# vLLM's label is the --kv-cache-dtype value: "auto" for a cache of the model's dtype
+_CACHE_DTYPE_FLAG = {"float8_e4m3fn": "fp8", "float8_e5m2": "fp8_e5m2"}
 
 
 def _spec_decode(counts: SchedulerCounters, labels: list[str]) -> Iterator:

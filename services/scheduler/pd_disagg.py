@@ -105,12 +105,13 @@ class PdDisagg:
     def attach(self, link: WorkerLink) -> None:
         info = link.info
         decode = self.engine.worker_info
-        if decode is not None and (info.model_name, info.block_size, info.dtype) != (
-                decode.model_name, decode.block_size, decode.dtype):
+        if decode is not None and (info.model_name, info.block_size, info.dtype, info.cache_dtype) != (
+                decode.model_name, decode.block_size, decode.dtype, decode.cache_dtype):
             from steploop.common.errors import InvalidRequestError
             raise InvalidRequestError(f"prefill worker {info.worker_id} serves {info.model_name!r} (block size "
-                                      f"{info.block_size}, {info.dtype}); the decode group {decode.model_name!r} "
-                                      f"(block size {decode.block_size}, {decode.dtype}): they must match",
+                                      f"{info.block_size}, {info.dtype}, KV cache {info.cache_dtype}); the decode "
+                                      f"group {decode.model_name!r} (block size {decode.block_size}, {decode.dtype}, "
+                                      f"KV cache {decode.cache_dtype}): they must match",
                                       param="model")
         if not self.assembler.pending and info.world_size != self.assembler.world_size:
             # the prefill group is as large as its workers say (-tp N on each); its own size, not the decode group's

@@ -166,6 +166,7 @@ def _sizes(world_size: int, pp: int) -> str:
 
 def _check_same(info: WorkerInfo, other: WorkerInfo) -> None:
     for field, what in (("model_name", "model"), ("block_size", "block size"), ("dtype", "dtype"),
+                        ("cache_dtype", "--kv-cache-dtype"),
                         ("max_model_len", "max model length"), ("expert_parallel", "--enable-expert-parallel")):
         mine, theirs = getattr(info, field), getattr(other, field)
         if mine != theirs:

@@ -48,13 +48,26 @@ def configs() -> list[tuple[str, object, dict, dict]]:
                      "prefill": (pa.choose_block_q(h // hk, 512), 1)}
             for mode, (block_q, splits) in modes.items():
                 c = pa.attention_constexprs(h, hk, d, 16, block_q, splits, dtype, interpret=False)
-                ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+                ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "k_scale_ptr", "v_scale_ptr")}
                 out.append((f"attention {mode} {t} h{h}/{hk} d{d}", pa.unified_attention_kernel,
                             signature(pa.unified_attention_kernel, c, t, ptrs), c))
+            if dtype != torch.float32:        # an FP8 cache (--kv-cache-dtype) under 16-bit models: its bytes
+                for kv_fp8, fmt in ((1, "e4m3"), (2, "e5m2")):
+                    for mode, (block_q, splits) in modes.items():
+                        c = pa.attention_constexprs(h, hk, d, 16, block_q, splits, dtype, False, kv_fp8=kv_fp8)
+                        ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "k_scale_ptr",
+                                                     "v_scale_ptr")}
+                        ptrs.update(k_cache_ptr="*u8", v_cache_ptr="*u8")
+                        out.append((f"attention {mode} kv {fmt} {t} h{h}/{hk} d{d}", pa.unified_attention_kernel,
+                                    signature(pa.unified_attention_kernel, c, t, ptrs), c))
+                c = cache_write.cache_write_constexprs(hk, d, 16)
+                out.append((f"cache_write fp8 bytes hk{hk} d{d}", cache_write.cache_write_kernel,
+                            signature(cache_write.cache_write_kernel, c, "u8", {"slot_mapping_ptr": "*i64"}), c))
             for variant, (window, softcap) in VARIANTS.items():
                 for mode, (block_q, splits) in modes.items():
                     c = pa.attention_constexprs(h, hk, d, 16, block_q, splits, dtype, False, window, softcap)
-                    ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+                    ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "k_scale_ptr",
+                                                 "v_scale_ptr")}
                     out.append((f"attention {mode} {variant} {t} h{h}/{hk} d{d}", pa.unified_attention_kernel,
                                 signature(pa.unified_attention_kernel, c, t, ptrs), c))
             for splits in (2, 16):
@@ -95,7 +108,7 @@ def tuning_configs(t: str) -> list[tuple]:
     for cls, (block_q, splits) in modes.items():
         for cand in CANDIDATES[cls]:
             c = pa.attention_constexprs(h, hk, d, 16, block_q, splits, torch.bfloat16, interpret=False)
-            ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}
+            ptrs = {n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr", "k_scale_ptr", "v_scale_ptr")}
             out.append((f"attention {cls} {t} w{cand.num_warps} s{cand.num_stages}", pa.unified_attention_kernel,
                         signature(pa.unified_attention_kernel, c, t, ptrs), c,
                         {"num_warps": cand.num_warps, "num_stages": cand.num_stages}))

@@ -83,7 +83,7 @@ async def test_counts_and_histograms_match_the_workload():
     assert value(s, "steploop:step_duration_seconds_count") == steps
     assert value(s, "vllm:num_requests_running") == value(s, "vllm:num_requests_waiting") == 0
     assert value(s, "vllm:kv_cache_usage_perc") == 0
-    assert value(s, "vllm:cache_config_info", block_size="4", num_gpu_blocks="256") == 1
+    assert value(s, "vllm:cache_config_info", block_size="4", num_gpu_blocks="256", cache_dtype="auto") == 1
     assert value(s, "steploop:worker_attaches_total") == 1 and value(s, "steploop:plan_bytes_total") > 0
     # the fake worker reports no forward time, so the pacer's model never fits and never cuts a chunk
     assert value(s, "steploop:prefill_paced_steps_total") == value(s, "steploop:prefill_deferred_tokens_total") == 0

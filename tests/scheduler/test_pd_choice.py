@@ -31,7 +31,7 @@ class FakeEngine:
                                              kv_transfer_lease=60.0, tp_collective_timeout=5.0)
         self.sched_config = None
         self.worker_info = SimpleNamespace(kv_transfer_address="127.0.0.1:9", block_size=BS, model_name="m",
-                                           dtype="float32", kv_block_bytes=BLOCK_BYTES,
+                                           dtype="float32", cache_dtype="float32", kv_block_bytes=BLOCK_BYTES,
                                            transfer_block_bytes=BLOCK_BYTES)
         self.observer = SimpleNamespace(live={})
         self.scheduler = create_scheduler(max_num_batched_tokens=512, num_blocks=2000, block_size=BS,

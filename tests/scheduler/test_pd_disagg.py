@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from sched_factories import FakeWorker, create_scheduler
 
 from steploop.common.pd_transfer import PdReport
@@ -25,7 +27,8 @@ class FakeEngine:
                                              tp_collective_timeout=5.0)
         self.sched_config = None
         self.worker_info = SimpleNamespace(kv_transfer_address="127.0.0.1:9", block_size=BS, model_name="m",
-                                           dtype="float32", kv_block_bytes=100, transfer_block_bytes=100)
+                                           dtype="float32", cache_dtype="float32", kv_block_bytes=100,
+                                           transfer_block_bytes=100)
         self.observer = SimpleNamespace(live={})
         self.scheduler = create_scheduler(num_blocks=20, block_size=BS)
         self.scheduler.kv.attach_tiers(KvTiers(8, 0, 100))
@@ -191,3 +194,19 @@ def test_a_lora_prompt_runs_on_the_prefill_group_with_its_adapter_and_its_blocks
     assert ensure_block_hashes(prefill, n, BS, kv.hasher)[:n] == ensure_block_hashes(request, n, BS, kv.hasher)[:n]
     base = Request("b", list(range(100, 140)), sampling=SamplingParams(max_tokens=4))
     assert ensure_block_hashes(base, 1, BS, kv.hasher)[0] != ensure_block_hashes(request, 1, BS, kv.hasher)[0]
+
+
+def test_a_prefill_group_whose_kv_cache_dtype_differs_is_refused():
+    """e4m3 blocks handed to a decode group of another cache dtype would be read as other numbers: refused at attach,
+    naming both."""
+    from steploop.common.errors import InvalidRequestError
+    from steploop.common.step_contract import WorkerInfo
+    from steploop.scheduler.worker_link import WorkerLink
+
+    pd = PdDisagg(FakeEngine())
+    info = WorkerInfo(worker_id="p0", model_name="m", block_size=BS, num_kv_blocks=20, max_model_len=64,
+                      vocab_size=10, eos_token_ids=(2,), dtype="float32", kv_cache_dtype="float8_e4m3fn",
+                      kv_role="prefill")
+    with pytest.raises(InvalidRequestError, match="KV cache float8_e4m3fn\\); the decode group 'm' .*KV cache float32"):
+        pd.attach(WorkerLink(object(), info))
+    assert pd.group is None

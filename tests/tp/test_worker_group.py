@@ -46,6 +46,11 @@ def test_mismatched_rank_is_refused_naming_both_values():
                                                       r"\(w0\) has False"):   # its experts would count twice
             assembler.add(WorkerLink(FakeStream(), info(2, expert_parallel=True)))
         assert WorkerInfo.from_pb(info(2, expert_parallel=True).to_pb()).expert_parallel    # the hello carries it
+        with pytest.raises(InvalidRequestError, match=r"rank 2 \(w2\) has --kv-cache-dtype 'float8_e4m3fn', rank 0 "
+                                                      r"\(w0\) has 'float32'"):     # their blocks mean other things
+            assembler.add(WorkerLink(FakeStream(), info(2, kv_cache_dtype="float8_e4m3fn")))
+        assert WorkerInfo.from_pb(info(2, kv_cache_dtype="float8_e5m2").to_pb()).cache_dtype == "float8_e5m2"
+        assert info(2).cache_dtype == "float32"             # unset: the model's dtype
         with pytest.raises(InvalidRequestError, match="started with -tp 2; this scheduler serves -tp 3"):
             assembler.add(WorkerLink(FakeStream(), info(1, world=2)))
     asyncio.run(scenario())

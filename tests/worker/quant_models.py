@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -35,9 +36,20 @@ QUANT_FAMILIES = {
                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
                               "tie_word_embeddings": False}),
     "qwen2": FAMILY_CONFIGS["qwen2"],     # q/k/v biases, tied embeddings
+    # mixtures of experts: every expert's projections quantized (and Qwen2-MoE's shared expert, and the dense layers'
+    # MLPs), the routers not, as GPTQModel, AutoAWQ and llm-compressor write them
+    "qwen3_moe": FAMILY_CONFIGS["qwen3_moe"],
+    "qwen2_moe": FAMILY_CONFIGS["qwen2_moe"],
+    "mixtral": FAMILY_CONFIGS["mixtral"],
 }
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
+EXPERT_LINEAR = re.compile(r"\.(experts\.\d+|shared_expert)\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+
+
+def quantized(name: str) -> bool:
+    """Whether the writer quantizes the linear module `name`."""
+    return name.endswith(LINEARS) or EXPERT_LINEAR.search(name) is not None
 
 
 @dataclass(frozen=True)
@@ -242,7 +254,7 @@ def build_quant_model(family: str, spec: Spec, out: pathlib.Path, tokenizer_dir:
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
         for name, module in model.named_modules():
-            if not name.endswith(LINEARS):
+            if not quantized(name):
                 continue
             stored = WRITERS[spec.method](module.weight.detach(), spec, gen)
             tensors.update({f"{name}.{t}": v.contiguous() for t, v in stored.items()})
@@ -250,7 +262,7 @@ def build_quant_model(family: str, spec: Spec, out: pathlib.Path, tokenizer_dir:
     state = model.state_dict()
     for name, value in state.items():
         module = name.rsplit(".", 1)[0]
-        if module.endswith(LINEARS) and name.endswith(".weight"):
+        if quantized(module) and name.endswith(".weight"):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -284,5 +296,5 @@ def _fake_quantize_inputs(model) -> None:
         return (fake_quantize(x=x, scale=scale, zero_point=zero_point, args=args),)
 
     for name, module in model.named_modules():
-        if name.endswith(LINEARS):
+        if quantized(name):
             module.register_forward_pre_hook(hook)

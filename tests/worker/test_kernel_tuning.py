@@ -22,7 +22,7 @@ def fake_clock(monkeypatch):
               "mixed": {LaunchConfig(8, 3): 0.2}}
     made = []
 
-    def make_launch(backend, problem, kv_cache, block_size, config, window=None, softcap=None):
+    def make_launch(backend, problem, kv_cache, block_size, config, window=None, softcap=None, q_dtype=None):
         cls = tuning.shape_class(max(problem.query_lens), problem.num_splits)
         made.append((cls, config))
         return cls, config
@@ -78,7 +78,7 @@ def test_plans_carry_the_tuned_config_of_their_class():
 def test_warm_up_covers_every_split_count_and_layer_variant(monkeypatch):
     runs = []
     monkeypatch.setattr(tuning, "make_launch", lambda backend, problem, cache, bs, config, window=None,
-                        softcap=None: lambda: runs.append((problem.num_splits, window, softcap, config)))
+                        softcap=None, q_dtype=None: lambda: runs.append((problem.num_splits, window, softcap, config)))
     backend = TritonAttentionBackend(4, 2, 32, 0.1)
     backend.serve_variant(0, 8, None)
     backend.serve_variant(1, None, 30.0)

@@ -116,3 +116,25 @@ def test_blocks_of_another_size_are_refused_unread():
         assert report.failed_sends == ["a"] and receiver.refused == 1 and receiver.num_staged() == 0
     finally:
         receiver.close()
+
+
+def test_fp8_blocks_travel_as_bytes_and_another_format_is_refused():
+    """An FP8 cache's blocks land bit-exact; e4m3 blocks offered to an e5m2 receiver (the same size) are refused."""
+    cs = [c.to(torch.float8_e4m3fn) for c in caches()]
+    fp8_bytes = BLOCK_BYTES // 4
+    receiver = KvReceiver("127.0.0.1", 0, fp8_bytes, lease=60, dtype=torch.float8_e4m3fn)
+    other = KvReceiver("127.0.0.1", 0, fp8_bytes, lease=60, dtype=torch.float8_e5m2)
+    try:
+        report = PdReport()
+        KvSender(cs, timeout=10).apply(PdMoves(address=receiver.address, sends=[PdSend("r1", [5, 2])]), report)
+        assert report.sent == ["r1"] and report.bytes_sent == 2 * fp8_bytes
+        h = host().to(torch.float8_e4m3fn)
+        assert not receive(PdMoves(receives=[PdReceive("r1", [0, 1], [4, 0])]), h, receiver).failed_recv_slots
+        for slot, b in ((4, 5), (0, 2)):
+            assert torch.equal(h[slot].view(torch.uint8), block(cs, b).view(torch.uint8))
+        report = PdReport()
+        KvSender(cs, timeout=10).apply(PdMoves(address=other.address, sends=[PdSend("r2", [1])]), report)
+        assert report.failed_sends == ["r2"] and other.refused == 1 and other.num_staged() == 0
+    finally:
+        receiver.close()
+        other.close()

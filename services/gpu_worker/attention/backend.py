@@ -22,6 +22,7 @@ from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 
 class AttentionBackend(ABC):
     name: str = ""
+    supports_fp8_kv = False     # reads an FP8 KV cache (--kv-cache-dtype fp8*): the Triton kernels only
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         if num_heads % num_kv_heads:

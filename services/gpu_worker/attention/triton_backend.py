@@ -8,6 +8,9 @@ Layers with a sliding window or soft-capped logits (Mistral, Gemma 2/3 local lay
 kernel with those constexprs on (serve_variant, called as the model is built); the step's plan serves every layer,
 so they replay in CUDA graphs like the others.
 
+An FP8 KV cache (--kv-cache-dtype) is written and read with each layer's (k_scale, v_scale): set_kv_scales puts them
+on the device once, before any step or capture.
+
 Requires the kernels to run: a CUDA device, or TRITON_INTERPRET=1 set before the first import (CPU tensors;
 for tests only, it is slow).
 """
@@ -48,6 +51,16 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = num_splits   # None: the launcher's heuristic; tests force 1 or N
         self.variants: dict[int, tuple[int | None, float | None]] = {}   # layer -> (window, softcap)
         self.launch: dict[str, LaunchConfig] = {}    # shape class -> tuned num_warps/num_stages (kernels/tuning.py)
+        self.kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # layer -> FP8 (k_scale, v_scale)
+
+    supports_fp8_kv = True
+
+    def set_kv_scales(self, scales: dict[int, tuple[float, float]], device: torch.device) -> None:
+        """layer -> (k_scale, v_scale) for an FP8 cache: one-element fp32 tensors on the device, read by the
+        kernels at run time."""
+        self.kv_scales = {layer: (torch.tensor([k], dtype=torch.float32, device=device),
+                                  torch.tensor([v], dtype=torch.float32, device=device))
+                          for layer, (k, v) in scales.items()}
 
     def serve_variant(self, layer: int, window: int | None, softcap: float | None) -> bool:
         self.variants[layer] = (window, softcap)
@@ -72,7 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        scales = None
+        if kv_cache.dtype != q.dtype:
+            if layer not in self.kv_scales:
+                raise ValueError(f"layer {layer}: a {kv_cache.dtype} KV cache without set_kv_scales")
+            scales = self.kv_scales[layer]
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)    # [T, H, D]
         window, softcap = self.variants.get(layer, (None, None))
-        return unified_attention(q, kv_cache, out, metadata.plan, self.scale, window, softcap)
+        return unified_attention(q, kv_cache, out, metadata.plan, self.scale, window, softcap, scales)

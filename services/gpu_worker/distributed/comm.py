@@ -22,6 +22,8 @@ from datetime import timedelta
 
 import torch
 
+from steploop.gpu_worker.kv_cache_dtype import as_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -99,7 +101,8 @@ class TensorParallelComm:
         opts = dist.GatherOptions()
         opts.rootRank = 0
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else []
-        self._run(lambda g: g.gather([parts] if self.rank == 0 else [], [x], opts), host_wait=True)
+        wire = [as_bytes(p) for p in parts]
+        self._run(lambda g: g.gather([wire] if self.rank == 0 else [], [as_bytes(x)], opts), host_wait=True)
         return parts if self.rank == 0 else None
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +112,7 @@ class TensorParallelComm:
         import torch.distributed as dist
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._run(lambda g: g.broadcast([x], opts), host_wait=True)
+        self._run(lambda g: g.broadcast([as_bytes(x)], opts), host_wait=True)
         return x
 
     def _run(self, start, host_wait: bool = False) -> None:
@@ -147,3 +150,4 @@ def _await_on_host(work, deadline: float) -> bool:
         time.sleep(0.0001)
     work.wait()
     return True
+

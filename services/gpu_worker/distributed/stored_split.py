@@ -44,6 +44,10 @@ def check_stored_split(model_path: pathlib.Path, cfg: ModelConfig, share: RankSh
         return
     if cfg.quant is None:
         return
+    if cfg.moe is not None:
+        raise TensorParallelShapeError(f"-tp {share.world_size} with a quantized mixture-of-experts checkpoint "
+                                       f"({cfg.quant.describe()}): its experts are read at their stored width on "
+                                       "unsharded workers only for now; run -tp 1")
     misfits = group_misfits(cfg, sharder)
     fix = "run a -tp whose cut falls on a group boundary, or -tp 1"
     if misfits:

@@ -4,6 +4,9 @@ slot s means block s // block_size, row s % block_size; slot -1 is padding (a CU
 skipped. One program per token writes all of its KV heads:
 
     grid = (T,)
+
+An FP8 cache (kv_cache_dtype.py) gets K / scale and V / scale rounded to its format by torch first (the conversion
+instructions are sm_89+, torch's works everywhere), then the kernel copies their bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from steploop.gpu_worker import kv_cache_dtype
 
 
 @triton.jit
@@ -44,9 +49,11 @@ def cache_write_constexprs(num_kv_heads: int, head_dim: int, block_size: int) ->
                 "HEAD_DIM_P": triton.next_power_of_2(head_dim), "BLOCK_SIZE": block_size}
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """k/v [T, Hk, D] (views with a contiguous last dim are fine), kv_cache [2, num_blocks, block_size, Hk, D]
-    contiguous, slot_mapping [T] int64 (-1 = skip)."""
+    contiguous, slot_mapping [T] int64 (-1 = skip). scales: (k_scale, v_scale) one-element fp32 tensors, for an
+    FP8 cache only."""
     t, hk, d = k.shape
     if v.shape != k.shape or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (hk, d) \
             or slot_mapping.shape != (t,):
@@ -57,8 +64,14 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     if k.stride(-1) != 1 or v.stride(-1) != 1 or not kv_cache.is_contiguous() \
             or not slot_mapping.is_contiguous():
         raise ValueError("k/v need a contiguous last dim; kv_cache and slot_mapping must be contiguous")
+    if kv_cache_dtype.is_fp8(kv_cache.dtype) != (scales is not None):
+        raise ValueError(f"a {kv_cache.dtype} cache {'needs' if scales is None else 'takes no'} K/V scales")
     if t == 0:
         return
+    if scales is not None:
+        k = kv_cache_dtype.quantize(k, scales[0], kv_cache.dtype).view(torch.uint8)
+        v = kv_cache_dtype.quantize(v, scales[1], kv_cache.dtype).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     cache_write_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
                              v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -15,16 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _e4m3_to_fp32(b):
-    """uint8 e4m3fn bytes -> their exact fp32 values (no NaN handling: quantized inputs are clamped to +-448)."""
-    b = b.to(tl.int32)
-    e = (b >> 3) & 15
-    m = (b & 7).to(tl.float32)
-    pow2 = ((e + 117) << 23).to(tl.float32, bitcast=True)          # 2^(e - 10)
-    mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * pow2)        # subnormal m * 2^-9, else (8 + m) * 2^(e-10)
-    return tl.where((b & 128) != 0, -mag, mag)
+from steploop.gpu_worker.kernels.fp8_bytes import e4m3_to_fp32
 
 
 @triton.jit
@@ -52,9 +43,9 @@ def fp8_w8a8_kernel(
         if NATIVE_FP8:
             acc = tl.dot(xb.to(tl.float8e4nv, bitcast=True), wb.to(tl.float8e4nv, bitcast=True), acc)
         elif DOT_FP16:
-            acc = tl.dot(_e4m3_to_fp32(xb).to(tl.float16), _e4m3_to_fp32(wb).to(tl.float16), acc)
+            acc = tl.dot(e4m3_to_fp32(xb).to(tl.float16), e4m3_to_fp32(wb).to(tl.float16), acc)
         else:
-            acc = tl.dot(_e4m3_to_fp32(xb), _e4m3_to_fp32(wb), acc, input_precision="ieee")
+            acc = tl.dot(e4m3_to_fp32(xb), e4m3_to_fp32(wb), acc, input_precision="ieee")
     xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)
     ws = tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)
     y = acc * xs[:, None] * ws[None, :]

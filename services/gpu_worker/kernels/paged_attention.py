@@ -21,6 +21,10 @@ Per-layer variants (constexprs, so a plain layer compiles to exactly the kernel 
                              skipped, so a windowed layer reads O(W) keys, not O(context)
     USE_SOFTCAP              logits s = softcap * tanh(s / softcap) after the scale, before the mask (Gemma 2)
 
+An FP8 cache (KV_FP8 1: e4m3, 2: e5m2; kv_cache_dtype.py) arrives as its bytes: each K/V tile is decoded exactly
+(fp8_bytes.py) and multiplied by the layer's k_scale / v_scale, read from device scalars so a CUDA graph replays
+whatever the layer holds.
+
 Split-KV (flash-decoding): when a decode batch has too few programs to fill the GPU and the contexts are long,
 each program takes 1/num_splits of the key tiles and writes an unnormalized partial (acc, max, sum); a second
 kernel merges the splits per (token, head). The launcher picks num_splits (choose_num_splits).
@@ -35,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from steploop.gpu_worker import kv_cache_dtype
 from steploop.gpu_worker.kernels.activations import tanh
+from steploop.gpu_worker.kernels.fp8_bytes import e4m3_to_fp32, e5m2_to_fp32
 from steploop.gpu_worker.kernels.launch_config import DEFAULT as DEFAULT_LAUNCH
 from steploop.gpu_worker.kernels.launch_config import LaunchConfig, shape_class
 
@@ -54,8 +60,10 @@ def kv_token_offsets(block_table_ptr, req, kv_pos, stride_bt, stride_cb, stride_
 @triton.jit(do_not_specialize=["stride_bt"])
 def unified_attention_kernel(
     q_ptr,                 # [T, H, D] queries of the step's tokens (row strides given; last dim contiguous)
-    k_cache_ptr,           # [num_blocks, block_size, Hk, D] this layer's K cache (kv_cache[0])
+    k_cache_ptr,           # [num_blocks, block_size, Hk, D] this layer's K cache (kv_cache[0]; FP8: its bytes)
     v_cache_ptr,           # [num_blocks, block_size, Hk, D] this layer's V cache (kv_cache[1])
+    k_scale_ptr,           # [1] fp32 FP8 K scale (read only with KV_FP8)
+    v_scale_ptr,           # [1] fp32 FP8 V scale
     out_ptr,               # [T, H, D] output (not split)
     part_acc_ptr,          # [T, H, NUM_SPLITS, D] fp32 unnormalized partial outputs (split)
     part_m_ptr,            # [T, H, NUM_SPLITS] fp32 running max of each split (split)
@@ -77,6 +85,7 @@ def unified_attention_kernel(
     NUM_SPLITS: tl.constexpr, IS_SPLIT: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,   # 0: full causal attention; W: keys p - W < j <= p
     USE_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,     # 0: the cache holds q's dtype; 1: e4m3 bytes; 2: e5m2 bytes (times the scales)
     DOT_FP32: tl.constexpr,   # upcast operands to fp32 before tl.dot (fp32 inputs; bf16 under the interpreter)
     DOT_PRECISION: tl.constexpr,   # "ieee" for fp32 inputs (no tf32 rounding), else "tf32" (ignored for 16-bit)
 ):
@@ -123,14 +132,23 @@ def unified_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     head_off = kvh.to(tl.int64) * stride_ch
+    if KV_FP8 > 0:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     for t in range(t_begin, t_end):
         kv_pos = t * BLOCK_N + tl.arange(0, BLOCK_N)         # [N]
         kv_ok = kv_pos < kv_end
         off = kv_token_offsets(block_table_ptr, req, kv_pos, stride_bt, stride_cb, stride_cs, BLOCK_SIZE,
                                kv_ok) + head_off             # [N] int64
         kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)   # [N, D]
-        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)   # [N, D]
+        k = tl.load(k_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0)   # [N, D]
+        v = tl.load(v_cache_ptr + off[:, None] + offs_d[None, :], mask=kv_mask, other=0)   # [N, D]
+        if KV_FP8 == 1:
+            k = (e4m3_to_fp32(k) * k_scale).to(q.dtype)
+            v = (e4m3_to_fp32(v) * v_scale).to(q.dtype)
+        elif KV_FP8 == 2:
+            k = (e5m2_to_fp32(k) * k_scale).to(q.dtype)
+            v = (e5m2_to_fp32(v) * v_scale).to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -270,13 +288,15 @@ def plan_attention(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_
 
 def attention_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, block_q: int,
                          num_splits: int, dtype: torch.dtype, interpret: bool, window: int | None = None,
-                         softcap: float | None = None) -> dict:
+                         softcap: float | None = None, kv_fp8: int = 0) -> dict:
     """The kernel's compile-time configuration for one launch (also used by the ahead-of-time compile test).
-    window None = full causal attention (SLIDING_WINDOW 0); softcap None = no soft-capping."""
+    window None = full causal attention (SLIDING_WINDOW 0); softcap None = no soft-capping; dtype is q's;
+    kv_fp8: kv_cache_dtype.kernel_code of the cache (0: q's dtype)."""
     qpk = num_heads // num_kv_heads
     return {"QPK": qpk, "QPK_P": _pow2(qpk), "HEAD_DIM": head_dim, "HEAD_DIM_P": _pow2(head_dim), "BLOCK_SIZE": block_size,
                 "BLOCK_Q": block_q, "BLOCK_N": 64 if head_dim <= 64 else 32, "NUM_SPLITS": num_splits,
                 "IS_SPLIT": num_splits > 1, "SLIDING_WINDOW": window or 0, "USE_SOFTCAP": softcap is not None,
+                "KV_FP8": kv_fp8,
                 "DOT_FP32": dtype == torch.float32 or (interpret and dtype == torch.bfloat16),
                 "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
 
@@ -286,16 +306,22 @@ def _interpreting() -> bool:
 
 
 def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, plan: AttentionPlan,
-                      scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                      scale: float, window: int | None = None, softcap: float | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [T, H, D] (a view is fine: last dim contiguous), kv_cache [2, num_blocks, block_size, Hk, D],
     out [T, H, D] -> out. One launch (two with split-KV). window: keys p - window < j <= p (None: all j <= p);
-    softcap: logits softcap * tanh(logits / softcap) (None: none)."""
+    softcap: logits softcap * tanh(logits / softcap) (None: none). kv_scales: (k_scale, v_scale) one-element fp32
+    device tensors, for an FP8 cache (and only for one)."""
     t, h, d = q.shape
     _, _, block_size, hk, dk = kv_cache.shape
     if kv_cache.shape[0] != 2 or dk != d or h % hk or out.shape != q.shape:
         raise ValueError(f"shapes: q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}, out {tuple(out.shape)}")
-    if q.dtype != kv_cache.dtype or out.dtype != q.dtype:
+    kv_fp8 = kv_cache_dtype.kernel_code(kv_cache.dtype)
+    if (q.dtype != kv_cache.dtype and not kv_fp8) or out.dtype != q.dtype:
         raise ValueError(f"dtypes differ: q {q.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype}")
+    if bool(kv_fp8) != (kv_scales is not None) or (kv_scales is not None and any(
+            s.dtype != torch.float32 or s.numel() != 1 or s.device != q.device for s in kv_scales)):
+        raise ValueError(f"a {kv_cache.dtype} cache takes {'one-element fp32 K/V scales on ' + str(q.device) if kv_fp8 else 'no scales'}")
     if q.stride(-1) != 1 or out.stride(-1) != 1 or not kv_cache.is_contiguous():
         raise ValueError("q/out need a contiguous last dim and kv_cache must be contiguous")
     if t != plan.num_tokens or plan.block_tables.dtype != torch.int32 or plan.seq_lens.dtype != torch.int32:
@@ -305,8 +331,11 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
     if t == 0:
         return out
     c = attention_constexprs(h, hk, d, block_size, plan.block_q, plan.num_splits, q.dtype, _interpreting(),
-                             window, softcap)
+                             window, softcap, kv_fp8)
+    if kv_fp8:
+        kv_cache = kv_cache.view(torch.uint8)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scale, v_scale = kv_scales if kv_scales is not None else (out, out)    # unread without KV_FP8
     parts = [out, out, out]    # unused pointers when not split
     if plan.num_splits > 1:
         parts = [torch.empty((t, h, plan.num_splits, d), dtype=torch.float32, device=q.device),
@@ -314,7 +343,7 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
                  torch.empty((t, h, plan.num_splits), dtype=torch.float32, device=q.device)]
     grid = (plan.tile_req.shape[0], hk, plan.num_splits)
     unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, *parts, plan.block_tables, plan.seq_lens, plan.query_start_loc,
+        q, k_cache, v_cache, k_scale, v_scale, out, *parts, plan.block_tables, plan.seq_lens, plan.query_start_loc,
         plan.tile_req, plan.tile_qstart, scale, softcap or 1.0, h, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), plan.block_tables.stride(0), **c,
         num_warps=plan.launch.num_warps, num_stages=plan.launch.num_stages)

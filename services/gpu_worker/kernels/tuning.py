@@ -69,8 +69,10 @@ def problems(max_model_len: int, tiny: bool = False) -> dict[str, Problem]:
 
 
 def make_launch(backend, problem: Problem, kv_cache: torch.Tensor, block_size: int, config: LaunchConfig,
-                window: int | None = None, softcap: float | None = None) -> Callable[[], torch.Tensor]:
-    """A closure that runs the attention kernel once on `problem` with `config` (block ids wrap around the cache)."""
+                window: int | None = None, softcap: float | None = None,
+                q_dtype: torch.dtype | None = None) -> Callable[[], torch.Tensor]:
+    """A closure that runs the attention kernel once on `problem` with `config` (block ids wrap around the cache).
+    q_dtype: the model's (None: the cache's; an FP8 cache runs with layer 0's scales)."""
     from steploop.gpu_worker.attention.metadata import build_common_metadata
     from steploop.gpu_worker.kernels.paged_attention import plan_attention, unified_attention
 
@@ -84,9 +86,10 @@ def make_launch(backend, problem: Problem, kv_cache: torch.Tensor, block_size: i
                           backend.num_heads, backend.num_kv_heads, problem.num_splits, launch=config)
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn((int(q_lens.sum()), backend.num_heads, backend.head_dim), generator=gen, device=device)
-    q = q.to(kv_cache.dtype)
+    q = q.to(q_dtype or kv_cache.dtype)
     out = torch.empty_like(q)
-    return lambda: unified_attention(q, kv_cache, out, plan, backend.scale, window, softcap)
+    scales = backend.kv_scales[0] if q.dtype != kv_cache.dtype else None
+    return lambda: unified_attention(q, kv_cache, out, plan, backend.scale, window, softcap, scales)
 
 
 def time_launch(launch: Callable[[], torch.Tensor], reps: int = 5) -> float:
@@ -109,10 +112,13 @@ def time_launch(launch: Callable[[], torch.Tensor], reps: int = 5) -> float:
 
 
 def tune_attention(backend, kv_cache: torch.Tensor, block_size: int, max_model_len: int, tiny: bool = False,
-                   cache_path: pathlib.Path | None = None, reps: int = 5, max_candidates: int | None = None) -> dict:
+                   cache_path: pathlib.Path | None = None, reps: int = 5, max_candidates: int | None = None,
+                   q_dtype: torch.dtype | None = None) -> dict:
     """Pick each class's fastest candidate (or take the cached choice), set backend.launch; returns a report.
-    max_candidates: time only the first few of each class (the interpreter's dry run)."""
+    max_candidates: time only the first few of each class (the interpreter's dry run). q_dtype: make_launch's."""
     key = _cache_key(backend, kv_cache, block_size) + (" tiny" if tiny else "")
+    if q_dtype is not None and q_dtype != kv_cache.dtype:
+        key += f" q {str(q_dtype).removeprefix('torch.')}"
     cache_path = cache_path or default_cache_path()
     cached = _read_cache(cache_path).get(key)
     report: dict = {"key": key, "from_cache": cached is not None, "classes": {}}
@@ -125,7 +131,7 @@ def tune_attention(backend, kv_cache: torch.Tensor, block_size: int, max_model_l
         times, failed = {}, {}
         for c in CANDIDATES[cls][:max_candidates]:
             try:
-                times[c] = time_launch(make_launch(backend, problem, kv_cache, block_size, c), reps)
+                times[c] = time_launch(make_launch(backend, problem, kv_cache, block_size, c, q_dtype=q_dtype), reps)
             except Exception as exc:   # noqa: BLE001 - e.g. out of shared memory on this GPU: not a candidate
                 failed[f"w{c.num_warps}s{c.num_stages}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if not times:
@@ -143,7 +149,7 @@ def tune_attention(backend, kv_cache: torch.Tensor, block_size: int, max_model_l
     return report
 
 
-def warm_up_attention(backend, kv_cache: torch.Tensor, block_size: int) -> list[str]:
+def warm_up_attention(backend, kv_cache: torch.Tensor, block_size: int, q_dtype: torch.dtype | None = None) -> list[str]:
     """Compile every attention variant serving can launch (class x split count x layer variant) on a tiny problem,
     so no compile lands inside a step. Returns the variants run."""
     variants = sorted({(None, None), *backend.variants.values()}, key=str)
@@ -152,7 +158,8 @@ def warm_up_attention(backend, kv_cache: torch.Tensor, block_size: int) -> list[
     done = []
     for cls, problem in shapes:
         for window, softcap in variants:
-            make_launch(backend, problem, kv_cache, block_size, backend.launch.get(cls, DEFAULT), window, softcap)()
+            make_launch(backend, problem, kv_cache, block_size, backend.launch.get(cls, DEFAULT), window, softcap,
+                        q_dtype)()
             done.append(f"{cls}/splits={problem.num_splits}/window={window}/softcap={softcap}")
     if kv_cache.is_cuda:
         torch.cuda.synchronize(kv_cache.device)

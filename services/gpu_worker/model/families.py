@@ -312,7 +312,4 @@ def parse_config(path: pathlib.Path) -> dict[str, Any]:
     if quant:
         from steploop.gpu_worker.model.quant.config import read_quant_config
         kwargs["quant"] = read_quant_config(quant if isinstance(quant, dict) else quant.to_dict())
-        if kwargs.get("moe") is not None:
-            raise ValueError(f"config.json quantization_config ({kwargs['quant'].method}) on a mixture-of-experts "
-                             f"model ({raw_type}): quantized experts are not supported yet")
     return kwargs

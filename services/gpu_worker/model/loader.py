@@ -25,6 +25,7 @@ from steploop.gpu_worker.distributed.shapes import RankShare, local_config
 from steploop.gpu_worker.distributed.sharding import CheckpointSharder
 from steploop.gpu_worker.gguf.weights import gguf_source, load_gguf_weights
 from steploop.gpu_worker.kernel_plan import KernelPlan
+from steploop.gpu_worker.model.kv_scales import KvScales
 from steploop.gpu_worker.model.layers import RMSNorm
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
@@ -91,6 +92,7 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     # 8B model peak at 32 GB); each checkpoint tensor is then read in its stored dtype and cast by copy_ on the device
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
+    model.kv_scales = KvScales()    # FP8 KV cache scales the checkpoint carries (used by --kv-cache-dtype fp8)
     gguf = gguf_source(path)
     if gguf is not None:            # weights read from the GGUF file itself (gguf/weights.py)
         params = dict(model.named_parameters())
@@ -167,6 +169,8 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
                 if name is None:             # another pipeline stage's
                     continue
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                    continue
+                if model.kv_scales.take(name, lambda: f.get_tensor(stored)):
                     continue
                 if quant is not None and quant.take(name):
                     quant.put(name, f.get_tensor(stored))

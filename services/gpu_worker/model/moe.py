@@ -17,7 +17,9 @@ The router is replicated; the shared expert is sharded by rows / columns in both
 
 A GGUF file's experts on the CPU (gguf/weights.py) come packed instead: use_packed replaces w13 / w2 (or the
 shared expert's) by one packed weight per expert, read at the file's width by the packed C kernels, and drops
-the fp32 parameter (never filled).
+the fp32 parameter (never filled). A GPTQ / AWQ / compressed-tensors checkpoint's experts (quant/loading.py) come
+as one QuantLinear per expert the same way (use_quantized), at their stored width; the routed experts then run one
+after another on CUDA too (the fused kernel reads fp32 / bf16 stacks).
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ class SparseMoE(nn.Module):
         self.packed_experts[name] = weight
         setattr(self, name, None)               # the fp32 parameter goes (the slot stays, empty)
 
+    def use_quantized(self, name: str, layers: list[nn.Module]) -> None:
+        """name: w13 / w2 (one QuantLinear per held expert, in order) or shared_w13 / shared_w2 (one)."""
+        for i, layer in enumerate(layers):
+            self.add_module(f"quantized_{name}_{i}", layer)     # a submodule: moved and counted with the model
+        self.use_packed(name, layers if name in ("w13", "w2") else layers[0])
+
     def _weight(self, name: str):
         return self.packed_experts.get(name, getattr(self, name))
 
@@ -94,7 +102,7 @@ class SparseMoE(nn.Module):
         kernel (kernels/fused_moe.py, two grouped GEMMs); elsewhere each expert in turn over its tokens. Only the
         experts this rank holds contribute (expert parallel: the others are zero here)."""
         spec = self.spec
-        if fused_kernel_serves(x):
+        if fused_kernel_serves(x) and "w13" not in self.packed_experts:
             from steploop.gpu_worker.kernels.fused_moe import fused_experts
             return fused_experts(x, self.w13, self.w2, weights, experts, self.act,
                                  first_expert=spec.first_expert if spec.local_experts else None)
@@ -120,9 +128,12 @@ class SparseMoE(nn.Module):
 
 
 def _linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w.T for an fp32 weight or a PackedWeight (the packed C kernel, imported only when one is used)"""
+    """x @ w.T for an fp32 weight, a QuantLinear, or a PackedWeight (the packed C kernel, imported only when one is
+    used)"""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w)
+    if isinstance(w, nn.Module):
+        return w(x)
     from steploop.gpu_worker.cpu_kernels.packed_linear import packed_linear
     return packed_linear(x, w, torch.get_num_threads())
 

@@ -7,6 +7,8 @@ Accepted (each as its own published format writes it, see formats.py):
     awq                  bits 4, version "gemm", zero_point true, group_size > 0 or -1
     compressed-tensors   format pack-quantized (int 4/8 weights, group/channel, sym or asym; W4A16, W8A16)
                          format float-quantized (FP8 e4m3 weights per tensor/channel, activations dynamic per token)
+                         with or without an FP8 kv_cache_scheme (static per-tensor: the k/v scales it stores are read
+                         by model/kv_scales.py and used under --kv-cache-dtype fp8)
 """
 
 from __future__ import annotations
@@ -92,9 +94,13 @@ def _awq(q: dict[str, Any]) -> QuantScheme:
 
 def _compressed_tensors(q: dict[str, Any]) -> QuantScheme:
     m = "compressed-tensors"
-    for field in ("sparsity_config", "kv_cache_scheme", "transform_config"):
+    for field in ("sparsity_config", "transform_config"):
         if q.get(field):
-            raise _refuse(m, field, q[field], "no sparsity, KV cache or transform scheme")
+            raise _refuse(m, field, q[field], "no sparsity or transform scheme")
+    kv = q.get("kv_cache_scheme")
+    if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy"), bool(kv.get("dynamic"))) !=
+               ("float", 8, "tensor", False) or not kv.get("symmetric", True)):
+        raise _refuse(m, "kv_cache_scheme", kv, "an FP8 KV cache scheme with static per-tensor scales")
     groups = q.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse(m, "config_groups", sorted(groups), "exactly one config group")

@@ -5,15 +5,18 @@
     ... model.to_empty(); each tensor of each shard: quant.put(name, tensor) if quant.take(name), else dense ...
     quant.check_done()
 
-prepare() refuses (ValueError) before any weight is read: a quantized tensor outside the decoder layers' linears,
-a fused layer (q/k/v, gate/up) only partly quantized, a missing or misshapen tensor, a group size that does not
-divide a layer. A layer is packed as soon as its last tensor arrives, so at most the layers that straddle a shard
+prepare() refuses (ValueError) before any weight is read: a quantized tensor outside the decoder layers' linears
+and experts, a fused layer (q/k/v, gate/up) only partly quantized, a mixture-of-experts layer whose experts are
+quantized only in part, quantized experts on a tensor-parallel rank, a missing or misshapen tensor, a group size
+that does not divide a layer. A mixture-of-experts layer's experts (and Qwen2-MoE's shared expert) become one
+QuantLinear per expert and projection (gate and up fused), handed to the SparseMoE (moe.py: use_quantized). A layer is packed as soon as its last tensor arrives, so at most the layers that straddle a shard
 boundary are held unpacked.
 """
 
 from __future__ import annotations
 
 import pathlib
+import re
 from collections.abc import Callable
 
 import torch
@@ -28,6 +31,7 @@ from steploop.gpu_worker.model.quant.shards import shard_weight
 
 _MARKER = {"gptq": "qweight", "awq": "qweight", "ct_int": "weight_packed", "ct_fp8": "weight_scale"}
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp)\.(w13|w2|shared_w13|shared_w2)$")   # moe.expert_target's names
 
 
 def _headers(files: list[pathlib.Path]) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -63,11 +67,27 @@ class QuantLoader:
         required, optional = TENSORS[kind]
         modules = _headers(files)
         parts: dict[str, list[tuple[int, str, int]]] = {}          # our layer -> [(row start, checkpoint module, N)]
+        experts: dict[tuple[str, str], dict[int | None, list[tuple[int, str, int]]]] = {}   # (moe, w13..) -> expert
         for module, shapes in modules.items():
             if _MARKER[kind] not in shapes:
                 continue
             target, expert, rows = target_of(module + ".weight", cfg)
             ours = target.removesuffix(".weight")
+            moe = _EXPERTS.match(ours)
+            if moe is not None:
+                if sharder is not None:
+                    raise ValueError(f"{module} is a quantized expert: quantized mixture-of-experts checkpoints run "
+                                     "with -tp 1 for now")
+                out_features, in_features = _expert_shape(model.get_submodule(moe.group(1)).spec, moe.group(2),
+                                                          cfg.hidden_size)
+                n = out_features if rows is None else rows[1] - rows[0]
+                claimed = {s: shape for s, shape in shapes.items() if s in required + optional}
+                self.stored[module] = (n, in_features)
+                Shapes(cfg.quant, module, n, in_features).check(claimed)
+                self.claimed[module] = tuple(claimed)
+                experts.setdefault(moe.groups(), {}).setdefault(expert, []).append(
+                    (0 if rows is None else rows[0], module, n))
+                continue
             if expert is not None or not ours.startswith("model.layers.") or not ours.endswith(_LINEARS):
                 raise ValueError(f"{module} is quantized ({cfg.quant.describe()}): steploop runs quantized weights "
                                  "only in the decoder layers' attention and MLP linears")
@@ -78,12 +98,35 @@ class QuantLoader:
             Shapes(cfg.quant, module, *self.stored[module]).check(claimed)
             self.claimed[module] = tuple(claimed)
             parts.setdefault(ours, []).append((0 if rows is None else rows[0], module, n))
-        if not parts:
+        if not parts and not experts:
             raise ValueError(f"config.json declares {cfg.quant.describe()} but no tensor of the checkpoint is "
                              f"quantized that way (no *.{_MARKER[kind]})")
         for ours, found in parts.items():
             self._install(model, ours, sorted(found), modules)
+        for (moe, name), found in experts.items():
+            self._install_experts(model.get_submodule(moe), moe, name, found, cfg.hidden_size)
         return self
+
+    def _install_experts(self, sparse: nn.Module, moe: str, name: str,
+                         found: dict[int | None, list[tuple[int, str, int]]], hidden: int) -> None:
+        """One QuantLinear per held expert (or the one shared expert) of `name` (w13: gate and up rows)."""
+        out_features, in_features = _expert_shape(sparse.spec, name, hidden)
+        wanted = [None] if name.startswith("shared_") else list(range(sparse.spec.held_experts))
+        if sorted(found, key=str) != sorted(wanted, key=str):
+            raise ValueError(f"{moe}: experts {sorted(e for e in found if e is not None)} of its {name} are quantized, "
+                             f"not all {len(wanted)}; steploop needs all or none")
+        layers = []
+        for expert in wanted:
+            rows = sorted(found[expert])
+            if sum(n for _, _, n in rows) != out_features:
+                raise ValueError(f"{moe}.{name}: expert {expert}'s parts are quantized only in part "
+                                 f"({[m for _, m, _ in rows]} of {out_features} rows); steploop needs all or none")
+            layer = QuantLinear(in_features, out_features, False, [m for _, m, _ in rows])
+            layers.append(layer)
+            self.layers[f"{moe}.{name}" + ("" if expert is None else f"[{expert}]")] = layer
+            for _, module, _ in rows:
+                self.owner[module] = layer
+        sparse.use_quantized(name, layers)
 
     def _install(self, model: nn.Module, ours: str, found: list[tuple[int, str, int]], modules: dict) -> None:
         linear = model.get_submodule(ours)
@@ -124,6 +167,12 @@ class QuantLoader:
         if unfinished or self.pending:
             raise ValueError(f"checkpoint is missing quantized tensors of {sorted(self.pending) or unfinished[:4]}")
         return memory_summary(self.scheme, self.layers)
+
+
+def _expert_shape(spec, name: str, hidden: int) -> tuple[int, int]:
+    """(out, in) of one expert's w13 / w2 or the shared expert's (moe.py's layout)."""
+    inter = spec.shared_intermediate_size if name.startswith("shared_") else spec.intermediate_size
+    return (2 * inter, hidden) if name.endswith("w13") else (hidden, inter)
 
 
 def _whole_shape(sharder, module: str) -> tuple[int, int]:
