@@ -103,6 +103,33 @@ def fp8_attention_case(query_lens, seq_lens, h, hk, d, dtype, device, kv_dtype) 
             "first_call_s": round(seconds, 3)}
 
 
+def gguf_gemm_case(rows: int, n: int, k: int, qtype_name: str, dtype, device) -> dict:
+    """A GGUF linear held in its blocks (gguf/triton_linear.py) against x @ W^T on gguf-py's dequantization."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants as gguf_quants
+
+    from steploop.gpu_worker.gguf import blocks
+    from steploop.gpu_worker.gguf.triton_linear import GgufBlocks
+    from tests.worker.gguf_files import quantize     # gguf-py's quantize, random valid blocks for the k-quants
+
+    qtype = T[qtype_name]
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = quantize(w, qtype)
+    form = GgufBlocks.from_decoded([blocks.decode(raw, qtype, k)], torch.device(device))
+    weight = torch.from_numpy(gguf_quants.dequantize(raw, qtype).reshape(n, k)).to(device)
+    x = torch.randn((rows, k), generator=torch.Generator(device=device).manual_seed(1), device=device).to(dtype)
+    form(x)                                              # compile
+    _sync(device)
+    t0 = time.perf_counter()
+    got = form(x)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    want = x.float() @ weight.T
+    return {**compare(got, want, dtype, scale=float(want.abs().max()) / 4 + 1), "seconds": round(seconds, 6),
+            "bits_per_weight": round(form.nbytes * 8 / (n * k), 3),
+            "weight_gbs": round(form.nbytes / seconds / 1e9, 1) if seconds > 0 else None}
+
+
 def cache_write_case(num_tokens, hk, d, dtype, device, num_blocks) -> dict:
     from steploop.gpu_worker.kernels.cache_write import write_kv_cache
     from steploop.gpu_worker.kernels.reference import write_kv_cache_ref
@@ -259,6 +286,11 @@ def cases(dry: bool) -> dict[str, Callable[[], dict]]:
         for name, kv_dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
             out[f"fp8_{name}_mixed_d{d}"] = lambda d=d, kv_dtype=kv_dtype: fp8_attention_case(
                 [1, 1, pre // 8, 3], [ctx4k, 7, pre // 8, ctx4k // 2], h, hk, d, dt, dev, kv_dtype)
+    for qtype in ("Q4_K", "Q6_K", "Q8_0"):             # an 8B q_proj's shape: decode and a prompt chunk
+        n, k = (64, 512) if dry else (4096, 4096)
+        out[f"gguf_gemm_{qtype}_decode"] = lambda q=qtype, n=n, k=k: gguf_gemm_case(1 if dry else 8, n, k, q, dt, dev)
+        out[f"gguf_gemm_{qtype}_prefill"] = lambda q=qtype, n=n, k=k: gguf_gemm_case(24 if dry else 2048, n, k, q, dt,
+                                                                                   dev)
     d = 32 if dry else 128
     out["decode_kv_over_2e31"] = lambda: attention_case([1, 1], [ctx4k, 33], h, hk, d, dt, dev,
                                                         extra_blocks=big_blocks, high_blocks=True)

@@ -12,6 +12,9 @@ CPU each expert of a SparseMoE packs on its own (its gate and up rows fused), on
 A tensor-parallel rank packs its share, cut from the raw blocks (block_shards.py), as one rank packs the whole.
 A packed weight is decoded and packed a chunk of rows at a time into its own tensors (packed_chunks.py), each
 chunk's file pages dropped once read (file_pages.py): the load holds about the weights plus a chunk's temporaries.
+With the Triton kernels (CUDA), a block-quantized dense linear becomes a GgufLinear instead (triton_linear.py: the
+file's integer values and fp32 block scales on the device, read by the GGUF GEMM), not a bf16 weight; experts, the
+embedding and float tensors are read as before.
 
 GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
 llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
@@ -160,6 +163,8 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     from steploop.gpu_worker.model.moe import SparseMoE
     from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 
+    plan = getattr(model, "plan", None)
+    triton_blocks = plan is not None and plan.attention_backend == "triton" and not packed
     reader = open_gguf(gguf_path)
     pages = FilePages(reader)
     arch = architecture(reader)
@@ -199,6 +204,8 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         else:
             done = _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"),
                          sharder, pages)
+            if not done and triton_blocks and target.endswith(".weight"):
+                done = _triton_blocks(model, target, module, parts, arch, cfg, stats, sharder, pages)
         if not done:
             for part in parts:
                 _copy_fp32(params[target], part, arch, cfg, sharder, stats)
@@ -308,16 +315,7 @@ def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: Lo
     chunk's file pages dropped once read; a SPLIT weight (packed_forms.py) one run of parts at a time, as to_packed
     builds it."""
     ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
-    raws = []
-    for p in ordered:
-        r0, r1 = p.rows or (0, n)
-        full = _shape(p.tensor, p.index is not None)
-        raw, local_k = shard_raw(sharder, p.hf_name, _rows(p, arch, cfg), p.tensor.tensor_type, full[-1])
-        if (raw.shape[0], local_k) != (r1 - r0, k):
-            local = [raw.shape[0], local_k]
-            raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(full)} (this rank's part {local}) != "
-                                f"{[r1 - r0, k]} expected for {p.hf_name}")
-        raws.append(raw)
+    raws = _raw_parts(ordered, n, k, arch, cfg, sharder)
     qtypes = [p.tensor.tensor_type for p in ordered]
     kind = common_form(qtypes)
     run_forms = runs(qtypes) if kind == SPLIT else [(0, len(ordered), kind)]
@@ -330,6 +328,63 @@ def _packed_weight(parts: list[_Part], n: int, k: int, arch: str, cfg, stats: Lo
         stats.add(p.tensor.tensor_type.name, file_bytes if count_file else 0, int(holder.nbytes * share),
                   KIND_NAMES[holder.kind])
     return weight
+
+
+def _raw_parts(ordered: list[_Part], n: int, k: int, arch: str, cfg, sharder) -> list[np.ndarray]:
+    """Each part's raw blocks (this rank's share of them), checked against the [n, k] weight's rows."""
+    raws = []
+    for p in ordered:
+        r0, r1 = p.rows or (0, n)
+        full = _shape(p.tensor, p.index is not None)
+        raw, local_k = shard_raw(sharder, p.hf_name, _rows(p, arch, cfg), p.tensor.tensor_type, full[-1])
+        if (raw.shape[0], local_k) != (r1 - r0, k):
+            local = [raw.shape[0], local_k]
+            raise GGUFFileError(f"tensor {p.tensor.name!r}: shape {list(full)} (this rank's part {local}) != "
+                                f"{[r1 - r0, k]} expected for {p.hf_name}")
+        raws.append(raw)
+    return raws
+
+
+def _triton_blocks(model, target: str, module, parts: list[_Part], arch: str, cfg, stats: LoadStats, sharder=None,
+                   pages: FilePages | None = None) -> bool:
+    """Replace a dense linear by a GgufLinear of its parts' blocks (this rank's share), decoded a chunk of rows at a
+    time onto its device; False (the dense path) unless every part is a block type tiling the rows, whole blocks
+    on this rank."""
+    from steploop.gpu_worker.gguf.triton_linear import GgufBlocks, GgufLinear
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    n, k = module.out_features, module.in_features
+    if any(p.expert is not None or p.tensor.tensor_type not in blocks.BLOCK_TYPES or
+           cut_inside_blocks(sharder, p.hf_name, p.tensor.tensor_type) for p in parts):
+        return False
+    covered = 0
+    for r0, r1 in sorted((p.rows or (0, n)) for p in parts):
+        if r0 != covered:
+            return False
+        covered = r1
+    if covered != n:
+        return False
+    ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
+    device = module.weight.device
+    runs, pending = [], []
+    step = max(1, CHUNK_WEIGHTS // k)
+    for p, raw in zip(ordered, _raw_parts(ordered, n, k, arch, cfg, sharder)):
+        for c0 in range(0, raw.shape[0], step):
+            piece = blocks.decode(raw[c0:c0 + step], p.tensor.tensor_type, k)
+            if pending and GgufBlocks.form(piece) != GgufBlocks.form(pending[0]):
+                runs.append(GgufBlocks.from_decoded(pending, device))
+                pending = []
+            pending.append(piece)
+            if pages is not None:
+                pages.drop_view(raw[c0:c0 + step])
+    runs.append(GgufBlocks.from_decoded(pending, device))
+    layer = GgufLinear(runs, module.bias)
+    parent, _, child = target.removesuffix(".weight").rpartition(".")
+    setattr(model.get_submodule(parent), child, layer)
+    for p in ordered:
+        r0, r1 = p.rows or (0, n)
+        stats.add(p.tensor.tensor_type.name, int(p.tensor.n_bytes), layer.nbytes * (r1 - r0) // n, "triton blocks")
+    return True
 
 
 def _assembled(raws: list[np.ndarray], qtypes: list, form: int, k: int, pages: FilePages | None) -> PackedWeight:
