@@ -22,7 +22,7 @@ from steploop.common.tls import TlsConfig
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 RUNNERS = ("generate", "pooling", "auto")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")     # kv_cache_dtype.py
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")     # kv_cache_dtype.py
 
 
 @dataclass(frozen=True)
@@ -203,8 +203,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="longest sequence (prompt + output); default and cap: the model's max_position_embeddings")
     add_flag(parser, "--dtype", default="auto", choices=DTYPES, help="weights and activations dtype")
     add_flag(parser, "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-             help="KV cache storage: auto (the model's dtype, exact) or fp8 / fp8_e4m3 (the checkpoint's k/v "
-                  "scales, else 1.0) / fp8_e5m2: half a bf16 cache's bytes, not exact; CUDA (triton backend) only")
+             help="KV cache storage: auto (the model's dtype, exact; bfloat16 where that is the model's) or fp8 / "
+                  "fp8_e4m3 (the checkpoint's k/v scales, else 1.0) / fp8_e5m2: half a bf16 cache's bytes, not "
+                  "exact; CUDA (triton backend) only")
     add_flag(parser, "--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_flag(parser, "--num-threads", type=int, default=None,
              help="CPU threads (default: the CPUs the affinity mask and the cgroup's cpu.max quota grant)")

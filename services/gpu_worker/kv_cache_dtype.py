@@ -1,6 +1,8 @@
 """--kv-cache-dtype (vLLM's flag): what the KV cache stores, and the FP8 scale rule.
 
     auto              the model's dtype (exact)
+    bfloat16          accepted where it is the model's dtype (then the same as auto); a 16-bit cache beside other
+                      activations is not built, so it is refused elsewhere
     fp8 / fp8_e4m3    e4m3fn, value = byte * scale, scale per layer for K and for V (the checkpoint's k_scale /
                       v_scale when it has them, else 1.0, as vLLM); half the bytes of a bf16 cache, a quarter of fp32
     fp8_e5m2          e5m2, scale 1.0 (a wider range, one mantissa bit less)
@@ -24,6 +26,9 @@ KERNEL_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 def resolve(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if name == "bfloat16" and model_dtype != torch.bfloat16:
+        raise ValueError(f"--kv-cache-dtype bfloat16 with a {str(model_dtype).removeprefix('torch.')} model: the "
+                         "kernels read a cache of the model's dtype (or FP8); use --dtype bfloat16, or auto / fp8")
     return FP8.get(name, model_dtype)
 
 

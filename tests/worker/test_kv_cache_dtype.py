@@ -25,7 +25,10 @@ def test_names_resolve_as_vllm_and_others_are_refused():
     assert kv_cache_dtype.resolve("fp8", torch.bfloat16) == torch.float8_e4m3fn
     assert kv_cache_dtype.resolve("fp8_e4m3", torch.float16) == torch.float8_e4m3fn
     assert kv_cache_dtype.resolve("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
-    with pytest.raises(ValueError, match="--kv-cache-dtype 'int8' is not one of auto, fp8"):
+    assert kv_cache_dtype.resolve("bfloat16", torch.bfloat16) == torch.bfloat16       # vLLM's name for it
+    with pytest.raises(ValueError, match="bfloat16 with a float32 model"):
+        kv_cache_dtype.resolve("bfloat16", torch.float32)
+    with pytest.raises(ValueError, match="--kv-cache-dtype .int8. is not one of auto, bfloat16, fp8"):
         WorkerConfig(kv_cache_dtype="int8")
 
 
