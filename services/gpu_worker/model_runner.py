@@ -455,8 +455,11 @@ def _num_params(model: LlamaForCausalLM) -> int:
                  if getattr(m, "packed", None) is not None and not (tied and name == "lm_head"))
     experts = sum(w.out_features * w.in_features for m in model.modules()              # GGUF MoE experts
                   for ws in getattr(m, "packed_experts", {}).values() for w in (ws if isinstance(ws, list) else [ws])
-                  if not isinstance(w, torch.nn.Module))     # a quantized checkpoint's: counted as modules
-    return sum(p.numel() for p in model.parameters()) + packed + experts
+                  if not isinstance(w, torch.nn.Module))     # QuantLinear experts are modules: counted below
+    held = sum(m.out_features * m.in_features for name, m in model.named_modules()     # QuantLinear, GgufLinear
+               if hasattr(m, "in_features") and getattr(m, "weight", None) is None
+               and getattr(m, "packed", None) is None and not (tied and name == "lm_head"))
+    return sum(p.numel() for p in model.parameters()) + packed + experts + held
 
 
 def _max_model_len(config: WorkerConfig, cfg: LlamaModelConfig) -> int:

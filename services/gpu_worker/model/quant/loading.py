@@ -9,8 +9,9 @@ prepare() refuses (ValueError) before any weight is read: a quantized tensor out
 and experts, a fused layer (q/k/v, gate/up) only partly quantized, a mixture-of-experts layer whose experts are
 quantized only in part, quantized experts on a tensor-parallel rank, a missing or misshapen tensor, a group size
 that does not divide a layer. A mixture-of-experts layer's experts (and Qwen2-MoE's shared expert) become one
-QuantLinear per expert and projection (gate and up fused), handed to the SparseMoE (moe.py: use_quantized). A layer is packed as soon as its last tensor arrives, so at most the layers that straddle a shard
-boundary are held unpacked.
+QuantLinear per expert and projection (gate and up fused), handed to the SparseMoE (moe.py: use_quantized). A layer
+is packed as soon as its last tensor arrives, so at most the layers that straddle a shard boundary are held
+unpacked.
 """
 
 from __future__ import annotations
