@@ -36,6 +36,7 @@ class WorkerConfig:
     max_model_len: int | None = None         # None: the model's max_position_embeddings
     dtype: str = "auto"                      # auto: float32 on CPU, bfloat16 on CUDA
     kv_cache_dtype: str = "auto"             # auto: the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2 (kv_cache_dtype.py)
+    calculate_kv_scales: bool = False        # vLLM's flag, refused: scales from the first batch are batch-dependent
     device: str = "auto"                     # auto: cuda if available, else cpu
     num_threads: int | None = None           # CPU threads; None: the CPUs the affinity mask and cgroup grant
     attention_backend: str = "auto"          # auto: triton on CUDA, torch on CPU (triton on CPU: TRITON_INTERPRET=1)
@@ -77,7 +78,8 @@ class WorkerConfig:
         return cls(model=args.model, scheduler_address=args.scheduler_address, block_size=args.block_size,
                    num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                    gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device, num_threads=args.num_threads,
+                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                   calculate_kv_scales=args.calculate_kv_scales, device=args.device, num_threads=args.num_threads,
                    attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
                    tune_kernels=args.tune_kernels, cpu_int8_activations=args.cpu_int8_activations,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -145,6 +147,10 @@ def _validate(c: WorkerConfig) -> None:
     check(c.dtype in DTYPES, f"--dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
     check(c.kv_cache_dtype in KV_CACHE_DTYPES,
           f"--kv-cache-dtype {c.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    check(not c.calculate_kv_scales,
+          "--calculate-kv-scales: steploop does not compute FP8 K/V scales from the first batch it sees (every later "
+          "output would depend on which requests came first); it uses the checkpoint's k_scale / v_scale, else 1.0. "
+          "Drop the flag, or calibrate the scales into the checkpoint (llm-compressor's kv_cache_scheme)")
     check(c.device == "auto" or c.device == "cpu" or c.device.startswith("cuda"),
           f"--device {c.device!r} must be auto, cpu, cuda or cuda:N")
     check(c.num_threads is None or c.num_threads > 0, f"--num-threads {c.num_threads} must be positive")
@@ -206,6 +212,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="KV cache storage: auto (the model's dtype, exact; bfloat16 where that is the model's) or fp8 / "
                   "fp8_e4m3 (the checkpoint's k/v scales, else 1.0) / fp8_e5m2: half a bf16 cache's bytes, not "
                   "exact; CUDA (triton backend) only")
+    add_flag(parser, "--calculate-kv-scales", type=bool, default=False,
+             help="vLLM's flag, refused with a message: FP8 K/V scales come from the checkpoint (else 1.0), never from "
+                  "the first batch")
     add_flag(parser, "--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_flag(parser, "--num-threads", type=int, default=None,
              help="CPU threads (default: the CPUs the affinity mask and the cgroup's cpu.max quota grant)")

@@ -28,6 +28,8 @@ def test_names_resolve_as_vllm_and_others_are_refused():
     assert kv_cache_dtype.resolve("bfloat16", torch.bfloat16) == torch.bfloat16       # vLLM's name for it
     with pytest.raises(ValueError, match="bfloat16 with a float32 model"):
         kv_cache_dtype.resolve("bfloat16", torch.float32)
+    with pytest.raises(ValueError, match="--calculate-kv-scales: steploop does not compute FP8 K/V scales"):
+        WorkerConfig(kv_cache_dtype="fp8", calculate_kv_scales=True)
     with pytest.raises(ValueError, match="--kv-cache-dtype .int8. is not one of auto, bfloat16, fp8"):
         WorkerConfig(kv_cache_dtype="int8")
 
