@@ -11,6 +11,7 @@ import torch
 
 from steploop.common import envs
 from steploop.gpu_worker.config import WorkerConfig
+from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
 from steploop.gpu_worker.gguf.reader import fast_gguf_readers
 from steploop.gpu_worker.gguf.triton_linear import GgufLinear
 from steploop.gpu_worker.gguf_convert import convert_gguf
@@ -43,12 +44,18 @@ def _linears(runner) -> list:
 
 
 @pytest.mark.slow     # converting and loading: about 17 s
-def test_qwen2_biases_stay_with_their_blocks(tmp_path, model_dir, monkeypatch):
+def test_qwen2_biases_and_tied_embedding_stay_in_their_blocks(tmp_path, model_dir, monkeypatch):
     """q/k/v biases (F32 tensors beside Q5_0 / Q5_1 / Q4_1 blocks) are the GgufLinear's own, as the file holds them;
-    one layer's output equals transformers' on the same input."""
+    one layer's output equals transformers' on the same input; the tied Q8_0 embedding stays in its blocks and the
+    lm_head is a GgufLinear of the same blocks, both equal to transformers' table."""
     hf, runner = _runner("qwen2", tmp_path, model_dir, monkeypatch)
     held = _linears(runner)
     assert all(isinstance(m, GgufLinear) and m.weight is None for m in held)
+    table = runner.model.model.embed_tokens
+    assert isinstance(table, BlockEmbedding) and isinstance(runner.model.lm_head, GgufLinear)
+    ids = torch.tensor([3, 100, 49151])
+    assert torch.equal(table(ids.to(DEVICE)).cpu(), hf.model.embed_tokens(ids).detach())
+    assert torch.equal(runner.model.lm_head.runs[0].dequantized().cpu(), hf.model.embed_tokens.weight.detach())
     ours, theirs = runner.model.model.layers[0].self_attn.qkv_proj, hf.model.layers[0].self_attn
     assert torch.equal(ours.bias.detach().cpu(), torch.cat([theirs.q_proj.bias, theirs.k_proj.bias,
                                                             theirs.v_proj.bias]).detach())
@@ -67,6 +74,7 @@ def test_gguf_blocks_in_the_triton_gemm_serve_transformers_tokens(tmp_path, mode
     assert len(held) == len(linears) - dense and all(m.weight is None for m in held)
     assert [r.describe() for r in layers[0].self_attn.qkv_proj.runs] == ["int4/32+m", "int8/16"]   # Q4_K | Q6_K
     assert isinstance(runner.model.lm_head, GgufLinear)                                             # Q5_K
+    assert isinstance(runner.model.model.embed_tokens, BlockEmbedding)                              # Q6_K
     expected = [generate(hf, p) for p in PROMPTS]
     for chunk, preempt_after in [(512, None), (7, 4)]:
         got = serve(runner, chunk, preempt_after)

@@ -19,6 +19,8 @@ from steploop.gpu_worker.gguf.blocks import Decoded, decode
 
 
 class BlockEmbedding(nn.Module):
+    out_dtype = torch.float32     # the rows' dtype (a GPU model's bf16: the values rounded once, after d * q + m)
+
     def __init__(self, decoded: Decoded, rows: int | None = None):
         """A table of `rows` (default: the decoded ones), the decoded rows first."""
         super().__init__()
@@ -98,7 +100,8 @@ class BlockEmbedding(nn.Module):
         w = q.float().view(*lead, k // self.block, self.block) * d.unsqueeze(-1)
         if m is not None:
             w = w + m.unsqueeze(-1)
-        return w.view(*lead, k)
+        w = w.view(*lead, k)
+        return w if self.out_dtype == torch.float32 else w.to(self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.q.shape[0]}, {self.embedding_dim}, blocks of {self.block}" + (", 4-bit" if self.nibbles else "")

@@ -13,8 +13,9 @@ A tensor-parallel rank packs its share, cut from the raw blocks (block_shards.py
 A packed weight is decoded and packed a chunk of rows at a time into its own tensors (packed_chunks.py), each
 chunk's file pages dropped once read (file_pages.py): the load holds about the weights plus a chunk's temporaries.
 With the Triton kernels (CUDA), a block-quantized dense linear becomes a GgufLinear instead (triton_linear.py: the
-file's integer values and fp32 block scales on the device, read by the GGUF GEMM), not a bf16 weight; experts, the
-embedding and float tensors are read as before.
+file's integer values and fp32 block scales on the device, read by the GGUF GEMM), not a bf16 weight; the embedding
+stays in its blocks on the device too (a tied lm_head then becomes a GgufLinear of the same blocks); experts and
+float tensors are read as before.
 
 GGUF names map onto the HF names with transformers' own map (get_gguf_hf_weights_map), and llama-arch files get
 llama.cpp's q/k row permutation undone on the raw rows (it permutes whole rows, so it applies to blocks as to
@@ -188,7 +189,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
                 raise GGUFFileError(f"{gguf_path.name}: unexpected tensor {tensor.name!r} ({hf_name}: not a weight "
                                     f"of this model_type)")
             groups[target].append(_Part(tensor, hf_name, rows, expert, index))
-        if tied and hf == "model.embed_tokens.weight" and packed:
+        if tied and hf == "model.embed_tokens.weight" and (packed or triton_blocks):
             groups["lm_head.weight"].append(_Part(tensor, hf, None, None))     # packed from the same blocks
     filled: set[str] = set()
     stats = LoadStats()
@@ -197,7 +198,10 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
     for target, parts in groups.items():
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
-            _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False)
+            if packed:
+                _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False)
+            else:
+                _triton_blocks(model, target, module, parts, arch, cfg, stats, sharder, pages, count_file=False)
             continue                                  # its bytes are the embedding's: released after it
         if isinstance(module, SparseMoE):
             done = packed and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg, stats, sharder, pages)
@@ -212,8 +216,10 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         filled.update(_filled_names(target, parts))
         pages.drop_tensors(p.tensor for p in parts)
     if embed is not None:        # last: a tied lm_head that did not pack reads the fp32 table
-        table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None
-        if packed and table_free and _embed_in_blocks(model, embed[0], arch, cfg, stats, pages, sharder):
+        table_free = not tied or getattr(modules["lm_head"], "packed", None) is not None or \
+            getattr(model.lm_head, "runs", None) is not None                # a GgufLinear of the same blocks
+        if (packed or triton_blocks) and table_free and \
+                _embed_in_blocks(model, embed[0], arch, cfg, stats, pages, sharder, params[_EMBED]):
             filled.add(_EMBED)
         else:
             _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
@@ -227,9 +233,9 @@ _EMBED = "model.embed_tokens.weight"
 
 
 def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, pages: FilePages | None = None,
-                     sharder=None) -> bool:
+                     sharder=None, like: torch.Tensor | None = None) -> bool:
     """Replace the embedding by a BlockEmbedding of the file's blocks (block types only); a tensor-parallel rank
-    keeps its vocabulary rows. cfg: the whole model's."""
+    keeps its vocabulary rows. cfg: the whole model's. like: the table it replaces (its device and dtype)."""
     from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
     if part.tensor.tensor_type not in blocks.BLOCK_TYPES:
         return False
@@ -240,6 +246,9 @@ def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, pages
     rows, _ = shard_raw(sharder, part.hf_name, _rows(part, arch, cfg), part.tensor.tensor_type, hidden)
     table = BlockEmbedding.from_blocks(rows, part.tensor.tensor_type, hidden,
                                        done=None if pages is None else lambda r0, r1: pages.drop_view(rows[r0:r1]))
+    if like is not None:
+        table = table.to(like.device)
+        table.out_dtype = like.dtype
     model.model.embed_tokens = table
     stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
     return True
@@ -346,7 +355,7 @@ def _raw_parts(ordered: list[_Part], n: int, k: int, arch: str, cfg, sharder) ->
 
 
 def _triton_blocks(model, target: str, module, parts: list[_Part], arch: str, cfg, stats: LoadStats, sharder=None,
-                   pages: FilePages | None = None) -> bool:
+                   pages: FilePages | None = None, count_file: bool = True) -> bool:
     """Replace a dense linear by a GgufLinear of its parts' blocks (this rank's share), decoded a chunk of rows at a
     time onto its device; False (the dense path) unless every part is a block type tiling the rows, whole blocks
     on this rank."""
@@ -383,7 +392,8 @@ def _triton_blocks(model, target: str, module, parts: list[_Part], arch: str, cf
     setattr(model.get_submodule(parent), child, layer)
     for p in ordered:
         r0, r1 = p.rows or (0, n)
-        stats.add(p.tensor.tensor_type.name, int(p.tensor.n_bytes), layer.nbytes * (r1 - r0) // n, "triton blocks")
+        stats.add(p.tensor.tensor_type.name, int(p.tensor.n_bytes) if count_file else 0,
+                  layer.nbytes * (r1 - r0) // n, "triton blocks")
     return True
 
 
