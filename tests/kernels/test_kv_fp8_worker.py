@@ -1,7 +1,13 @@
 """--kv-cache-dtype fp8 through the worker (the Triton backend under the interpreter; compiled on a GPU): a Qwen2
-checkpoint carrying llm-compressor's per-layer k_scale / v_scale serves greedy tokens and logprobs equal to
+checkpoint carrying llm-compressor's per-layer k_scale / v_scale serves the greedy tokens and logprobs of
 transformers fp32 whose keys (after rope) and values are rounded through e4m3 at those scales, as the cache stores
-them, chunked and preempted; the cache holds 8-bit blocks; the same run at fp32 differs (the rounding is real)."""
+them, chunked and preempted; the cache holds 8-bit blocks; the same run unrounded differs (the rounding is real).
+
+Held to logprobs within 5e-2, as FP8 W8A8 is (tests/worker/test_quant_e2e.py): a K or V value within fp32
+reordering of an e4m3 rounding boundary rounds one way here and the other way in the oracle, one whole e4m3 step
+(1/16 of it). Measured 2026-12-04: 1e-7 relative noise on the oracle's K and V flipped 4 of 532480 roundings over 20
+runs and moved a logprob by up to 1.6e-2; on this CPU the two agree within 1e-4, on another one's matmul order they
+need not. A pick may differ only where the oracle's top two are that close."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.model_runner import ModelRunner
 from tests.kernels.conftest import DEVICE
 from tests.kernels.short_serve import PROMPTS, generate, serve
+from tests.worker.test_quant_e2e import assert_follows_oracle
 from tests.worker.family_models import build_family_model, load_oracle
 
 pytestmark = pytest.mark.slow     # the interpreter: about 10 s on 2 shared cores
@@ -70,7 +77,6 @@ def test_fp8_kv_cache_equals_transformers_with_rounded_kv(tmp_path, model_dir, m
     assert (k_scale.item(), v_scale.item()) == pytest.approx((K_SCALE, V_SCALE))
     for chunk, preempt_after in ((512, None), (7, 4)):
         got = serve(runner, chunk, preempt_after)
-        for handle, (want_tokens, want_logprobs) in enumerate(expected):
+        for handle, prompt in enumerate(PROMPTS):
             tokens, logprobs = got[handle]
-            assert tokens == want_tokens, f"prompt {handle}, chunk {chunk}"
-            assert logprobs == pytest.approx(want_logprobs, abs=1e-4), f"prompt {handle}, chunk {chunk}"
+            assert_follows_oracle(hf_model, list(prompt), tokens, logprobs, 5e-2, f"prompt {handle}, chunk {chunk}")
