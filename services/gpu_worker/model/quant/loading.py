@@ -82,23 +82,22 @@ class QuantLoader:
                 out_features, in_features = _expert_shape(model.get_submodule(moe.group(1)).spec, moe.group(2),
                                                           cfg.hidden_size)
                 n = out_features if rows is None else rows[1] - rows[0]
-                claimed = {s: shape for s, shape in shapes.items() if s in required + optional}
                 self.stored[module] = (n, in_features)
-                Shapes(cfg.quant, module, n, in_features).check(claimed)
-                self.claimed[module] = tuple(claimed)
-                experts.setdefault(moe.groups(), {}).setdefault(expert, []).append(
-                    (0 if rows is None else rows[0], module, n))
-                continue
-            if expert is not None or not ours.startswith("model.layers.") or not ours.endswith(_LINEARS):
+            elif expert is not None or not ours.startswith("model.layers.") or not ours.endswith(_LINEARS):
                 raise ValueError(f"{module} is quantized ({cfg.quant.describe()}): steploop runs quantized weights "
                                  "only in the decoder layers' attention and MLP linears")
-            linear = model.get_submodule(ours)
-            n = linear.out_features if rows is None else rows[1] - rows[0]
+            else:
+                linear = model.get_submodule(ours)
+                n = linear.out_features if rows is None else rows[1] - rows[0]
+                self.stored[module] = (n, linear.in_features) if sharder is None else _whole_shape(sharder, module)
             claimed = {s: shape for s, shape in shapes.items() if s in required + optional}
-            self.stored[module] = (n, linear.in_features) if sharder is None else _whole_shape(sharder, module)
             Shapes(cfg.quant, module, *self.stored[module]).check(claimed)
             self.claimed[module] = tuple(claimed)
-            parts.setdefault(ours, []).append((0 if rows is None else rows[0], module, n))
+            found = (0 if rows is None else rows[0], module, n)
+            if moe is not None:
+                experts.setdefault(moe.groups(), {}).setdefault(expert, []).append(found)
+            else:
+                parts.setdefault(ours, []).append(found)
         if not parts and not experts:
             raise ValueError(f"config.json declares {cfg.quant.describe()} but no tensor of the checkpoint is "
                              f"quantized that way (no *.{_MARKER[kind]})")
