@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from steploop.gpu_worker.config import KV_CACHE_DTYPES
+
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # what the kernels read: 0 the model's dtype, 1 e4m3 bytes, 2 e5m2 bytes (the attention kernel's KV_FP8 constexpr)
 KERNEL_CODE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}

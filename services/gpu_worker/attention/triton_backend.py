@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from steploop.gpu_worker import kv_cache_dtype
 from steploop.gpu_worker.attention.backend import AttentionBackend
 from steploop.gpu_worker.attention.metadata import CommonAttentionMetadata
 from steploop.gpu_worker.kernels.cache_write import write_kv_cache
@@ -62,6 +63,14 @@ class TritonAttentionBackend(AttentionBackend):
                                   torch.tensor([v], dtype=torch.float32, device=device))
                           for layer, (k, v) in scales.items()}
 
+    def scales_for(self, layer: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`layer`'s (k_scale, v_scale) for an FP8 cache; None for a cache of the model's dtype."""
+        if not kv_cache_dtype.is_fp8(kv_cache.dtype):
+            return None
+        if layer not in self.kv_scales:
+            raise ValueError(f"layer {layer}: a {kv_cache.dtype} KV cache without set_kv_scales")
+        return self.kv_scales[layer]
+
     def serve_variant(self, layer: int, window: int | None, softcap: float | None) -> bool:
         self.variants[layer] = (window, softcap)
         return True
@@ -85,11 +94,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata) -> torch.Tensor:
-        scales = None
-        if kv_cache.dtype != q.dtype:
-            if layer not in self.kv_scales:
-                raise ValueError(f"layer {layer}: a {kv_cache.dtype} KV cache without set_kv_scales")
-            scales = self.kv_scales[layer]
+        scales = self.scales_for(layer, kv_cache)
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)    # [T, H, D]
         window, softcap = self.variants.get(layer, (None, None))

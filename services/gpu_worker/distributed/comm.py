@@ -150,4 +150,3 @@ def _await_on_host(work, deadline: float) -> bool:
         time.sleep(0.0001)
     work.wait()
     return True
-

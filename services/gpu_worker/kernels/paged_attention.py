@@ -321,7 +321,8 @@ def unified_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
         raise ValueError(f"dtypes differ: q {q.dtype}, kv_cache {kv_cache.dtype}, out {out.dtype}")
     if bool(kv_fp8) != (kv_scales is not None) or (kv_scales is not None and any(
             s.dtype != torch.float32 or s.numel() != 1 or s.device != q.device for s in kv_scales)):
-        raise ValueError(f"a {kv_cache.dtype} cache takes {'one-element fp32 K/V scales on ' + str(q.device) if kv_fp8 else 'no scales'}")
+        wanted = f"one-element fp32 K/V scales on {q.device}" if kv_fp8 else "no scales"
+        raise ValueError(f"a {kv_cache.dtype} cache takes {wanted}")
     if q.stride(-1) != 1 or out.stride(-1) != 1 or not kv_cache.is_contiguous():
         raise ValueError("q/out need a contiguous last dim and kv_cache must be contiguous")
     if t != plan.num_tokens or plan.block_tables.dtype != torch.int32 or plan.seq_lens.dtype != torch.int32:

@@ -88,7 +88,7 @@ def make_launch(backend, problem: Problem, kv_cache: torch.Tensor, block_size: i
     q = torch.randn((int(q_lens.sum()), backend.num_heads, backend.head_dim), generator=gen, device=device)
     q = q.to(q_dtype or kv_cache.dtype)
     out = torch.empty_like(q)
-    scales = backend.kv_scales[0] if q.dtype != kv_cache.dtype else None
+    scales = backend.scales_for(0, kv_cache)
     return lambda: unified_attention(q, kv_cache, out, plan, backend.scale, window, softcap, scales)
 
 
