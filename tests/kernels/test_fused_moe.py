@@ -161,3 +161,28 @@ def test_expert_parallel_sparse_moe_kernel_equals_torch_loop(monkeypatch, device
         got = layer(x)
     assert want.abs().sum() > 0
     assert_close(got, want, torch.float32)
+
+
+def test_sparse_moe_with_experts_held_per_expert_runs_its_loop(monkeypatch, device):
+    """Experts whose down projections alone are held per expert (as a checkpoint quantizing only them loads) run the
+    expert loop with the dispatch on: the fused kernel reads both stacks, and w2's is gone."""
+    spec = moe.MoESpec(num_experts=4, top_k=2, intermediate_size=32, renormalize=True, module="mlp",
+                       sparse_layers=(0,))
+    layer = moe.SparseMoE(64, spec, "silu").to(device)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+    x = torch.randn((9, 64)).to(device)
+    with torch.no_grad():
+        want = layer(x)
+        downs = []
+        for e in range(4):
+            down = torch.nn.Linear(32, 64, bias=False).to(device)
+            down.weight.copy_(layer.w2[e])
+            downs.append(down)
+        layer.use_quantized("w2", downs)
+        monkeypatch.setattr(moe, "fused_kernel_serves", lambda _x: True)
+        got = layer(x)
+    assert layer.w2 is None
+    assert_close(got, want, torch.float32)

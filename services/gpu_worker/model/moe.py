@@ -99,10 +99,11 @@ class SparseMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, weights/experts [T, k] -> [T, hidden]: on CUDA the Triton fused-MoE
-        kernel (kernels/fused_moe.py, two grouped GEMMs); elsewhere each expert in turn over its tokens. Only the
+        kernel (kernels/fused_moe.py, two grouped GEMMs) when both stacks are held as tensors; elsewhere, or with
+        either held per expert (packed or quantized), each expert in turn over its tokens. Only the
         experts this rank holds contribute (expert parallel: the others are zero here)."""
         spec = self.spec
-        if fused_kernel_serves(x) and "w13" not in self.packed_experts:
+        if fused_kernel_serves(x) and isinstance(self.w13, torch.Tensor) and isinstance(self.w2, torch.Tensor):
             from steploop.gpu_worker.kernels.fused_moe import fused_experts
             return fused_experts(x, self.w13, self.w2, weights, experts, self.act,
                                  first_expert=spec.first_expert if spec.local_experts else None)
