@@ -301,13 +301,18 @@ def _pack_moe(module, name: str, parts: list[_Part], arch: str, cfg, stats: Load
 def _packable(parts: list[_Part], n: int, k: int, sharder=None) -> bool:
     """All parts block types, tiling the [n, k] weight's rows in whole 16-row groups, the shape the layout takes,
     and (tensor parallel) this rank's columns whole blocks: a cut inside them is read as fp32 (stored_split.py)."""
-    if any(p.tensor.tensor_type not in blocks.BLOCK_TYPES for p in parts) or not packable_shape(n, k):
+    return packable_shape(n, k) and _blocks_tile(parts, n, sharder, 16)
+
+
+def _blocks_tile(parts: list[_Part], n: int, sharder, rows_multiple: int) -> bool:
+    """All parts block types, this rank's columns whole blocks, tiling the weight's n rows in order (q, k, v /
+    gate, up; or one whole), each part ending on a multiple of rows_multiple."""
+    if any(p.tensor.tensor_type not in blocks.BLOCK_TYPES or cut_inside_blocks(sharder, p.hf_name, p.tensor.tensor_type)
+           for p in parts):
         return False
-    if any(cut_inside_blocks(sharder, p.hf_name, p.tensor.tensor_type) for p in parts):
-        return False
-    covered = 0                      # the parts tile the rows in 16-row groups (q, k, v / gate, up; or one whole)
+    covered = 0
     for r0, r1 in sorted((p.rows or (0, n)) for p in parts):
-        if r0 != covered or r1 % 16:
+        if r0 != covered or r1 % rows_multiple:
             return False
         covered = r1
     return covered == n
@@ -363,15 +368,7 @@ def _triton_blocks(model, target: str, module, parts: list[_Part], arch: str, cf
     if not isinstance(module, torch.nn.Linear):
         return False
     n, k = module.out_features, module.in_features
-    if any(p.expert is not None or p.tensor.tensor_type not in blocks.BLOCK_TYPES or
-           cut_inside_blocks(sharder, p.hf_name, p.tensor.tensor_type) for p in parts):
-        return False
-    covered = 0
-    for r0, r1 in sorted((p.rows or (0, n)) for p in parts):
-        if r0 != covered:
-            return False
-        covered = r1
-    if covered != n:
+    if any(p.expert is not None for p in parts) or not _blocks_tile(parts, n, sharder, 1):
         return False
     ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
     device = module.weight.device
