@@ -21,12 +21,14 @@ import time
 import torch
 
 from benchmarks.machine import machine_info
+from steploop.common.model_path import default_model_dir
 from steploop.common.sampling_params import SamplingParams
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.model.moe import SparseMoE
 from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker import quant_models
 from tests.worker.driver import Driver
+from tests.worker.family_models import TOKENIZER_FILES
 from tests.worker.quant_models import Spec, build_quant_model
 
 SHAPE = ("Qwen3MoeConfig", {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512,
@@ -73,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64)
     args = p.parse_args(argv)
     quant_models.QUANT_FAMILIES["qwen3_moe_bench"] = SHAPE
-    model_dir = pathlib.Path.home() / ".cache/steploop/models/SmolLM2-135M-Instruct"
     with tempfile.TemporaryDirectory() as tmp:
-        quant_path, hf_model = build_quant_model("qwen3_moe_bench", SPEC, pathlib.Path(tmp) / "gptq", model_dir)
+        quant_path, hf_model = build_quant_model("qwen3_moe_bench", SPEC, pathlib.Path(tmp) / "gptq",
+                                                 default_model_dir())
         fp32_path = pathlib.Path(tmp) / "fp32"
         hf_model.save_pretrained(fp32_path)
-        for f in quant_path.iterdir():
-            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
-                (fp32_path / f.name).write_bytes(f.read_bytes())
+        for name in TOKENIZER_FILES:                # the same tokenizer beside the fp32 weights
+            if (quant_path / name).is_file():
+                (fp32_path / name).write_bytes((quant_path / name).read_bytes())
         del hf_model
         runners = {name: ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=256, max_model_len=512,
                                                               device="cpu"), path)
