@@ -76,15 +76,21 @@ def test_one_expert_takes_every_token_and_others_none(device):
                  torch.float32)
 
 
+def random_sparse_moe(spec: moe.MoESpec, act: str, seed: int, device) -> moe.SparseMoE:
+    """A SparseMoE of hidden 64 with every parameter drawn at scale 0.2 (seeded: the caller's inputs follow)."""
+    layer = moe.SparseMoE(64, spec, act).to(device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+    return layer
+
+
 def test_sparse_moe_dispatches_to_the_kernel(monkeypatch, device):
     """model/moe.py's SparseMoE with the dispatch on (it is on for CUDA tensors) against its own torch loop."""
     spec = moe.MoESpec(num_experts=4, top_k=2, intermediate_size=48, renormalize=False, module="mlp",
                        sparse_layers=(0,))
-    layer = moe.SparseMoE(64, spec, "gelu_tanh").to(device)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape) * 0.2)
+    layer = random_sparse_moe(spec, "gelu_tanh", 3, device)
     x = torch.randn((11, 64)).to(device)
     with torch.no_grad():
         want = layer(x)
@@ -148,12 +154,8 @@ def test_expert_parallel_sparse_moe_kernel_equals_torch_loop(monkeypatch, device
     """model/moe.py's SparseMoE holding experts 2-3 of 4 (a rank's local spec): the kernel path equals its loop."""
     spec = moe.MoESpec(num_experts=4, top_k=2, intermediate_size=32, renormalize=True, module="mlp",
                        sparse_layers=(0,), first_expert=2, local_experts=2)
-    layer = moe.SparseMoE(64, spec, "silu").to(device)
+    layer = random_sparse_moe(spec, "silu", 4, device)
     assert layer.w13.shape[0] == 2
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape) * 0.2)
     x = torch.randn((13, 64)).to(device)
     with torch.no_grad():
         want = layer(x)
@@ -168,11 +170,7 @@ def test_sparse_moe_with_experts_held_per_expert_runs_its_loop(monkeypatch, devi
     expert loop with the dispatch on: the fused kernel reads both stacks, and w2's is gone."""
     spec = moe.MoESpec(num_experts=4, top_k=2, intermediate_size=32, renormalize=True, module="mlp",
                        sparse_layers=(0,))
-    layer = moe.SparseMoE(64, spec, "silu").to(device)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape) * 0.2)
+    layer = random_sparse_moe(spec, "silu", 5, device)
     x = torch.randn((9, 64)).to(device)
     with torch.no_grad():
         want = layer(x)
