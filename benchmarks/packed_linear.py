@@ -5,6 +5,12 @@ One "pass" is what a forward does with the weights: for each of the 30 layers qk
 activations, then lm_head, so the weights stream from memory as in serving (one layer's weights would sit in
 cache). torch and packed alternate round by round (this machine is noisy); the best round of each is reported, as
 ms per pass, GFLOP/s and the ratio. Writes benchmarks/results/packed_linear.json.
+
+    python -m benchmarks.packed_linear --form bf16      # or fp16
+
+times a 16-bit checkpoint of the same shapes instead (the weights rounded to bf16 / fp16): its 16-bit form
+(steploop_packed_linear_w16, model/half_weights.py) against torch's fp32 matmul on the upcast weights, which is how
+such a checkpoint ran before it was kept at 16 bits. Writes benchmarks/results/packed_linear_<form>.json.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import time
 import torch
 from safetensors import safe_open
 
+from benchmarks.machine import machine_info
 from steploop.common.model_path import resolve_model
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
-from steploop.gpu_worker.cpu_kernels.packed_weights import pack
+from steploop.gpu_worker.cpu_kernels.packed_weights import pack, pack_w16
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "packed_linear.json"
+FORMS = {"gguf": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def layer_weights(model_dir: pathlib.Path) -> list[torch.Tensor]:
@@ -79,12 +87,19 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--isa", default=None, help="the kernel build to time (build.py ISAS; default: the host's)")
+    p.add_argument("--form", choices=sorted(FORMS), default="gguf",
+                   help="gguf: the file's Q4_1 / Q8_0 weights packed; bf16 / fp16: a 16-bit checkpoint's")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     weights = layer_weights(resolve_model(None))
-    packed = [pack(w) for w in weights]
+    half = FORMS[args.form]
+    if half is not None:            # the 16-bit checkpoint: torch multiplies its values upcast to fp32
+        packed = [pack_w16(w.to(half)) for w in weights]
+        weights = [w.to(half).float() for w in weights]
+    else:
+        packed = [pack(w) for w in weights]
     if any(pk is None for pk in packed) or not kernel.available(args.isa):
         raise SystemExit("the model's weights do not all pack, or the kernel did not build")
     fp32_mb = sum(w.numel() * 4 for w in weights) / 2**20
@@ -107,11 +122,12 @@ def main(argv=None) -> None:
         rows.append(row)
         print(f"M={m:4d}: torch {row['torch_ms']:7.1f} ms ({row['torch_gflops']:5.1f} GFLOP/s)   packed "
               f"{row['packed_ms']:7.1f} ms ({row['packed_gflops']:5.1f} GFLOP/s)   {row['speedup']:.2f}x", flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"threads": threads, "isa": args.isa or "host", "fp32_mib": fp32_mb,
-                                   "packed_mib": packed_mb,
-                                   "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    out = RESULTS if half is None else RESULTS.with_name(f"packed_linear_{args.form}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "form": args.form, "threads": threads,
+                               "isa": args.isa or "host", "fp32_mib": fp32_mb, "packed_mib": packed_mb,
+                               "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_the_window_matters_at_these_lengths(tmp_path, model_dir):
     assert diff > 1e-2
 
 
-def test_sharded_bf16_checkpoint_loads_as_fp32_on_cpu(tmp_path, model_dir):
+def test_sharded_bf16_checkpoint_serves_exactly_on_cpu(tmp_path, model_dir):
     """An index file over several shards, torch_dtype bfloat16: the CPU worker reads every shard, upcasts to fp32
     (its --dtype auto), and matches transformers' fp32 forward on the same (bf16-valued) weights."""
     path = build_family_model("qwen3", tmp_path, model_dir, dtype=torch.bfloat16, max_shard_size="2MB")

@@ -21,7 +21,11 @@ int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, cons
                                int64_t M, int64_t N, int64_t K, int num_threads);
 int steploop_packed_linear_kquant(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
                                   int64_t M, int64_t N, int64_t K, int q6, int num_threads);
-enum { KIND_Q8_1 = 200, KIND_Q8_0_16 = 201, KIND_Q8_1_16 = 202, KIND_Q4_K = 203, KIND_Q5_K = 204, KIND_Q6_K = 205 };
+/* and 16-bit weights (a bf16 / fp16 checkpoint's, widened exactly) */
+int steploop_packed_linear_w16(float *y, const float *x, const uint16_t *w, int64_t M, int64_t N, int64_t K, int f16,
+                               int num_threads);
+enum { KIND_Q8_1 = 200, KIND_Q8_0_16 = 201, KIND_Q8_1_16 = 202, KIND_Q4_K = 203, KIND_Q5_K = 204, KIND_Q6_K = 205,
+       KIND_BF16 = 207, KIND_F16 = 208 };
 int steploop_rms_norm(float *y, float *x, float *residual, const float *w, int64_t T, int64_t H, float eps,
                       int num_threads);
 int steploop_rotary_neox(float *q, float *k, const int64_t *positions, const float *cos_table,
@@ -94,6 +98,9 @@ int64_t steploop_decoder_scratch(const Model *model, int64_t T)
 
 static int linear_part(float *y, const float *x, const PackedMatrix *w, int64_t T, int num_threads)
 {
+    if (w->kind == KIND_BF16 || w->kind == KIND_F16)
+        return steploop_packed_linear_w16(y, x, w->qs, T, w->out_features, w->in_features, w->kind == KIND_F16,
+                                          num_threads);
     if (w->kind == KIND_Q4_K)
         return steploop_packed_linear_q4k(y, x, w->qs, w->d, (const uint8_t *)w->m, T, w->out_features,
                                           w->in_features, num_threads);

@@ -313,7 +313,7 @@ static const float *transposed_x(const float *x, int64_t M, int64_t K)
 }
 
 /* One packed weight as the tile path reads it: its form and the arrays that form has. */
-enum { TILE_Q4_1, TILE_Q8_0, TILE_Q8B, TILE_Q4K, TILE_Q5K, TILE_Q6K };
+enum { TILE_Q4_1, TILE_Q8_0, TILE_Q8B, TILE_Q4K, TILE_Q5K, TILE_Q6K, TILE_BF16, TILE_F16 };
 typedef struct {
     int form;
     const void *qs;
@@ -336,6 +336,9 @@ static void dequant_q5k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, 
 static void dequant_q6k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile, int64_t col);
 static void prefetch_q5k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc);
 static void prefetch_q6k(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc);
+static void dequant_w16(int f16, const uint16_t *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile,
+                        int64_t col);
+static void prefetch_w16(const uint16_t *w, int64_t s, int64_t K, int64_t k0, int64_t kc);
 
 /* slice s's weights for k0 .. k0 + kc into the tile at column col */
 static inline void tile_dequant(const tile_weight *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile,
@@ -347,6 +350,7 @@ static inline void tile_dequant(const tile_weight *w, int64_t s, int64_t K, int6
     case TILE_Q8B: dequant_q8b_dispatch(w->bs, w->qs, w->d, w->m, s, K, k0, kc, tile, col); break;
     case TILE_Q4K: dequant_q4k(w->qs, w->sc, w->mn, w->d, w->dmin, s, K, k0, kc, tile, col); break;
     case TILE_Q5K: dequant_q5k(w, s, K, k0, kc, tile, col); break;
+    case TILE_BF16: case TILE_F16: dequant_w16(w->form == TILE_F16, w->qs, s, K, k0, kc, tile, col); break;
     default: dequant_q6k(w, s, K, k0, kc, tile, col); break;
     }
 }
@@ -359,6 +363,7 @@ static inline void tile_prefetch(const tile_weight *w, int64_t s, int64_t K, int
     case TILE_Q8B: prefetch_q8b(w->qs, w->d, w->m, w->bs, s, K, k0, kc); break;
     case TILE_Q4K: prefetch_q4k(w->qs, w->sc, w->mn, s, K, k0, kc); break;
     case TILE_Q5K: prefetch_q5k(w, s, K, k0, kc); break;
+    case TILE_BF16: case TILE_F16: prefetch_w16(w->qs, s, K, k0, kc); break;
     default: prefetch_q6k(w, s, K, k0, kc); break;
     }
 }
@@ -406,6 +411,25 @@ static int tile_matmul(float *y, const float *x, int64_t M, int64_t N, int64_t K
         }
     }
     return failed ? -1 : 0;
+}
+
+/* The register path of a form with a side-by-side kernel (1 or 2 rows): groups of NS slices over the threads, each
+   group's successor prefetched while it computes. dispatch(flag, rows, slices, xt, K, w, s0, y, N) runs one. */
+typedef void (*side_dispatch)(int, int, int, const float *, int64_t, const tile_weight *, int64_t, float *, int64_t);
+static int side_by_side(side_dispatch dispatch, int flag, float *y, const float *x, int64_t M, int64_t N, int64_t K,
+                        const tile_weight *w, int num_threads)
+{
+    const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
+    if (!xt)
+        return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
+        int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
+        if (s0 + ns < N / VL)
+            tile_prefetch(w, s0 + ns, K, 0, K);
+        dispatch(flag, (int)M, (int)ns, xt, K, w, s0, y, N);
+    }
+    return 0;
 }
 
 int steploop_packed_linear(float *y, const float *x, const void *qs, const float *d, const float *m, int64_t M,
@@ -659,6 +683,14 @@ static void prefetch_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn
 
 /* x [M, K], y [M, N] fp32 row-major; N % 16 == 0, K % 256 == 0. scales: sc then mn (uint8, N * K / 32 each);
    dd: d then dmin (fp32, N * K / 256 each). Returns 0, or -1 on bad sizes or no memory. */
+/* fused_q4k_side_dispatch as side_by_side calls it (no flag) */
+static void q4k_side(int flag, int mr, int ns, const float *xt, int64_t K, const tile_weight *w, int64_t s0, float *y,
+                     int64_t N)
+{
+    (void)flag;
+    fused_q4k_side_dispatch(mr, ns, xt, K, w->qs, w->sc, w->mn, w->d, w->dmin, s0, y, N);
+}
+
 int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
                                int64_t M, int64_t N, int64_t K, int num_threads)
 {
@@ -670,20 +702,9 @@ int steploop_packed_linear_q4k(float *y, const float *x, const uint8_t *qs, cons
         return 0;
     const uint8_t *sc = scales, *mn = scales + N * (K / QK);
     const float *d = dd, *dmin = dd + N * (K / QK_K);
-    if (M <= REGISTER_MAX_M) {
-        const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
-        if (!xt)
-            return -1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
-            int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
-            if (s0 + ns < N / VL)
-                prefetch_q4k(qs, sc, mn, s0 + ns, K, 0, K);
-            fused_q4k_side_dispatch((int)M, (int)ns, xt, K, qs, sc, mn, d, dmin, s0, y, N);
-        }
-        return 0;
-    }
     tile_weight w = {TILE_Q4K, qs, d, NULL, 0, sc, mn, dmin, NULL};
+    if (M <= REGISTER_MAX_M)
+        return side_by_side(q4k_side, 0, y, x, M, N, K, &w, num_threads);
     return tile_matmul(y, x, M, N, K, &w, num_threads);
 }
 
@@ -815,6 +836,13 @@ static inline __attribute__((always_inline)) void fused_k_side(int q6, int mr, i
             storev(y + r * N + (s0 + i) * VL, acc[i][r]);
 }
 
+/* every (flag, rows, slices) of the register paths whose form has a two-way flag: CASE(flag, 1..2, 1..NS) */
+#define FLAG_ROWS_SLICES(CASE)                                                      \
+    CASE(0, 1, 1) CASE(0, 1, 2) CASE(0, 1, 3) CASE(0, 1, 4)                         \
+    CASE(0, 2, 1) CASE(0, 2, 2) CASE(0, 2, 3) CASE(0, 2, 4)                         \
+    CASE(1, 1, 1) CASE(1, 1, 2) CASE(1, 1, 3) CASE(1, 1, 4)                         \
+    CASE(1, 2, 1) CASE(1, 2, 2) CASE(1, 2, 3) CASE(1, 2, 4)
+
 static void fused_k_side_dispatch(int q6, int mr, int ns, const float *xt, int64_t K, const tile_weight *w,
                                   int64_t s0, float *y, int64_t N)
 {
@@ -823,10 +851,7 @@ static void fused_k_side_dispatch(int q6, int mr, int ns, const float *xt, int64
         fused_k_side(Q, R, S, xt, K, w, s0, y, N);                    \
         return;                                                       \
     }
-    K_CASE(0, 1, 1) K_CASE(0, 1, 2) K_CASE(0, 1, 3) K_CASE(0, 1, 4)
-    K_CASE(0, 2, 1) K_CASE(0, 2, 2) K_CASE(0, 2, 3) K_CASE(0, 2, 4)
-    K_CASE(1, 1, 1) K_CASE(1, 1, 2) K_CASE(1, 1, 3) K_CASE(1, 1, 4)
-    K_CASE(1, 2, 1) K_CASE(1, 2, 2) K_CASE(1, 2, 3) K_CASE(1, 2, 4)
+    FLAG_ROWS_SLICES(K_CASE)
 #undef K_CASE
 }
 
@@ -844,19 +869,101 @@ int steploop_packed_linear_kquant(float *y, const float *x, const uint8_t *qs, c
         return 0;
     tile_weight w = {q6 ? TILE_Q6K : TILE_Q5K, qs, dd, NULL, 0, scales, q6 ? NULL : scales + N * (K / QK),
                      q6 ? NULL : dd + N * (K / QK_K), qs + N * K / 2};
-    q6 = !!q6;
-    if (M <= REGISTER_MAX_M) {
-        const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
-        if (!xt)
-            return -1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
-            int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
-            if (s0 + ns < N / VL)
-                tile_prefetch(&w, s0 + ns, K, 0, K);
-            fused_k_side_dispatch(q6, (int)M, (int)ns, xt, K, &w, s0, y, N);
-        }
-        return 0;
-    }
+    if (M <= REGISTER_MAX_M)
+        return side_by_side(fused_k_side_dispatch, !!q6, y, x, M, N, K, &w, num_threads);
     return tile_matmul(y, x, M, N, K, &w, num_threads);
+}
+
+/* ---- 16-bit weights (a bf16 or fp16 checkpoint kept at its width): exact widening, fp32 arithmetic ----
+
+   Layout, as the Q8_0 form's with 2-byte values and no scales: w uint16 [N/16][K][16] (the checkpoint's bits).
+   bf16 -> fp32 is the 16 bits moved to the top; fp16 -> fp32 is vcvtph2ps (F16C, in the AVX2 and AVX-512 builds) or
+   the same conversion in integers (the generic build); both are exact, subnormals, infinities and NaNs included.
+   So each weight is the checkpoint's value as transformers upcasts it, and each output one fma chain over k in
+   order, as in every form above. K is any length (no blocks). */
+
+static inline int64_t w16_at(int64_t s, int64_t K, int64_t k) { return (s * VL / G * K + k) * G + s * VL % G; }
+
+#if VL == 16
+static inline vi widen_u16(const uint16_t *p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf f16_to_f32(const uint16_t *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif VL == 8
+static inline vi widen_u16(const uint16_t *p) { return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf f16_to_f32(const uint16_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline vi widen_u16(const uint16_t *p) { vi v; for (int i = 0; i < VL; i++) v[i] = p[i]; return v; }
+/* IEEE half -> single in integers: normal numbers rebias the exponent (15 -> 127); subnormals are mant * 2^-24,
+   exact in fp32; exponent 31 keeps infinity / NaN (payload shifted up, as vcvtph2ps does) */
+static inline vf f16_to_f32(const uint16_t *p)
+{
+    vi h = widen_u16(p);
+    vi sign = (h & 0x8000) << 16, exp = (h >> 10) & 31, mant = h & 0x3ff;
+    vi normal = sign | ((exp + 112) << 23) | (mant << 13);
+    vi special = sign | 0x7f800000 | (mant << 13);
+    vf sub = __builtin_convertvector(mant, vf) * 5.9604644775390625e-8f;        /* 2^-24 */
+    vf subnormal = (vf)((vi)sub | sign);
+    vf out = select_lanes(exp == 31, (vf)special, (vf)normal);
+    return select_lanes(exp == 0, subnormal, out);
+}
+#endif
+
+static inline vf widen16(int f16, const uint16_t *p) { return f16 ? f16_to_f32(p) : (vf)(widen_u16(p) << 16); }
+
+static void dequant_w16(int f16, const uint16_t *w, int64_t s, int64_t K, int64_t k0, int64_t kc, float *tile,
+                        int64_t col)
+{
+    for (int64_t k = k0; k < k0 + kc; k++)
+        storev(tile + (k - k0) * NR + col, widen16(f16, w + w16_at(s, K, k)));
+}
+
+static void prefetch_w16(const uint16_t *w, int64_t s, int64_t K, int64_t k0, int64_t kc)
+{
+    prefetch_range(w + w16_at(s, K, k0), ((kc - 1) * G + VL) * 2);
+}
+
+/* One or two rows: NS slices side by side, each weight widened in registers and used at once (as Q4_1's) */
+static inline __attribute__((always_inline)) void fused_w16(int f16, int mr, int ns, const float *restrict xt,
+                                                            int64_t K, const uint16_t *restrict w, int64_t s0,
+                                                            float *restrict y, int64_t N)
+{
+    vf acc[NS][REGISTER_MAX_M];
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            acc[i][r] = (vf){0};
+    for (int64_t k = 0; k < K; k++)
+        for (int i = 0; i < ns; i++) {
+            vf wv = widen16(f16, w + w16_at(s0 + i, K, k));
+            for (int r = 0; r < mr; r++)
+                acc[i][r] += xt[k * mr + r] * wv;
+        }
+    for (int i = 0; i < ns; i++)
+        for (int r = 0; r < mr; r++)
+            storev(y + r * N + (s0 + i) * VL, acc[i][r]);
+}
+
+static void fused_w16_dispatch(int f16, int mr, int ns, const float *xt, int64_t K, const tile_weight *w,
+                               int64_t s0, float *y, int64_t N)
+{
+#define W16_CASE(F, R, S)                                        \
+    if (f16 == F && mr == R && ns == S) {                        \
+        fused_w16(F, R, S, xt, K, w->qs, s0, y, N);              \
+        return;                                                  \
+    }
+    FLAG_ROWS_SLICES(W16_CASE)
+#undef W16_CASE
+}
+
+/* x [M, K], y [M, N] fp32 row-major; w the layout above; f16 1: IEEE half, 0: bfloat16; N % 16 == 0. Returns 0,
+   or -1 on bad sizes or no memory. The same two paths as steploop_packed_linear. */
+int steploop_packed_linear_w16(float *y, const float *x, const uint16_t *w, int64_t M, int64_t N, int64_t K, int f16,
+                               int num_threads)
+{
+    if (M < 0 || N <= 0 || K <= 0 || N % G)
+        return -1;
+    if (M == 0)
+        return 0;
+    tile_weight tw = {f16 ? TILE_F16 : TILE_BF16, w, NULL, NULL, 0, NULL, NULL, NULL, NULL};
+    if (M <= REGISTER_MAX_M)
+        return side_by_side(fused_w16_dispatch, !!f16, y, x, M, N, K, &tw, num_threads);
+    return tile_matmul(y, x, M, N, K, &tw, num_threads);
 }

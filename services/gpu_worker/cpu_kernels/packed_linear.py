@@ -13,7 +13,7 @@ import functools
 import torch
 
 from steploop.gpu_worker.cpu_kernels.build import function, selected_isa
-from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q5_K, Q6_K, Q8B_BLOCK, SPLIT, PackedWeight
+from steploop.gpu_worker.cpu_kernels.packed_weights import BF16, F16, Q4_K, Q5_K, Q6_K, Q8B_BLOCK, SPLIT, PackedWeight
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -43,6 +43,11 @@ def _q4k_kernel(isa: str | None = None):
 @functools.cache
 def _kquant_kernel(isa: str | None = None):
     return function("steploop_packed_linear_kquant", [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int], isa=isa)
+
+
+@functools.cache
+def _w16_kernel(isa: str | None = None):
+    return function("steploop_packed_linear_w16", [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int, ctypes.c_int], isa=isa)
 
 
 @functools.cache
@@ -84,6 +89,14 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
             else:
                 cols.copy_(packed_linear(x2, part, num_threads, isa=isa))
             col += part.out_features
+        return y.view(*lead, packed.out_features)
+    if packed.kind in (BF16, F16):     # a 16-bit checkpoint's weights, widened exactly
+        kernel = _w16_kernel(isa)
+        if kernel is None:
+            raise RuntimeError("the packed linear library is not available (see build.py's warning)")
+        if kernel(y.data_ptr(), x2.data_ptr(), packed.qs.data_ptr(), x2.shape[0], packed.out_features,
+                  packed.in_features, int(packed.kind == F16), num_threads):
+            raise RuntimeError("packed_linear: bad sizes or out of memory")
         return y.view(*lead, packed.out_features)
     q8b = packed.kind in Q8B_BLOCK
     kquant = packed.kind in (Q5_K, Q6_K)

@@ -28,9 +28,12 @@ Q4_1, Q8_0 = 0, 1
 # w = d sc (q - 32)
 # SPLIT: rows in consecutive parts of different forms (`parts`, e.g. Q4_K_M's q, k in Q4_K then v in Q6_K), each run
 # by its own kernel into its columns of y: one form holding them all (the int8 Q8_1/16) read 12 bits a weight
-Q8_1, Q8_0_16, Q8_1_16, Q4_K, Q5_K, Q6_K, SPLIT = 200, 201, 202, 203, 204, 205, 206
+# BF16, F16: a 16-bit checkpoint's weights kept at their width (steploop_packed_linear_w16): qs int16 [N/16, K, 16]
+# holding the stored bits, widened exactly to fp32 in the kernel; no d or m (empty), any K
+Q8_1, Q8_0_16, Q8_1_16, Q4_K, Q5_K, Q6_K, SPLIT, BF16, F16 = 200, 201, 202, 203, 204, 205, 206, 207, 208
 KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_1: "Q8_1", Q8_0_16: "Q8_0/16", Q8_1_16: "Q8_1/16", Q4_K: "Q4_K",
-              Q5_K: "Q5_K", Q6_K: "Q6_K", SPLIT: "split"}
+              Q5_K: "Q5_K", Q6_K: "Q6_K", SPLIT: "split", BF16: "bf16", F16: "fp16"}
+W16_KINDS = {torch.bfloat16: BF16, torch.float16: F16}
 Q8B_BLOCK = {Q8_1: 32, Q8_0_16: 16, Q8_1_16: 16}     # weights per d (and m) along K
 
 
@@ -145,11 +148,37 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return None
 
 
+def w16_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 / fp16 weight [n, K] (n a multiple of 16) -> its bits in the 16-bit layout, int16 [n/16, K, 16]: rows
+    [r, r + n) of a layer fill groups [r/16, (r + n)/16) of its qs."""
+    n, k = weight.shape
+    return weight.contiguous().view(torch.int16).view(n // GROUP, GROUP, k).permute(0, 2, 1).contiguous()
+
+
+def empty_w16(dtype: torch.dtype, n: int, k: int) -> PackedWeight:
+    """A 16-bit packed weight [n, k] of `dtype` (bf16 / fp16) to fill with w16_rows, a part at a time."""
+    empty = torch.empty(0)
+    return PackedWeight(W16_KINDS[dtype], torch.empty(n // GROUP, k, GROUP, dtype=torch.int16), empty, None, n, k)
+
+
+def pack_w16(weight: torch.Tensor) -> PackedWeight | None:
+    """weight [N, K] bf16 / fp16 -> its 16-bit packed form, or None when N is not whole groups of 16 rows."""
+    if weight.dtype not in W16_KINDS or weight.dim() != 2 or weight.shape[0] % GROUP or not weight.shape[0] \
+            or not weight.shape[1]:
+        return None
+    packed = empty_w16(weight.dtype, *weight.shape)
+    packed.qs.copy_(w16_rows(weight.detach().cpu()))
+    return packed
+
+
 def unpack(packed: PackedWeight) -> torch.Tensor:
     """The fp32 weight [N, K] back (tests and checks)."""
     n, k = packed.out_features, packed.in_features
     if packed.kind == SPLIT:
         return torch.cat([unpack(p) for p in packed.parts])
+    if packed.kind in (BF16, F16):
+        dtype = torch.bfloat16 if packed.kind == BF16 else torch.float16
+        return packed.qs.permute(0, 2, 1).reshape(n, k).view(dtype).float()
     if packed.kind in (Q4_K, Q5_K):
         d, dmin = (t.permute(0, 2, 1).reshape(n, k // 256, 1).repeat_interleave(8, 1) for t in packed.d)
         sc, mn = (t.permute(0, 2, 1).reshape(n, k // QK, 1).float() for t in packed.m)

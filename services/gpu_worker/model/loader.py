@@ -25,6 +25,7 @@ from steploop.gpu_worker.distributed.shapes import RankShare, local_config
 from steploop.gpu_worker.distributed.sharding import CheckpointSharder
 from steploop.gpu_worker.gguf.weights import gguf_source, load_gguf_weights
 from steploop.gpu_worker.kernel_plan import KernelPlan
+from steploop.gpu_worker.model.half_weights import HalfWeights
 from steploop.gpu_worker.model.kv_scales import KvScales
 from steploop.gpu_worker.model.layers import RMSNorm
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
@@ -79,7 +80,7 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         raise ValueError(f"-pp {stage.num_stages} with a GGUF file: pipeline stages read safetensors folders only")
     base = full_cfg if stage is None else stage_config(full_cfg, stage)
     cfg = base if tp_share is None else local_config(base, tp_share)
-    quant = None
+    quant = half = None
     with torch.device("meta"):
         model = _model_class(cfg)(cfg, backend, max_positions, plan)
         if stage is not None:       # never allocated: what other stages hold
@@ -88,6 +89,10 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         if cfg.quant is not None:     # before to_empty: the quantized linears never get an fp32 weight
             quant = QuantLoader.prepare(model, cfg, safetensors_files(path), device, _use_c(plan, device, dtype),
                                         _target, sharder)
+        elif gguf_source(path) is None and _use_c(plan, device, dtype) and model.plan.packed_linears:
+            # a bf16 / fp16 checkpoint's linears stay 16-bit on the CPU, widened exactly in the C kernels
+            half = HalfWeights.prepare(model, cfg, safetensors_files(path), lambda n: _our_name(n, cfg, stage),
+                                       _target)
     # cast while still on meta, so the device holds only the target dtype (building fp32 first and casting made an
     # 8B model peak at 32 GB); each checkpoint tensor is then read in its stored dtype and cast by copy_ on the device
     model = model.to(dtype).to_empty(device=device)
@@ -100,9 +105,11 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         _check_complete(params, filled, cfg)
         log.info("%s", gguf_summary)
     else:
-        _load_weights(model, cfg, path, sharder, quant, stage)
+        _load_weights(model, cfg, path, sharder, quant, stage, half)
         if quant is not None:
             log.info("%s", quant.check_done())
+        if half is not None:
+            log.info("%s", half.check_done())
     if tp_share is not None:
         make_tensor_parallel(model, tp_share, tp_comm, full_cfg.vocab_size)
         model.config = base          # the runner samples over the whole vocabulary
@@ -154,9 +161,15 @@ def _drop_unheld(model: LlamaForCausalLM, stage: StageShare) -> None:
         model.model.norm, model.lm_head = None, None
 
 
+def _our_name(stored: str, cfg: LlamaModelConfig, stage: StageShare | None) -> str | None:
+    """A checkpoint tensor's name in our model (None: another pipeline stage's)."""
+    name = _GEMMA3_NAMES.sub(_gemma3_name, stored) if cfg.model_type == "gemma3" else stored
+    return name if stage is None else stage.local_name(name)
+
+
 def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.Path,
                   sharder: CheckpointSharder | None = None, quant: QuantLoader | None = None,
-                  stage: StageShare | None = None) -> None:
+                  stage: StageShare | None = None, half: HalfWeights | None = None) -> None:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     files = safetensors_files(path)
@@ -164,8 +177,7 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
         log.info("loading weights %d/%d: %s", i, len(files), file.name)
         with safe_open(file, framework="pt") as f:
             for stored in f.keys():
-                name = _GEMMA3_NAMES.sub(_gemma3_name, stored) if cfg.model_type == "gemma3" else stored
-                name = name if stage is None else stage.local_name(name)
+                name = _our_name(stored, cfg, stage)
                 if name is None:             # another pipeline stage's
                     continue
                 if _IGNORED.search(name) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -177,6 +189,10 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
                     continue
                 target, expert, rows = _target(name, cfg)
                 if (target, expert, rows) == NOT_HELD:      # expert parallel: another rank's expert
+                    continue
+                if half is not None and half.take(target):     # kept at 16 bits (half_weights.py)
+                    half.put(target, rows, f.get_tensor(stored) if sharder is None else
+                             sharder.shard(name, f.get_tensor(stored)))
                     continue
                 if target not in params:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a weight of this model_type)")

@@ -45,7 +45,8 @@ class PackedLinear(nn.Linear):
 def pack_linear_weights(model: nn.Module, cache=None) -> str:
     """Give every loaded PackedLinear its packed weight where one exists; returns a one-line summary for the log.
     cache: a PackedWeightCache (packed_weight_cache.py), or None to pack without one."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    layers = {name: m for name, m in model.named_modules()       # not those already holding a form (16-bit)
+              if isinstance(m, PackedLinear) and m.packed is None}
     start = time.perf_counter()
     packed = cache.load(layers) if cache is not None else None
     cached = packed is not None

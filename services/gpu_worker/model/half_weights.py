@@ -1,0 +1,111 @@
+"""HalfWeights: a bf16 or fp16 checkpoint's linears kept at 16 bits on the CPU (the loader's side; model/loader.py).
+
+    half = HalfWeights.prepare(model, cfg, files, our_name, target_of)   # on meta, from the safetensors headers
+    ... model.to_empty(); per checkpoint tensor: half.put(target, rows, tensor) if half.take(target), else dense ...
+    log.info(half.check_done())
+
+The CPU computes in fp32 (exact against transformers fp32 on the same upcast weights), and reading a 16-bit weight as
+an fp32 one made a bf16 checkpoint take twice its file size in memory, and a decode step read twice the bytes it
+needed. Here each PackedLinear whose checkpoint parts are all bf16 (or all fp16) holds the stored bits in the 16-bit
+packed form (cpu_kernels/packed_weights.py BF16 / F16) and packed_linear.c widens them exactly to fp32 as it
+multiplies: the same weights, the same fp32 arithmetic (one fma chain over k per output, as every packed form), half
+the bytes. The layer never gets an fp32 weight: its parameter is dropped on meta, before the model is allocated.
+
+A layer stays an fp32 nn.Linear weight (as before) when its parts mix dtypes or are fp32, or its rows are not whole
+groups of 16 (the layout's). Mixture-of-experts experts and the embedding table stay in the model's dtype (fp32); a
+tied lm_head shares the embedding's fp32 table.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, PackedWeight, empty_w16, w16_rows
+from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class _Layer:
+    def __init__(self, linear: PackedLinear, dtype: torch.dtype, parts: int):
+        self.linear, self.dtype, self.parts = linear, dtype, parts
+        self.packed: PackedWeight | None = None
+        self.filled: set[tuple[int, int]] = set()
+
+
+class HalfWeights:
+    def __init__(self):
+        self.layers: dict[str, _Layer] = {}        # our weight name (…qkv_proj.weight) -> the layer it fills
+
+    @classmethod
+    def prepare(cls, model: nn.Module, cfg, files: list[pathlib.Path], our_name: Callable[[str], str | None],
+                target_of: Callable) -> HalfWeights | None:
+        """Reads the headers; every PackedLinear whose parts are all stored bf16 (or all fp16) in whole groups of 16
+        rows loses its fp32 parameter here (on meta) and is filled by put(). None when no layer qualifies.
+        our_name: checkpoint name -> ours (None: not this model's, e.g. another pipeline stage's);
+        target_of: the loader's name -> (parameter, expert, row slice) map."""
+        linears = {name + ".weight": m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+        found: dict[str, list[tuple[tuple[int, int] | None, str]]] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for stored in f.keys():
+                    name = our_name(stored)
+                    if name is None or not name.endswith(".weight") or \
+                            (name == "lm_head.weight" and cfg.tie_word_embeddings):     # the table's, fp32
+                        continue
+                    target, expert, rows = target_of(name, cfg)
+                    if expert is None and target in linears:
+                        found.setdefault(target, []).append((rows, f.get_slice(stored).get_dtype()))
+        self = cls()
+        for target, parts in found.items():
+            linear = linears[target]
+            dtypes = {dtype for _, dtype in parts}
+            spans = [(0, linear.out_features) if rows is None else rows for rows, _ in parts]
+            if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES or linear.out_features % GROUP or \
+                    any(a % GROUP or b % GROUP for a, b in spans) or \
+                    sum(b - a for a, b in spans) != linear.out_features:
+                continue
+            linear.weight = None          # on meta: never allocated in fp32
+            self.layers[target] = _Layer(linear, _DTYPES[dtypes.pop()], len(parts))
+        return self if self.layers else None
+
+    def take(self, target: str) -> bool:
+        """Whether our weight `target` is held at 16 bits (then hand its checkpoint tensor to put())."""
+        return target in self.layers
+
+    def put(self, target: str, rows: tuple[int, int] | None, tensor: torch.Tensor) -> None:
+        """One checkpoint tensor of a 16-bit layer (a tensor-parallel rank's share of it): rows [a, b) of the layer
+        (all of them when rows is None)."""
+        layer = self.layers[target]
+        linear = layer.linear
+        a, b = (0, linear.out_features) if rows is None else rows
+        if tuple(tensor.shape) != (b - a, linear.in_features) or tensor.dtype != layer.dtype:
+            raise ValueError(f"{target}[{a}:{b}]: checkpoint tensor {tuple(tensor.shape)} {tensor.dtype}, expected "
+                             f"{(b - a, linear.in_features)} {layer.dtype}")
+        if (a, b) in layer.filled:
+            raise ValueError(f"{target}[{a}:{b}] appears twice in the checkpoint")
+        if layer.packed is None:
+            layer.packed = empty_w16(layer.dtype, linear.out_features, linear.in_features)
+        layer.packed.qs[a // GROUP:b // GROUP].copy_(w16_rows(tensor))
+        layer.filled.add((a, b))
+        if len(layer.filled) == layer.parts:
+            linear.use_packed(layer.packed)
+
+    def check_done(self) -> str:
+        """After the last shard: every 16-bit layer whole; returns the log line (weights in memory)."""
+        missing = [t for t, layer in self.layers.items() if len(layer.filled) != layer.parts]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
+        kinds: dict[str, int] = {}
+        for layer in self.layers.values():
+            name = KIND_NAMES[layer.packed.kind]
+            kinds[name] = kinds.get(name, 0) + 1
+        held = sum(layer.packed.nbytes for layer in self.layers.values())
+        shown = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        return (f"16-bit weights kept at their width: {len(self.layers)} linears ({shown}): {held / 2**20:.2f} MiB "
+                f"in memory, {2 * held / 2**20:.2f} MiB as fp32 (widened exactly in the C kernels)")
