@@ -48,7 +48,8 @@ from steploop.gpu_worker.memory_profile import (
     split_partials_bytes,
 )
 from steploop.gpu_worker.model.llama import LlamaForCausalLM
-from steploop.gpu_worker.model.loader import load_model
+from steploop.gpu_worker.model.half_weights import holds_16bit
+from steploop.gpu_worker.model.loader import load_model, safetensors_files
 from steploop.gpu_worker.model.model_config import LlamaModelConfig
 from steploop.gpu_worker.penalties import PenaltyInputs
 from steploop.gpu_worker.pooling import Pooler, has_sentence_transformers_config, load_pooling_config
@@ -117,7 +118,9 @@ class ModelRunner:
         max_len = _max_model_len(config, cfg)
         gguf = gguf_source(model_path) is not None
         stored_quantized = cfg.quant is not None or gguf
-        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized), gguf)
+        half = not stored_quantized and holds_16bit(safetensors_files(model_path))
+        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized), gguf,
+                                half)
         log.info("kernel plan: %s", plan.describe())
         _set_int8_activations(config.cpu_int8_activations, gguf, plan)
         local = rank.local_cfg

@@ -4,6 +4,7 @@ the random models the stage tests serve with transformers' answers."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from steploop.common import envs
 from tests.tp.tp_models import build_llama
@@ -25,6 +26,8 @@ def pp_llama_dir(tmp_path_factory, model_dir):
 
 BUILDERS = {"llama": lambda out, tok: build_llama(out, tok, 4, 2, tied=False),
             "llama_tied": lambda out, tok: build_llama(out, tok, 4, 1, tied=True),
+            # bf16: each stage (and rank) keeps its share of the linears at 16 bits (model/half_weights.py)
+            "llama_bf16": lambda out, tok: build_llama(out, tok, 4, 2, tied=False, dtype=torch.bfloat16),
             "mixtral": lambda out, tok: build_family_model("mixtral", out, tok),
             "qwen3_moe": lambda out, tok: build_family_model("qwen3_moe", out, tok)}
 

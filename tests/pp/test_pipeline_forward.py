@@ -14,8 +14,8 @@ from tests.tp.moe_ranks import SCHEDULES
 from tests.worker.family_models import load_oracle
 from tests.worker.test_families import serve
 
-CASES = [("llama", 1, 2), ("llama_tied", 1, 2), ("llama", 2, 2), ("mixtral", 1, 2), ("mixtral", 2, 2),
-         ("qwen3_moe", 2, 2)]   # 3 layers: 2 + 1, a dense layer between sparse ones, a replicated KV head
+CASES = [("llama", 1, 2), ("llama_tied", 1, 2), ("llama", 2, 2), ("llama_bf16", 2, 2), ("mixtral", 1, 2),
+         ("mixtral", 2, 2), ("qwen3_moe", 2, 2)]   # 3 layers: 2 + 1, a dense layer between sparse ones, a replicated KV head
 
 
 # the first case runs in the fast suite; the others (about 10 s each on 2 shared cores) are slow
@@ -34,6 +34,9 @@ def test_stages_equal_transformers(models, name, tp, pp):
             assert [layer.self_attn.layer_idx for layer in r.model.model.layers] == list(range(first, end))
             assert len(r.kv_caches) == end - first
             assert (r.model.lm_head is None) == (r.pipe.share.stage < pp - 1)
+            if name.endswith("bf16"):    # every linear of the stage's share at 16 bits
+                held = [m for m in r.model.modules() if getattr(m, "packed", None) is not None]
+                assert len(held) == 4 * (end - first) + (r.model.lm_head is not None)
         for chunk, preempt in SCHEDULES:
             got = serve(group, chunk, preempt)
             for handle, (want_tokens, want_logprobs) in enumerate(expected):

@@ -13,7 +13,7 @@ from tests.worker.family_models import TOKENIZER_FILES, VOCAB
 
 
 def build_llama(out: pathlib.Path, tokenizer_dir: pathlib.Path, num_heads: int, num_kv_heads: int, tied: bool,
-                seed: int = 0) -> pathlib.Path:
+                seed: int = 0, dtype: torch.dtype = torch.float32) -> pathlib.Path:
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -27,7 +27,7 @@ def build_llama(out: pathlib.Path, tokenizer_dir: pathlib.Path, num_heads: int, 
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out)
+    model.to(dtype).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
@@ -35,9 +35,9 @@ def build_llama(out: pathlib.Path, tokenizer_dir: pathlib.Path, num_heads: int, 
 
 
 def run_ranks(model_dir: pathlib.Path, world_size: int, prompts: list[list[int]], max_tokens: int,
-              chunk: int = 7, device: str = "cpu") -> list[dict[int, list[int]]]:
+              chunk: int = 7, device: str = "cpu", runners: list | None = None) -> list[dict[int, list[int]]]:
     """Each rank's greedy outputs (handle -> tokens), every rank a ModelRunner in its own thread (fp32; on
-    device "cuda" rank R uses cuda:R and NCCL)."""
+    device "cuda" rank R uses cuda:R and NCCL). runners: a list that gets each rank's ModelRunner."""
     from steploop.gpu_worker.config import WorkerConfig
     from steploop.gpu_worker.distributed.process_group import GroupStore, form_group
     from steploop.gpu_worker.model_runner import ModelRunner
@@ -52,6 +52,8 @@ def run_ranks(model_dir: pathlib.Path, world_size: int, prompts: list[list[int]]
         config = WorkerConfig(model=str(model_dir), num_kv_blocks=160, max_model_len=512, device=rank_device,
                               dtype="float32", tensor_parallel_size=world_size, rank=rank, num_threads=1)
         runner = ModelRunner.from_config(config, model_dir)
+        if runners is not None:
+            runners.append(runner)
         timeout = timedelta(seconds=120)
         group = form_group(rank, world_size, store.address, 1, timeout, "127.0.0.1", torch.device(rank_device),
                            store if rank == 0 else None)

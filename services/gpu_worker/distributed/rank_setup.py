@@ -78,12 +78,14 @@ class RankSetup:
     def comms(self) -> list[TensorParallelComm]:
         return [self.comm] + ([self.pipe] if self.pipe is not None else [])
 
-    def kernel_plan(self, plan: KernelPlan, gguf: bool = False) -> KernelPlan:
+    def kernel_plan(self, plan: KernelPlan, gguf: bool = False, half: bool = False) -> KernelPlan:
         """gguf: the weights are a GGUF file's blocks, which a rank packs from its own share of them (no
-        packed-weight cache), so a tensor-parallel rank keeps its packed linears."""
+        packed-weight cache), so a tensor-parallel rank keeps its packed linears. half: the checkpoint holds bf16 /
+        fp16 tensors, which a rank or stage keeps at 16 bits from its own share (model/half_weights.py; no cache
+        either), so it keeps them too."""
         if self.share is None and self.stage is None:
             return plan
-        keep_packed = gguf and self.stage is None
+        keep_packed = (gguf and self.stage is None) or half
         why = (f"tensor parallel (-tp {self.share.world_size}): linears run in torch on this rank's slices"
                if self.share is not None else
                f"pipeline stage {self.stage.stage} of {self.stage.num_stages}: this stage's layers only")

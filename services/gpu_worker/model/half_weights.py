@@ -31,6 +31,15 @@ from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
 
 
+def holds_16bit(files: list[pathlib.Path]) -> bool:
+    """Whether any tensor of the checkpoint is stored bf16 / fp16 (from the safetensors headers)."""
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            if any(f.get_slice(name).get_dtype() in _DTYPES for name in f.keys()):
+                return True
+    return False
+
+
 class _Layer:
     def __init__(self, linear: PackedLinear, dtype: torch.dtype, parts: int):
         self.linear, self.dtype, self.parts = linear, dtype, parts

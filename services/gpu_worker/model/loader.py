@@ -121,7 +121,10 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
     if hasattr(model, "finish_load"):
         model.finish_load(device)
     if model.plan.packed_linears and gguf is None:
-        log.info("%s", pack_linear_weights(model, PackedWeightCache.for_checkpoint(safetensors_files(path))))
+        # a rank's or stage's share is not the checkpoint's whole model the cache keys on
+        cache = PackedWeightCache.for_checkpoint(safetensors_files(path)) if tp_share is None and stage is None \
+            else None
+        log.info("%s", pack_linear_weights(model, cache))
     return model.eval()
 
 
