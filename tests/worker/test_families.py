@@ -92,14 +92,16 @@ def test_the_window_matters_at_these_lengths(tmp_path, model_dir):
 
 
 def test_sharded_bf16_checkpoint_serves_exactly_on_cpu(tmp_path, model_dir):
-    """An index file over several shards, torch_dtype bfloat16: the CPU worker reads every shard, upcasts to fp32
-    (its --dtype auto), and matches transformers' fp32 forward on the same (bf16-valued) weights."""
+    """An index file over several shards, torch_dtype bfloat16: the CPU worker reads every shard, computes in fp32
+    (its --dtype auto) with the linears kept at 16 bits, and matches transformers' fp32 forward on the same
+    (bf16-valued) weights."""
     path = build_family_model("qwen3", tmp_path, model_dir, dtype=torch.bfloat16, max_shard_size="2MB")
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) >= 2
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=64, max_model_len=256,
                                                   device="cpu"), path)
-    assert runner.model.lm_head.weight.dtype == torch.float32
+    assert runner.model.model.embed_tokens.weight.dtype == torch.float32      # lookups; the linears and the tied
+    assert runner.model.lm_head.packed is not None                            # head stay 16-bit (half_weights)
     hf_model = load_oracle(path)          # dtype=float32: the bf16 values, upcast
     got = serve(runner, 13)
     for handle, prompt in enumerate(prompts()):

@@ -98,8 +98,8 @@ PLAIN_LLAMA = ("LlamaConfig", {"hidden_size": 128, "intermediate_size": 256, "nu
 @pytest.mark.parametrize("family, dtype, shard", [("llama", torch.bfloat16, "5GB"),
                                                   ("qwen2", torch.float16, "2MB")])
 def test_served_model_equals_transformers_and_holds_16_bits(tmp_path, model_dir, monkeypatch, family, dtype, shard):
-    """llama: untied lm_head (16-bit too), the C decoder; qwen2: q/k/v biases (layer by layer), a tied table (fp32),
-    fp16 in shards of 2 MB (q, k, v and gate, up split across files). Greedy tokens and logprobs (1e-4) as
+    """llama: untied lm_head (16-bit too), the C decoder; qwen2: q/k/v biases (layer by layer), a tied table (fp32
+    for lookups, a 16-bit copy for the logits), fp16 in shards of 2 MB (q, k, v and gate, up split across files). Greedy tokens and logprobs (1e-4) as
     transformers fp32 on the upcast weights, whole-prompt and chunked with a preemption."""
     monkeypatch.setitem(FAMILY_CONFIGS, "llama", PLAIN_LLAMA)
     path = build_family_model(family, tmp_path, model_dir, dtype=dtype, max_shard_size=shard)
@@ -107,11 +107,10 @@ def test_served_model_equals_transformers_and_holds_16_bits(tmp_path, model_dir,
                                                   device="cpu"), path)
     cfg = runner.model.config
     half = _half_linears(runner)
-    untied = not cfg.tie_word_embeddings
-    assert len(half) == 4 * cfg.num_hidden_layers + untied
+    assert len(half) == 4 * cfg.num_hidden_layers + 1      # and lm_head: its own, or a copy of the tied table
     assert all(m.weight is None and m.packed.kind == (BF16 if dtype == torch.bfloat16 else F16) for m in half)
     assert sum(m.packed.nbytes for m in half) == sum(2 * m.in_features * m.out_features for m in half)
-    assert (runner.model.lm_head.packed is not None) == untied
+    assert runner.model.lm_head.packed is not None and runner.model.model.embed_tokens.weight.dtype == torch.float32
     assert (runner.model.cpu_decoder is not None) == (family == "llama")
     hf_model = load_oracle(path)
     expected = [oracle(hf_model, p) for p in prompts()]

@@ -13,7 +13,7 @@ the bytes. The layer never gets an fp32 weight: its parameter is dropped on meta
 
 A layer stays an fp32 nn.Linear weight (as before) when its parts mix dtypes or are fp32, or its rows are not whole
 groups of 16 (the layout's). Mixture-of-experts experts and the embedding table stay in the model's dtype (fp32); a
-tied lm_head shares the embedding's fp32 table.
+tied lm_head over a 16-bit table gets its own 16-bit copy of it (tie_head).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, PackedWeight, empty_w16, w16_rows
+from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, PackedWeight, empty_w16, pack_w16, w16_rows
 from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
@@ -50,6 +50,7 @@ class _Layer:
 class HalfWeights:
     def __init__(self):
         self.layers: dict[str, _Layer] = {}        # our weight name (…qkv_proj.weight) -> the layer it fills
+        self.table_dtype: torch.dtype | None = None   # the embedding table's stored 16-bit dtype, if it is one
 
     @classmethod
     def prepare(cls, model: nn.Module, cfg, files: list[pathlib.Path], our_name: Callable[[str], str | None],
@@ -59,11 +60,14 @@ class HalfWeights:
         our_name: checkpoint name -> ours (None: not this model's, e.g. another pipeline stage's);
         target_of: the loader's name -> (parameter, expert, row slice) map."""
         linears = {name + ".weight": m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+        table_dtype = None
         found: dict[str, list[tuple[tuple[int, int] | None, str]]] = {}
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for stored in f.keys():
                     name = our_name(stored)
+                    if name == "model.embed_tokens.weight":
+                        table_dtype = _DTYPES.get(f.get_slice(stored).get_dtype())
                     if name is None or not name.endswith(".weight") or \
                             (name == "lm_head.weight" and cfg.tie_word_embeddings):     # the table's, fp32
                         continue
@@ -71,6 +75,7 @@ class HalfWeights:
                     if expert is None and target in linears:
                         found.setdefault(target, []).append((rows, f.get_slice(stored).get_dtype()))
         self = cls()
+        self.table_dtype = table_dtype if cfg.tie_word_embeddings else None
         for target, parts in found.items():
             linear = linears[target]
             dtypes = {dtype for _, dtype in parts}
@@ -81,7 +86,22 @@ class HalfWeights:
                 continue
             linear.weight = None          # on meta: never allocated in fp32
             self.layers[target] = _Layer(linear, _DTYPES[dtypes.pop()], len(parts))
-        return self if self.layers else None
+        return self if self.layers or self.table_dtype else None
+
+    def tie_head(self, model: nn.Module) -> str | None:
+        """A tied lm_head over a 16-bit table: its own 16-bit copy of the table's rows (the table stays fp32 for
+        lookups; its values are the stored ones, so casting back is exact). Logits then read half the bytes of the
+        fp32 table (the 16-bit kernel at one row: ~4x torch's fp32 matmul). Returns the log line, or None."""
+        head, table = getattr(model, "lm_head", None), getattr(model.model, "embed_tokens", None)
+        if self.table_dtype is None or not isinstance(head, PackedLinear) or head.packed is not None or \
+                table is None or head.weight is not table.weight:
+            return None
+        packed = pack_w16(table.weight.data.to(self.table_dtype))
+        if packed is None:           # rows not whole groups of 16
+            return None
+        head.use_packed(packed)
+        return (f"tied lm_head: a {KIND_NAMES[packed.kind]} copy of the table for the logits "
+                f"({packed.nbytes / 2**20:.2f} MiB beside its fp32 rows)")
 
     def take(self, target: str) -> bool:
         """Whether our weight `target` is held at 16 bits (then hand its checkpoint tensor to put())."""

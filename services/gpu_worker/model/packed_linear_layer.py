@@ -47,6 +47,8 @@ def pack_linear_weights(model: nn.Module, cache=None) -> str:
     cache: a PackedWeightCache (packed_weight_cache.py), or None to pack without one."""
     layers = {name: m for name, m in model.named_modules()       # not those already holding a form (16-bit)
               if isinstance(m, PackedLinear) and m.packed is None}
+    if not layers:
+        return "packed weights: every linear already holds its form"
     start = time.perf_counter()
     packed = cache.load(layers) if cache is not None else None
     cached = packed is not None
