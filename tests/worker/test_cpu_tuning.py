@@ -9,7 +9,7 @@ import torch
 from steploop.common import envs
 from steploop.gpu_worker.cpu_kernels import build, cpu_tuning
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
-from steploop.gpu_worker.cpu_kernels.packed_weights import pack
+from steploop.gpu_worker.cpu_kernels.packed_weights import pack, pack_w16
 from tests.worker.c_kernels import needs_c_kernels
 from tests.worker.test_packed_linear import gguf_q4_1, gguf_q8_0, same_bits
 
@@ -36,10 +36,11 @@ def test_intel_keeps_the_constants_and_amd_reads_its_caches():
     assert cpu_tuning.tile_flags("avx512", "", ZEN3, env) == []                       # vendor unknown
     # Zen 3 / Zen 4: a 16 KiB tile (half the L1d), x passes of 512 KiB: the constants' values
     assert cpu_tuning.tile_flags("avx2", "AuthenticAMD", ZEN3, env) == ["-DKC=256", "-DX_BYTES=524288"]
-    assert cpu_tuning.tile_flags("avx512", "AuthenticAMD", ZEN4, env) == ["-DKC=128", "-DX_BYTES=524288"]
+    assert cpu_tuning.tile_flags("avx512", "AuthenticAMD", ZEN4, env) == ["-DKC=128", "-DX_BYTES=524288",
+                                                                          "-DREGISTER_MAX_M=4"]
     # smaller caches: smaller blocks, k chunks still whole quantization blocks
     assert cpu_tuning.tile_flags("avx512", "AuthenticAMD", {"L1d": 16 << 10, "L2": 256 << 10}, env) == \
-        ["-DKC=64", "-DX_BYTES=262144"]
+        ["-DKC=64", "-DX_BYTES=262144", "-DREGISTER_MAX_M=4"]
     assert cpu_tuning.tile_flags("avx512", "AuthenticAMD", {"L1d": 1 << 10, "L2": 4 << 10}, env)[0] == "-DKC=32"
     assert cpu_tuning.tile_flags("avx2", "AuthenticAMD", {"L1d": 32 << 10}, env) == []    # no L2 read: constants
 
@@ -58,24 +59,31 @@ def fresh_library():
     def clear():
         build.load.cache_clear()
         kernel._kernel.cache_clear()
+        kernel._w16_kernel.cache_clear()
     clear()
     yield
     clear()
 
 
+def bf16_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1).to(torch.bfloat16)
+
+
 @needs_c_kernels(build.runnable_isas())
 @pytest.mark.parametrize("isa", [isa for isa in build.runnable_isas() if isa != "generic"])
-@pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0])
+@pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0, bf16_weight])
 def test_small_blocks_give_the_constants_bits(make, isa, monkeypatch, fresh_library):
     """A CPU with tiny caches (32-k chunks, x passes of 8 KiB: many chunks and passes) computes every output as the
-    same fma chain in k order as the constants' blocking: the same bits, whatever the batch."""
+    same fma chain in k order as the constants' blocking: the same bits, whatever the batch. On AVX-512 that build
+    also runs 3 and 4 rows in registers (the constants' build: in the scratch tile), the same bits again."""
     w = make(48, 320, seed=21)
-    packed = pack(w)
+    packed = pack_w16(w) if w.dtype == torch.bfloat16 else pack(w)
     x = torch.randn(70, 320, generator=torch.Generator().manual_seed(22))
     monkeypatch.setenv(envs.CPU_TUNING, "constants")
-    wanted = {m: kernel.packed_linear(x[:m], packed, 2, isa=isa) for m in (3, 9, 33, 70)}
+    wanted = {m: kernel.packed_linear(x[:m], packed, 2, isa=isa) for m in (1, 2, 3, 4, 9, 33, 70)}
     build.load.cache_clear()
     kernel._kernel.cache_clear()
+    kernel._w16_kernel.cache_clear()
     monkeypatch.setenv(envs.CPU_TUNING, "caches")
     monkeypatch.setattr(cpu_tuning, "cache_sizes", lambda: {"L1d": 4 << 10, "L2": 8 << 10})
     assert build.build(isa, strict=True) is not None

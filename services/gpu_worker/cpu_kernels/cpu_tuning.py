@@ -2,6 +2,7 @@
 (which is run time: build.py compiles on the host, and the flags are part of the library's hash).
 
     tile_flags("avx2")    # [] on Intel; ["-DKC=256", "-DX_BYTES=524288"] on a Zen 3 (32 KiB L1d, 512 KiB L2)
+    tile_flags("avx512")  # on a Zen 4: ["-DKC=128", "-DX_BYTES=524288", "-DREGISTER_MAX_M=4"]
 
 The constants in packed_linear.c were measured on an Intel Xeon (48 KiB L1d, 2 MiB L2); an Intel CPU, or one
 whose vendor or caches cannot be read, gets them unchanged (no flags: the same object code). Another vendor's CPU
@@ -9,9 +10,13 @@ gets its blocking from its own caches, as those constants were derived: the dequ
 floats) takes half the L1d, and a pass's rows of x (X_BYTES) at most the L2 (X_BYTES_MAX). On Zen 3 and Zen 4
 (32 KiB L1d, 512 KiB / 1 MiB L2) that gives the constants' values: the blocking is not where those CPUs lose to
 the Xeon (Zen 3: ~78% of one core's fma peak at 64-1024 rows either way; Zen 4 issues a 512-bit fma as two
-256-bit halves, half the Xeon's fma rate per cycle); a CPU with smaller caches gets smaller blocks. STEPLOOP_CPU_TUNING picks the rule:
+256-bit halves, half the Xeon's fma rate per cycle); a CPU with smaller caches gets smaller blocks. With AVX-512 such a
+CPU also runs batches of 3 and 4 rows on the register path (REGISTER_MAX_M=4) instead of the scratch tile: on a Zen 4,
+a forward's matmuls at 3 rows took 11-14 instead of 19 ms (Q4_1) and 14-15 instead of 30 (bf16), at 4 rows 15-19
+instead of 21-24 and 15-16 instead of 29-31; on the Xeon the tile won from 3 rows (10.3 vs 12.4 ms). STEPLOOP_CPU_TUNING picks the rule:
 "vendor" (default, as above), "constants" (the Xeon's on any CPU: benchmarks time one against the other in one
-run) or "caches" (from the caches on any CPU, Intel's included; tests build it to check its bits).
+run) or "caches" (the rule of a CPU not Intel's, on any CPU, Intel's included: blocks from the caches, 3 and 4 rows
+in registers with AVX-512; tests build it to check its bits).
 The blocking never changes a result: each output stays one fma chain over k in order (packed_linear.c).
 """
 
@@ -80,9 +85,11 @@ def tile_flags(isa: str, cpu_vendor: str | None = None, caches: dict[str, int] |
     if how == "constants" or (how == "vendor" and (cpu_vendor if cpu_vendor is not None else vendor())
                                in ("GenuineIntel", "")):
         return []
+    # 3 and 4 rows in registers (no scratch tile) where there are 32 vector registers for their accumulators
+    rows = ["-DREGISTER_MAX_M=4"] if isa == "avx512" else []
     caches = cache_sizes() if caches is None else caches
     if "L1d" not in caches or "L2" not in caches:
-        return []
+        return rows
     nr = 2 * VECTOR_FLOATS[isa]                                   # the tile's width: two vectors of output rows
     kc = max(QK, caches["L1d"] // 2 // (4 * nr) // QK * QK)
-    return [f"-DKC={kc}", f"-DX_BYTES={min(caches['L2'], X_BYTES_MAX)}"]
+    return [f"-DKC={kc}", f"-DX_BYTES={min(caches['L2'], X_BYTES_MAX)}"] + rows

@@ -47,7 +47,24 @@
    27.1 vs 33.4, at 48 66.1 vs 88.5; AVX-512 at 3 rows 10.3 vs 12.4, at 8 13.9 vs 17.4; at 1 row the register
    path wins, 8.3 vs 9.6 AVX-512, 10.6 vs 15.4 AVX2). It once went to 48 rows, before the tile was used in
    L1-sized k chunks. */
+#ifndef REGISTER_MAX_M     /* build.py sets 4 where the scratch tile loses at 3-4 rows (cpu_tuning.py) */
 #define REGISTER_MAX_M 2
+#endif
+#if REGISTER_MAX_M != 2 && REGISTER_MAX_M != 4
+#error "REGISTER_MAX_M is 2 or 4"
+#endif
+/* CASE(F, R, S) for every row count R of the register paths and S = 1 .. NS slices side by side; F passes through */
+#define ROWS_1_2(CASE, F)                                                           \
+    CASE(F, 1, 1) CASE(F, 1, 2) CASE(F, 1, 3) CASE(F, 1, 4)                         \
+    CASE(F, 2, 1) CASE(F, 2, 2) CASE(F, 2, 3) CASE(F, 2, 4)
+#if REGISTER_MAX_M == 4
+#define ROWS_SLICES(CASE, F)                                                        \
+    ROWS_1_2(CASE, F)                                                               \
+    CASE(F, 3, 1) CASE(F, 3, 2) CASE(F, 3, 3) CASE(F, 3, 4)                         \
+    CASE(F, 4, 1) CASE(F, 4, 2) CASE(F, 4, 3) CASE(F, 4, 4)
+#else
+#define ROWS_SLICES(CASE, F) ROWS_1_2(CASE, F)
+#endif
 /* x bytes per pass of the tile path over the weights: a pass's rows (X_BYTES / (4 K) of them, at most) stay in L2
    while every tile uses them. In one pass, 1024 rows re-read x (2.4-6.3 MB) from L3 for every tile: AVX2 at 1024
    rows 160 GFLOP/s in one pass, 214 in passes of <= 512 KB (1 MB: 202, 2 MB: 166); torch 184. */
@@ -269,13 +286,12 @@ static inline __attribute__((always_inline)) void fused_q4_1_side(int mr, int ns
 static void fused_q4_1_side_dispatch(int mr, int ns, const float *xt, int64_t K, const uint8_t *qs,
                                      const float *d, const float *m, int64_t s0, float *y, int64_t N)
 {
-#define SIDE_CASE(R, S)                                                   \
+#define SIDE_CASE(F, R, S)                                                \
     if (mr == R && ns == S) {                                             \
         fused_q4_1_side(R, S, xt, K, qs, d, m, s0, y, N);                 \
         return;                                                           \
     }
-    SIDE_CASE(1, 1) SIDE_CASE(1, 2) SIDE_CASE(1, 3) SIDE_CASE(1, 4)
-    SIDE_CASE(2, 1) SIDE_CASE(2, 2) SIDE_CASE(2, 3) SIDE_CASE(2, 4)
+    ROWS_SLICES(SIDE_CASE, 0)
 #undef SIDE_CASE
 }
 
@@ -458,10 +474,14 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
                 /* the next slice's bytes (this thread's, in a static schedule) arrive while this one computes */
                 if (sl + 1 < N / VL)
                     prefetch_chunk(kind, qs, d, m, sl + 1, K, 0, K);
-                if (M == 1)
-                    fused_q8_0(1, xt, K, qs, d, sl, y, N);
-                else
-                    fused_q8_0(2, xt, K, qs, d, sl, y, N);
+                switch (M) {
+                case 1: fused_q8_0(1, xt, K, qs, d, sl, y, N); break;
+                case 2: fused_q8_0(2, xt, K, qs, d, sl, y, N); break;
+#if REGISTER_MAX_M == 4
+                case 3: fused_q8_0(3, xt, K, qs, d, sl, y, N); break;
+                case 4: fused_q8_0(4, xt, K, qs, d, sl, y, N); break;
+#endif
+                }
             }
         }
         return 0;
@@ -546,6 +566,10 @@ static void fused_q8b_dispatch(int mr, int bs, const float *xt, int64_t K, const
     }
     Q8B_CASE(1, 16, 0) Q8B_CASE(1, 16, 1) Q8B_CASE(1, 32, 0) Q8B_CASE(1, 32, 1)
     Q8B_CASE(2, 16, 0) Q8B_CASE(2, 16, 1) Q8B_CASE(2, 32, 0) Q8B_CASE(2, 32, 1)
+#if REGISTER_MAX_M == 4
+    Q8B_CASE(3, 16, 0) Q8B_CASE(3, 16, 1) Q8B_CASE(3, 32, 0) Q8B_CASE(3, 32, 1)
+    Q8B_CASE(4, 16, 0) Q8B_CASE(4, 16, 1) Q8B_CASE(4, 32, 0) Q8B_CASE(4, 32, 1)
+#endif
 #undef Q8B_CASE
 }
 
@@ -662,13 +686,12 @@ static void fused_q4k_side_dispatch(int mr, int ns, const float *xt, int64_t K, 
                                     const uint8_t *mn, const float *d, const float *dmin, int64_t s0, float *y,
                                     int64_t N)
 {
-#define Q4K_CASE(R, S)                                                        \
+#define Q4K_CASE(F, R, S)                                                        \
     if (mr == R && ns == S) {                                                 \
         fused_q4k_side(R, S, xt, K, qs, sc, mn, d, dmin, s0, y, N);           \
         return;                                                               \
     }
-    Q4K_CASE(1, 1) Q4K_CASE(1, 2) Q4K_CASE(1, 3) Q4K_CASE(1, 4)
-    Q4K_CASE(2, 1) Q4K_CASE(2, 2) Q4K_CASE(2, 3) Q4K_CASE(2, 4)
+    ROWS_SLICES(Q4K_CASE, 0)
 #undef Q4K_CASE
 }
 
@@ -836,12 +859,8 @@ static inline __attribute__((always_inline)) void fused_k_side(int q6, int mr, i
             storev(y + r * N + (s0 + i) * VL, acc[i][r]);
 }
 
-/* every (flag, rows, slices) of the register paths whose form has a two-way flag: CASE(flag, 1..2, 1..NS) */
-#define FLAG_ROWS_SLICES(CASE)                                                      \
-    CASE(0, 1, 1) CASE(0, 1, 2) CASE(0, 1, 3) CASE(0, 1, 4)                         \
-    CASE(0, 2, 1) CASE(0, 2, 2) CASE(0, 2, 3) CASE(0, 2, 4)                         \
-    CASE(1, 1, 1) CASE(1, 1, 2) CASE(1, 1, 3) CASE(1, 1, 4)                         \
-    CASE(1, 2, 1) CASE(1, 2, 2) CASE(1, 2, 3) CASE(1, 2, 4)
+/* every (flag, rows, slices) of the register paths whose form has a two-way flag */
+#define FLAG_ROWS_SLICES(CASE) ROWS_SLICES(CASE, 0) ROWS_SLICES(CASE, 1)
 
 static void fused_k_side_dispatch(int q6, int mr, int ns, const float *xt, int64_t K, const tile_weight *w,
                                   int64_t s0, float *y, int64_t N)
