@@ -11,7 +11,8 @@ greedy tokens equal, logprobs within 1e-4, for whole prompts, uneven prefill chu
     qwen3-MoE GGUF  k-quant experts cut by their intermediate rows (sharded) or whole per rank (expert parallel);
                     also a repeated prompt hitting the first one's cached blocks (prefix caching)
 
-Each rank's weights: no fp32 matrix but the routers and F16/BF16 layers, and about half the stored bytes each."""
+Each rank's weights: no fp32 matrix but the routers and layers mixing F16 with a block type (an all-BF16 layer
+keeps its 16 bits), and about half the stored bytes each."""
 
 from __future__ import annotations
 
@@ -98,8 +99,8 @@ def test_gguf_tp2_at_width_equals_transformers(family, tmp_path, model_dir):
         _check([(s[:len(SCHEDULES)], r) for s, r in ranks], expected, SCHEDULES, f"{family} ep {expert_parallel}")
         if family == "qwen3_moe":
             _check([(s[len(SCHEDULES):], r) for s, r in ranks], hit, [PREFIX_HIT], f"{family} prefix hit")
-        # llama: layer 1's F16 up / BF16 down stay fp32 (as on one rank), and layer 0's o_proj cut inside its
-        # super-blocks; MoE: the routers
+        # llama: layer 1's gate/up (Q5_K + F16 rows) may be fp32 (as on one rank; its BF16 down is 16-bit), and
+        # layer 0's o_proj cut inside its super-blocks; MoE: the routers
         _check_widths(ranks, ("mlp.gate.weight",) if family == "qwen3_moe" else
                       ("layers.1.mlp.gate_up_proj.weight", "layers.1.mlp.down_proj.weight",
                        "layers.0.self_attn.o_proj.weight"))

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from steploop.common.model_path import gguf_model_dir
-from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_K, Q6_K, SPLIT
+from steploop.gpu_worker.cpu_kernels.packed_weights import KIND_NAMES, Q4_K, Q6_K, SPLIT
 from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
 from steploop.gpu_worker.gguf.reader import GGUFFileError, fast_gguf_readers, open_gguf
@@ -63,7 +63,13 @@ def _phi3_types(name: str, w) -> T:
             "ffn_down": T.Q6_K}[name.split(".")[-2]]
 
 
+def _f16_types(name: str, w) -> T:
+    """An "F16" file (llama.cpp's --outtype f16): every matrix F16, a tied table; BF16 for the MLP's down rows"""
+    return T.BF16 if ".ffn_down." in name else T.F16
+
+
 MODELS = {"llama": ("LlamaConfig", {"tie_word_embeddings": False}, _llama_types),
+          "qwen2_f16": ("Qwen2Config", {"tie_word_embeddings": True}, _f16_types),
           "phi3": ("Phi3Config", {"tie_word_embeddings": False}, _phi3_types),
           "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}, _qwen2_types),
           "gemma2": ("Gemma2Config", {"head_dim": 64, "sliding_window": 16, "query_pre_attn_scalar": 48,
@@ -101,11 +107,17 @@ def test_gguf_blocks_serve_transformers_greedy_tokens(family, tmp_path, model_di
                                                       device="cpu"), folder)
     assert "GGUF weights in memory" in caplog.text
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-    if runner.model.plan.packed_linears:          # block types packed from the file; F16 / BF16 stay fp32
+    if runner.model.plan.packed_linears:          # block types packed from the file, F16 / BF16 kept 16-bit
         packed = [m for m in linears if m.packed is not None]
-        assert len(packed) == len(linears) - (2 if family == "llama" else 0)
+        # llama's layer 1 gate/up mixes Q5_K with F16 rows: fp32; its BF16 down: 16-bit
+        assert len(packed) == len(linears) - (1 if family == "llama" else 0)
         assert all(m.weight is None for m in packed)
-        assert isinstance(runner.model.model.embed_tokens, BlockEmbedding)      # no fp32 table either
+        if family == "llama":
+            assert KIND_NAMES[runner.model.model.layers[1].mlp.down_proj.packed.kind] == "bf16"
+        if family == "qwen2_f16":     # the F16 table stays fp32 for lookups; the tied head a 16-bit copy of it
+            assert {KIND_NAMES[m.packed.kind] for m in packed} == {"bf16", "fp16"}
+        else:
+            assert isinstance(runner.model.model.embed_tokens, BlockEmbedding)      # no fp32 table either
     expected = [oracle(hf, p) for p in prompts()]
     for chunk, preempt_after in [(512, None), (16, 8)]:
         got = serve(runner, chunk, preempt_after)

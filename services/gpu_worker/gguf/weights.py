@@ -2,8 +2,9 @@
 
 Each linear layer whose tensors are block-quantized (blocks.BLOCK_TYPES) and fit the packed layout (whole groups
 of 16 output rows) takes its packed form straight from the blocks (packed_forms.py): no fp32 copy of it is ever
-made. Everything else (norms, the embedding table, F32 / F16 / BF16 linears, layers off the packed grid, and every
-tensor when the plan has no packed linears) is dequantized one tensor at a time by gguf-py's own dequantize into
+made; one whose tensors are all F16 (or all BF16) keeps their 16 bits (packed_weights.F16 / BF16), a tied lm_head
+over an F16 / BF16 table too. Everything else (norms, the embedding table, F32 linears, layers of mixed types or
+off the packed grid, and every tensor when the plan has no packed linears) is dequantized one tensor at a time by gguf-py's own dequantize into
 its fp32 parameter: the values the transformers oracle computes with.
 The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
 it; a tied lm_head packs from the same blocks. A mixture-of-experts file's stacked experts tensors ([experts, rows,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -34,7 +36,8 @@ import numpy as np
 import torch
 from gguf import quants as gguf_quants
 
-from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, SPLIT, PackedWeight, packable_shape
+from steploop.gpu_worker.cpu_kernels.packed_weights import (GROUP, KIND_NAMES, SPLIT, PackedWeight, empty_w16,
+                                                               packable_shape, w16_rows)
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.block_shards import cut_inside_blocks, shard_raw
 from steploop.gpu_worker.gguf.file_pages import FilePages
@@ -199,7 +202,8 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
             if packed:
-                _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False)
+                _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False) or \
+                    _half(module, parts, arch, cfg, stats, PackedLinear, sharder, count_file=False)
             else:
                 _triton_blocks(model, target, module, parts, arch, cfg, stats, sharder, pages, count_file=False)
             continue                                  # its bytes are the embedding's: released after it
@@ -207,7 +211,8 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
             done = packed and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg, stats, sharder, pages)
         else:
             done = _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"),
-                         sharder, pages)
+                         sharder, pages) or \
+                (packed and target.endswith(".weight") and _half(module, parts, arch, cfg, stats, PackedLinear, sharder))
             if not done and triton_blocks and target.endswith(".weight"):
                 done = _triton_blocks(model, target, module, parts, arch, cfg, stats, sharder, pages)
         if not done:
@@ -270,6 +275,41 @@ def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_l
         return False
     module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file,
                                      sharder, pages))
+    return True
+
+
+_HALF = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _half(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_linear_type, sharder,
+          count_file: bool = True) -> bool:
+    """Give a PackedLinear whose parts are all F16 (or all BF16) tensors tiling its rows in whole 16-row groups the
+    16-bit form of their stored bits (packed_weights.BF16 / F16: widened exactly in the kernel, as gguf-py's
+    dequantize widens them); False leaves it to the fp32 path."""
+    types = {p.tensor.tensor_type.name for p in parts}
+    if not isinstance(module, packed_linear_type) or len(types) != 1 or next(iter(types)) not in _HALF or \
+            any(p.expert is not None for p in parts):
+        return False
+    n, k = module.out_features, module.in_features
+    covered = 0
+    for r0, r1 in sorted(p.rows or (0, n) for p in parts):       # q, k, v / gate, up in order, whole 16-row groups
+        if r0 != covered or r1 % GROUP:
+            return False
+        covered = r1
+    if covered != n:
+        return False
+    dtype = _HALF[types.pop()]
+    ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
+    weight = empty_w16(dtype, n, k)
+    for p, raw in zip(ordered, _raw_parts(ordered, n, k, arch, cfg, sharder)):
+        r0, r1 = p.rows or (0, n)
+        with warnings.catch_warnings():     # the file's read-only map: only read here, into the layout's copy
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(dtype)
+        weight.qs[r0 // GROUP:r1 // GROUP].copy_(w16_rows(rows))
+        stats.add(p.tensor.tensor_type.name, int(p.tensor.n_bytes) if count_file else 0, 2 * (r1 - r0) * k,
+                  KIND_NAMES[weight.kind])
+    module.use_packed(weight)
     return True
 
 
