@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 
 from steploop.gpu_worker.distributed.pipeline import stage_layers
+from steploop.gpu_worker.model.half_weights import HalfEmbedding
+from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 from tests.pp.pp_ranks import PipelineGroup
 from tests.tp.moe_ranks import SCHEDULES
 from tests.worker.family_models import load_oracle
@@ -34,9 +36,10 @@ def test_stages_equal_transformers(models, name, tp, pp):
             assert [layer.self_attn.layer_idx for layer in r.model.model.layers] == list(range(first, end))
             assert len(r.kv_caches) == end - first
             assert (r.model.lm_head is None) == (r.pipe.share.stage < pp - 1)
-            if name.endswith("bf16"):    # every linear of the stage's share at 16 bits
-                held = [m for m in r.model.modules() if getattr(m, "packed", None) is not None]
+            if name.endswith("bf16"):    # every linear of the stage's share at 16 bits, its table share too
+                held = [m for m in r.model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
                 assert len(held) == 4 * (end - first) + (r.model.lm_head is not None)
+                assert any(isinstance(m, HalfEmbedding) for m in r.model.modules()) == (r.pipe.share.stage == 0)
         for chunk, preempt in SCHEDULES:
             got = serve(group, chunk, preempt)
             for handle, (want_tokens, want_logprobs) in enumerate(expected):

@@ -23,6 +23,7 @@ from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.gguf.block_embedding import BlockEmbedding
 from steploop.gpu_worker.gguf.reader import GGUFFileError, fast_gguf_readers, open_gguf
 from steploop.gpu_worker.gguf_convert import convert_gguf
+from steploop.gpu_worker.model.half_weights import HalfEmbedding
 from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker import gguf_bad_files as bad
@@ -114,8 +115,10 @@ def test_gguf_blocks_serve_transformers_greedy_tokens(family, tmp_path, model_di
         assert all(m.weight is None for m in packed)
         if family == "llama":
             assert KIND_NAMES[runner.model.model.layers[1].mlp.down_proj.packed.kind] == "bf16"
-        if family == "qwen2_f16":     # the F16 table stays fp32 for lookups; the tied head a 16-bit copy of it
+        if family == "qwen2_f16":     # the F16 table stays 16-bit, its tied head multiplying by the same tensor
             assert {KIND_NAMES[m.packed.kind] for m in packed} == {"bf16", "fp16"}
+            assert isinstance(runner.model.model.embed_tokens, HalfEmbedding)
+            assert runner.model.model.embed_tokens.packed is runner.model.lm_head.packed
         else:
             assert isinstance(runner.model.model.embed_tokens, BlockEmbedding)      # no fp32 table either
     expected = [oracle(hf, p) for p in prompts()]

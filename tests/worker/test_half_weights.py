@@ -2,7 +2,7 @@
 checkpoint's linears stay at 16 bits and are widened exactly to fp32 in the kernel. The widening gives back the
 checkpoint's values bit for bit (subnormal, infinite and extreme halves included, on every build), the kernel matches
 x @ W.T with each row independent of its batch, and a served model equals transformers fp32 on the same upcast
-weights while its linears hold half the fp32 bytes."""
+weights while its linears and embedding table hold half the fp32 bytes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from steploop.gpu_worker.config import WorkerConfig
 from steploop.gpu_worker.cpu_kernels import build
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
 from steploop.gpu_worker.cpu_kernels.packed_weights import BF16, F16, pack_w16, unpack
+from steploop.gpu_worker.model.half_weights import HalfEmbedding
 from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 from steploop.gpu_worker.model_runner import ModelRunner
 from tests.worker.c_kernels import needs_c_kernels
@@ -98,8 +99,8 @@ PLAIN_LLAMA = ("LlamaConfig", {"hidden_size": 128, "intermediate_size": 256, "nu
 @pytest.mark.parametrize("family, dtype, shard", [("llama", torch.bfloat16, "5GB"),
                                                   ("qwen2", torch.float16, "2MB")])
 def test_served_model_equals_transformers_and_holds_16_bits(tmp_path, model_dir, monkeypatch, family, dtype, shard):
-    """llama: untied lm_head (16-bit too), the C decoder; qwen2: q/k/v biases (layer by layer), a tied table (fp32
-    for lookups, a 16-bit copy for the logits), fp16 in shards of 2 MB (q, k, v and gate, up split across files). Greedy tokens and logprobs (1e-4) as
+    """llama: untied lm_head (16-bit too), the C decoder; qwen2: q/k/v biases (layer by layer), a tied table (one
+    16-bit tensor for the lookups and the logits), fp16 in shards of 2 MB (q, k, v and gate, up split across files). Greedy tokens and logprobs (1e-4) as
     transformers fp32 on the upcast weights, whole-prompt and chunked with a preemption."""
     monkeypatch.setitem(FAMILY_CONFIGS, "llama", PLAIN_LLAMA)
     path = build_family_model(family, tmp_path, model_dir, dtype=dtype, max_shard_size=shard)
@@ -110,7 +111,10 @@ def test_served_model_equals_transformers_and_holds_16_bits(tmp_path, model_dir,
     assert len(half) == 4 * cfg.num_hidden_layers + 1      # and lm_head: its own, or a copy of the tied table
     assert all(m.weight is None and m.packed.kind == (BF16 if dtype == torch.bfloat16 else F16) for m in half)
     assert sum(m.packed.nbytes for m in half) == sum(2 * m.in_features * m.out_features for m in half)
-    assert runner.model.lm_head.packed is not None and runner.model.model.embed_tokens.weight.dtype == torch.float32
+    table = runner.model.model.embed_tokens
+    assert isinstance(table, HalfEmbedding) and not list(table.parameters()) and table.packed.nbytes == \
+        2 * cfg.vocab_size * cfg.hidden_size                   # the table at 16 bits too, no fp32 copy
+    assert (runner.model.lm_head.packed is table.packed) == bool(cfg.tie_word_embeddings)     # tied: the same rows
     assert (runner.model.cpu_decoder is not None) == (family == "llama")
     hf_model = load_oracle(path)
     expected = [oracle(hf_model, p) for p in prompts()]

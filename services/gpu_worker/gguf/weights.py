@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from gguf import quants as gguf_quants
 
-from steploop.gpu_worker.cpu_kernels.packed_weights import (GROUP, KIND_NAMES, SPLIT, PackedWeight, empty_w16,
-                                                               packable_shape, w16_rows)
+from steploop.gpu_worker.cpu_kernels.packed_weights import (BF16, F16, GROUP, KIND_NAMES, SPLIT, PackedWeight,
+                                                               empty_w16, packable_shape, w16_rows)
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.block_shards import cut_inside_blocks, shard_raw
 from steploop.gpu_worker.gguf.file_pages import FilePages
@@ -226,6 +226,8 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         if (packed or triton_blocks) and table_free and \
                 _embed_in_blocks(model, embed[0], arch, cfg, stats, pages, sharder, params[_EMBED]):
             filled.add(_EMBED)
+        elif packed and _embed_half(model, embed[0], arch, cfg, stats, sharder):
+            filled.add(_EMBED)
         else:
             _copy_fp32(params[_EMBED], embed[0], arch, cfg, sharder, stats)
             filled.add(_EMBED)
@@ -256,6 +258,35 @@ def _embed_in_blocks(model, part: _Part, arch: str, cfg, stats: LoadStats, pages
         table.out_dtype = like.dtype
     model.model.embed_tokens = table
     stats.add(part.tensor.tensor_type.name, int(part.tensor.n_bytes), table.nbytes, "embedding blocks")
+    return True
+
+
+def _embed_half(model, part: _Part, arch: str, cfg, stats: LoadStats, sharder=None) -> bool:
+    """An F16 / BF16 table kept at 16 bits (model/half_weights.py's HalfEmbedding); a tied lm_head that took the
+    16-bit form of the same rows (_half) lends the table its tensor. False: the fp32 path."""
+    from steploop.gpu_worker.model.half_weights import HalfEmbedding
+    name = part.tensor.tensor_type.name
+    table = model.model.embed_tokens
+    if name not in _HALF or not isinstance(table, torch.nn.Embedding) or table.num_embeddings % GROUP:
+        return False
+    head = getattr(model.lm_head, "packed", None) if cfg.tie_word_embeddings else None
+    if head is not None and head.kind in (BF16, F16):        # the same rows, already laid out
+        weight, memory = head, 0
+    else:
+        n, k = table.num_embeddings, table.embedding_dim
+        weight = empty_w16(_HALF[name], n, k)
+        raw, _ = shard_raw(sharder, part.hf_name, _rows(part, arch, cfg), part.tensor.tensor_type, k)
+        if raw.shape[0] != n:
+            raise GGUFFileError(f"tensor {part.tensor.name!r}: {raw.shape[0]} rows (this rank's) != {n} expected "
+                                f"for {part.hf_name}")
+        with warnings.catch_warnings():     # the file's read-only map: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            weight.qs.copy_(w16_rows(torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(_HALF[name])))
+        memory = weight.nbytes
+    embedding = HalfEmbedding(table.num_embeddings, table.embedding_dim)
+    embedding.packed = weight
+    model.model.embed_tokens = embedding
+    stats.add(name, int(part.tensor.n_bytes), memory, KIND_NAMES[weight.kind] + " table")
     return True
 
 

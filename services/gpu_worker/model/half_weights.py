@@ -12,8 +12,8 @@ multiplies: the same weights, the same fp32 arithmetic (one fma chain over k per
 the bytes. The layer never gets an fp32 weight: its parameter is dropped on meta, before the model is allocated.
 
 A layer stays an fp32 nn.Linear weight (as before) when its parts mix dtypes or are fp32, or its rows are not whole
-groups of 16 (the layout's). Mixture-of-experts experts and the embedding table stay in the model's dtype (fp32); a
-tied lm_head over a 16-bit table gets its own 16-bit copy of it (tie_head).
+groups of 16 (the layout's). A 16-bit embedding table stays 16-bit too (HalfEmbedding, in the same layout), and a tied
+lm_head multiplies by that very tensor. Mixture-of-experts experts stay in the model's dtype (fp32).
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from steploop.gpu_worker.cpu_kernels.packed_weights import BF16 as KIND_BF16
 from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, PackedWeight, empty_w16, pack_w16, w16_rows
 from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
+_TABLE = "model.embed_tokens.weight"
 
 
 def holds_16bit(files: list[pathlib.Path]) -> bool:
@@ -38,6 +40,23 @@ def holds_16bit(files: list[pathlib.Path]) -> bool:
             if any(f.get_slice(name).get_dtype() in _DTYPES for name in f.keys()):
                 return True
     return False
+
+
+class HalfEmbedding(nn.Module):
+    """An embedding table kept as its checkpoint's 16-bit values, in the 16-bit packed layout ([V/16, K, 16]), so a
+    tied lm_head multiplies by the very same tensor; a lookup gathers its rows and widens them (exact)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.packed: PackedWeight | None = None        # filled by HalfWeights.put
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.packed.qs[ids // GROUP, :, ids % GROUP]          # [*ids, K] int16: the rows' stored bits
+        return rows.view(torch.bfloat16 if self.packed.kind == KIND_BF16 else torch.float16).float()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {KIND_NAMES[self.packed.kind] if self.packed else '16-bit'}"
 
 
 class _Layer:
@@ -50,7 +69,9 @@ class _Layer:
 class HalfWeights:
     def __init__(self):
         self.layers: dict[str, _Layer] = {}        # our weight name (…qkv_proj.weight) -> the layer it fills
-        self.table_dtype: torch.dtype | None = None   # the embedding table's stored 16-bit dtype, if it is one
+        self.table: HalfEmbedding | None = None    # the embedding, when its table is stored 16-bit
+        self.table_dtype: torch.dtype | None = None
+        self.tied_head: PackedLinear | None = None  # a tied lm_head that multiplies by the table's 16-bit rows
 
     @classmethod
     def prepare(cls, model: nn.Module, cfg, files: list[pathlib.Path], our_name: Callable[[str], str | None],
@@ -75,7 +96,12 @@ class HalfWeights:
                     if expert is None and target in linears:
                         found.setdefault(target, []).append((rows, f.get_slice(stored).get_dtype()))
         self = cls()
-        self.table_dtype = table_dtype if cfg.tie_word_embeddings else None
+        embed, head = model.model.embed_tokens, getattr(model, "lm_head", None)
+        if table_dtype is not None and isinstance(embed, nn.Embedding) and embed.num_embeddings % GROUP == 0:
+            self.table, self.table_dtype = HalfEmbedding(embed.num_embeddings, embed.embedding_dim), table_dtype
+            model.model.embed_tokens = self.table        # on meta: the fp32 table is never allocated
+            if cfg.tie_word_embeddings and isinstance(head, PackedLinear):
+                head.weight, self.tied_head = None, head
         for target, parts in found.items():
             linear = linears[target]
             dtypes = {dtype for _, dtype in parts}
@@ -86,30 +112,18 @@ class HalfWeights:
                 continue
             linear.weight = None          # on meta: never allocated in fp32
             self.layers[target] = _Layer(linear, _DTYPES[dtypes.pop()], len(parts))
-        return self if self.layers or self.table_dtype else None
-
-    def tie_head(self, model: nn.Module) -> str | None:
-        """A tied lm_head over a 16-bit table: its own 16-bit copy of the table's rows (the table stays fp32 for
-        lookups; its values are the stored ones, so casting back is exact). Logits then read half the bytes of the
-        fp32 table (the 16-bit kernel at one row: ~4x torch's fp32 matmul). Returns the log line, or None."""
-        head, table = getattr(model, "lm_head", None), getattr(model.model, "embed_tokens", None)
-        if self.table_dtype is None or not isinstance(head, PackedLinear) or head.packed is not None or \
-                table is None or head.weight is not table.weight:
-            return None
-        packed = pack_w16(table.weight.data.to(self.table_dtype))
-        if packed is None:           # rows not whole groups of 16
-            return None
-        head.use_packed(packed)
-        return (f"tied lm_head: a {KIND_NAMES[packed.kind]} copy of the table for the logits "
-                f"({packed.nbytes / 2**20:.2f} MiB beside its fp32 rows)")
+        return self if self.layers or self.table is not None else None
 
     def take(self, target: str) -> bool:
         """Whether our weight `target` is held at 16 bits (then hand its checkpoint tensor to put())."""
-        return target in self.layers
+        return target in self.layers or (target == _TABLE and self.table is not None)
 
     def put(self, target: str, rows: tuple[int, int] | None, tensor: torch.Tensor) -> None:
         """One checkpoint tensor of a 16-bit layer (a tensor-parallel rank's share of it): rows [a, b) of the layer
         (all of them when rows is None)."""
+        if target == _TABLE and self.table is not None:
+            self._put_table(tensor)
+            return
         layer = self.layers[target]
         linear = layer.linear
         a, b = (0, linear.out_features) if rows is None else rows
@@ -125,9 +139,21 @@ class HalfWeights:
         if len(layer.filled) == layer.parts:
             linear.use_packed(layer.packed)
 
+    def _put_table(self, tensor: torch.Tensor) -> None:
+        table = self.table
+        if tuple(tensor.shape) != (table.num_embeddings, table.embedding_dim) or tensor.dtype != self.table_dtype:
+            raise ValueError(f"{_TABLE}: checkpoint tensor {tuple(tensor.shape)} {tensor.dtype}, expected "
+                             f"{(table.num_embeddings, table.embedding_dim)} {self.table_dtype}")
+        if table.packed is not None:
+            raise ValueError(f"{_TABLE} appears twice in the checkpoint")
+        table.packed = pack_w16(tensor)
+        if self.tied_head is not None:       # the logits multiply by the same 16-bit rows
+            self.tied_head.use_packed(table.packed)
+
     def check_done(self) -> str:
         """After the last shard: every 16-bit layer whole; returns the log line (weights in memory)."""
-        missing = [t for t, layer in self.layers.items() if len(layer.filled) != layer.parts]
+        missing = [t for t, layer in self.layers.items() if len(layer.filled) != layer.parts] + \
+            ([_TABLE] if self.table is not None and self.table.packed is None else [])
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}")
         kinds: dict[str, int] = {}
@@ -136,5 +162,8 @@ class HalfWeights:
             kinds[name] = kinds.get(name, 0) + 1
         held = sum(layer.packed.nbytes for layer in self.layers.values())
         shown = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        table = "" if self.table is None else \
+            (f"; the embedding table {self.table.packed.nbytes / 2**20:.2f} MiB" +
+             (", shared by the tied lm_head" if self.tied_head is not None else ""))
         return (f"16-bit weights kept at their width: {len(self.layers)} linears ({shown}): {held / 2**20:.2f} MiB "
-                f"in memory, {2 * held / 2**20:.2f} MiB as fp32 (widened exactly in the C kernels)")
+                f"in memory, {2 * held / 2**20:.2f} MiB as fp32 (widened exactly in the C kernels){table}")

@@ -173,7 +173,9 @@ class LlamaForCausalLM(nn.Module):
         return [self.rotary] + ([self.local_rotary] if self.local_rotary is not None else [])
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+        # a 16-bit table (model/half_weights.py) has no fp32 weight: its tied head shares its packed rows instead
+        if self.config.tie_word_embeddings and self.lm_head is not None and \
+                isinstance(self.model.embed_tokens, nn.Embedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()

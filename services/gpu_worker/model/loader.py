@@ -109,9 +109,7 @@ def load_model(path: pathlib.Path, backend: AttentionBackend, max_positions: int
         if quant is not None:
             log.info("%s", quant.check_done())
         if half is not None:
-            for line in (half.check_done(), half.tie_head(model)):
-                if line:
-                    log.info("%s", line)
+            log.info("%s", half.check_done())
     if tp_share is not None:
         make_tensor_parallel(model, tp_share, tp_comm, full_cfg.vocab_size)
         model.config = base          # the runner samples over the whole vocabulary
