@@ -86,7 +86,8 @@ class KernelPlan:
 def resolve_kernel_plan(config: WorkerConfig, device: torch.device, dtype: torch.dtype,
                         cfg: LlamaModelConfig, stored_quantized: bool = False) -> KernelPlan:
     """The plan for this worker: its flags, the STEPLOOP_CPU_* switches, the device and the model's shapes.
-    stored_quantized: the checkpoint's weights are quantized (a quantization_config, a GGUF file read at width)."""
+    stored_quantized: the checkpoint's weights are read at their stored width (a quantization_config, a GGUF file,
+    bf16 / fp16 tensors): no probe against an fp32 copy."""
     backend = config.resolved_attention_backend(device.type)
     if device.type != "cpu":
         # graphs need the triton backend, whose kernel also serves sliding-window / soft-capped layers

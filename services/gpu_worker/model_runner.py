@@ -118,9 +118,11 @@ class ModelRunner:
         max_len = _max_model_len(config, cfg)
         gguf = gguf_source(model_path) is not None
         stored_quantized = cfg.quant is not None or gguf
+        # a bf16 / fp16 checkpoint is read at its width too (model/half_weights.py): like quantized weights, no
+        # start-up probe weighs it against an fp32 copy it would first have to double into
         half = not stored_quantized and holds_16bit(safetensors_files(model_path))
-        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized), gguf,
-                                half)
+        plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized or half),
+                                gguf, half)
         log.info("kernel plan: %s", plan.describe())
         _set_int8_activations(config.cpu_int8_activations, gguf, plan)
         local = rank.local_cfg

@@ -147,3 +147,21 @@ def test_fp32_and_mixed_layers_stay_fp32(tmp_path, model_dir):
     hf_model = load_oracle(path)
     for handle, prompt in enumerate(prompts()):
         assert got[handle][0] == oracle(hf_model, prompt)[0]
+
+
+def test_no_start_up_probe_for_a_16_bit_checkpoint(tmp_path, model_dir, monkeypatch):
+    """As for quantized weights, a bf16 checkpoint is not timed against an fp32 copy of itself (the probe could turn
+    packed linears off and double the weights): the probe is never called, and the linears are 16-bit."""
+    from steploop.common import envs
+    from steploop.gpu_worker.cpu_kernels import probe
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the packed-linear probe ran for a 16-bit checkpoint")
+
+    monkeypatch.setenv(envs.CPU_KERNEL_PROBE, "1")
+    monkeypatch.setattr(probe, "probe_packed_linear", no_probe)
+    monkeypatch.setitem(FAMILY_CONFIGS, "llama", PLAIN_LLAMA)
+    path = build_family_model("llama", tmp_path, model_dir, dtype=torch.bfloat16)
+    runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=16, max_model_len=128,
+                                                  device="cpu"), path)
+    assert len(_half_linears(runner)) == 4 * runner.model.config.num_hidden_layers + 1
