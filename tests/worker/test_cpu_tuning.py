@@ -3,6 +3,8 @@ object code), another vendor's CPU gets blocks from its caches, and any blocking
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from steploop.gpu_worker.cpu_kernels import build, cpu_tuning
 from steploop.gpu_worker.cpu_kernels import packed_linear as kernel
 from steploop.gpu_worker.cpu_kernels.packed_weights import pack, pack_w16
 from tests.worker.c_kernels import needs_c_kernels
+from tests.worker.test_half_weights import random_weight
 from tests.worker.test_packed_linear import gguf_q4_1, gguf_q8_0, same_bits
 
 ZEN3 = {"L1d": 32 << 10, "L2": 512 << 10}
@@ -65,13 +68,10 @@ def fresh_library():
     clear()
 
 
-def bf16_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1).to(torch.bfloat16)
-
-
 @needs_c_kernels(build.runnable_isas())
 @pytest.mark.parametrize("isa", [isa for isa in build.runnable_isas() if isa != "generic"])
-@pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0, bf16_weight])
+@pytest.mark.parametrize("make", [gguf_q4_1, gguf_q8_0, functools.partial(random_weight, torch.bfloat16)],
+                         ids=["q4_1", "q8_0", "bf16"])
 def test_small_blocks_give_the_constants_bits(make, isa, monkeypatch, fresh_library):
     """A CPU with tiny caches (32-k chunks, x passes of 8 KiB: many chunks and passes) computes every output as the
     same fma chain in k order as the constants' blocking: the same bits, whatever the batch. On AVX-512 that build

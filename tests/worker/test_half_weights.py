@@ -100,8 +100,9 @@ PLAIN_LLAMA = ("LlamaConfig", {"hidden_size": 128, "intermediate_size": 256, "nu
                                                   ("qwen2", torch.float16, "2MB")])
 def test_served_model_equals_transformers_and_holds_16_bits(tmp_path, model_dir, monkeypatch, family, dtype, shard):
     """llama: untied lm_head (16-bit too), the C decoder; qwen2: q/k/v biases (layer by layer), a tied table (one
-    16-bit tensor for the lookups and the logits), fp16 in shards of 2 MB (q, k, v and gate, up split across files). Greedy tokens and logprobs (1e-4) as
-    transformers fp32 on the upcast weights, whole-prompt and chunked with a preemption."""
+    16-bit tensor for the lookups and the logits), fp16 in shards of 2 MB (q, k, v and gate, up split across files).
+    Greedy tokens and logprobs (1e-4) as transformers fp32 on the upcast weights, whole-prompt and chunked with a
+    preemption."""
     monkeypatch.setitem(FAMILY_CONFIGS, "llama", PLAIN_LLAMA)
     path = build_family_model(family, tmp_path, model_dir, dtype=dtype, max_shard_size=shard)
     runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=64, max_model_len=256,

@@ -13,7 +13,8 @@ the Xeon (Zen 3: ~78% of one core's fma peak at 64-1024 rows either way; Zen 4 i
 256-bit halves, half the Xeon's fma rate per cycle); a CPU with smaller caches gets smaller blocks. With AVX-512 such a
 CPU also runs batches of 3 and 4 rows on the register path (REGISTER_MAX_M=4) instead of the scratch tile: on a Zen 4,
 a forward's matmuls at 3 rows took 11-14 instead of 19 ms (Q4_1) and 14-15 instead of 30 (bf16), at 4 rows 15-19
-instead of 21-24 and 15-16 instead of 29-31; on the Xeon the tile won from 3 rows (10.3 vs 12.4 ms). STEPLOOP_CPU_TUNING picks the rule:
+instead of 21-24 and 15-16 instead of 29-31; on the Xeon the tile won from 3 rows (10.3 vs 12.4 ms).
+STEPLOOP_CPU_TUNING picks the rule:
 "vendor" (default, as above), "constants" (the Xeon's on any CPU: benchmarks time one against the other in one
 run) or "caches" (the rule of a CPU not Intel's, on any CPU, Intel's included: blocks from the caches, 3 and 4 rows
 in registers with AVX-512; tests build it to check its bits).

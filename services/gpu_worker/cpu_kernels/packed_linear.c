@@ -65,6 +65,8 @@
 #else
 #define ROWS_SLICES(CASE, F) ROWS_1_2(CASE, F)
 #endif
+/* ... and for both values of a form's two-way flag (Q5_K / Q6_K, bf16 / fp16) */
+#define FLAG_ROWS_SLICES(CASE) ROWS_SLICES(CASE, 0) ROWS_SLICES(CASE, 1)
 /* x bytes per pass of the tile path over the weights: a pass's rows (X_BYTES / (4 K) of them, at most) stay in L2
    while every tile uses them. In one pass, 1024 rows re-read x (2.4-6.3 MB) from L3 for every tile: AVX2 at 1024
    rows 160 GFLOP/s in one pass, 214 in passes of <= 512 KB (1 MB: 202, 2 MB: 166); torch 184. */
@@ -220,8 +222,8 @@ static void block_dispatch(int mr, int nv, const float *x, int64_t K, int64_t kc
     }
 }
 
-/* One or two rows of a Q8_0 matrix (the lm_head of a lone decode): no scratch; each slice of VL output rows is
-   dequantized in registers, one k at a time, and used at once. x comes transposed (xt[k][r], see
+/* Up to REGISTER_MAX_M rows of a Q8_0 matrix (the lm_head of a lone decode): no scratch; each slice of VL output
+   rows is dequantized in registers, one k at a time, and used at once. x comes transposed (xt[k][r], see
    steploop_packed_linear) so all rows broadcast from one pointer. This path streams the weights at memory speed
    already; Q4_1 takes the side-by-side path below. */
 static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float *restrict xt, int64_t K,
@@ -244,10 +246,10 @@ static inline __attribute__((always_inline)) void fused_q8_0(int mr, const float
         storev(y + r * N + s * VL, acc[r]);
 }
 
-/* One or two rows of a Q4_1 matrix (a lone decode): each output's fma chain is ~2 * K dependent fmas, so one slice
-   at a time waited on fma latency and on its loads (weights read at ~6 GB/s at one row). Here NS slices advance
-   side by side: NS * rows independent chains, each still one chain over k in order. ns and mr are constants after
-   inlining. */
+/* Up to REGISTER_MAX_M rows of a Q4_1 matrix (a lone decode): each output's fma chain is ~2 * K dependent fmas, so
+   one slice at a time waited on fma latency and on its loads (weights read at ~6 GB/s at one row). Here NS slices
+   advance side by side: NS * rows independent chains, each still one chain over k in order. ns and mr are
+   constants after inlining. */
 #define NS 4
 static inline __attribute__((always_inline)) void fused_q4_1_side(int mr, int ns, const float *restrict xt,
                                                                   int64_t K, const uint8_t *restrict qs,
@@ -429,8 +431,9 @@ static int tile_matmul(float *y, const float *x, int64_t M, int64_t N, int64_t K
     return failed ? -1 : 0;
 }
 
-/* The register path of a form with a side-by-side kernel (1 or 2 rows): groups of NS slices over the threads, each
-   group's successor prefetched while it computes. dispatch(flag, rows, slices, xt, K, w, s0, y, N) runs one. */
+/* The register path of a form with a side-by-side kernel (up to REGISTER_MAX_M rows): groups of NS slices over the
+   threads, each group's successor prefetched while it computes. dispatch(flag, rows, slices, xt, K, w, s0, y, N)
+   runs one group. */
 typedef void (*side_dispatch)(int, int, int, const float *, int64_t, const tile_weight *, int64_t, float *, int64_t);
 static int side_by_side(side_dispatch dispatch, int flag, float *y, const float *x, int64_t M, int64_t N, int64_t K,
                         const tile_weight *w, int num_threads)
@@ -448,6 +451,14 @@ static int side_by_side(side_dispatch dispatch, int flag, float *y, const float 
     return 0;
 }
 
+/* fused_q4_1_side_dispatch as side_by_side calls it (no flag) */
+static void q4_1_side(int flag, int mr, int ns, const float *xt, int64_t K, const tile_weight *w, int64_t s0,
+                      float *y, int64_t N)
+{
+    (void)flag;
+    fused_q4_1_side_dispatch(mr, ns, xt, K, w->qs, w->d, w->m, s0, y, N);
+}
+
 int steploop_packed_linear(float *y, const float *x, const void *qs, const float *d, const float *m, int64_t M,
                            int64_t N, int64_t K, int kind, int num_threads)
 {
@@ -455,38 +466,29 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         return -1;
     if (M == 0)
         return 0;
+    tile_weight w = {kind == KIND_Q4_1 ? TILE_Q4_1 : TILE_Q8_0, qs, d, m, 0, NULL, NULL, NULL, NULL};
+    if (M <= REGISTER_MAX_M && kind == KIND_Q4_1)
+        return side_by_side(q4_1_side, 0, y, x, M, N, K, &w, num_threads);
     if (M <= REGISTER_MAX_M) {
         const float *xt = transposed_x(x, M, K);      /* x transposed: [K][M] */
         if (!xt)
             return -1;
-#pragma omp parallel num_threads(num_threads)
-        if (kind == KIND_Q4_1) {
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < (N / VL + NS - 1) / NS; g++) {
-                int64_t s0 = g * NS, ns = N / VL - s0 < NS ? N / VL - s0 : NS;
-                if (s0 + ns < N / VL)
-                    prefetch_chunk(kind, qs, d, m, s0 + ns, K, 0, K);
-                fused_q4_1_side_dispatch((int)M, (int)ns, xt, K, qs, d, m, s0, y, N);
-            }
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t sl = 0; sl < N / VL; sl++) {
-                /* the next slice's bytes (this thread's, in a static schedule) arrive while this one computes */
-                if (sl + 1 < N / VL)
-                    prefetch_chunk(kind, qs, d, m, sl + 1, K, 0, K);
-                switch (M) {
-                case 1: fused_q8_0(1, xt, K, qs, d, sl, y, N); break;
-                case 2: fused_q8_0(2, xt, K, qs, d, sl, y, N); break;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t sl = 0; sl < N / VL; sl++) {
+            /* the next slice's bytes (this thread's, in a static schedule) arrive while this one computes */
+            if (sl + 1 < N / VL)
+                prefetch_chunk(kind, qs, d, m, sl + 1, K, 0, K);
+            switch (M) {
+            case 1: fused_q8_0(1, xt, K, qs, d, sl, y, N); break;
+            case 2: fused_q8_0(2, xt, K, qs, d, sl, y, N); break;
 #if REGISTER_MAX_M == 4
-                case 3: fused_q8_0(3, xt, K, qs, d, sl, y, N); break;
-                case 4: fused_q8_0(4, xt, K, qs, d, sl, y, N); break;
+            case 3: fused_q8_0(3, xt, K, qs, d, sl, y, N); break;
+            case 4: fused_q8_0(4, xt, K, qs, d, sl, y, N); break;
 #endif
-                }
             }
         }
         return 0;
     }
-    tile_weight w = {kind == KIND_Q4_1 ? TILE_Q4_1 : TILE_Q8_0, qs, d, m, 0, NULL, NULL, NULL, NULL};
     return tile_matmul(y, x, M, N, K, &w, num_threads);
 }
 
@@ -532,7 +534,7 @@ static void dequant_q8b_dispatch(int bs, const int8_t *qs, const float *d, const
         dequant_q8b(32, 1, qs, d, m, s, K, k0, kc, tile, col);
 }
 
-/* One or two rows: slice s's weights dequantized in registers and used at once (as fused_q8_0) */
+/* Up to REGISTER_MAX_M rows: slice s's weights dequantized in registers and used at once (as fused_q8_0) */
 static inline __attribute__((always_inline)) void fused_q8b(int mr, int bs, int has_m, const float *restrict xt,
                                                             int64_t K, const int8_t *restrict qs,
                                                             const float *restrict d, const float *restrict m,
@@ -649,7 +651,7 @@ static void dequant_q4k(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
     }
 }
 
-/* One or two rows: NS slices side by side, as fused_q4_1_side */
+/* Up to REGISTER_MAX_M rows: NS slices side by side, as fused_q4_1_side */
 static inline __attribute__((always_inline)) void fused_q4k_side(int mr, int ns, const float *restrict xt, int64_t K,
                                                                  const uint8_t *restrict qs, const uint8_t *sc,
                                                                  const uint8_t *mn, const float *d,
@@ -818,8 +820,8 @@ static void prefetch_q6k(const tile_weight *w, int64_t s, int64_t K, int64_t k0,
     prefetch_range(w->qh + q2_at(s, K, k0), (kc / 4 - 1) * G + VL);
 }
 
-/* One or two rows: NS slices side by side (as fused_q4k_side), each weight dequantized in registers and used at
-   once. q6 picks the form: 1 Q6_K, 0 Q5_K. */
+/* Up to REGISTER_MAX_M rows: NS slices side by side (as fused_q4k_side), each weight dequantized in registers and
+   used at once. q6 picks the form: 1 Q6_K, 0 Q5_K. */
 static inline __attribute__((always_inline)) void fused_k_side(int q6, int mr, int ns, const float *restrict xt,
                                                                int64_t K, const tile_weight *w, int64_t s0,
                                                                float *restrict y, int64_t N)
@@ -859,9 +861,6 @@ static inline __attribute__((always_inline)) void fused_k_side(int q6, int mr, i
             storev(y + r * N + (s0 + i) * VL, acc[i][r]);
 }
 
-/* every (flag, rows, slices) of the register paths whose form has a two-way flag */
-#define FLAG_ROWS_SLICES(CASE) ROWS_SLICES(CASE, 0) ROWS_SLICES(CASE, 1)
-
 static void fused_k_side_dispatch(int q6, int mr, int ns, const float *xt, int64_t K, const tile_weight *w,
                                   int64_t s0, float *y, int64_t N)
 {
@@ -895,16 +894,18 @@ int steploop_packed_linear_kquant(float *y, const float *x, const uint8_t *qs, c
 
 /* ---- 16-bit weights (a bf16 or fp16 checkpoint kept at its width): exact widening, fp32 arithmetic ----
 
-   Layout, as the Q8_0 form's with 2-byte values and no scales: w uint16 [N/16][K][16] (the checkpoint's bits).
+   Layout, as the Q8_0 form's with 2-byte values and no scales (its q8_at offsets): w uint16 [N/16][K][16] (the
+   checkpoint's bits).
    bf16 -> fp32 is the 16 bits moved to the top; fp16 -> fp32 is vcvtph2ps (F16C, in the AVX2 and AVX-512 builds) or
    the same conversion in integers (the generic build); both are exact, subnormals, infinities and NaNs included.
    So each weight is the checkpoint's value as transformers upcasts it, and each output one fma chain over k in
    order, as in every form above. K is any length (no blocks). */
 
-static inline int64_t w16_at(int64_t s, int64_t K, int64_t k) { return (s * VL / G * K + k) * G + s * VL % G; }
-
 #if VL == 16
-static inline vi widen_u16(const uint16_t *p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vi widen_u16(const uint16_t *p)
+{
+    return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+}
 static inline vf f16_to_f32(const uint16_t *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif VL == 8
 static inline vi widen_u16(const uint16_t *p) { return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
@@ -932,15 +933,15 @@ static void dequant_w16(int f16, const uint16_t *w, int64_t s, int64_t K, int64_
                         int64_t col)
 {
     for (int64_t k = k0; k < k0 + kc; k++)
-        storev(tile + (k - k0) * NR + col, widen16(f16, w + w16_at(s, K, k)));
+        storev(tile + (k - k0) * NR + col, widen16(f16, w + q8_at(s, K, k)));
 }
 
 static void prefetch_w16(const uint16_t *w, int64_t s, int64_t K, int64_t k0, int64_t kc)
 {
-    prefetch_range(w + w16_at(s, K, k0), ((kc - 1) * G + VL) * 2);
+    prefetch_range(w + q8_at(s, K, k0), ((kc - 1) * G + VL) * 2);
 }
 
-/* One or two rows: NS slices side by side, each weight widened in registers and used at once (as Q4_1's) */
+/* Up to REGISTER_MAX_M rows: NS slices side by side, each weight widened in registers and used at once (as Q4_1's) */
 static inline __attribute__((always_inline)) void fused_w16(int f16, int mr, int ns, const float *restrict xt,
                                                             int64_t K, const uint16_t *restrict w, int64_t s0,
                                                             float *restrict y, int64_t N)
@@ -951,7 +952,7 @@ static inline __attribute__((always_inline)) void fused_w16(int f16, int mr, int
             acc[i][r] = (vf){0};
     for (int64_t k = 0; k < K; k++)
         for (int i = 0; i < ns; i++) {
-            vf wv = widen16(f16, w + w16_at(s0 + i, K, k));
+            vf wv = widen16(f16, w + q8_at(s0 + i, K, k));
             for (int r = 0; r < mr; r++)
                 acc[i][r] += xt[k * mr + r] * wv;
         }

@@ -13,7 +13,8 @@ import functools
 import torch
 
 from steploop.gpu_worker.cpu_kernels.build import function, selected_isa
-from steploop.gpu_worker.cpu_kernels.packed_weights import BF16, F16, Q4_K, Q5_K, Q6_K, Q8B_BLOCK, SPLIT, PackedWeight
+from steploop.gpu_worker.cpu_kernels.packed_weights import (F16, Q4_K, Q5_K, Q6_K, Q8B_BLOCK, SPLIT, W16_DTYPES,
+                                                               PackedWeight)
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -90,7 +91,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, num_threads: int,
                 cols.copy_(packed_linear(x2, part, num_threads, isa=isa))
             col += part.out_features
         return y.view(*lead, packed.out_features)
-    if packed.kind in (BF16, F16):     # a 16-bit checkpoint's weights, widened exactly
+    if packed.kind in W16_DTYPES:     # a 16-bit checkpoint's weights, widened exactly
         kernel = _w16_kernel(isa)
         if kernel is None:
             raise RuntimeError("the packed linear library is not available (see build.py's warning)")

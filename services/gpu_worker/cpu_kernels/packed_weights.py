@@ -34,6 +34,7 @@ Q8_1, Q8_0_16, Q8_1_16, Q4_K, Q5_K, Q6_K, SPLIT, BF16, F16 = 200, 201, 202, 203,
 KIND_NAMES = {Q4_1: "Q4_1", Q8_0: "Q8_0", Q8_1: "Q8_1", Q8_0_16: "Q8_0/16", Q8_1_16: "Q8_1/16", Q4_K: "Q4_K",
               Q5_K: "Q5_K", Q6_K: "Q6_K", SPLIT: "split", BF16: "bf16", F16: "fp16"}
 W16_KINDS = {torch.bfloat16: BF16, torch.float16: F16}
+W16_DTYPES = {kind: dtype for dtype, kind in W16_KINDS.items()}    # a 16-bit form's stored dtype
 Q8B_BLOCK = {Q8_1: 32, Q8_0_16: 16, Q8_1_16: 16}     # weights per d (and m) along K
 
 
@@ -176,9 +177,8 @@ def unpack(packed: PackedWeight) -> torch.Tensor:
     n, k = packed.out_features, packed.in_features
     if packed.kind == SPLIT:
         return torch.cat([unpack(p) for p in packed.parts])
-    if packed.kind in (BF16, F16):
-        dtype = torch.bfloat16 if packed.kind == BF16 else torch.float16
-        return packed.qs.permute(0, 2, 1).reshape(n, k).view(dtype).float()
+    if packed.kind in W16_DTYPES:
+        return packed.qs.permute(0, 2, 1).reshape(n, k).view(W16_DTYPES[packed.kind]).float()
     if packed.kind in (Q4_K, Q5_K):
         d, dmin = (t.permute(0, 2, 1).reshape(n, k // 256, 1).repeat_interleave(8, 1) for t in packed.d)
         sc, mn = (t.permute(0, 2, 1).reshape(n, k // QK, 1).float() for t in packed.m)

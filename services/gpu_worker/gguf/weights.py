@@ -2,10 +2,11 @@
 
 Each linear layer whose tensors are block-quantized (blocks.BLOCK_TYPES) and fit the packed layout (whole groups
 of 16 output rows) takes its packed form straight from the blocks (packed_forms.py): no fp32 copy of it is ever
-made; one whose tensors are all F16 (or all BF16) keeps their 16 bits (packed_weights.F16 / BF16), a tied lm_head
-over an F16 / BF16 table too. Everything else (norms, the embedding table, F32 linears, layers of mixed types or
-off the packed grid, and every tensor when the plan has no packed linears) is dequantized one tensor at a time by gguf-py's own dequantize into
-its fp32 parameter: the values the transformers oracle computes with.
+made; one whose tensors are all F16 (or all BF16) keeps their 16 bits (packed_weights.F16 / BF16), and so does an
+F16 / BF16 embedding table (HalfEmbedding, shared by a tied lm_head). Everything else (norms, an F32 table, F32
+linears, layers of mixed types or off the packed grid, and every tensor when the plan has no packed linears) is
+dequantized one tensor at a time by gguf-py's own dequantize into its fp32 parameter: the values the transformers
+oracle computes with.
 The embedding stays in its blocks too (block_embedding.py) when it is block-quantized and no fp32 lm_head shares
 it; a tied lm_head packs from the same blocks. A mixture-of-experts file's stacked experts tensors ([experts, rows,
 k]: ffn_{gate,up,down}_exps) split into one part per expert, named as the HF checkpoint names that expert; on the
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from gguf import quants as gguf_quants
 
-from steploop.gpu_worker.cpu_kernels.packed_weights import (BF16, F16, GROUP, KIND_NAMES, SPLIT, PackedWeight,
+from steploop.gpu_worker.cpu_kernels.packed_weights import (GROUP, KIND_NAMES, SPLIT, W16_DTYPES, PackedWeight,
                                                                empty_w16, packable_shape, w16_rows)
 from steploop.gpu_worker.gguf import blocks
 from steploop.gpu_worker.gguf.block_shards import cut_inside_blocks, shard_raw
@@ -202,8 +203,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
         module = modules[target.rsplit(".", 1)[0]]
         if target == "lm_head.weight" and tied:       # packed from the embedding's blocks, or left tied to its table
             if packed:
-                _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False) or \
-                    _half(module, parts, arch, cfg, stats, PackedLinear, sharder, count_file=False)
+                _pack(module, parts, arch, cfg, stats, PackedLinear, packed, sharder, pages, count_file=False)
             else:
                 _triton_blocks(model, target, module, parts, arch, cfg, stats, sharder, pages, count_file=False)
             continue                                  # its bytes are the embedding's: released after it
@@ -211,8 +211,7 @@ def load_gguf_weights(model, cfg, folder: pathlib.Path, gguf_path: pathlib.Path,
             done = packed and _pack_moe(module, target.rsplit(".", 1)[1], parts, arch, cfg, stats, sharder, pages)
         else:
             done = _pack(module, parts, arch, cfg, stats, PackedLinear, packed and target.endswith(".weight"),
-                         sharder, pages) or \
-                (packed and target.endswith(".weight") and _half(module, parts, arch, cfg, stats, PackedLinear, sharder))
+                         sharder, pages)
             if not done and triton_blocks and target.endswith(".weight"):
                 done = _triton_blocks(model, target, module, parts, arch, cfg, stats, sharder, pages)
         if not done:
@@ -270,7 +269,7 @@ def _embed_half(model, part: _Part, arch: str, cfg, stats: LoadStats, sharder=No
     if name not in _HALF or not isinstance(table, torch.nn.Embedding) or table.num_embeddings % GROUP:
         return False
     head = getattr(model.lm_head, "packed", None) if cfg.tie_word_embeddings else None
-    if head is not None and head.kind in (BF16, F16):        # the same rows, already laid out
+    if head is not None and head.kind in W16_DTYPES:        # the same rows, already laid out
         weight, memory = head, 0
     else:
         n, k = table.num_embeddings, table.embedding_dim
@@ -279,9 +278,7 @@ def _embed_half(model, part: _Part, arch: str, cfg, stats: LoadStats, sharder=No
         if raw.shape[0] != n:
             raise GGUFFileError(f"tensor {part.tensor.name!r}: {raw.shape[0]} rows (this rank's) != {n} expected "
                                 f"for {part.hf_name}")
-        with warnings.catch_warnings():     # the file's read-only map: only read here
-            warnings.simplefilter("ignore", UserWarning)
-            weight.qs.copy_(w16_rows(torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(_HALF[name])))
+        weight.qs.copy_(w16_rows(_half_tensor(raw, _HALF[name])))
         memory = weight.nbytes
     embedding = HalfEmbedding(table.num_embeddings, table.embedding_dim)
     embedding.packed = weight
@@ -297,13 +294,13 @@ def _filled_names(target: str, parts: list[_Part]) -> list[str]:
 
 def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_linear_type, packed: bool,
           sharder, pages: FilePages | None = None, count_file: bool = True) -> bool:
-    """Give a PackedLinear its packed form straight from its parts' blocks (this rank's share of them: sharder),
-    if they all are block types that fit the layout and cover the whole weight; False leaves it to the fp32 path."""
-    if not packed or not isinstance(module, packed_linear_type):
+    """Give a PackedLinear its packed form straight from its parts (this rank's share of them: sharder): from their
+    blocks if they all are block types that fit the layout and cover the whole weight, else their 16 bits if they
+    all are F16 (or all BF16: _half); False leaves it to the fp32 path."""
+    if not packed or not isinstance(module, packed_linear_type) or any(p.expert is not None for p in parts):
         return False
-    if any(p.expert is not None for p in parts) or not _packable(parts, module.out_features, module.in_features,
-                                                                    sharder):
-        return False
+    if not _packable(parts, module.out_features, module.in_features, sharder):
+        return _half(module, parts, arch, cfg, stats, sharder, count_file)
     module.use_packed(_packed_weight(parts, module.out_features, module.in_features, arch, cfg, stats, count_file,
                                      sharder, pages))
     return True
@@ -312,32 +309,29 @@ def _pack(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_l
 _HALF = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _half(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, packed_linear_type, sharder,
-          count_file: bool = True) -> bool:
-    """Give a PackedLinear whose parts are all F16 (or all BF16) tensors tiling its rows in whole 16-row groups the
-    16-bit form of their stored bits (packed_weights.BF16 / F16: widened exactly in the kernel, as gguf-py's
-    dequantize widens them); False leaves it to the fp32 path."""
+def _half_tensor(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """An F16 / BF16 tensor's raw rows (float16, or BF16's bytes) as a torch tensor of `dtype`, the same bits."""
+    with warnings.catch_warnings():     # the file's read-only map: only read, into the packed layout's copy
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(dtype)
+
+
+def _half(module, parts: list[_Part], arch: str, cfg, stats: LoadStats, sharder, count_file: bool = True) -> bool:
+    """_pack's second form: a PackedLinear whose parts are all F16 (or all BF16) tensors tiling its rows in whole
+    16-row groups takes the 16-bit form of their stored bits (packed_weights.BF16 / F16: widened exactly in the
+    kernel, as gguf-py's dequantize widens them); False leaves it to the fp32 path."""
     types = {p.tensor.tensor_type.name for p in parts}
-    if not isinstance(module, packed_linear_type) or len(types) != 1 or next(iter(types)) not in _HALF or \
-            any(p.expert is not None for p in parts):
+    if len(types) != 1 or next(iter(types)) not in _HALF:
         return False
     n, k = module.out_features, module.in_features
-    covered = 0
-    for r0, r1 in sorted(p.rows or (0, n) for p in parts):       # q, k, v / gate, up in order, whole 16-row groups
-        if r0 != covered or r1 % GROUP:
-            return False
-        covered = r1
-    if covered != n:
+    if not _tile_rows(parts, n, GROUP):
         return False
     dtype = _HALF[types.pop()]
     ordered = sorted(parts, key=lambda p: (p.rows or (0, n))[0])
     weight = empty_w16(dtype, n, k)
     for p, raw in zip(ordered, _raw_parts(ordered, n, k, arch, cfg, sharder)):
         r0, r1 = p.rows or (0, n)
-        with warnings.catch_warnings():     # the file's read-only map: only read here, into the layout's copy
-            warnings.simplefilter("ignore", UserWarning)
-            rows = torch.from_numpy(np.ascontiguousarray(raw).view(np.int16)).view(dtype)
-        weight.qs[r0 // GROUP:r1 // GROUP].copy_(w16_rows(rows))
+        weight.qs[r0 // GROUP:r1 // GROUP].copy_(w16_rows(_half_tensor(raw, dtype)))
         stats.add(p.tensor.tensor_type.name, int(p.tensor.n_bytes) if count_file else 0, 2 * (r1 - r0) * k,
                   KIND_NAMES[weight.kind])
     module.use_packed(weight)
@@ -381,6 +375,12 @@ def _blocks_tile(parts: list[_Part], n: int, sharder, rows_multiple: int) -> boo
     if any(p.tensor.tensor_type not in blocks.BLOCK_TYPES or cut_inside_blocks(sharder, p.hf_name, p.tensor.tensor_type)
            for p in parts):
         return False
+    return _tile_rows(parts, n, rows_multiple)
+
+
+def _tile_rows(parts: list[_Part], n: int, rows_multiple: int) -> bool:
+    """The parts' rows tile the weight's n rows in order (q, k, v / gate, up; or one whole), each part ending on a
+    multiple of rows_multiple."""
     covered = 0
     for r0, r1 in sorted((p.rows or (0, n)) for p in parts):
         if r0 != covered or r1 % rows_multiple:

@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from steploop.gpu_worker.cpu_kernels.packed_weights import BF16 as KIND_BF16
-from steploop.gpu_worker.cpu_kernels.packed_weights import GROUP, KIND_NAMES, PackedWeight, empty_w16, pack_w16, w16_rows
+from steploop.gpu_worker.cpu_kernels.packed_weights import (GROUP, KIND_NAMES, W16_DTYPES, PackedWeight, empty_w16,
+                                                               pack_w16, w16_rows)
 from steploop.gpu_worker.model.packed_linear_layer import PackedLinear
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
@@ -53,10 +53,11 @@ class HalfEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.packed.qs[ids // GROUP, :, ids % GROUP]          # [*ids, K] int16: the rows' stored bits
-        return rows.view(torch.bfloat16 if self.packed.kind == KIND_BF16 else torch.float16).float()
+        return rows.view(W16_DTYPES[self.packed.kind]).float()
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {KIND_NAMES[self.packed.kind] if self.packed else '16-bit'}"
+        kind = KIND_NAMES[self.packed.kind] if self.packed else "16-bit"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind}"
 
 
 class _Layer:
@@ -77,7 +78,8 @@ class HalfWeights:
     def prepare(cls, model: nn.Module, cfg, files: list[pathlib.Path], our_name: Callable[[str], str | None],
                 target_of: Callable) -> HalfWeights | None:
         """Reads the headers; every PackedLinear whose parts are all stored bf16 (or all fp16) in whole groups of 16
-        rows loses its fp32 parameter here (on meta) and is filled by put(). None when no layer qualifies.
+        rows, and a 16-bit embedding table, lose their fp32 parameters here (on meta) and are filled by put(). None
+        when nothing qualifies.
         our_name: checkpoint name -> ours (None: not this model's, e.g. another pipeline stage's);
         target_of: the loader's name -> (parameter, expert, row slice) map."""
         linears = {name + ".weight": m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
@@ -87,10 +89,10 @@ class HalfWeights:
             with safe_open(file, framework="pt") as f:
                 for stored in f.keys():
                     name = our_name(stored)
-                    if name == "model.embed_tokens.weight":
+                    if name == _TABLE:
                         table_dtype = _DTYPES.get(f.get_slice(stored).get_dtype())
                     if name is None or not name.endswith(".weight") or \
-                            (name == "lm_head.weight" and cfg.tie_word_embeddings):     # the table's, fp32
+                            (name == "lm_head.weight" and cfg.tie_word_embeddings):     # a tied head is the table's
                         continue
                     target, expert, rows = target_of(name, cfg)
                     if expert is None and target in linears:

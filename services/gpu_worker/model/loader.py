@@ -193,15 +193,14 @@ def _load_weights(model: LlamaForCausalLM, cfg: LlamaModelConfig, path: pathlib.
                 target, expert, rows = _target(name, cfg)
                 if (target, expert, rows) == NOT_HELD:      # expert parallel: another rank's expert
                     continue
+                tensor = f.get_tensor(stored) if sharder is None else sharder.shard(name, f.get_tensor(stored))
                 if half is not None and half.take(target):     # kept at 16 bits (half_weights.py)
-                    half.put(target, rows, f.get_tensor(stored) if sharder is None else
-                             sharder.shard(name, f.get_tensor(stored)))
+                    half.put(target, rows, tensor)
                     continue
                 if target not in params:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} (not a weight of this model_type)")
                 dest = params[target].data if expert is None else params[target].data[expert]
                 dest = dest if rows is None else dest[rows[0]:rows[1]]
-                tensor = f.get_tensor(stored) if sharder is None else sharder.shard(name, f.get_tensor(stored))
                 if dest.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
                 dest.copy_(tensor)
