@@ -166,3 +166,16 @@ def test_no_start_up_probe_for_a_16_bit_checkpoint(tmp_path, model_dir, monkeypa
     runner = ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=16, max_model_len=128,
                                                   device="cpu"), path)
     assert len(_half_linears(runner)) == 4 * runner.model.config.num_hidden_layers + 1
+
+
+def test_a_misshapen_16_bit_tensor_is_refused_by_name(tmp_path, model_dir, monkeypatch):
+    """A bf16 o_proj of the wrong shape stops the load with the tensor's name and both shapes, before serving."""
+    from safetensors.torch import load_file, save_file
+    monkeypatch.setitem(FAMILY_CONFIGS, "llama", PLAIN_LLAMA)
+    path = build_family_model("llama", tmp_path, model_dir, dtype=torch.bfloat16)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.weight"
+    tensors[name] = tensors[name][:, :-16].contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"o_proj\.weight\[0:128\]: checkpoint tensor \(128, 240\)"):
+        ModelRunner.from_config(WorkerConfig(model=str(path), num_kv_blocks=16, max_model_len=128, device="cpu"), path)
