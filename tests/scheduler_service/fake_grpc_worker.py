@@ -33,7 +33,8 @@ class FakeGrpcWorker:
 
     async def _run(self) -> None:
         async with grpc.aio.insecure_channel(self.address, options=grpc_options.CLIENT) as channel:
-            call = self.call = worker_pb2_grpc.PlanStreamStub(channel).Attach()
+            # wait_for_ready: a first connect that fails on a loaded machine is retried, not the end of the worker
+            call = self.call = worker_pb2_grpc.PlanStreamStub(channel).Attach(wait_for_ready=True)
             await call.write(worker_pb2.WorkerMessage(hello=self.info.to_pb()))
             async for msg in call:
                 if msg.HasField("control"):
@@ -56,6 +57,15 @@ class FakeGrpcWorker:
     def start(self) -> "FakeGrpcWorker":
         self.task = asyncio.create_task(self._run())
         return self
+
+    def alive(self) -> bool:
+        """False once the worker's stream task has ended; if it ended with an error, that error is raised here so
+        a wait for the worker names why it never attached instead of timing out."""
+        if self.task is None or not self.task.done():
+            return True
+        if not self.task.cancelled() and self.task.exception() is not None:
+            raise self.task.exception()
+        return False
 
     async def kill(self) -> None:
         # Cancel the call itself (RST_STREAM, as a dead process's closed socket is seen at once); cancelling the

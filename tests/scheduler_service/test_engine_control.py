@@ -112,7 +112,7 @@ async def test_weight_update_loads_then_switches_and_reports_the_version(service
     stub, _ = engine
     worker = FakeGrpcWorker(service.address, step_delay=0.01).start()
     try:
-        await until(lambda: service.loop.group is not None, "the worker attached")
+        await until(lambda: worker.alive() and service.loop.group is not None, "the worker attached")
         task, got = await _started(stub, "spans", 40)
         state = await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/a"))
         assert (state.weight_version, state.weight_updates, state.num_preempted) == ("1", 1, 1)
@@ -135,7 +135,7 @@ async def test_refused_weights_are_dropped_by_every_rank_and_the_old_ones_serve(
     stub, _ = engine
     worker = FakeGrpcWorker(service.address).start()
     try:
-        await until(lambda: service.loop.group is not None, "the worker attached")
+        await until(lambda: worker.alive() and service.loop.group is not None, "the worker attached")
         worker.load_error = "model.norm.weight: checkpoint shape (8,) != (16,)"
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/bad"))
@@ -155,7 +155,7 @@ async def test_staged_weights_wait_for_switch_weights_to_commit_or_drop_them(ser
     stub, _ = engine
     worker = FakeGrpcWorker(service.address, step_delay=0.01).start()
     try:
-        await until(lambda: service.loop.group is not None, "the worker attached")
+        await until(lambda: worker.alive() and service.loop.group is not None, "the worker attached")
         with pytest.raises(grpc.aio.AioRpcError) as info:          # nothing staged yet
             await stub.SwitchWeights(engine_pb2.SwitchWeightsRequest(commit=True))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no weights are staged" in info.value.details()
@@ -185,7 +185,7 @@ async def test_a_worker_that_attaches_after_updates_serves_the_updated_weights(s
     stub, _ = engine
     worker = FakeGrpcWorker(service.address).start()
     try:
-        await until(lambda: service.loop.group is not None, "the worker attached")
+        await until(lambda: worker.alive() and service.loop.group is not None, "the worker attached")
         await stub.UpdateWeightsFromDisk(engine_pb2.UpdateWeightsFromDiskRequest(model_path="/ckpt/a"))
     finally:
         await worker.kill()
