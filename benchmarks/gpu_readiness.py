@@ -17,20 +17,34 @@ Nothing is downloaded or installed: models are hand-written configs with random 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
-from benchmarks.readiness_stubs import check_stubs
+from benchmarks.readiness_stubs import BUNDLE_SITE, check_stubs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # section -> seconds allowed on the GPU (sum 480 s = 8 min; with start-up the whole fits 10 of the 15 device minutes)
 TIMEOUTS = {"preflight": 45, "kernels": 150, "e2e_1b": 75, "e2e_8b": 120, "decode": 90}
 DRY_TIMEOUT = 120
 NOMINAL_HBM_GBS = 4800.0    # H200 HBM3e, for the bound when preflight's copy figure is missing
+
+
+def package_path() -> str | None:
+    """A folder that makes `import steploop` work from a bare checkout (the device copies the tree and installs
+    nothing, and the package is `services/` renamed by setup.py): a link steploop -> services in a temporary folder,
+    put on sys.path here and on each section's PYTHONPATH. None where steploop already imports (an install)."""
+    if importlib.util.find_spec("steploop") is not None:
+        return None
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="steploop-pkg-"))
+    (folder / "steploop").symlink_to(ROOT / "services", target_is_directory=True)
+    sys.path.insert(0, str(folder))
+    return str(folder)
 
 
 class Report:
@@ -83,7 +97,7 @@ def run_section(name: str, args: argparse.Namespace) -> dict:
     return readiness_e2e.decode(args.dry_run, args.hbm_gbs)
 
 
-def spawn(name: str, args: argparse.Namespace, hbm_gbs: float | None) -> dict:
+def spawn(name: str, args: argparse.Namespace, hbm_gbs: float | None, pkg: str | None) -> dict:
     """Parent side: one subprocess per section; its env runs kernels interpreted in a dry run."""
     part = args.out / "parts" / f"{name}.json"
     log = args.out / "logs" / f"{name}.log"
@@ -91,7 +105,8 @@ def spawn(name: str, args: argparse.Namespace, hbm_gbs: float | None) -> dict:
     log.parent.mkdir(parents=True, exist_ok=True)
     part.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    bundle = str(BUNDLE_SITE) if BUNDLE_SITE.is_dir() else None     # make gpu-bundle's packages (gguf)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), pkg, env.get("PYTHONPATH"), bundle]))
     if args.dry_run and name == "kernels":
         env["TRITON_INTERPRET"] = "1"       # read when a kernel module is imported: only this child sees it
     cmd = [sys.executable, "-m", "benchmarks.gpu_readiness", "--section", name, "--section-out", str(part)]
@@ -108,7 +123,9 @@ def spawn(name: str, args: argparse.Namespace, hbm_gbs: float | None) -> dict:
             rc = None
     seconds = round(time.perf_counter() - start, 1)
     if rc == 0 and part.is_file():
-        return {**json.loads(part.read_text()), "seconds": seconds}
+        value = json.loads(part.read_text())
+        part.unlink()                      # it lives on in readiness.json; the device returns at most 8 files
+        return {**value, "seconds": seconds}
     why = f"timed out after {limit} s" if rc is None else f"exit code {rc}"
     return {"ok": False, "error": why, "seconds": seconds, "log_tail": log.read_text()[-3000:]}
 
@@ -119,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         value = run_section(args.section, args)
         args.section_out.write_text(json.dumps(value, default=str))
         return 0
+    pkg = package_path()
     stubs = check_stubs()
     report = Report(args.out / "readiness.json", {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                                   "dry_run": args.dry_run, "sections": args.sections,
@@ -129,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     hbm = None
     for name in args.sections:
-        value = spawn(name, args, hbm)
+        value = spawn(name, args, hbm, pkg)
         report.put(name, value)
         if name == "preflight":
             hbm = (value.get("copy") or {}).get("d2d_gb_per_s") or (None if args.dry_run else NOMINAL_HBM_GBS)

@@ -1,5 +1,7 @@
 """What the GPU check needs beside the tracked tree: the protobuf stubs (services/common/pb, git-ignored, made by
-grpcio-tools, which the GPU machine lacks), made here and carried.
+grpcio-tools, which the GPU machine lacks), made here and carried, and the pure-Python packages the worker imports
+that the GPU machine's image lacks (gguf: the worker's GGUF reader and the kernels section's reference), copied into
+.gpu-bundle/site, which the check puts on its path.
 
     make gpu-bundle     (= python -m benchmarks.readiness_stubs)
 
@@ -23,7 +25,11 @@ PROTOS = ROOT / "protos"
 STUBS = ROOT / "services" / "common" / "pb"
 STAMP = STUBS / "PROTOS_SHA256"
 LIMIT_BYTES = 64 * 2**20
-CARRY = ["services/common/pb"]
+BUNDLE_SITE = ROOT / ".gpu-bundle" / "site"
+# Imported by the worker (model_runner -> gguf reader) or the check, absent from the GPU image (device KINDS.md's
+# package list); pure Python, so a copy of the installed package runs on the device's Python 3.12.
+BUNDLED_PACKAGES = ["gguf"]
+CARRY = ["services/common/pb", ".gpu-bundle"]
 
 
 def protos_hash(protos: pathlib.Path = PROTOS) -> str:
@@ -69,10 +75,26 @@ def travelling_bytes(root: pathlib.Path = ROOT) -> int:
     return total + sum(p.stat().st_size for c in CARRY for p in (root / c).rglob("*") if p.is_file())
 
 
+def bundle_packages(site: pathlib.Path = BUNDLE_SITE) -> list[str]:
+    """Copies each of BUNDLED_PACKAGES, as installed here, into `site` (replacing what was there)."""
+    import importlib.util
+    import shutil
+    shutil.rmtree(site, ignore_errors=True)
+    site.mkdir(parents=True)
+    for name in BUNDLED_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(f"gpu-bundle: package {name!r} is not installed here (make install first)")
+        shutil.copytree(pathlib.Path(next(iter(spec.submodule_search_locations))), site / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return BUNDLED_PACKAGES
+
+
 def main() -> int:
     rc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py")], cwd=ROOT, check=False).returncode
     if rc:
         return rc
+    bundle_packages()
     for path in STUBS.rglob("*_pb2.py"):
         path.write_text(relax_runtime_check(path.read_text()))
     STAMP.write_text(protos_hash() + "\n")
