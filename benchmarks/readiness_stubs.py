@@ -9,7 +9,7 @@ regenerates the stubs, drops their protobuf runtime-version guard (the generator
 runtime may be; the serialized descriptors and the builder API they use load on protobuf 4.21+), stamps them with a
 hash of protos/ (file times do not survive the copy to the device, so the check compares contents), and prints the
 size of what travels: the files git tracks or does not ignore, plus the stubs. The device copy must be given
-`carry: ["services/common/pb"]` (benchmarks/GPU_READINESS.md).
+`carry: ["services/common/pb", ".gpu-bundle"]` (benchmarks/GPU_READINESS.md).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def check_stubs(stubs: pathlib.Path = STUBS, protos: pathlib.Path = PROTOS) -> d
     """{'ok': bool, 'error': how to fix}: stubs present and stamped with the current protos. Stubs that do not
     import here are reported as import_error without stopping the check: preflight and kernels do not need them
     (the in-process worker sections do: step_contract imports worker_pb2)."""
-    fix = 'run `make gpu-bundle` here and pass carry: ["services/common/pb"] to the device run'
+    fix = 'run `make gpu-bundle` here and pass carry: ["services/common/pb", ".gpu-bundle"] to the device run'
     stamp = stubs / STAMP.name
     if not any(stubs.rglob("*_pb2.py")):
         return {"ok": False, "error": f"protobuf stubs missing under {stubs}: {fix}"}
