@@ -1,6 +1,7 @@
 """The packed k-quant matmul (cpu_kernels/packed_linear.c) vs torch's fp32 matmul on the same dequantized weights,
 at a Llama-3.2-1B's Q4_K_M shapes (random valid blocks):
     python -m benchmarks.kquant_linear [--layers 4] [--rows 1 16] [--rounds 5] [--isa avx2] [--int8]
+                                       [--int8-versus avx2]
 
 One pass is what `layers` decoder layers do with their weights: qkv (Q4_K q, k + Q6_K v, in the form the worker
 fuses them to), o (Q4_K), gate_up (Q4_K), down (Q6_K), on [M, in] activations; `layers` distinct copies so the
@@ -58,6 +59,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-torch", action="store_true", help="time the packed kernel only")
     p.add_argument("--int8", action="store_true",
                    help="also time the int8-activation kernels (--cpu-int8-activations; not exact), alternating")
+    p.add_argument("--int8-versus", default=None, metavar="ISA",
+                   help="with --int8: also time the int8 kernels of this build, alternating (e.g. avx2's maddubs "
+                        "against the host's VNNI)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,7 +77,9 @@ def main(argv=None) -> None:
         flop = sum(2 * m * pk.in_features * pk.out_features for pk in packed)
         packed_fns = [lambda x=x, pk=pk: kernel.packed_linear(x, pk, threads, isa=args.isa) for x, pk in zip(xs, packed)]
         torch_fns = [lambda x=x, w=w: torch.matmul(x, w.T) for x, w in zip(xs, weights)]
-        torch_s = packed_s = int8_s = float("inf")
+        versus_fns = [lambda x=x, pk=pk: kernel.packed_linear(x, pk, threads, isa=args.int8_versus)
+                      for x, pk in zip(xs, packed)]
+        torch_s = packed_s = int8_s = versus_s = float("inf")
         for _ in range(args.rounds):                        # alternate, so drift hits both alike
             if torch_fns:
                 torch_s = min(torch_s, time_pass(torch_fns))
@@ -84,6 +90,12 @@ def main(argv=None) -> None:
                     int8_s = min(int8_s, time_pass(packed_fns))
                 finally:
                     kernel.set_int8_activations(False, isa=args.isa)
+                if args.int8_versus:
+                    kernel.set_int8_activations(True, isa=args.int8_versus)
+                    try:
+                        versus_s = min(versus_s, time_pass(versus_fns))
+                    finally:
+                        kernel.set_int8_activations(False, isa=args.int8_versus)
         line = (f"M={m:3d}: packed {packed_s * 1e3:7.1f} ms ({flop / packed_s / 1e9:5.1f} GFLOP/s, "
                 f"{nbytes / packed_s / 1e9:5.1f} GB/s)")
         if torch_fns:
@@ -91,6 +103,8 @@ def main(argv=None) -> None:
                     f"{torch_s / packed_s:.2f}x"
         if args.int8:
             line += f"   int8 activations {int8_s * 1e3:7.1f} ms ({packed_s / int8_s:.2f}x the exact kernels)"
+        if args.int8 and args.int8_versus:
+            line += f"   int8 on {args.int8_versus} {versus_s * 1e3:7.1f} ms ({versus_s / int8_s:.2f}x slower)"
         print(line + f"   load {os.getloadavg()[0]:.1f}", flush=True)
 
 

@@ -64,6 +64,9 @@ def test_int8_kernels_compute_llama_cpps_arithmetic_batch_invariant_in_every_bui
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(1))
     x[3, :64] = 0.0                                                   # an all-zero block: dx = 0
     x[5, 100] = 40.0                                                  # an outlier: the rest of its block rounds coarsely
+    halves = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, -0.49999997, 126.5, -126.5, 63.5, 0.0]
+    x[7, :len(halves)] = torch.tensor(halves)       # dx = 1 exactly: ties round away from zero, as roundf (every build)
+    x[7, len(halves):32] = 0.25
     full = kernel.packed_linear(x, packed, num_threads=2, isa=isa)
     ref = reference(x, w)
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

@@ -19,7 +19,14 @@
    Layout (packed_linear.c): per group of 16 output rows, qs uint8 [N/16][K/2][16] (byte = q(k even) | q(k odd)
    << 4). A 32-byte load holds two k pairs of 16 rows; unpacking its low and high nibbles byte by byte gives each
    row's (k, k+1) as adjacent bytes, which maddubs multiplies by (xq[k], xq[k+1]) and adds: 16 rows x 4 k in ~10
-   instructions. */
+   instructions.
+
+   With AVX-512 VNNI and VBMI (Zen 4, Ice Lake and later; the host build, -march=native): a 64-byte load holds 4 k
+   pairs of the 16 rows; one vpermb gathers each row's 4 bytes into its own 32-bit lane, its low and high nibbles
+   are that row's 4 even and 4 odd k, and one vpdpbusd each adds their products with the 4 even / 4 odd xq into
+   the row's int32 sum: 16 rows x 8 k in 6 instructions. A 32-k block is unpacked so once and kept in registers
+   for every x row of the pass (2 broadcasts and 2 vpdpbusd per row and 8 k). xq is stored reordered for it (per
+   8 k: the 4 even, then the 4 odd). The sums are the same integers, so every build still gives the same bits. */
 
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +35,12 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define INT8_VNNI 1
+#else
+#define INT8_VNNI 0
 #endif
 
 #define G 16
@@ -41,33 +54,142 @@ void steploop_set_int8_activations(int on) { steploop_int8_activations_on = !!on
 
 int steploop_int8_activations(void) { return steploop_int8_activations_on; }
 
-/* x [M, K] -> xq int8 [M, K], dx [M, K/32], xs int32 [M, K/16] (sums of xq per 16) */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, int32_t *xs)
+/* One block of 32 x -> its 32 xq, dx and the two sums of 16 xq. xq = roundf(x * (1 / dx)), half away from zero;
+   the AVX-512 form rounds as roundf does (trunc, then + 1 where the dropped fraction is >= 0.5: exact below 2^23),
+   so every build gives the same bytes. */
+static inline void quantize_block(const float *xb, int8_t *qb, float *dx, int32_t s[2])
 {
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < K / QK; b++) {
-            const float *xb = x + r * K + b * QK;
-            float amax = 0.0f;
-            for (int k = 0; k < QK; k++)
-                amax = fmaxf(amax, fabsf(xb[k]));
-            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int8_t *qb = xq + r * K + b * QK;
-            int32_t s[2] = {0, 0};
-            for (int k = 0; k < QK; k++) {
-                float v = roundf(xb[k] * id);
-                v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-                qb[k] = (int8_t)v;
-                s[k / 16] += qb[k];
-            }
-            dx[r * (K / QK) + b] = d;
-            xs[r * (K / 16) + 2 * b] = s[0];
-            xs[r * (K / 16) + 2 * b + 1] = s[1];
+#if defined(__AVX512F__)
+    const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m512 vid = _mm512_set1_ps(id);
+    for (int h = 0; h < 2; h++) {
+        __m512 v = _mm512_mul_ps(h ? v1 : v0, vid);
+        __m512 a = _mm512_andnot_ps(sign, v);
+        __m512 t = _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        t = _mm512_mask_add_ps(t, _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), half, _CMP_GE_OQ), t, one);
+        t = _mm512_min_ps(t, _mm512_set1_ps(127.0f));
+        __m512i q = _mm512_cvttps_epi32(_mm512_or_ps(t, _mm512_and_ps(v, sign)));
+        _mm_storeu_si128((__m128i *)(qb + 16 * h), _mm512_cvtsepi32_epi8(q));
+        s[h] = _mm512_reduce_add_epi32(q);
+    }
+    *dx = d;
+#else
+    float amax = 0.0f;
+    for (int k = 0; k < QK; k++)
+        amax = fmaxf(amax, fabsf(xb[k]));
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    s[0] = s[1] = 0;
+    for (int k = 0; k < QK; k++) {
+        float v = roundf(xb[k] * id);
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        qb[k] = (int8_t)v;
+        s[k / 16] += qb[k];
+    }
+    *dx = d;
+#endif
+#if INT8_VNNI
+    for (int k8 = 0; k8 < QK; k8 += 8) {            /* per 8 k: the 4 even, then the 4 odd (the sums' x order) */
+        int8_t t[8];
+        for (int c = 0; c < 4; c++) {
+            t[c] = qb[k8 + 2 * c];
+            t[4 + c] = qb[k8 + 2 * c + 1];
         }
+        memcpy(qb + k8, t, 8);
+    }
+#endif
+}
+
+/* x [M, K] -> xq int8 [M, K], dx [M, K/32], xs int32 [M, K/16] (sums of xq per 16); blocks split over the
+   threads (one thread left it the slowest part of a 16-row call, the others spinning) */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, int32_t *xs,
+                          int num_threads)
+{
+    int64_t per_row = K / QK, total = M * per_row;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (total >= 256)
+    for (int64_t i = 0; i < total; i++) {
+        int64_t r = i / per_row, b = i % per_row;
+        int32_t s[2];
+        quantize_block(x + r * K + b * QK, xq + r * K + b * QK, dx + i, s);
+        xs[2 * i] = s[0];
+        xs[2 * i + 1] = s[1];
+    }
 }
 
 /* ---- integer sums over 32 (Q4_K) or 16 (Q6_K) k of one group's 16 rows against one x row ---- */
 
-#if defined(__AVX2__)
+#if INT8_VNNI
+/* lane i's byte c <- byte 16 c + i: the 4 k pairs of row i, one per 16-byte chunk, side by side */
+static inline __m512i rows_to_lanes(__m512i v)
+{
+    const __m512i idx = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
+                                        59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
+                                        55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
+                                        51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+    return _mm512_permutexvar_epi8(idx, v);
+}
+
+/* acc += the 4 even k (low nibbles / lo) times xr[0..3] + the 4 odd k (hi) times xr[4..7], per row's lane */
+static inline __m512i dot8(__m512i acc, __m512i lo, __m512i hi, const int8_t *xr)
+{
+    int32_t even, odd;
+    memcpy(&even, xr, 4);
+    memcpy(&odd, xr + 4, 4);
+    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_set1_epi32(even));
+    return _mm512_dpbusd_epi32(acc, hi, _mm512_set1_epi32(odd));
+}
+
+/* A 32-k block of the group's 16 rows, unpacked once and used by every x row: per 8 k (j = 0..3), the 4 even k
+   (lo) and the 4 odd k (hi) of each row in its lane. Q6_K values carry their two high bits (0..63). */
+typedef struct {
+    __m512i lo[4], hi[4];
+} unpacked;
+
+static inline void q4_unpack(const uint8_t *qs, unpacked *w)
+{
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        __m512i v = rows_to_lanes(_mm512_loadu_si512((const void *)(qs + j * 64)));
+        w->lo[j] = _mm512_and_si512(v, m4);
+        w->hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+}
+
+static inline void q6_unpack(const uint8_t *lo_qs, const uint8_t *hb, unpacked *w)
+{
+    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+    /* chunk c (k pair 4 j + c) takes the high-bit byte of quad 2 j + c / 2, shifted by 4 (c % 2): the even k of
+       the pair then sit in bits 0-1, the odd in bits 2-3 */
+    const __m512i quad = _mm512_set_epi8(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                         31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                         15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+                                         15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i shift = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int j = 0; j < 4; j++) {
+        __m512i v = _mm512_loadu_si512((const void *)(lo_qs + j * 64));
+        __m512i h = _mm512_permutexvar_epi8(quad, _mm512_castsi256_si512(
+            _mm256_loadu_si256((const __m256i *)(hb + j * 32))));
+        h = _mm512_srlv_epi16(h, shift);
+        __m512i even = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_slli_epi16(_mm512_and_si512(h, m2), 4));
+        __m512i odd = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                      _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), m2), 4));
+        w->lo[j] = rows_to_lanes(even);
+        w->hi[j] = rows_to_lanes(odd);
+    }
+}
+
+/* lane row = sum over the unpacked steps j0 .. j0 + n - 1 (8 k each) of q[row, k] * xq[k]; xq reordered */
+static inline __m512i unpacked_sums(const unpacked *w, int j0, int n, const int8_t *xq)
+{
+    __m512i acc = _mm512_setzero_si512();
+    for (int j = j0; j < j0 + n; j++)
+        acc = dot8(acc, w->lo[j], w->hi[j], xq + 8 * (j - j0));
+    return acc;
+}
+#elif defined(__AVX2__)
 /* xq[k .. k+3] as maddubs' right operand: lane 0 (xq[k], xq[k+1]) x 8, lane 1 (xq[k+2], xq[k+3]) x 8 */
 static inline __m256i x_pairs(const int8_t *xq)
 {
@@ -221,14 +343,14 @@ typedef struct {
     int32_t *xs;
 } quantized_x;
 
-static int quantize(const float *x, int64_t M, int64_t K, quantized_x *q)
+static int quantize(const float *x, int64_t M, int64_t K, quantized_x *q, int num_threads)
 {
     q->xq = malloc((size_t)(M * K));
     q->dx = malloc((size_t)(M * (K / QK)) * sizeof(float));
     q->xs = malloc((size_t)(M * (K / 16)) * sizeof(int32_t));
     if (!q->xq || !q->dx || !q->xs)
         return -1;
-    quantize_rows(x, M, K, q->xq, q->dx, q->xs);
+    quantize_rows(x, M, K, q->xq, q->dx, q->xs, num_threads);
     return 0;
 }
 
@@ -249,16 +371,80 @@ typedef struct {
 } job;
 
 static int job_start(job *j, float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
-                     int64_t M, int64_t N, int64_t K)
+                     int64_t M, int64_t N, int64_t K, int num_threads)
 {
     /* Q4_K: sc, mn uint8 per 32; d, dmin per 256. Q6_K: sc int8 per 16; d per 256; high bits after the nibbles */
     *j = (job){y, qs, scales, scales + N * (K / QK), qs + N * K / 2, dd, dd + N * (K / QK_K), M, N, K,
                {NULL, NULL, NULL}};
     if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK_K)
         return -1;
-    return M == 0 ? 0 : quantize(x, M, K, &j->q);
+    return M == 0 ? 0 : quantize(x, M, K, &j->q, num_threads);
 }
 
+#if INT8_VNNI
+/* d[i] * scale[i] for the 16 rows in one register (int8 scales when is_signed, else uint8): exact products */
+static inline __m512 scales16(const float *d, const int8_t *scale, int is_signed)
+{
+    __m128i b = _mm_loadu_si128((const __m128i *)scale);
+    __m512i i32 = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    return _mm512_mul_ps(_mm512_loadu_ps(d), _mm512_cvtepi32_ps(i32));
+}
+
+/* RT x rows (r0 ..) of group g over all of K, their 16 outputs each in a register across the blocks: each block is
+   unpacked once for the RT rows, and the float epilogue is group_rows' sequence of roundings (mul, fnmadd or fmadd,
+   fmadd), 16 lanes at once, so the outputs are the same bits as the other builds' */
+static inline __attribute__((always_inline)) void vnni_tile(int q6, const job *j, int64_t g, int64_t r0, int RT)
+{
+    int64_t K = j->K;
+    __m512 acc[4];
+    for (int r = 0; r < RT; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < K / QK; blk++) {
+        const float *dg = j->d + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
+        const uint8_t *lo = j->qs + (g * (K / 2) + blk * (QK / 2)) * G;
+        __m512 a0, a1;
+        unpacked w;
+        if (q6) {
+            const int8_t *scg = (const int8_t *)j->sc + (g * (K / 16) + 2 * blk) * G;
+            a0 = scales16(dg, scg, 1);
+            a1 = scales16(dg, scg + G, 1);
+            q6_unpack(lo, j->qh + (g * (K / 4) + blk * (QK / 4)) * G, &w);
+        } else {
+            const float *mg = j->dmin + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
+            a0 = scales16(dg, (const int8_t *)j->sc + (g * (K / QK) + blk) * G, 0);
+            a1 = scales16(mg, (const int8_t *)j->mn + (g * (K / QK) + blk) * G, 0);
+            q4_unpack(lo, &w);
+        }
+        for (int r = 0; r < RT; r++) {
+            int64_t row = r0 + r;
+            const int8_t *xb = j->q.xq + row * K + blk * QK;
+            const int32_t *xs = j->q.xs + row * (K / 16) + 2 * blk;
+            __m512 t;
+            if (q6) {                                /* (q - 32) xq summed: exact in int32 */
+                __m512i s0 = _mm512_sub_epi32(unpacked_sums(&w, 0, 2, xb), _mm512_set1_epi32(32 * xs[0]));
+                __m512i s1 = _mm512_sub_epi32(unpacked_sums(&w, 2, 2, xb + 16), _mm512_set1_epi32(32 * xs[1]));
+                t = _mm512_fmadd_ps(a1, _mm512_cvtepi32_ps(s1), _mm512_mul_ps(a0, _mm512_cvtepi32_ps(s0)));
+            } else {
+                t = _mm512_mul_ps(a0, _mm512_cvtepi32_ps(unpacked_sums(&w, 0, 4, xb)));
+                t = _mm512_fnmadd_ps(a1, _mm512_set1_ps((float)(xs[0] + xs[1])), t);
+            }
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(j->q.dx[row * (K / QK) + blk]), acc[r]);
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        _mm512_storeu_ps(j->y + (r0 + r) * j->N + g * G, acc[r]);
+}
+
+/* Group g's 16 outputs for every x row: 4 rows a tile, then one by one */
+static inline __attribute__((always_inline)) void group_rows(int q6, const job *j, int64_t g)
+{
+    int64_t r0 = 0;
+    for (; r0 + 4 <= j->M; r0 += 4)
+        vnni_tile(q6, j, g, r0, 4);
+    for (; r0 < j->M; r0++)
+        vnni_tile(q6, j, g, r0, 1);
+}
+#else
 /* Group g's 16 outputs for every x row, ROWS rows a pass (their accumulators on the stack). q6 picks the form, a
    constant: each driver's parallel loop inlines its own copy (1.4x faster at 16 rows than one loop deciding the
    form at run time; blocking several x rows on each unpacked step bought nothing more and cost 10% at one row).
@@ -307,11 +493,12 @@ static inline __attribute__((always_inline)) void group_rows(int q6, const job *
             memcpy(j->y + (r0 + r) * j->N + g * G, acc[r], sizeof acc[r]);
     }
 }
+#endif
 
 /* Each thread takes whole groups of 16 outputs */
 #define DRIVE(Q6)                                                                         \
     job j;                                                                                \
-    int rc = job_start(&j, y, x, qs, dd, scales, M, N, K);                                \
+    int rc = job_start(&j, y, x, qs, dd, scales, M, N, K, num_threads);                   \
     if (rc == 0 && M > 0) {                                                               \
         _Pragma("omp parallel for num_threads(num_threads) schedule(static)")             \
         for (int64_t g = 0; g < N / G; g++)                                               \
