@@ -49,6 +49,15 @@ def time_pass(fns) -> float:
     return time.perf_counter() - start
 
 
+def time_int8(fns, isa: str | None) -> float:
+    """One pass with the int8-activation kernels of that build switched on."""
+    kernel.set_int8_activations(True, isa=isa)
+    try:
+        return time_pass(fns)
+    finally:
+        kernel.set_int8_activations(False, isa=isa)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--layers", type=int, default=4)
@@ -85,17 +94,9 @@ def main(argv=None) -> None:
                 torch_s = min(torch_s, time_pass(torch_fns))
             packed_s = min(packed_s, time_pass(packed_fns))
             if args.int8:
-                kernel.set_int8_activations(True, isa=args.isa)
-                try:
-                    int8_s = min(int8_s, time_pass(packed_fns))
-                finally:
-                    kernel.set_int8_activations(False, isa=args.isa)
+                int8_s = min(int8_s, time_int8(packed_fns, args.isa))
                 if args.int8_versus:
-                    kernel.set_int8_activations(True, isa=args.int8_versus)
-                    try:
-                        versus_s = min(versus_s, time_pass(versus_fns))
-                    finally:
-                        kernel.set_int8_activations(False, isa=args.int8_versus)
+                    versus_s = min(versus_s, time_int8(versus_fns, args.int8_versus))
         line = (f"M={m:3d}: packed {packed_s * 1e3:7.1f} ms ({flop / packed_s / 1e9:5.1f} GFLOP/s, "
                 f"{nbytes / packed_s / 1e9:5.1f} GB/s)")
         if torch_fns:
