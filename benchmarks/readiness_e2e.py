@@ -8,7 +8,7 @@ and its argmax at each generated position is compared with ours (so one early fl
   transformers' own bf16 as the yardstick. A random-weight model's logits are nearly flat, so bf16 rounding alone
   moves many argmaxes (transformers bf16 agreed with its own fp32 on 25% of tokens at initializer_range 0.2, 82%
   at 0.02, on the 1B shape on the CPU), and a fixed agreement bar would judge the model, not the engine. Ours passes
-  when its agreement with fp32 is within 0.05 of transformers bf16's, and the mean error of its logprob of each
+  when its agreement with fp32 is within 0.05 of transformers bf16's (two tokens on a short run), and the mean error of its logprob of each
   token against fp32's is at most twice transformers bf16's (+0.01). Graphs and eager are judged the same way; their
   tokens may differ (a graph pads the batch, and GEMMs at another row count round differently), which is reported.
 - one step at the largest batch (every request's prompt in one step, then a decode of all of them) on a KV cache
@@ -185,7 +185,8 @@ def against_fp32(hf16, batch: list[list[int]], outputs: dict[int, list[int]], lo
     row = agreement(truth, outputs)
     row.update(hf_bf16_agreement=round(hf_same / max(n, 1), 4), logprob_err=round(ours_err / max(n, 1), 5),
                hf_bf16_logprob_err=round(hf_err / max(n, 1), 5))
-    row["ok"] = (row["agreement"] >= row["hf_bf16_agreement"] - 0.05
+    slack = max(0.05, 2 / max(n, 1))       # two tokens' worth on a short run (the dry run's 12)
+    row["ok"] = (row["agreement"] >= row["hf_bf16_agreement"] - slack
                  and row["logprob_err"] <= 2 * row["hf_bf16_logprob_err"] + 0.01)
     return row
 
