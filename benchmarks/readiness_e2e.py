@@ -8,9 +8,10 @@ and its argmax at each generated position is compared with ours (so one early fl
   transformers' own bf16 as the yardstick. A random-weight model's logits are nearly flat, so bf16 rounding alone
   moves many argmaxes (transformers bf16 agreed with its own fp32 on 25% of tokens at initializer_range 0.2, 82%
   at 0.02, on the 1B shape on the CPU), and a fixed agreement bar would judge the model, not the engine. Ours passes
-  when its agreement with fp32 is within 0.05 of transformers bf16's (two tokens on a short run), and the mean error of its logprob of each
-  token against fp32's is at most twice transformers bf16's (+0.01). Graphs and eager are judged the same way; their
-  tokens may differ (a graph pads the batch, and GEMMs at another row count round differently), which is reported.
+  when its agreement with fp32 is within 0.05 of transformers bf16's (two tokens on a short run), and the mean
+  error of its logprob of each token against fp32's is at most twice transformers bf16's (+0.01). Graphs and eager
+  are judged the same way; their tokens may differ (a graph pads the batch, and GEMMs at another row count round
+  differently), which is reported.
 - one step at the largest batch (every request's prompt in one step, then a decode of all of them) on a KV cache
   sized by --gpu-memory-utilization, without running out of memory.
 decode: steps of `batch` requests at `context` tokens each (contexts are prefix-cached: the plan says they are
