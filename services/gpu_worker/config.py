@@ -227,8 +227,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                   "machine); off: defaults. Either way every variant is compiled before the worker attaches")
     add_flag(parser, "--cpu-int8-activations", type=bool, default=False,
              help="GGUF Q4_K / Q6_K weights on the CPU: round activations to int8 per 32 and multiply in integers, as "
-                  "llama.cpp does (about 2x faster decode on an AVX2 CPU); NOT exact: outputs differ from the fp32 "
-                  "reference by that rounding. Off: the exact kernels")
+                  "llama.cpp does (about 2x faster decode on an AVX2 CPU; VNNI dot products where the CPU has "
+                  "AVX-512 VNNI and VBMI); NOT exact: outputs differ from the fp32 reference by that rounding. Off: "
+                  "the exact kernels")
     add_flag(parser, "--max-num-seqs", type=int, default=128,
              help="the scheduler's --max-num-seqs: sizes the CUDA graphs and the sampler in the memory profile")
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048,

@@ -24,9 +24,11 @@
    With AVX-512 VNNI and VBMI (Zen 4, Ice Lake and later; the host build, -march=native): a 64-byte load holds 4 k
    pairs of the 16 rows; one vpermb gathers each row's 4 bytes into its own 32-bit lane, its low and high nibbles
    are that row's 4 even and 4 odd k, and one vpdpbusd each adds their products with the 4 even / 4 odd xq into
-   the row's int32 sum: 16 rows x 8 k in 6 instructions. A 32-k block is unpacked so once and kept in registers
-   for every x row of the pass (2 broadcasts and 2 vpdpbusd per row and 8 k). xq is stored reordered for it (per
-   8 k: the 4 even, then the 4 odd). The sums are the same integers, so every build still gives the same bits. */
+   the row's int32 sum: 16 rows x 8 k in 6 instructions. A thread takes two groups (32 outputs) and 4 x rows at a
+   time: each group's 32-k block is unpacked once for the 4 rows, each row's x broadcast once for both groups, and
+   the 8 sums stay in registers across K (2 vpdpbusd per row, group and 8 k). xq is stored reordered for it (per
+   8 k: the 4 even, then the 4 odd). The sums are the same integers, and the float epilogue the same roundings, so
+   every build still gives the same bits. */
 
 #include <math.h>
 #include <stdint.h>
@@ -132,13 +134,13 @@ static inline __m512i rows_to_lanes(__m512i v)
 }
 
 /* acc += the 4 even k (low nibbles / lo) times xr[0..3] + the 4 odd k (hi) times xr[4..7], per row's lane */
+typedef int32_t __attribute__((may_alias, aligned(1))) x4_t;    /* 4 xq bytes read as one broadcast operand */
+
 static inline __m512i dot8(__m512i acc, __m512i lo, __m512i hi, const int8_t *xr)
 {
-    int32_t even, odd;
-    memcpy(&even, xr, 4);
-    memcpy(&odd, xr + 4, 4);
-    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_set1_epi32(even));
-    return _mm512_dpbusd_epi32(acc, hi, _mm512_set1_epi32(odd));
+    /* a broadcast straight from memory: gcc folds it into vpdpbusd's {1to16} operand */
+    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_set1_epi32(*(const x4_t *)xr));
+    return _mm512_dpbusd_epi32(acc, hi, _mm512_set1_epi32(*(const x4_t *)(xr + 4)));
 }
 
 /* A 32-k block of the group's 16 rows, unpacked once and used by every x row: per 8 k (j = 0..3), the 4 even k
@@ -390,59 +392,70 @@ static inline __m512 scales16(const float *d, const int8_t *scale, int is_signed
     return _mm512_mul_ps(_mm512_loadu_ps(d), _mm512_cvtepi32_ps(i32));
 }
 
-/* RT x rows (r0 ..) of group g over all of K, their 16 outputs each in a register across the blocks: each block is
-   unpacked once for the RT rows, and the float epilogue is group_rows' sequence of roundings (mul, fnmadd or fmadd,
-   fmadd), 16 lanes at once, so the outputs are the same bits as the other builds' */
-static inline __attribute__((always_inline)) void vnni_tile(int q6, const job *j, int64_t g, int64_t r0, int RT)
+/* RT x rows (r0 ..) of GT groups (g0 ..) over all of K, each row's 16 outputs per group in a register across the
+   blocks: a block is unpacked once for the RT rows, and each row's x is read once for the GT groups. The float
+   epilogue is group_rows' sequence of roundings (mul, fnmadd or fmadd, fmadd), 16 lanes at once, so the outputs
+   are the same bits as the other builds'. */
+static inline __attribute__((always_inline)) void vnni_tile(int q6, const job *j, int64_t g0, int GT, int64_t r0,
+                                                            int RT)
 {
     int64_t K = j->K;
-    __m512 acc[4];
-    for (int r = 0; r < RT; r++)
-        acc[r] = _mm512_setzero_ps();
+    __m512 acc[2][4];
+    for (int gi = 0; gi < GT; gi++)
+        for (int r = 0; r < RT; r++)
+            acc[gi][r] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < K / QK; blk++) {
-        const float *dg = j->d + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
-        const uint8_t *lo = j->qs + (g * (K / 2) + blk * (QK / 2)) * G;
-        __m512 a0, a1;
-        unpacked w;
-        if (q6) {
-            const int8_t *scg = (const int8_t *)j->sc + (g * (K / 16) + 2 * blk) * G;
-            a0 = scales16(dg, scg, 1);
-            a1 = scales16(dg, scg + G, 1);
-            q6_unpack(lo, j->qh + (g * (K / 4) + blk * (QK / 4)) * G, &w);
-        } else {
-            const float *mg = j->dmin + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
-            a0 = scales16(dg, (const int8_t *)j->sc + (g * (K / QK) + blk) * G, 0);
-            a1 = scales16(mg, (const int8_t *)j->mn + (g * (K / QK) + blk) * G, 0);
-            q4_unpack(lo, &w);
+        __m512 a0[2], a1[2];
+        unpacked w[2];
+        for (int gi = 0; gi < GT; gi++) {
+            int64_t g = g0 + gi;
+            const float *dg = j->d + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
+            const uint8_t *lo = j->qs + (g * (K / 2) + blk * (QK / 2)) * G;
+            if (q6) {
+                const int8_t *scg = (const int8_t *)j->sc + (g * (K / 16) + 2 * blk) * G;
+                a0[gi] = scales16(dg, scg, 1);
+                a1[gi] = scales16(dg, scg + G, 1);
+                q6_unpack(lo, j->qh + (g * (K / 4) + blk * (QK / 4)) * G, &w[gi]);
+            } else {
+                const float *mg = j->dmin + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
+                a0[gi] = scales16(dg, (const int8_t *)j->sc + (g * (K / QK) + blk) * G, 0);
+                a1[gi] = scales16(mg, (const int8_t *)j->mn + (g * (K / QK) + blk) * G, 0);
+                q4_unpack(lo, &w[gi]);
+            }
         }
         for (int r = 0; r < RT; r++) {
             int64_t row = r0 + r;
             const int8_t *xb = j->q.xq + row * K + blk * QK;
             const int32_t *xs = j->q.xs + row * (K / 16) + 2 * blk;
-            __m512 t;
-            if (q6) {                                /* (q - 32) xq summed: exact in int32 */
-                __m512i s0 = _mm512_sub_epi32(unpacked_sums(&w, 0, 2, xb), _mm512_set1_epi32(32 * xs[0]));
-                __m512i s1 = _mm512_sub_epi32(unpacked_sums(&w, 2, 2, xb + 16), _mm512_set1_epi32(32 * xs[1]));
-                t = _mm512_fmadd_ps(a1, _mm512_cvtepi32_ps(s1), _mm512_mul_ps(a0, _mm512_cvtepi32_ps(s0)));
-            } else {
-                t = _mm512_mul_ps(a0, _mm512_cvtepi32_ps(unpacked_sums(&w, 0, 4, xb)));
-                t = _mm512_fnmadd_ps(a1, _mm512_set1_ps((float)(xs[0] + xs[1])), t);
+            __m512 dx = _mm512_set1_ps(j->q.dx[row * (K / QK) + blk]);
+            for (int gi = 0; gi < GT; gi++) {
+                __m512 t;
+                if (q6) {                            /* (q - 32) xq summed: exact in int32 */
+                    __m512i s0 = _mm512_sub_epi32(unpacked_sums(&w[gi], 0, 2, xb), _mm512_set1_epi32(32 * xs[0]));
+                    __m512i s1 = _mm512_sub_epi32(unpacked_sums(&w[gi], 2, 2, xb + 16),
+                                                  _mm512_set1_epi32(32 * xs[1]));
+                    t = _mm512_fmadd_ps(a1[gi], _mm512_cvtepi32_ps(s1), _mm512_mul_ps(a0[gi], _mm512_cvtepi32_ps(s0)));
+                } else {
+                    t = _mm512_mul_ps(a0[gi], _mm512_cvtepi32_ps(unpacked_sums(&w[gi], 0, 4, xb)));
+                    t = _mm512_fnmadd_ps(a1[gi], _mm512_set1_ps((float)(xs[0] + xs[1])), t);
+                }
+                acc[gi][r] = _mm512_fmadd_ps(t, dx, acc[gi][r]);
             }
-            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(j->q.dx[row * (K / QK) + blk]), acc[r]);
         }
     }
-    for (int r = 0; r < RT; r++)
-        _mm512_storeu_ps(j->y + (r0 + r) * j->N + g * G, acc[r]);
+    for (int gi = 0; gi < GT; gi++)
+        for (int r = 0; r < RT; r++)
+            _mm512_storeu_ps(j->y + (r0 + r) * j->N + (g0 + gi) * G, acc[gi][r]);
 }
 
-/* Group g's 16 outputs for every x row: 4 rows a tile, then one by one */
-static inline __attribute__((always_inline)) void group_rows(int q6, const job *j, int64_t g)
+/* Groups g0 .. g0 + GT - 1's outputs for every x row: 4 rows a tile, then one by one */
+static inline __attribute__((always_inline)) void group_rows_vnni(int q6, const job *j, int64_t g0, int GT)
 {
     int64_t r0 = 0;
     for (; r0 + 4 <= j->M; r0 += 4)
-        vnni_tile(q6, j, g, r0, 4);
+        vnni_tile(q6, j, g0, GT, r0, 4);
     for (; r0 < j->M; r0++)
-        vnni_tile(q6, j, g, r0, 1);
+        vnni_tile(q6, j, g0, GT, r0, 1);
 }
 #else
 /* Group g's 16 outputs for every x row, ROWS rows a pass (their accumulators on the stack). q6 picks the form, a
@@ -495,14 +508,29 @@ static inline __attribute__((always_inline)) void group_rows(int q6, const job *
 }
 #endif
 
+#if INT8_VNNI
+/* Each thread takes pairs of groups (32 outputs: each x row read once for both), an odd last group alone */
+#define FOR_GROUPS(Q6)                                                                    \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                 \
+    for (int64_t p = 0; p < (N / G + 1) / 2; p++) {                                       \
+        if (2 * p + 1 < N / G)                                                            \
+            group_rows_vnni(Q6, &j, 2 * p, 2);                                            \
+        else                                                                              \
+            group_rows_vnni(Q6, &j, 2 * p, 1);                                            \
+    }
+#else
 /* Each thread takes whole groups of 16 outputs */
+#define FOR_GROUPS(Q6)                                                                    \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                 \
+    for (int64_t g = 0; g < N / G; g++)                                                   \
+        group_rows(Q6, &j, g);
+#endif
+
 #define DRIVE(Q6)                                                                         \
     job j;                                                                                \
     int rc = job_start(&j, y, x, qs, dd, scales, M, N, K, num_threads);                   \
     if (rc == 0 && M > 0) {                                                               \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")             \
-        for (int64_t g = 0; g < N / G; g++)                                               \
-            group_rows(Q6, &j, g);                                                        \
+        FOR_GROUPS(Q6)                                                                    \
     }                                                                                     \
     release(&j.q);                                                                        \
     return rc;
