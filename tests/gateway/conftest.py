@@ -16,6 +16,7 @@ from steploop.common import model_path
 from steploop.gateway.app import create_app
 from steploop.gateway.config import GatewayConfig
 from steploop.gateway.engine.engine_client import EngineClient
+from steploop.gateway.errors import APIError
 from steploop.gateway.server import bound_port, start_site
 from steploop.gateway.text.tokenizer import Tokenizer, load_tokenizer
 from tests.gateway.fake_engine import FakeEngine, start_fake_engine
@@ -97,11 +98,26 @@ async def serving_app(engine, tokenizer, config: GatewayConfig):
         await engine.close()
 
 
+async def reachable(client: EngineClient, timeout: float = 15.0) -> None:
+    """Until the client reaches the engine (a loaded machine's first connect can fail, and the channel then backs
+    off for up to 2 s; a test's first request must not land in that window and read 503)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await client.model_info()
+            return
+        except APIError:
+            assert asyncio.get_running_loop().time() < deadline, f"the engine was not reachable in {timeout} s"
+            await asyncio.sleep(0.05)
+
+
 @pytest_asyncio.fixture
 async def gateway(fake_engine, tokenizer, gateway_config):
     server, address, health = await start_fake_engine(fake_engine)
     try:
-        async with serving_app(EngineClient(address), tokenizer, gateway_config) as (url, app):
+        client = EngineClient(address)
+        await reachable(client)
+        async with serving_app(client, tokenizer, gateway_config) as (url, app):
             yield Gateway(url, fake_engine, health, app)
     finally:
         await server.stop(None)
