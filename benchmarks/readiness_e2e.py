@@ -206,14 +206,15 @@ def e2e(shape: str, dry: bool) -> dict:
             # bf16: graphs and eager, each against fp32, and (reported, not judged) eager with the torch attention
             # backend and torch elementwise ops, which says whether the Triton kernels carry any excess error;
             # fp32: the serving path (graphs), exact
-            modes = ((False, "triton"),) if dry else ((True, "triton"), (False, "triton"), (False, "torch")) \
-                if dtype == "bfloat16" else ((True, "triton"),)
+            # (graphs, attention backend; None: the device's default)
+            modes = ((False, None),) if dry else ((True, None), (False, None), (False, "torch")) \
+                if dtype == "bfloat16" else ((True, None),)
             by_mode = {}
             for graphs, backend in modes:
-                mode = ("graphs" if graphs else "eager") + ("_torch_ops" if backend == "torch" and not dry else "")
+                mode = ("graphs" if graphs else "eager") + ("_torch_ops" if backend == "torch" else "")
                 t0 = time.perf_counter()
                 runner = make_runner(folder, device, dtype, graphs, num_kv_blocks=n * (length + 7 * n + new) // 16 + 64,
-                                     attention_backend=None if dry else backend)
+                                     attention_backend=backend)
                 row[f"load_{mode}_s"] = round(time.perf_counter() - t0, 1)
                 tokens, logprobs = generate(runner, batch, new)
                 row["cuda_graphs_captured"] = row.get("cuda_graphs_captured") or runner.graphs is not None
@@ -292,15 +293,22 @@ def decode(dry: bool, hbm_gbs: float | None) -> dict:
             "batch1_fraction_of_bound": min((r["fraction_of_bound"] for r in batch1), default=None)}
 
 
-def _decode_case(runner, batch: int, ctx: int, steps: int, weight_bytes: int, kv_per_token: int,
-                 hbm_gbs: float | None) -> dict:
+def _decoding(runner, batch: int, ctx: int, steps: int) -> FastDriver:
+    """`batch` requests at `ctx` tokens each, decoding, warm (their state exists, graphs replay), with `steps` + 1
+    decode steps left."""
     runner.reset()
     driver = FastDriver(runner)
     for i in range(batch):
         driver.add(i, [3 + (i + j) % 500 for j in range(ctx)], steps + 3)
         driver.requests[i].num_computed = ctx - 1      # prefix-cached: the step decodes at position ctx - 1
     driver.step(1)
-    driver.step(1)                                      # warm: the request state exists, graphs replay
+    driver.step(1)
+    return driver
+
+
+def _decode_case(runner, batch: int, ctx: int, steps: int, weight_bytes: int, kv_per_token: int,
+                 hbm_gbs: float | None) -> dict:
+    driver = _decoding(runner, batch, ctx, steps)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     inner = runner.execute
@@ -340,13 +348,7 @@ def _host_profile(runner, batch: int, ctx: int, steps: int, top: int = 25) -> li
     import cProfile
     import pstats
 
-    runner.reset()
-    driver = FastDriver(runner)
-    for i in range(batch):
-        driver.add(i, [3 + (i + j) % 500 for j in range(ctx)], steps + 3)
-        driver.requests[i].num_computed = ctx - 1
-    driver.step(1)
-    driver.step(1)
+    driver = _decoding(runner, batch, ctx, steps)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):

@@ -15,8 +15,10 @@ size of what travels: the files git tracks or does not ignore, plus the stubs. T
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -77,8 +79,6 @@ def travelling_bytes(root: pathlib.Path = ROOT) -> int:
 
 def bundle_packages(site: pathlib.Path = BUNDLE_SITE) -> list[str]:
     """Copies each of BUNDLED_PACKAGES, as installed here, into `site` (replacing what was there)."""
-    import importlib.util
-    import shutil
     shutil.rmtree(site, ignore_errors=True)
     site.mkdir(parents=True)
     for name in BUNDLED_PACKAGES:

@@ -134,13 +134,13 @@ static inline __m512i rows_to_lanes(__m512i v)
 }
 
 /* acc += the 4 even k (low nibbles / lo) times xr[0..3] + the 4 odd k (hi) times xr[4..7], per row's lane */
-typedef int32_t __attribute__((may_alias, aligned(1))) x4_t;    /* 4 xq bytes read as one broadcast operand */
-
 static inline __m512i dot8(__m512i acc, __m512i lo, __m512i hi, const int8_t *xr)
 {
-    /* a broadcast straight from memory: gcc folds it into vpdpbusd's {1to16} operand */
-    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_set1_epi32(*(const x4_t *)xr));
-    return _mm512_dpbusd_epi32(acc, hi, _mm512_set1_epi32(*(const x4_t *)(xr + 4)));
+    int32_t even, odd;
+    memcpy(&even, xr, 4);
+    memcpy(&odd, xr + 4, 4);
+    acc = _mm512_dpbusd_epi32(acc, lo, _mm512_set1_epi32(even));
+    return _mm512_dpbusd_epi32(acc, hi, _mm512_set1_epi32(odd));
 }
 
 /* A 32-k block of the group's 16 rows, unpacked once and used by every x row: per 8 k (j = 0..3), the 4 even k
