@@ -32,7 +32,7 @@ import time
 import torch
 from steploop.common.sampling_params import SamplingParams
 
-from tests.worker.driver import Driver
+from tests.worker.driver import Driver, InFlightDriver
 
 SHAPES = {   # hand-written: Llama-3.2-1B's shape, and Llama-3-8B's width with fewer layers
     "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
@@ -60,6 +60,10 @@ class FastDriver(Driver):
         new = [self.free.pop() for _ in range(max(need, 0))]
         req.blocks.extend(new)
         return new
+
+
+class FastInFlightDriver(InFlightDriver):
+    _grow = FastDriver._grow
 
 
 def make_model(shape: str, dtype: torch.dtype, device: str, folder: pathlib.Path):
@@ -110,16 +114,20 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length + 7 * i)] for i in range(n)]
 
 
-def generate(runner, batch: list[list[int]], max_tokens: int) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
-    """Greedy outputs and the logprob of each sampled token."""
-    driver = Driver(runner)
+def generate(runner, batch: list[list[int]], max_tokens: int,
+             in_flight: bool = False) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
+    """Greedy outputs and the logprob of each sampled token; in_flight: as the worker serves on a GPU, step N+1
+    launched before step N is finished (step_overlap.py), else each step finished first."""
+    runner.keep_in_flight = in_flight
+    driver = (InFlightDriver if in_flight else Driver)(runner)
     for i, p in enumerate(batch):
         driver.add(i, p, max_tokens, SamplingParams(max_tokens=max_tokens, logprobs=0))
     outputs = driver.run(chunk=512, max_steps=10 * max_tokens)
     logprobs: dict[int, list[float]] = {i: [] for i in range(len(batch))}
     for result in driver.results:
         for handle, lps in result.logprobs.items():
-            logprobs[handle].extend(lp.logprob for lp in lps)
+            if handle in result.sampled:
+                logprobs[handle].extend(lp.logprob for lp in lps)
     return outputs, {i: lps[:max_tokens] for i, lps in logprobs.items()}
 
 
@@ -216,7 +224,8 @@ def e2e(shape: str, dry: bool) -> dict:
                 runner = make_runner(folder, device, dtype, graphs, num_kv_blocks=n * (length + 7 * n + new) // 16 + 64,
                                      attention_backend=backend)
                 row[f"load_{mode}_s"] = round(time.perf_counter() - t0, 1)
-                tokens, logprobs = generate(runner, batch, new)
+                # the serving path (graphs; and the dry run's one mode) keeps a step in flight, as served
+                tokens, logprobs = generate(runner, batch, new, in_flight=graphs or dry)
                 row["cuda_graphs_captured"] = row.get("cuda_graphs_captured") or runner.graphs is not None
                 free(runner)
                 if dtype == "bfloat16":
@@ -293,13 +302,14 @@ def decode(dry: bool, hbm_gbs: float | None) -> dict:
             "batch1_fraction_of_bound": min((r["fraction_of_bound"] for r in batch1), default=None)}
 
 
-def _decoding(runner, batch: int, ctx: int, steps: int) -> FastDriver:
+def _decoding(runner, batch: int, ctx: int, steps: int, in_flight: bool = False) -> FastDriver:
     """`batch` requests at `ctx` tokens each, decoding, warm (their state exists, graphs replay), with `steps` + 1
-    decode steps left."""
+    decode steps left; in_flight: a step kept in flight (step_overlap.py), as the worker serves on a GPU."""
     runner.reset()
-    driver = FastDriver(runner)
+    runner.keep_in_flight = in_flight
+    driver = (FastInFlightDriver if in_flight else FastDriver)(runner)
     for i in range(batch):
-        driver.add(i, [3 + (i + j) % 500 for j in range(ctx)], steps + 3)
+        driver.add(i, [3 + (i + j) % 500 for j in range(ctx)], steps + 4)
         driver.requests[i].num_computed = ctx - 1      # prefix-cached: the step decodes at position ctx - 1
     driver.step(1)
     driver.step(1)
@@ -308,7 +318,29 @@ def _decoding(runner, batch: int, ctx: int, steps: int) -> FastDriver:
 
 def _decode_case(runner, batch: int, ctx: int, steps: int, weight_bytes: int, kv_per_token: int,
                  hbm_gbs: float | None) -> dict:
-    driver = _decoding(runner, batch, ctx, steps)
+    """The step time as served (a step kept in flight: the host prepares step N+1 while step N runs), and with
+    each step finished before the next is prepared (the host's time adds to the GPU's)."""
+    moved = weight_bytes + batch * (ctx + 2) * kv_per_token
+    bound_s = moved / (hbm_gbs * 1e9) if hbm_gbs else None
+    serial_s, host_s = _timed_steps(runner, batch, ctx, steps, in_flight=False)
+    step_s, _ = _timed_steps(runner, batch, ctx, steps, in_flight=True)
+    row = {"batch": batch, "context": ctx, "step_ms": round(step_s * 1e3, 3), "bytes_per_step": moved,
+           "bound_ms": round(bound_s * 1e3, 3) if bound_s else None,
+           "fraction_of_bound": round(bound_s / step_s, 3) if bound_s else None,
+           "tok_per_s": round(batch / step_s, 1), "serial_step_ms": round(serial_s * 1e3, 3),
+           "serial_fraction_of_bound": round(bound_s / serial_s, 3) if bound_s else None,
+           "execute_ms": round(host_s * 1e3, 3)}
+    gpu_ms = _graph_gpu_ms(runner, _decoding(runner, batch, ctx, steps), steps)
+    if gpu_ms is not None:
+        row.update(graph_gpu_ms=round(gpu_ms, 3), host_ms=round(row["execute_ms"] - gpu_ms, 3),
+                   graph_fraction_of_bound=round(bound_s * 1e3 / gpu_ms, 3) if bound_s else None)
+    return row
+
+
+def _timed_steps(runner, batch: int, ctx: int, steps: int, in_flight: bool) -> tuple[float, float]:
+    """Seconds per decode step, and of it the runner's own (execute: the serial steps only, the test driver's
+    plan building left out)."""
+    driver = _decoding(runner, batch, ctx, steps, in_flight)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     inner = runner.execute
@@ -326,21 +358,12 @@ def _decode_case(runner, batch: int, ctx: int, steps: int, weight_bytes: int, kv
     try:
         for _ in range(steps):
             driver.step(1)
+        if in_flight:
+            driver.drain()
         sync()
     finally:
         del runner.execute
-    step_s = (time.perf_counter() - t0) / steps
-    moved = weight_bytes + batch * (ctx + 2) * kv_per_token
-    bound_s = moved / (hbm_gbs * 1e9) if hbm_gbs else None
-    row = {"batch": batch, "context": ctx, "step_ms": round(step_s * 1e3, 3), "bytes_per_step": moved,
-           "bound_ms": round(bound_s * 1e3, 3) if bound_s else None,
-           "fraction_of_bound": round(bound_s / step_s, 3) if bound_s else None,
-           "tok_per_s": round(batch / step_s, 1), "execute_ms": round(in_execute[0] / steps * 1e3, 3)}
-    gpu_ms = _graph_gpu_ms(runner, driver, steps)
-    if gpu_ms is not None:
-        row.update(graph_gpu_ms=round(gpu_ms, 3), host_ms=round(row["execute_ms"] - gpu_ms, 3),
-                   graph_fraction_of_bound=round(bound_s * 1e3 / gpu_ms, 3) if bound_s else None)
-    return row
+    return (time.perf_counter() - t0) / steps, in_execute[0] / steps
 
 
 def _host_profile(runner, batch: int, ctx: int, steps: int, top: int = 25) -> list[str]:

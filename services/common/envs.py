@@ -26,6 +26,7 @@ KV_EVENTS_INT_BLOCK_HASHES = PREFIX + "KV_EVENTS_INT_BLOCK_HASHES"  # 0: ZMQ KV 
 CPU_ISA = PREFIX + "CPU_ISA"                             # avx512 / avx2 / generic: the C kernels' instruction set (default: the best the CPU has)
 CPU_TUNING = PREFIX + "CPU_TUNING"                         # vendor / constants / caches: the packed matmul's blocking (cpu_tuning.py)
 CPU_ADAPTIVE_THREADS = PREFIX + "CPU_ADAPTIVE_THREADS"   # 0: the worker keeps its thread count (no probing of fewer)
+WORKER_OVERLAP = PREFIX + "WORKER_OVERLAP"                 # 0: a GPU worker finishes each step before it launches the next (step_overlap.py)
 SCHEDULER_C_LOOPS = PREFIX + "SCHEDULER_C_LOOPS"           # 0: the scheduler's plain-decode loops stay Python (no gcc build)
 SCHEDULER_GC_TUNING = PREFIX + "SCHEDULER_GC_TUNING"       # 0: the scheduler keeps CPython's GC thresholds (no freeze)
 TEST_CORRUPT_KV_TRANSFER = PREFIX + "TEST_CORRUPT_KV_TRANSFER"   # test hook, 1: a prefill worker flips a byte of each transfer's first block after its checksum

@@ -58,6 +58,7 @@ from steploop.gpu_worker.sleep_mode import SleepMode
 from steploop.gpu_worker.sampler import HostSamplerOutput, Sampler, SamplingMetadata, StagedSampling
 from steploop.gpu_worker.staging import StagingBuffer, StepStaging
 from steploop.gpu_worker.step_inputs import SamplingSlot, StepInputs, stage_step_inputs
+from steploop.gpu_worker.step_overlap import LaunchedStep, keeps_step_in_flight, may_follow, placeholder
 from steploop.gpu_worker.structured_output import StructuredOutput
 from steploop.gpu_worker.weight_update import WeightUpdater
 
@@ -94,6 +95,9 @@ class ModelRunner:
         self.kernel_tuning: dict | None = None     # CUDA + triton: the launch configs chosen and variants warmed
         # vision-language models: images, M-RoPE positions and the encoder cache (encoder_cache.py)
         self.encoder = EncoderCache(model, self.device) if getattr(model.config, "is_multimodal", False) else None
+        self.keep_in_flight = False      # launch step N+1 before finishing step N (step_overlap.py); from_config
+        self.in_flight: LaunchedStep | None = None
+        self._in_flight_tokens: torch.Tensor | None = None   # while launching: the in-flight step's sampled tokens
 
     @classmethod
     def from_config(cls, config: WorkerConfig, model_path: pathlib.Path) -> ModelRunner:
@@ -203,6 +207,7 @@ class ModelRunner:
         runner.kv_sender, runner.kv_receiver, runner.kv_heads = sender, receiver, heads
         runner.kernel_tuning = tuning
         runner.threads = make_thread_governor(config, device, plan)
+        runner.keep_in_flight = keeps_step_in_flight(device, rank.pipe, pooling, cfg.is_multimodal)
         runner.weights = WeightUpdater(runner, lambda path: load_model(path, backend, max_len, dtype, device, plan,
                                                                        rank.share, rank.comm, rank.stage, rank.pipe),
                                        cfg, model_path)
@@ -215,6 +220,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (the scheduler preempted them all, e.g. after a reconnect)."""
         self.batch.reset()
+        self.in_flight = None                # its result goes nowhere: the scheduler preempted its requests
         if self.encoder is not None:
             self.encoder.reset()
         if self.weights is not None:
@@ -225,7 +231,39 @@ class ModelRunner:
             self.lora.reset()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
+        """One step from plan to result, nothing kept in flight (the server keeps one: submit / drain)."""
+        if self.in_flight is not None:
+            raise RuntimeError("execute() with a step in flight: use submit() and drain()")
+        return (self.submit(plan) + self.drain())[-1]
+
+    def submit(self, plan: StepPlan) -> list[StepResult]:
+        """Launch `plan`; return the results finished meanwhile, in plan order: the step that was in flight (if
+        any), then this one unless it stays in flight (keep_in_flight, on a GPU: step_overlap.py)."""
+        out = []
+        pending, self.in_flight = self.in_flight, None
+        if pending is not None and not may_follow(pending, plan):
+            out.append(self._finish(pending))
+            pending = None
+        self._in_flight_tokens = pending.tokens if pending is not None else None   # what its holes point into
+        try:
+            launched = self._launch(plan)
+        finally:
+            self._in_flight_tokens = None
+        if pending is not None:
+            out.append(self._finish(pending))
+        if launched.done or not self.keep_in_flight:
+            out.append(self._finish(launched))
+        else:
+            self.in_flight = launched
+        return out
+
+    def drain(self) -> list[StepResult]:
+        """The result of the step in flight ([] when none), once its sampled tokens are on the host."""
+        pending, self.in_flight = self.in_flight, None
+        return [self._finish(pending)] if pending is not None else []
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
+        launched = LaunchedStep(plan, StepResult(step_id=plan.step_id))
         moved = pd = None
         try:
             moved = kv_tier_mover.apply(self.tiers, plan, self.tp_comm)   # before the forward: stores read, loads write
@@ -239,25 +277,29 @@ class ModelRunner:
                 self.lora.apply_plan(plan)
             self.structured.check_new(plan.new_requests, self.batch.requests)   # a bad grammar fails its request
             if not plan.scheduled_handles:    # a plan that only moves blocks (a cross-replica pull's send)
-                return StepResult(step_id=plan.step_id, kv_moves=moved,
-                                  pd_report=kv_transfer.send_after(self, plan, pd))
+                launched.result = StepResult(step_id=plan.step_id, kv_moves=moved,
+                                             pd_report=kv_transfer.send_after(self, plan, pd))
+                return launched
             with_lora = self.lora is not None and self.lora.begin_step(plan)
             if self.threads is not None:
                 self.threads.before_step()
             try:
-                result = self._run(plan, with_lora)
+                self._run(plan, launched, with_lora)
             finally:
                 if with_lora:
                     self.lora.end_step()
             if self.threads is not None:
-                self.threads.after_step(time.perf_counter() - start, plan.total_num_scheduled_tokens)
+                self.threads.after_step(time.perf_counter() - launched.start, plan.total_num_scheduled_tokens)
         except CollectiveError:      # the group broke: not this step's failure; the worker leaves the group
             raise
         except Exception as exc:     # a failed step is reported, the worker lives on
             log.exception("step %d failed", plan.step_id)
-            return StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}", kv_moves=moved,
-                              pd_report=pd)
-        result.forward_seconds = time.perf_counter() - start
+            launched.result = StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}", kv_moves=moved,
+                                         pd_report=pd)
+            launched.copy = None
+            return launched
+        result = launched.result
+        launched.launch_seconds = result.forward_seconds = time.perf_counter() - launched.start
         result.kv_moves = moved
         result.pd_report = kv_transfer.send_after(self, plan, pd)   # the prompt's KV is written: send it
         result.failed = self.structured.take_failures()
@@ -265,6 +307,23 @@ class ModelRunner:
             result.collective_seconds = self.tp_comm.take_seconds()[0]
         if self.pipe is not None:
             result.collective_seconds += self.pipe.take_seconds()[0]
+        return launched
+
+    def _finish(self, launched: LaunchedStep) -> StepResult:
+        """Wait for the launched step's sampled tokens and record them (its placeholders become them)."""
+        result = launched.result
+        if launched.done:
+            return result
+        try:
+            start = time.perf_counter()
+            out = launched.copy.wait()
+            waited = time.perf_counter() - start
+            self._record(launched, out, result)
+        except Exception as exc:
+            log.exception("step %d failed", launched.plan.step_id)
+            return StepResult(step_id=launched.plan.step_id, error=f"{type(exc).__name__}: {exc}",
+                              kv_moves=result.kv_moves, pd_report=result.pd_report)
+        result.forward_seconds = launched.forward_seconds(waited)
         return result
 
     def prepare_step(self, plan: StepPlan, backend=None) -> PreparedStep:
@@ -280,6 +339,7 @@ class ModelRunner:
         sampling = StagedSampling.stage(rows.params, rows.index, self.vocab_size, step) if rows else None
         step.send()
         inputs = staged.finish(step, self.batch.table)
+        inputs.fill_holes(self._in_flight_tokens)
         meta = sampling.finish(step, *self._penalties_and_edits(rows, inputs)) if sampling else None
         return PreparedStep(inputs, step, attn_staged, meta)
 
@@ -288,11 +348,14 @@ class ModelRunner:
         """False on a pipeline stage before the last: it takes the last stage's tokens instead."""
         return self.pipe is None or self.pipe.share.is_last
 
-    def _run(self, plan: StepPlan, with_lora: bool = False) -> StepResult:
+    def _run(self, plan: StepPlan, launched: LaunchedStep, with_lora: bool = False) -> None:
+        """Forward and sample; the sampled tokens stay on the device (launched.tokens), their copy under way."""
+        timing = _step_events(self.device) if self.keep_in_flight else None
         step = self.prepare_step(plan)
         inputs = step.inputs
         if self.pooler is not None:
-            return self._run_pooling(plan, step)
+            launched.result = self._run_pooling(plan, step)
+            return
         prompt_rows = plan_prompt_logprob_rows(self.batch, plan)   # extra logits rows (prompt_logprobs.py)
         hidden = None
         attn_metadata = step.attn_metadata(self.model.backend)
@@ -310,18 +373,21 @@ class ModelRunner:
                                 else inputs.logits_indices, mm_embeds=mm_embeds)
         for handle, num_computed in inputs.num_computed_after.items():
             self.batch.requests[handle].num_computed_tokens = num_computed
-        result = StepResult(step_id=plan.step_id)
+        result = launched.result
         if not self.samples_here:
             self._skip_sampling(inputs)
-            return result
+            return
         if prompt_rows:
             num_sampling = len(inputs.logits_indices)
             result.prompt_logprobs = prompt_rows.compute(hidden[num_sampling:], self.model.compute_logits)
             hidden = hidden[:num_sampling]
         if inputs.sampling:
-            out = self.sampler(self.model.compute_logits(hidden), step.sampling).to_host()
-            self._record(inputs, out, result)
-        return result
+            out = self.sampler(self.model.compute_logits(hidden), step.sampling)
+            if timing is not None:
+                timing[1].record()
+                launched.timing = timing
+            launched.tokens, launched.copy = out.token_ids, out.start_copy()
+            self._reserve(inputs, launched)
 
     def _apply_images(self, plan: StepPlan) -> None:
         if self.encoder is not None:
@@ -383,22 +449,45 @@ class ModelRunner:
         return SamplingMetadata.from_rows(rows.params, rows.index, self.vocab_size, self.device,
                                           *self._penalties_and_edits(rows, inputs))
 
-    def _record(self, inputs: StepInputs, out: HostSamplerOutput, result: StepResult) -> None:
-        """Accept drafts while they match what was sampled; append the accepted tokens to the worker's lists."""
-        tokens = out.token_ids
+    def _reserve(self, inputs: StepInputs, launched: LaunchedStep) -> None:
+        """Each row that sampled without drafts holds its token's place (step_overlap.placeholder) until finish."""
         for slot in inputs.sampling:
+            state = self.batch.requests[slot.handle]
+            launched.sampling.append(slot)
+            launched.states.append(state)
+            if not slot.drafts:
+                state.token_ids.append(placeholder(slot.first_row))
+                state.num_computed_tokens = slot.num_known_end
+
+    def _record(self, launched: LaunchedStep, out: HostSamplerOutput, result: StepResult) -> None:
+        """Accept drafts while they match what was sampled; the tokens take their placeholders' places (or are
+        appended, after drafts). States are the ones at launch: a request a later plan dropped still gets them."""
+        tokens = out.token_ids
+        for slot, state in zip(launched.sampling, launched.states):
             rows = tokens[slot.first_row:slot.first_row + len(slot.drafts) + 1]
             accepted = 1
             while accepted <= len(slot.drafts) and rows[accepted - 1] == slot.drafts[accepted - 1]:
                 accepted += 1
-            self.batch.append_sampled(slot.handle, rows[:accepted], slot.num_known_end + accepted - 1)
-            if self.structured.failed(self.batch.requests[slot.handle]):
+            if slot.drafts:
+                state.token_ids.extend(rows[:accepted])
+                state.num_computed_tokens = slot.num_known_end + accepted - 1
+            else:
+                state.token_ids[slot.num_known_end] = rows[0]
+            if self.structured.failed(state):
                 continue   # kept here (a plan in flight may feed it), never reported: it ends with its error
             result.sampled[slot.handle] = rows[:accepted]
-            self.structured.accept(self.batch.requests[slot.handle], rows[:accepted])
-            if self.batch.requests[slot.handle].sampling.logprobs >= 0:
-                result.logprobs[slot.handle] = _logprobs(out, slot, accepted,
-                                                         self.batch.requests[slot.handle].sampling.logprobs)
+            self.structured.accept(state, rows[:accepted])
+            if state.sampling.logprobs >= 0:
+                result.logprobs[slot.handle] = _logprobs(out, slot, accepted, state.sampling.logprobs)
+
+
+def _step_events(device: torch.device):
+    """(start, end) timing events for a step's device work, the start recorded now (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, end
 
 
 def _output_tail(state, drafts: list[int]) -> list[int]:

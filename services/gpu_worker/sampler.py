@@ -99,15 +99,47 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None     # [S, max_k] fp32
 
     def to_host(self) -> HostSamplerOutput:
-        """Everything the step reports, in ONE device-to-host transfer (one sync per step, not per row): the
-        tensors concatenated as float64, exact for token ids (< 2**53) and for fp32 logprobs."""
-        if self.logprobs is None:
-            return HostSamplerOutput(self.token_ids.tolist(), None, None, None)
+        """Everything the step reports, in ONE device-to-host transfer (one sync per step, not per row)."""
+        return self.start_copy().wait()
+
+    def start_copy(self) -> HostCopy:
+        """Start the step's one device-to-host transfer without waiting for it: the tensors concatenated (as
+        float64, exact for token ids < 2**53 and for fp32 logprobs, when logprobs come too) and copied into pinned
+        memory behind an event. The GPU goes on with whatever is queued next; HostCopy.wait() waits for this copy
+        only (a `.tolist()` would also wait for the next step's kernels: step_overlap.py)."""
         s = self.token_ids.shape[0]
         k = self.top_token_ids.shape[1] if self.top_token_ids is not None else 0
-        parts = [self.token_ids, self.logprobs] + ([self.top_token_ids.flatten(), self.top_logprobs.flatten()]
-                                                   if k else [])
-        flat = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+        if self.logprobs is None:
+            flat = self.token_ids
+        else:
+            parts = [self.token_ids, self.logprobs] + ([self.top_token_ids.flatten(), self.top_logprobs.flatten()]
+                                                       if k else [])
+            flat = torch.cat([t.to(torch.float64) for t in parts])
+        if flat.device.type != "cuda":
+            return HostCopy(flat, None, s, k, self.logprobs is not None)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return HostCopy(host, event, s, k, self.logprobs is not None)
+
+
+@dataclass
+class HostCopy:
+    """A sampler output on its way to the host (SamplerOutput.start_copy)."""
+    flat: torch.Tensor            # host memory once `event` has fired
+    event: object | None          # None: already on the host
+    num_rows: int
+    k: int                        # top-k width (0: none)
+    with_logprobs: bool
+
+    def wait(self) -> HostSamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        flat = self.flat.tolist()
+        if not self.with_logprobs:
+            return HostSamplerOutput(flat, None, None, None)
+        s, k = self.num_rows, self.k
         ids = [int(x) for x in flat[:s]]
         top_ids = [[int(x) for x in flat[2 * s + r * k:2 * s + (r + 1) * k]] for r in range(s)] if k else None
         top_lps = [flat[2 * s + s * k + r * k:2 * s + s * k + (r + 1) * k] for r in range(s)] if k else None

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import signal
 import sys
+import threading
 import time
 
 import grpc
@@ -140,28 +142,44 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
     an event-loop round trip, which had cost ~2.5 ms a step (of ~130 ms at 64 requests) on a busy 2-core host.
     """
     loop = asyncio.get_running_loop()
-    plans: queue.SimpleQueue = queue.SimpleQueue()  # StepPlan, a group-forming callable, or None to end
-    results: asyncio.Queue = asyncio.Queue()
+    plans: queue.SimpleQueue = queue.SimpleQueue()  # StepPlan, a group-forming callable, _Ready, or None to end
+    results: asyncio.Queue = asyncio.Queue()       # (True, StepResult) or (False, an engine control's answer)
+    waiter = _ReadyWaiter(plans)
+
+    def emit(step_results) -> None:
+        for result in step_results:
+            loop.call_soon_threadsafe(results.put_nowait, (True, result))
 
     def forward_loop() -> None:
+        # One step stays in flight on a GPU (step_overlap.py): plan N+1 is launched before step N is finished,
+        # and step N is finished when plan N+1 comes or when the GPU is done with it, whichever is first.
         while (plan := plans.get()) is not None:
-            if callable(plan):                     # form the group, or an engine control (weight_update.py),
-                answer = plan()                    # in order with the plans
-                if answer is not None:
-                    loop.call_soon_threadsafe(results.put_nowait, (None, answer))
+            if isinstance(plan, _Ready):           # the step in flight is done on the device
+                if runner.in_flight is plan.step:
+                    emit(runner.drain())
                 continue
-            result = runner.execute(plan)          # a failed step comes back as an error result; a broken
-            loop.call_soon_threadsafe(results.put_nowait, (plan, result))   # group raises CollectiveError
+            if callable(plan):                     # form the group, or an engine control (weight_update.py),
+                emit(runner.drain())               # in order with the plans, on a worker with no step in flight
+                answer = plan()
+                if answer is not None:
+                    loop.call_soon_threadsafe(results.put_nowait, (False, answer))
+                continue
+            emit(runner.submit(plan))              # a failed step comes back as an error result; a broken
+            if runner.in_flight is not None:       # group raises CollectiveError
+                waiter.watch(runner.in_flight)
 
     async def write_results() -> None:
         while True:
-            plan, result = await results.get()
-            if plan is None:                       # an engine control's answer
+            is_step, result = await results.get()
+            if not is_step:                        # an engine control's answer
                 await call.write(worker_pb2.WorkerMessage(control_result=result))
                 continue
             await call.write(worker_pb2.WorkerMessage(result=rank.answer(result).to_pb()))
-            obs.after(plan, result)
+            plan = sent.pop(result.step_id, None)
+            if plan is not None:
+                obs.after(plan, result)
 
+    sent: dict[int, StepPlan] = {}                 # step id -> its plan, until its result is written
     forward = asyncio.ensure_future(loop.run_in_executor(executor, forward_loop))
     writer = asyncio.ensure_future(write_results())
     try:
@@ -186,6 +204,7 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
             if msg.HasField("plan"):
                 plan = StepPlan.from_pb(msg.plan)
                 obs.before(plan)
+                sent[plan.step_id] = plan
                 plans.put(plan)
             elif msg.HasField("tp_group"):
                 plans.put(rank.former(msg.tp_group))
@@ -193,8 +212,38 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
                 plans.put(control_op(runner, msg.control))
     finally:
         plans.put(None)                            # the forward thread ends after the step it is on
+        waiter.close()
         writer.cancel()
         await asyncio.gather(forward, writer, return_exceptions=True)
+
+
+@dataclasses.dataclass
+class _Ready:
+    """In the plan queue: the step in flight has finished on the device (its result can be read without waiting)."""
+    step: object
+
+
+class _ReadyWaiter:
+    """A thread that waits for each in-flight step's device work and then queues _Ready for it, so the forward
+    loop wakes for whichever comes first: the next plan, or the end of the step in flight."""
+
+    def __init__(self, plans: queue.SimpleQueue) -> None:
+        self.plans = plans
+        self.steps: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="step-ready", daemon=True)
+        self.thread.start()
+
+    def watch(self, step) -> None:
+        self.steps.put(step)
+
+    def close(self) -> None:
+        self.steps.put(None)
+
+    def _run(self) -> None:
+        while (step := self.steps.get()) is not None:
+            if step.event is not None:
+                step.event.synchronize()     # releases the GIL while it waits
+            self.plans.put(_Ready(step))
 
 
 def _scheduler_stopping(trailing) -> bool:

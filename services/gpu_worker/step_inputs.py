@@ -5,6 +5,9 @@ For a scheduled request with c = num_computed_tokens, n scheduled tokens and d d
     it samples iff c + n - d == len(token_ids) (it reached the end of what the worker knows); then its logits
     rows are its last d + 1 tokens. A partial prompt chunk samples nothing.
 
+A token sampled by the step still in flight (step_overlap.py) is a placeholder in token_ids, -(1 + its row in that
+step's sampled tokens): such input ids are "holes", filled on the device from that step's tokens (fill_holes).
+
 Every array goes to the device in the step's one staged copy (staging.py); the block tables are the persistent
 ones (block_table.py), gathered on the device by each request's row.
 """
@@ -39,6 +42,16 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] int64 rows of the flat batch that need logits
     sampling: list[SamplingSlot]  # requests that sample, in logits-row order
     num_computed_after: dict[int, int]   # handle -> num_computed_tokens after this step (non-sampling ones)
+    holes: tuple[torch.Tensor, torch.Tensor] | None = None   # ([H] input positions, [H] rows of the step in flight)
+
+    def fill_holes(self, in_flight_tokens: torch.Tensor | None) -> None:
+        """Put the in-flight step's sampled tokens [S] (on the device, not yet seen by the host) into the holes."""
+        if self.holes is None:
+            return
+        if in_flight_tokens is None:
+            raise RuntimeError("the step's inputs hold tokens of a step in flight, and none is")
+        where, rows = self.holes
+        self.input_ids.index_copy_(0, where, in_flight_tokens.index_select(0, rows))
 
 
 @dataclass
@@ -67,7 +80,8 @@ class StagedStepInputs:
             slot_mapping=get("slots"), block_tables=block_tables, query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
         return StepInputs(input_ids=get("input_ids"), positions=get("positions"), attn=attn,
                           logits_indices=get("logits_indices"), sampling=self.sampling,
-                          num_computed_after=self.num_computed_after)
+                          num_computed_after=self.num_computed_after,
+                          holes=(get("holes"), get("hole_rows")) if "holes" in self.slot else None)
 
 
 def prepare_step_inputs(batch: InputBatch, plan: StepPlan, block_size: int, max_model_len: int,
@@ -116,6 +130,9 @@ def stage_step_inputs(batch: InputBatch, plan: StepPlan, block_size: int, max_mo
     slot = {"input_ids": put(input_ids), "positions": put(positions), "slots": put(slots),
             "query_start_loc": put(query_start_loc), "query_lens": put(query_lens), "seq_lens": put(seq_lens),
             "rows": put(rows), "logits_indices": put(np.asarray(logits_rows, dtype=np.int64))}
+    holes = np.flatnonzero(input_ids < 0)
+    if holes.size:                          # tokens of the step in flight (placeholders): filled on the device
+        slot["holes"], slot["hole_rows"] = put(holes.astype(np.int64)), put(-input_ids[holes] - 1)
     batch.table.stage(staging)
     return StagedStepInputs(query_lens, seq_lens, max(max_blocks, 1), block_size, sampling, after, slot)
 

@@ -51,10 +51,18 @@ class Driver:
 
     def step(self, chunk: int | dict[int, int]) -> StepResult:
         """Schedule min(gap, chunk) tokens for every live request and run one step."""
+        plan = self.plan(chunk)
+        result = self.runner.execute(plan)
+        assert not result.error, result.error
+        self._update(plan, result)
+        self.results.append(result)
+        return result
+
+    def plan(self, chunk: int | dict[int, int]) -> StepPlan:
         plan = StepPlan(step_id=self.step_id, finished_handles=self.finished, preempted_handles=self.preempted)
         self.finished, self.preempted, self.step_id = [], [], self.step_id + 1
         for req in self.requests.values():
-            n = min(len(req.tokens) - req.num_computed, chunk if isinstance(chunk, int) else chunk[req.handle])
+            n = min(self._gap(req), chunk if isinstance(chunk, int) else chunk[req.handle])
             if n <= 0:
                 continue
             new_blocks = self._grow(req, req.num_computed + n)
@@ -71,11 +79,14 @@ class Driver:
             req.stage_known = len(req.tokens)
             plan.scheduled_handles.append(req.handle)
             plan.num_scheduled_tokens.append(n)
-        result = self.runner.execute(plan)
-        assert not result.error, result.error
-        self._update(plan, result)
-        self.results.append(result)
-        return result
+            self._scheduled(req, n)
+        return plan
+
+    def _gap(self, req: DriverRequest) -> int:
+        return len(req.tokens) - req.num_computed
+
+    def _scheduled(self, req: DriverRequest, n: int) -> None:
+        pass
 
     def preempt(self, handle: int) -> None:
         """Free the request's blocks and start it over (outputs kept), as the scheduler would."""
@@ -108,3 +119,72 @@ class Driver:
                     self.free.extend(req.blocks)
                     del self.requests[handle]
                     self.finished.append(handle)
+
+
+class InFlightDriver(Driver):
+    """Plays the async scheduler against a runner that keeps a step in flight (step_overlap.py): plan N+1 is built
+    before step N's tokens are back (a request that samples in step N counts one placeholder, and is scheduled one
+    token ahead), and is submitted while step N may still be in flight. A request that finished at step N has its
+    step N+1 token dropped, as the scheduler drops it."""
+
+    def __init__(self, runner, num_blocks: int | None = None, eos_token_id: int | None = None):
+        super().__init__(runner, num_blocks, eos_token_id)
+        self.placeholders: dict[int, int] = {}     # handle -> tokens sampled in steps not back yet
+        self.outstanding: list[tuple[StepPlan, set[int]]] = []   # plans submitted (and whose tokens they may
+                                                                  # still bring), results not back, in order
+
+    def step(self, chunk: int | dict[int, int]) -> list[StepResult]:
+        plan = self.plan(chunk)
+        self.outstanding.append((plan, set(plan.scheduled_handles)))
+        return self._take(self.runner.submit(plan))
+
+    def preempt(self, handle: int) -> None:
+        """As the scheduler: the tokens of steps in flight for it are dropped when they come."""
+        super().preempt(handle)
+        self.placeholders.pop(handle, None)
+        for _, live in self.outstanding:
+            live.discard(handle)
+
+    def drain(self) -> list[StepResult]:
+        return self._take(self.runner.drain())
+
+    def run(self, chunk: int | dict[int, int] = 8, max_steps: int = 500) -> dict[int, list[int]]:
+        for _ in range(max_steps):
+            if not self.requests:
+                break
+            self.step(chunk)
+        self.drain()
+        return self.outputs
+
+    def _take(self, results: list[StepResult]) -> list[StepResult]:
+        for result in results:
+            assert not result.error, result.error
+            plan, live = self.outstanding.pop(0)
+            self._update(plan, result, live)
+            self.results.append(result)
+        return results
+
+    def _gap(self, req: DriverRequest) -> int:
+        pending = self.placeholders.get(req.handle, 0)
+        if pending and len(req.output) + pending >= req.max_tokens:
+            return 0                                 # its last token is being sampled
+        return len(req.tokens) + pending - req.num_computed
+
+    def _scheduled(self, req: DriverRequest, n: int) -> None:
+        req.num_computed += n
+        if req.num_computed == len(req.tokens) + self.placeholders.get(req.handle, 0):   # it samples
+            self.placeholders[req.handle] = self.placeholders.get(req.handle, 0) + 1
+
+    def _update(self, plan: StepPlan, result: StepResult, live: set[int] = frozenset()) -> None:
+        for handle in plan.scheduled_handles:
+            req = self.requests.get(handle)
+            if req is None or handle not in result.sampled or handle not in live:
+                continue                             # finished meanwhile: its token is dropped
+            self.placeholders[handle] -= 1
+            req.output.extend(result.sampled[handle])
+            if len(req.output) >= req.max_tokens or self.eos_token_id in req.output:
+                self.outputs[handle] = req.output[:req.max_tokens]
+                self.free.extend(req.blocks)
+                del self.requests[handle]
+                self.placeholders.pop(handle, None)
+                self.finished.append(handle)

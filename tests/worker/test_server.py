@@ -106,3 +106,55 @@ async def test_plans_sent_ahead_are_answered_in_order_and_stop_ends_an_open_stre
     await asyncio.wait_for(task, 10)
     fake.hold.set()
     await server.stop(None)
+
+
+class OneAheadScheduler(worker_pb2_grpc.PlanStreamServicer):
+    """Waits for step 1's result with no plan after it (a worker that keeps a step in flight must still answer),
+    then sends steps 2 and 3 before reading either: step 3 decodes the token step 2 is still sampling."""
+
+    def __init__(self):
+        self.results: list[StepResult] = []
+        self.hold = asyncio.Event()
+
+    async def Attach(self, request_iterator, context):
+        it = request_iterator.__aiter__()
+        await it.__anext__()                                       # hello
+        yield worker_pb2.SchedulerMessage(plan=StepPlan(
+            step_id=1, new_requests=[NewRequestData(1, [1, 504, 3458], [], SamplingParams(), [1], 0)],
+            scheduled_handles=[1], num_scheduled_tokens=[3]).to_pb())
+        self.results.append(StepResult.from_pb((await it.__anext__()).result))
+        for step in (2, 3):
+            plan = StepPlan(step_id=step, scheduled_handles=[1], num_scheduled_tokens=[1])
+            plan.cached.append(1, step + 1, [])
+            yield worker_pb2.SchedulerMessage(plan=plan.to_pb())
+        for _ in (2, 3):
+            self.results.append(StepResult.from_pb((await it.__anext__()).result))
+        await self.hold.wait()
+
+
+async def test_a_worker_keeping_a_step_in_flight_answers_every_plan_in_order(fresh_runner, monkeypatch):
+    from tests.worker.driver import Driver
+
+    driver = Driver(fresh_runner)
+    driver.add(0, [1, 504, 3458], 3)
+    want = driver.run(64)[0]
+    fresh_runner.reset()
+    monkeypatch.setattr(fresh_runner, "keep_in_flight", True)
+    server = grpc.aio.server()
+    fake = OneAheadScheduler()
+    worker_pb2_grpc.add_PlanStreamServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = WorkerConfig(scheduler_address=f"127.0.0.1:{port}", num_kv_blocks=256, max_model_len=1024)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, runner=fresh_runner, stop=stop))
+    deadline = asyncio.get_running_loop().time() + 30
+    while len(fake.results) < 3:
+        assert asyncio.get_running_loop().time() < deadline and not task.done(), fake.results
+        await asyncio.sleep(0.02)
+    assert [(r.step_id, r.error) for r in fake.results] == [(1, ""), (2, ""), (3, "")]
+    assert [r.sampled[1][0] for r in fake.results] == want
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    fake.hold.set()
+    await server.stop(None)
