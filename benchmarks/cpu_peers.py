@@ -1,7 +1,8 @@
-"""CPU engines side by side on the same model folder, fp32, in alternating rounds of ONE run:
+"""CPU engines side by side on the same model folder, fp32 (vLLM: --vllm-dtype), in alternating rounds of ONE run:
 
     python -m benchmarks.cpu_peers [--vllm-python /work/vllm-venv/bin/python] [--hog] [--rounds 2] [--quick]
     python -m benchmarks.cpu_peers --vllm-url http://127.0.0.1:PORT ...     # a vLLM server started by hand
+    python -m benchmarks.cpu_peers --int8 ...      # also steploop with --cpu-int8-activations (not exact)
 
 An AVX2-only machine on an AVX-512 host (both engines capped; recorded in the JSON's machine.isa_env):
     STEPLOOP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
@@ -51,15 +52,15 @@ ISA_ENV = ("STEPLOOP_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
 
 
 class Vllm:
-    """vLLM's OpenAI server on the model folder, fp32, from another venv's python (start-up 3-5 min on 2 cores)."""
+    """vLLM's OpenAI server on the model folder (fp32 unless dtype says), from another venv's python (start-up 3-5 min)."""
 
-    def __init__(self, python: str, model_dir: pathlib.Path, log_dir: pathlib.Path):
+    def __init__(self, python: str, model_dir: pathlib.Path, log_dir: pathlib.Path, dtype: str = "float32"):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_dir / "vllm.log", "w")      # noqa: SIM115 (open while the server runs)
         self.proc = subprocess.Popen(
             [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048",
+             "--port", str(self.port), "--dtype", dtype, "--max-model-len", "2048",
              "--served-model-name", DEFAULT_MODEL],
             env={**os.environ, **VLLM_ENV}, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -155,6 +156,11 @@ def ratios(idle: dict, hog: dict | None) -> dict:
     if "vllm" in b:
         out["steploop_over_vllm_at_many"] = s["tok_s_many"] / b["vllm"]["tok_s_many"]
         out["tpot_one_stream_ms"] = {"steploop": s["tpot_ms_one"], "vllm": b["vllm"]["tpot_ms_one"]}
+        if "steploop_int8" in b:            # --cpu-int8-activations: opt-in, not exact
+            out["int8_over_vllm_at_many"] = b["steploop_int8"]["tok_s_many"] / b["vllm"]["tok_s_many"]
+            out["tpot_one_stream_ms"]["steploop_int8"] = b["steploop_int8"]["tpot_ms_one"]
+    if "steploop_int8" in b:
+        out["int8_over_default_at_many"] = b["steploop_int8"]["tok_s_many"] / s["tok_s_many"]
     if hog:
         hb = {name: best(runs) for name, runs in hog.items()}
         out["best_with_hog"] = hb
@@ -170,6 +176,10 @@ def main(argv=None) -> None:
                         "instead of starting one: its start-up alone can outlast the wait on a busy machine")
     p.add_argument("--no-vllm", action="store_true", help="steploop default vs plain torch only")
     p.add_argument("--no-torch", action="store_true", help="leave out the STEPLOOP_CPU_KERNELS=0 cluster")
+    p.add_argument("--vllm-dtype", default="float32",
+                   help="vLLM's --dtype (bfloat16: its own fastest CPU arithmetic where the CPU has AVX512-BF16)")
+    p.add_argument("--int8", action="store_true",
+                   help="a third steploop cluster with --cpu-int8-activations (llama.cpp's arithmetic: not exact)")
     p.add_argument("--hog", action="store_true", help="repeat the rounds with a busy loop on one core")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="16 concurrent, 16 output tokens")
@@ -187,10 +197,11 @@ def main(argv=None) -> None:
     info["steploop_cpu_isa"] = selected_isa()
     # torch's own instruction-set caps, to time an AVX2-only machine's torch on an AVX-512 host as well
     info["isa_env"] = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
+    info["vllm_dtype"] = args.vllm_dtype
     began, started = time.perf_counter(), []
     try:
         vllm = None if args.no_vllm or args.vllm_url else Vllm(args.vllm_python, model_dir,
-                                                                 pathlib.Path(tempfile.mkdtemp()))
+                                                                 pathlib.Path(tempfile.mkdtemp()), args.vllm_dtype)
         if vllm:
             started.append(vllm)
         engines = {"steploop": start_steploop("default")}
@@ -198,6 +209,9 @@ def main(argv=None) -> None:
         if not args.no_torch:
             engines["torch"] = start_steploop("torch", {"STEPLOOP_CPU_KERNELS": "0"})
             started.append(engines["torch"])
+        if args.int8:
+            engines["steploop_int8"] = start_steploop("int8", {"STEPLOOP_CPU_INT8_ACTIVATIONS": "1"})
+            started.append(engines["steploop_int8"])
         urls = {name: c.base_url for name, c in engines.items()}
         if vllm:
             urls["vllm"] = vllm.wait().base_url

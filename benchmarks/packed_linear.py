@@ -87,6 +87,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--isa", default=None, help="the kernel build to time (build.py ISAS; default: the host's)")
+    p.add_argument("--int8", action="store_true",
+                   help="also time the packed kernel with --cpu-int8-activations' arithmetic (int8_activations.c: "
+                        "not exact), alternating with the others; writes packed_linear_int8.json")
     p.add_argument("--form", choices=sorted(FORMS), default="gguf",
                    help="gguf: the file's Q4_1 / Q8_0 weights packed; bf16 / fp16: a 16-bit checkpoint's")
     args = p.parse_args(argv)
@@ -112,19 +115,31 @@ def main(argv=None) -> None:
         torch_fns = [lambda x=x, w=w: torch.matmul(x, w.T) for x, w in zip(xs, weights)]
         packed_fns = [lambda x=x, pk=pk: kernel.packed_linear(x, pk, threads, isa=args.isa)
                       for x, pk in zip(xs, packed)]
-        torch_s = packed_s = float("inf")
+        torch_s = packed_s = int8_s = float("inf")
         for _ in range(args.rounds):                       # alternate, so drift hits both alike
             torch_s = min(torch_s, time_pass(torch_fns, 1))
             packed_s = min(packed_s, time_pass(packed_fns, 1))
+            if args.int8:
+                kernel.set_int8_activations(True, isa=args.isa)
+                try:
+                    int8_s = min(int8_s, time_pass(packed_fns, 1))
+                finally:
+                    kernel.set_int8_activations(False, isa=args.isa)
         row = {"rows": m, "torch_ms": torch_s * 1e3, "packed_ms": packed_s * 1e3,
                "torch_gflops": flop / torch_s / 1e9, "packed_gflops": flop / packed_s / 1e9,
                "speedup": torch_s / packed_s}
+        line = (f"M={m:4d}: torch {row['torch_ms']:7.1f} ms ({row['torch_gflops']:5.1f} GFLOP/s)   packed "
+                f"{row['packed_ms']:7.1f} ms ({row['packed_gflops']:5.1f} GFLOP/s)   {row['speedup']:.2f}x")
+        if args.int8:
+            row.update(int8_ms=int8_s * 1e3, int8_gflops=flop / int8_s / 1e9, int8_over_packed=packed_s / int8_s)
+            line += f"   int8 {row['int8_ms']:7.1f} ms ({row['int8_gflops']:5.1f} GFLOP/s) {row['int8_over_packed']:.2f}x"
         rows.append(row)
-        print(f"M={m:4d}: torch {row['torch_ms']:7.1f} ms ({row['torch_gflops']:5.1f} GFLOP/s)   packed "
-              f"{row['packed_ms']:7.1f} ms ({row['packed_gflops']:5.1f} GFLOP/s)   {row['speedup']:.2f}x", flush=True)
+        print(line, flush=True)
     out = RESULTS if half is None else RESULTS.with_name(f"packed_linear_{args.form}.json")
+    if args.int8:
+        out = out.with_name(out.stem + "_int8.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), "form": args.form, "threads": threads,
+    out.write_text(json.dumps({"machine": machine_info(), "form": args.form, "threads": threads, "int8": args.int8,
                                "isa": args.isa or "host", "fp32_mib": fp32_mb, "packed_mib": packed_mb,
                                "rows": rows}, indent=2) + "\n")
     print(f"wrote {out}")

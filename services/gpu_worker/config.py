@@ -42,7 +42,7 @@ class WorkerConfig:
     attention_backend: str = "auto"          # auto: triton on CUDA, torch on CPU (triton on CPU: TRITON_INTERPRET=1)
     cuda_graphs: bool = True                 # capture whole steps in CUDA graphs (CUDA + triton only)
     tune_kernels: bool = True                # CUDA + triton: time launch configs at start (cached per machine)
-    cpu_int8_activations: bool = False       # GGUF Q4_K / Q6_K on the CPU: int8 activations (llama.cpp's; not exact)
+    cpu_int8_activations: bool = False       # Q4_1/Q8_0/Q4_K/Q6_K on the CPU: int8 activations (llama.cpp's; not exact)
     max_num_seqs: int = 128                  # the scheduler's: sizes decode graphs and the sampler's profile
     max_num_batched_tokens: int = 2048       # the scheduler's: sizes the memory profile's forward and mixed graphs
     worker_id: str = ""                      # "" -> host:pid
@@ -226,7 +226,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              help="CUDA with the triton backend: time the attention kernel's launch configs at start (cached per "
                   "machine); off: defaults. Either way every variant is compiled before the worker attaches")
     add_flag(parser, "--cpu-int8-activations", type=bool, default=False,
-             help="GGUF Q4_K / Q6_K weights on the CPU: round activations to int8 per 32 and multiply in integers, as "
+             help="Q4_1 / Q8_0 / Q4_K / Q6_K weights on the CPU (GGUF files, the default model): round activations "
+                  "to int8 per 32 and multiply in integers, as "
                   "llama.cpp does (about 2x faster decode on an AVX2 CPU; VNNI dot products where the CPU has "
                   "AVX-512 VNNI and VBMI); NOT exact: outputs differ from the fp32 reference by that rounding. Off: "
                   "the exact kernels")

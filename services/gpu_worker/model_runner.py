@@ -128,7 +128,6 @@ class ModelRunner:
         plan = rank.kernel_plan(resolve_kernel_plan(config, device, dtype, rank.local_cfg, stored_quantized or half),
                                 gguf, half)
         log.info("kernel plan: %s", plan.describe())
-        _set_int8_activations(config.cpu_int8_activations, gguf, plan)
         local = rank.local_cfg
         backend = create_backend(plan.attention_backend, local.num_attention_heads, local.num_key_value_heads,
                                  local.head_dim, local.head_dim ** -0.5, plan.cpu_attention_kernel)
@@ -146,6 +145,7 @@ class ModelRunner:
         log.info("loaded %s in %.2f s: %.1f M params, %s on %s, max_model_len %d", model_path,
                  time.perf_counter() - start, _num_params(model) / 1e6,
                  str(dtype).removeprefix("torch."), device, max_len)
+        _set_int8_activations(config.cpu_int8_activations, model, plan)
         profile = _cuda_profile(model, config, local, max_len, dtype, device, plan)
         for comm in rank.comms:           # the memory profile runs before the group exists: shapes only
             comm.local_only = True
@@ -657,17 +657,23 @@ def _set_kv_scales(model: LlamaForCausalLM, backend, kv_dtype: torch.dtype, num_
              source)
 
 
-def _set_int8_activations(wanted: bool, gguf: bool, plan) -> None:
-    """--cpu-int8-activations: the packed Q4_K / Q6_K kernels round activations to int8 (int8_activations.c), or
-    the exact kernels (the default; also set back so, since the library is shared by every runner of a process).
-    Refused where it would change nothing: not a GGUF file read at its width by the C kernels."""
-    if wanted and not (gguf and plan.packed_linears):
-        raise ValueError("--cpu-int8-activations applies to a GGUF file's Q4_K / Q6_K weights read at their width by "
-                         "the CPU kernels; this worker has " + ("no packed linears (" + plan.describe() + ")"
-                                                                if gguf else "no GGUF model"))
+def _set_int8_activations(wanted: bool, model, plan) -> None:
+    """--cpu-int8-activations: the packed Q4_1 / Q8_0 / Q4_K / Q6_K kernels round activations to int8
+    (int8_activations.c), or the exact kernels (the default; also set back so, since the library is shared by every
+    runner of a process). Refused where it would change nothing: no linear of those forms read at its width."""
     if plan.packed_linears:
         from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
-        set_int8_activations(wanted)
-    if wanted:
-        log.warning("--cpu-int8-activations: Q4_K / Q6_K weights multiply int8-rounded activations (llama.cpp's "
-                    "arithmetic); outputs are NOT equal to the fp32 reference")
+        set_int8_activations(False)
+    if not wanted:
+        return
+    from steploop.gpu_worker.model.packed_linear_layer import int8_forms
+    forms = int8_forms(model) if plan.packed_linears else {}
+    if not forms:
+        raise ValueError("--cpu-int8-activations applies to linears read at their width by the CPU kernels in the "
+                         "Q4_1, Q8_0, Q4_K or Q6_K forms (GGUF files, the default model); this worker has " +
+                         ("none" if plan.packed_linears else "no packed linears (" + plan.describe() + ")"))
+    from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
+    set_int8_activations(True)
+    log.warning("--cpu-int8-activations: %s linears multiply int8-rounded activations (llama.cpp's arithmetic); "
+                "outputs are NOT equal to the fp32 reference",
+                ", ".join(f"{n} {name}" for name, n in sorted(forms.items())))

@@ -1,4 +1,5 @@
-"""The opt-in int8-activation kernels (cpu_kernels/int8_activations.c) for GGUF Q4_K and Q6_K weights: llama.cpp's
+"""The opt-in int8-activation kernels (cpu_kernels/int8_activations.c) for GGUF Q4_K, Q6_K, Q4_1 and Q8_0 weights
+(the last two: the default model's layers and its tied embedding / lm_head): llama.cpp's
 arithmetic (x rounded to int8 per 32, integer products), checked against a float64 reference of that very
 arithmetic, for batch invariance and for the same bits in every build; and how far it is from the exact kernels."""
 
@@ -56,12 +57,16 @@ def int8_on():
         kernel.set_int8_activations(False, isa=isa)
 
 
+# (type, K): the 32-blocks' forms also at the default model's K = 576 (not a multiple of 256)
+FORMS = [(T.Q4_K, 512), (T.Q6_K, 512), (T.Q4_1, 576), (T.Q8_0, 576), (T.Q8_0, 512)]
+
+
 @needs_c_kernels(ISAS)
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_int8_kernels_compute_llama_cpps_arithmetic_batch_invariant_in_every_build(qtype, isa, int8_on):
-    packed, w = packed_weight(qtype)
-    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("qtype,k", FORMS, ids=lambda v: getattr(v, "name", str(v)))
+def test_int8_kernels_compute_llama_cpps_arithmetic_batch_invariant_in_every_build(qtype, k, isa, int8_on):
+    packed, w = packed_weight(qtype, k=k)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(1))
     x[3, :64] = 0.0                                                   # an all-zero block: dx = 0
     x[5, 100] = 40.0                                                  # an outlier: the rest of its block rounds coarsely
     halves = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, -0.49999997, 126.5, -126.5, 63.5, 0.0]
@@ -78,7 +83,7 @@ def test_int8_kernels_compute_llama_cpps_arithmetic_batch_invariant_in_every_bui
 
 
 @needs_c_kernels(ISAS)
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_int8_activations_are_close_to_the_exact_kernels_and_switch_off(qtype):
     packed, w = packed_weight(qtype, n=64, k=1024)
     x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(2))
@@ -125,10 +130,39 @@ def test_a_q4_k_m_file_serves_with_int8_activations_alike_however_batched(tmp_pa
             assert abs(whole[handle][1][0] - logprobs[0]) < 0.3, handle       # by 0.11 at most here
 
 
+@needs_c_kernels(ISAS)
+def test_the_default_model_serves_with_int8_activations_alike_however_batched(runner, model_dir, caplog):
+    """The default model's Q4_1 layers and Q8_0 lm_head take the int8 path: batch, chunk and preemption invariant,
+    close to the exact kernels' tokens and logprobs, and the exact kernels again once it is off."""
+    from steploop.gpu_worker.config import WorkerConfig
+    from steploop.gpu_worker.model_runner import ModelRunner
+    from tests.worker.test_families import serve
+
+    exact = serve(runner, 512)
+    try:
+        with caplog.at_level("WARNING"):
+            rounded_runner = ModelRunner.from_config(WorkerConfig(model=str(model_dir), num_kv_blocks=64,
+                                                                  max_model_len=256, device="cpu",
+                                                                  cpu_int8_activations=True), model_dir)
+        assert " Q4_1" in caplog.text and " Q8_0" in caplog.text and "NOT equal" in caplog.text
+        whole, chunked = serve(rounded_runner, 512), serve(rounded_runner, {0: 7, 1: 64, 2: 5}, preempt_after=8)
+    finally:
+        kernel.set_int8_activations(False)
+    assert whole == chunked
+    assert whole != exact                                      # not exact ...
+    firsts = [h for h, (tokens, _) in exact.items() if whole[h][0][0] == tokens[0]]
+    assert len(firsts) >= 2                                    # ... but close: first tokens (greedy diverges after),
+    for handle in firsts:                                      # their logprobs 0.1-0.2 apart here
+        assert abs(whole[handle][1][0] - exact[handle][1][0]) < 0.3, handle
+    assert serve(runner, 512) == exact                         # off again: the exact kernels
+
+
 def test_int8_activations_are_refused_where_they_would_change_nothing():
+    from torch import nn
+
     from steploop.gpu_worker.kernel_plan import KernelPlan
     from steploop.gpu_worker.model_runner import _set_int8_activations
-    with pytest.raises(ValueError, match="no GGUF model"):
-        _set_int8_activations(True, False, KernelPlan(packed_linears=True))
+    with pytest.raises(ValueError, match="this worker has none"):
+        _set_int8_activations(True, nn.Linear(32, 16), KernelPlan(packed_linears=True))
     with pytest.raises(ValueError, match="no packed linears"):
-        _set_int8_activations(True, True, KernelPlan())
+        _set_int8_activations(True, nn.Linear(32, 16), KernelPlan())

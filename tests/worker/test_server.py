@@ -87,15 +87,19 @@ class PipelinedScheduler(worker_pb2_grpc.PlanStreamServicer):
         await self.hold.wait()
 
 
-async def test_plans_sent_ahead_are_answered_in_order_and_stop_ends_an_open_stream(fresh_runner):
+async def _serving(fake, runner):
+    """A started fake scheduler and a worker serving `runner` attached to it: (server, fake, stop, worker task)."""
     server = grpc.aio.server()
-    fake = PipelinedScheduler()
     worker_pb2_grpc.add_PlanStreamServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     config = WorkerConfig(scheduler_address=f"127.0.0.1:{port}", num_kv_blocks=256, max_model_len=1024)
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(config, runner=fresh_runner, stop=stop))
+    return server, fake, stop, asyncio.create_task(serve(config, runner=runner, stop=stop))
+
+
+async def test_plans_sent_ahead_are_answered_in_order_and_stop_ends_an_open_stream(fresh_runner):
+    server, fake, stop, task = await _serving(PipelinedScheduler(), fresh_runner)
     for _ in range(200):
         if len(fake.results) == 2:
             break
@@ -108,13 +112,9 @@ async def test_plans_sent_ahead_are_answered_in_order_and_stop_ends_an_open_stre
     await server.stop(None)
 
 
-class OneAheadScheduler(worker_pb2_grpc.PlanStreamServicer):
+class OneAheadScheduler(PipelinedScheduler):
     """Waits for step 1's result with no plan after it (a worker that keeps a step in flight must still answer),
     then sends steps 2 and 3 before reading either: step 3 decodes the token step 2 is still sampling."""
-
-    def __init__(self):
-        self.results: list[StepResult] = []
-        self.hold = asyncio.Event()
 
     async def Attach(self, request_iterator, context):
         it = request_iterator.__aiter__()
@@ -140,14 +140,7 @@ async def test_a_worker_keeping_a_step_in_flight_answers_every_plan_in_order(fre
     want = driver.run(64)[0]
     fresh_runner.reset()
     monkeypatch.setattr(fresh_runner, "keep_in_flight", True)
-    server = grpc.aio.server()
-    fake = OneAheadScheduler()
-    worker_pb2_grpc.add_PlanStreamServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    config = WorkerConfig(scheduler_address=f"127.0.0.1:{port}", num_kv_blocks=256, max_model_len=1024)
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(config, runner=fresh_runner, stop=stop))
+    server, fake, stop, task = await _serving(OneAheadScheduler(), fresh_runner)
     deadline = asyncio.get_running_loop().time() + 30
     while len(fake.results) < 3:
         assert asyncio.get_running_loop().time() < deadline and not task.done(), fake.results

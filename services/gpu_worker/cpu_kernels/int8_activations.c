@@ -1,4 +1,5 @@
-/* y = x @ W.T for GGUF Q4_K and Q6_K weights (packed_linear.c's forms) with int8 activations: opt-in, NOT exact.
+/* y = x @ W.T for GGUF Q4_K, Q6_K, Q4_1 and Q8_0 weights (packed_linear.c's forms) with int8 activations: opt-in,
+   NOT exact.
 
    The exact kernels (packed_linear.c) multiply fp32 x by the file's dequantized fp32 weights: ~9 vector
    instructions per 16 weights in the one-row kernel, which on an AVX2 CPU makes a one-stream decode compute-bound
@@ -10,6 +11,9 @@
                                           rule), and the sums of xq per 16
      Q4_K, sub-block b (32 k):            y += dx * ((d sc) * sum(q xq) - (dmin mn) * sum(xq))
      Q6_K, sub-blocks j, j+1 (16 k each): y += dx * ((d sc_j) * sum_j((q - 32) xq) + (d sc_j+1) * sum_j+1(...))
+     Q4_1, block b (32 k):                y += dx * (d * sum(q xq) + m * sum(xq))
+     Q8_0, block b (32 k):                y += dx * (d * sum(q xq))
+   (Q4_1 and Q8_0 are the default model's forms: its layers and its tied embedding / lm_head.)
 
    The integer sums are exact; the float epilogue is the same sequence of roundings (one multiply, then fmas) in the
    AVX2 and the portable code, so both builds give the same bits, and each output row's result depends only on its
@@ -183,6 +187,24 @@ static inline void q6_unpack(const uint8_t *lo_qs, const uint8_t *hb, unpacked *
     }
 }
 
+/* Q8_0's [32 k][16 rows] int8 block: per 8 k, lane i takes row i's 4 even k (lo) and 4 odd k (hi) from two 64-byte
+   loads (4 k each), as unsigned q + 128 for vpdpbusd (the sum is corrected by 128 sum(xq)) */
+#define Q8_EVEN(i) i, 32 + i, 64 + i, 96 + i
+#define Q8_ODD(i) 16 + i, 48 + i, 80 + i, 112 + i
+#define Q8_LANES(F) F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), F(8), F(9), F(10), F(11), F(12), F(13), F(14), F(15)
+static const uint8_t q8_even_idx[64] = {Q8_LANES(Q8_EVEN)}, q8_odd_idx[64] = {Q8_LANES(Q8_ODD)};
+
+static inline void q8_unpack(const int8_t *qs, unpacked *w)
+{
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i even = _mm512_loadu_si512((const void *)q8_even_idx), odd = _mm512_loadu_si512((const void *)q8_odd_idx);
+    for (int j = 0; j < 4; j++) {
+        __m512i a = _mm512_loadu_si512((const void *)(qs + j * 128)), b = _mm512_loadu_si512((const void *)(qs + j * 128 + 64));
+        w->lo[j] = _mm512_xor_si512(_mm512_permutex2var_epi8(a, even, b), flip);
+        w->hi[j] = _mm512_xor_si512(_mm512_permutex2var_epi8(a, odd, b), flip);
+    }
+}
+
 /* lane row = sum over the unpacked steps j0 .. j0 + n - 1 (8 k each) of q[row, k] * xq[k]; xq reordered */
 static inline __m512i unpacked_sums(const unpacked *w, int j0, int n, const int8_t *xq)
 {
@@ -253,7 +275,33 @@ static inline void q6_sums(const uint8_t *lo_qs, const uint8_t *hb, const int8_t
     _mm256_storeu_si256((__m256i *)out, s0);
     _mm256_storeu_si256((__m256i *)(out + 8), s1);
 }
+
+/* sum over k in [k0, k0 + 32) of q[row, k] * xq[k] for 16 rows (Q8_0: q int8 [k][16]); maddubs takes |q| and
+   xq with q's sign (int16 lanes hold <= 2 * 128 * 127 = 32512) */
+static inline void q8_sums(const int8_t *qs, const int8_t *xq, int32_t out[G])
+{
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (int k = 0; k < QK; k += 2) {
+        __m128i wk = _mm_loadu_si128((const __m128i *)(qs + k * G)), wk1 = _mm_loadu_si128((const __m128i *)(qs + (k + 1) * G));
+        __m256i w = _mm256_set_m128i(_mm_unpackhi_epi8(wk, wk1), _mm_unpacklo_epi8(wk, wk1));   /* rows' (k, k+1) */
+        __m256i xv = _mm256_set1_epi16((short)((uint8_t)xq[k] | ((uint16_t)(uint8_t)xq[k + 1] << 8)));
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+        a0 = _mm256_add_epi32(a0, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(p)));
+        a1 = _mm256_add_epi32(a1, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(p, 1)));
+    }
+    _mm256_storeu_si256((__m256i *)out, a0);
+    _mm256_storeu_si256((__m256i *)(out + 8), a1);
+}
 #else
+static inline void q8_sums(const int8_t *qs, const int8_t *xq, int32_t out[G])
+{
+    for (int i = 0; i < G; i++)
+        out[i] = 0;
+    for (int k = 0; k < QK; k++)
+        for (int i = 0; i < G; i++)
+            out[i] += qs[k * G + i] * xq[k];
+}
+
 static inline void q4_sums(const uint8_t *qs, const int8_t *xq, int32_t out[G])
 {
     for (int i = 0; i < G; i++)
@@ -291,6 +339,17 @@ static inline void q4_epilogue(float *acc, const float *a, const float *b, const
     }
 }
 
+/* acc[i] = fma(a[i] * s[i] + b[i] * c, dx, acc[i]) (Q4_1: a = d, b = m, c = sum xq; Q8_0: b NULL, no second term) */
+static inline void q4_1_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
+{
+    for (int h = 0; h < G; h += 8) {
+        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(a + h), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(s + h))));
+        if (b)
+            t = _mm256_fmadd_ps(_mm256_loadu_ps(b + h), _mm256_set1_ps(c), t);
+        _mm256_storeu_ps(acc + h, _mm256_fmadd_ps(t, _mm256_set1_ps(dx), _mm256_loadu_ps(acc + h)));
+    }
+}
+
 /* acc[i] = fma(fma(a1[i], s1[i], a0[i] * s0[i]), dx, acc[i]) (Q6_K: a = d sc per 16, s = sums of (q - 32) xq) */
 static inline void q6_epilogue(float *acc, const float *a0, const int32_t *s0, const float *a1, const int32_t *s1,
                                float dx)
@@ -302,6 +361,16 @@ static inline void q6_epilogue(float *acc, const float *a0, const int32_t *s0, c
     }
 }
 #else
+static inline void q4_1_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
+{
+    for (int i = 0; i < G; i++) {
+        float t = a[i] * (float)s[i];
+        if (b)
+            t = fmaf(b[i], c, t);
+        acc[i] = fmaf(t, dx, acc[i]);
+    }
+}
+
 static inline void q4_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
 {
     for (int i = 0; i < G; i++) {
@@ -363,11 +432,13 @@ static void release(quantized_x *q)
     free(q->xs);
 }
 
+enum { FORM_Q4K = 0, FORM_Q6K = 1, FORM_Q4_1 = 2, FORM_Q8_0 = 3 };
+
 /* One call's arrays and its quantized x */
 typedef struct {
     float *y;
     const uint8_t *qs, *sc, *mn, *qh;
-    const float *d, *dmin;
+    const float *d, *dmin;            /* Q4_1: d and m per 32 (m in dmin); Q8_0: d per 32 */
     int64_t M, N, K;
     quantized_x q;
 } job;
@@ -379,6 +450,16 @@ static int job_start(job *j, float *y, const float *x, const uint8_t *qs, const 
     *j = (job){y, qs, scales, scales + N * (K / QK), qs + N * K / 2, dd, dd + N * (K / QK_K), M, N, K,
                {NULL, NULL, NULL}};
     if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK_K)
+        return -1;
+    return M == 0 ? 0 : quantize(x, M, K, &j->q, num_threads);
+}
+
+/* Q4_1 (d, m per 32) and Q8_0 (d per 32, m NULL): blocks of 32, any K that is a multiple of 32 */
+static int job_start_32(job *j, float *y, const float *x, const uint8_t *qs, const float *d, const float *m,
+                        int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    *j = (job){y, qs, NULL, NULL, NULL, d, m, M, N, K, {NULL, NULL, NULL}};
+    if (M < 0 || N <= 0 || K <= 0 || N % G || K % QK)
         return -1;
     return M == 0 ? 0 : quantize(x, M, K, &j->q, num_threads);
 }
@@ -396,7 +477,7 @@ static inline __m512 scales16(const float *d, const int8_t *scale, int is_signed
    blocks: a block is unpacked once for the RT rows, and each row's x is read once for the GT groups. The float
    epilogue is group_rows' sequence of roundings (mul, fnmadd or fmadd, fmadd), 16 lanes at once, so the outputs
    are the same bits as the other builds'. */
-static inline __attribute__((always_inline)) void vnni_tile(int q6, const job *j, int64_t g0, int GT, int64_t r0,
+static inline __attribute__((always_inline)) void vnni_tile(int form, const job *j, int64_t g0, int GT, int64_t r0,
                                                             int RT)
 {
     int64_t K = j->K;
@@ -409,9 +490,19 @@ static inline __attribute__((always_inline)) void vnni_tile(int q6, const job *j
         unpacked w[2];
         for (int gi = 0; gi < GT; gi++) {
             int64_t g = g0 + gi;
-            const float *dg = j->d + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
             const uint8_t *lo = j->qs + (g * (K / 2) + blk * (QK / 2)) * G;
-            if (q6) {
+            if (form == FORM_Q4_1 || form == FORM_Q8_0) {
+                a0[gi] = _mm512_loadu_ps(j->d + (g * (K / QK) + blk) * G);
+                if (form == FORM_Q4_1) {
+                    a1[gi] = _mm512_loadu_ps(j->dmin + (g * (K / QK) + blk) * G);
+                    q4_unpack(lo, &w[gi]);
+                } else {
+                    q8_unpack((const int8_t *)j->qs + (g * K + blk * QK) * G, &w[gi]);
+                }
+                continue;
+            }
+            const float *dg = j->d + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
+            if (form == FORM_Q6K) {
                 const int8_t *scg = (const int8_t *)j->sc + (g * (K / 16) + 2 * blk) * G;
                 a0[gi] = scales16(dg, scg, 1);
                 a1[gi] = scales16(dg, scg + G, 1);
@@ -430,14 +521,21 @@ static inline __attribute__((always_inline)) void vnni_tile(int q6, const job *j
             __m512 dx = _mm512_set1_ps(j->q.dx[row * (K / QK) + blk]);
             for (int gi = 0; gi < GT; gi++) {
                 __m512 t;
-                if (q6) {                            /* (q - 32) xq summed: exact in int32 */
+                if (form == FORM_Q6K) {                 /* (q - 32) xq summed: exact in int32 */
                     __m512i s0 = _mm512_sub_epi32(unpacked_sums(&w[gi], 0, 2, xb), _mm512_set1_epi32(32 * xs[0]));
                     __m512i s1 = _mm512_sub_epi32(unpacked_sums(&w[gi], 2, 2, xb + 16),
                                                   _mm512_set1_epi32(32 * xs[1]));
                     t = _mm512_fmadd_ps(a1[gi], _mm512_cvtepi32_ps(s1), _mm512_mul_ps(a0[gi], _mm512_cvtepi32_ps(s0)));
+                } else if (form == FORM_Q8_0) {         /* (q + 128) xq summed, less 128 sum(xq): exact */
+                    __m512i s0 = _mm512_sub_epi32(unpacked_sums(&w[gi], 0, 4, xb),
+                                                  _mm512_set1_epi32(128 * (xs[0] + xs[1])));
+                    t = _mm512_mul_ps(a0[gi], _mm512_cvtepi32_ps(s0));
                 } else {
                     t = _mm512_mul_ps(a0[gi], _mm512_cvtepi32_ps(unpacked_sums(&w[gi], 0, 4, xb)));
-                    t = _mm512_fnmadd_ps(a1[gi], _mm512_set1_ps((float)(xs[0] + xs[1])), t);
+                    if (form == FORM_Q4_1)
+                        t = _mm512_fmadd_ps(a1[gi], _mm512_set1_ps((float)(xs[0] + xs[1])), t);
+                    else
+                        t = _mm512_fnmadd_ps(a1[gi], _mm512_set1_ps((float)(xs[0] + xs[1])), t);
                 }
                 acc[gi][r] = _mm512_fmadd_ps(t, dx, acc[gi][r]);
             }
@@ -449,40 +547,43 @@ static inline __attribute__((always_inline)) void vnni_tile(int q6, const job *j
 }
 
 /* Groups g0 .. g0 + GT - 1's outputs for every x row: 4 rows a tile, then one by one */
-static inline __attribute__((always_inline)) void group_rows_vnni(int q6, const job *j, int64_t g0, int GT)
+static inline __attribute__((always_inline)) void group_rows_vnni(int form, const job *j, int64_t g0, int GT)
 {
     int64_t r0 = 0;
     for (; r0 + 4 <= j->M; r0 += 4)
-        vnni_tile(q6, j, g0, GT, r0, 4);
+        vnni_tile(form, j, g0, GT, r0, 4);
     for (; r0 < j->M; r0++)
-        vnni_tile(q6, j, g0, GT, r0, 1);
+        vnni_tile(form, j, g0, GT, r0, 1);
 }
 #else
 /* Group g's 16 outputs for every x row, ROWS rows a pass (their accumulators on the stack). q6 picks the form, a
    constant: each driver's parallel loop inlines its own copy (1.4x faster at 16 rows than one loop deciding the
    form at run time; blocking several x rows on each unpacked step bought nothing more and cost 10% at one row).
    Each x row's outputs are its own integer sums and the same float epilogue, whatever M or the pass. */
-static inline __attribute__((always_inline)) void group_rows(int q6, const job *j, int64_t g)
+static inline __attribute__((always_inline)) void group_rows(int form, const job *j, int64_t g)
 {
     int64_t K = j->K;
+    int q6 = form == FORM_Q6K, per32 = form == FORM_Q4_1 || form == FORM_Q8_0;
     float acc[ROWS][G], a0[G], a1[G];
     int32_t s0[G], s1[G];
     for (int64_t r0 = 0; r0 < j->M; r0 += ROWS) {
         int64_t rows = j->M - r0 < ROWS ? j->M - r0 : ROWS;
         memset(acc, 0, (size_t)rows * sizeof acc[0]);
         for (int64_t blk = 0; blk < K / QK; blk++) {
-            const float *dg = j->d + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
+            const float *dg = per32 ? NULL : j->d + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
+            const float *d32 = j->d + (g * (K / QK) + blk) * G;                  /* Q4_1, Q8_0 */
+            const float *m32 = form == FORM_Q4_1 ? j->dmin + (g * (K / QK) + blk) * G : NULL;
             if (q6) {                                /* d sc per 16: exact (11 x 8 significant bits) */
                 const int8_t *scg = (const int8_t *)j->sc + (g * (K / 16) + 2 * blk) * G;
                 scale_products(dg, scg, 1, a0);
                 scale_products(dg, scg + G, 1, a1);
-            } else {                                 /* d sc and dmin mn per 32: exact (11 x 6 bits) */
+            } else if (!per32) {                     /* d sc and dmin mn per 32: exact (11 x 6 bits) */
                 const float *mg = j->dmin + (g * (K / QK_K) + blk / (QK_K / QK)) * G;
                 scale_products(dg, (const int8_t *)j->sc + (g * (K / QK) + blk) * G, 0, a0);
                 scale_products(mg, (const int8_t *)j->mn + (g * (K / QK) + blk) * G, 0, a1);
             }
             const uint8_t *lo = j->qs + (g * (K / 2) + blk * (QK / 2)) * G;
-            const uint8_t *hb = j->qh + (g * (K / 4) + blk * (QK / 4)) * G;
+            const uint8_t *hb = q6 ? j->qh + (g * (K / 4) + blk * (QK / 4)) * G : NULL;
             for (int64_t r = 0; r < rows; r++) {
                 int64_t row = r0 + r;
                 const int8_t *xb = j->q.xq + row * K + blk * QK;
@@ -496,6 +597,12 @@ static inline __attribute__((always_inline)) void group_rows(int q6, const job *
                         s1[c] -= 32 * xs[1];
                     }
                     q6_epilogue(acc[r], a0, s0, a1, s1, dx);
+                } else if (form == FORM_Q8_0) {
+                    q8_sums((const int8_t *)j->qs + (g * K + blk * QK) * G, xb, s0);
+                    q4_1_epilogue(acc[r], d32, NULL, s0, 0.0f, dx);
+                } else if (form == FORM_Q4_1) {
+                    q4_sums(lo, xb, s0);
+                    q4_1_epilogue(acc[r], d32, m32, s0, (float)(xs[0] + xs[1]), dx);
                 } else {
                     q4_sums(lo, xb, s0);
                     q4_epilogue(acc[r], a0, a1, s0, (float)(xs[0] + xs[1]), dx);
@@ -526,11 +633,11 @@ static inline __attribute__((always_inline)) void group_rows(int q6, const job *
         group_rows(Q6, &j, g);
 #endif
 
-#define DRIVE(Q6)                                                                         \
+#define DRIVE(FORM, START)                                                                \
     job j;                                                                                \
-    int rc = job_start(&j, y, x, qs, dd, scales, M, N, K, num_threads);                   \
+    int rc = START;                                                                       \
     if (rc == 0 && M > 0) {                                                               \
-        FOR_GROUPS(Q6)                                                                    \
+        FOR_GROUPS(FORM)                                                                  \
     }                                                                                     \
     release(&j.q);                                                                        \
     return rc;
@@ -539,12 +646,26 @@ static inline __attribute__((always_inline)) void group_rows(int q6, const job *
 int steploop_int8_linear_q4k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
                              int64_t M, int64_t N, int64_t K, int num_threads)
 {
-    DRIVE(0)
+    DRIVE(FORM_Q4K, job_start(&j, y, x, qs, dd, scales, M, N, K, num_threads))
 }
 
 /* Q6_K form (packed_linear.c's steploop_packed_linear_kquant arguments with q6 = 1) */
 int steploop_int8_linear_q6k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
                              int64_t M, int64_t N, int64_t K, int num_threads)
 {
-    DRIVE(1)
+    DRIVE(FORM_Q6K, job_start(&j, y, x, qs, dd, scales, M, N, K, num_threads))
+}
+
+/* Q4_1 form (steploop_packed_linear's arguments, kind Q4_1) */
+int steploop_int8_linear_q4_1(float *y, const float *x, const uint8_t *qs, const float *d, const float *m,
+                              int64_t M, int64_t N, int64_t K, int num_threads)
+{
+    DRIVE(FORM_Q4_1, job_start_32(&j, y, x, qs, d, m, M, N, K, num_threads))
+}
+
+/* Q8_0 form (steploop_packed_linear's arguments, kind Q8_0) */
+int steploop_int8_linear_q8_0(float *y, const float *x, const int8_t *qs, const float *d, int64_t M, int64_t N,
+                              int64_t K, int num_threads)
+{
+    DRIVE(FORM_Q8_0, job_start_32(&j, y, x, (const uint8_t *)qs, d, NULL, M, N, K, num_threads))
 }

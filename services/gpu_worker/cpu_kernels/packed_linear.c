@@ -76,8 +76,12 @@
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
-/* int8_activations.c: Q4_K and Q6_K with int8 activations, when the worker opted in (not exact) */
+/* int8_activations.c: Q4_K, Q6_K, Q4_1 and Q8_0 with int8 activations, when the worker opted in (not exact) */
 extern int steploop_int8_activations_on;
+int steploop_int8_linear_q4_1(float *y, const float *x, const uint8_t *qs, const float *d, const float *m,
+                              int64_t M, int64_t N, int64_t K, int num_threads);
+int steploop_int8_linear_q8_0(float *y, const float *x, const int8_t *qs, const float *d, int64_t M, int64_t N,
+                              int64_t K, int num_threads);
 int steploop_int8_linear_q4k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
                              int64_t M, int64_t N, int64_t K, int num_threads);
 int steploop_int8_linear_q6k(float *y, const float *x, const uint8_t *qs, const float *dd, const uint8_t *scales,
@@ -466,6 +470,9 @@ int steploop_packed_linear(float *y, const float *x, const void *qs, const float
         return -1;
     if (M == 0)
         return 0;
+    if (steploop_int8_activations_on)      /* opt-in, not exact: int8_activations.c */
+        return kind == KIND_Q4_1 ? steploop_int8_linear_q4_1(y, x, qs, d, m, M, N, K, num_threads)
+                                 : steploop_int8_linear_q8_0(y, x, qs, d, M, N, K, num_threads);
     tile_weight w = {kind == KIND_Q4_1 ? TILE_Q4_1 : TILE_Q8_0, qs, d, m, 0, NULL, NULL, NULL, NULL};
     if (M <= REGISTER_MAX_M && kind == KIND_Q4_1)
         return side_by_side(q4_1_side, 0, y, x, M, N, K, &w, num_threads);

@@ -76,3 +76,15 @@ def _summary(layers: dict[str, PackedLinear], packed: dict[str, PackedWeight | N
     fp32 = sum(p.out_features * p.in_features * 4 for p in done)
     return (f"{len(done)} of {len(layers)} linear weights losslessly ({kinds}): "
             f"{fp32 / 2**20:.0f} MiB fp32 read as {sum(p.nbytes for p in done) / 2**20:.0f} MiB")
+
+
+def int8_forms(model: nn.Module) -> dict[str, int]:
+    """How many packed linears of each form --cpu-int8-activations changes (int8_activations.c's forms)."""
+    from steploop.gpu_worker.cpu_kernels.packed_weights import Q4_1, Q4_K, Q6_K, Q8_0
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        packed = getattr(module, "packed", None) if isinstance(module, PackedLinear) else None
+        for part in (packed.parts or [packed]) if packed is not None else ():
+            if part.kind in (Q4_1, Q8_0, Q4_K, Q6_K):
+                counts[KIND_NAMES[part.kind]] = counts.get(KIND_NAMES[part.kind], 0) + 1
+    return counts
