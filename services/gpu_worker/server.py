@@ -150,22 +150,24 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
         for result in step_results:
             loop.call_soon_threadsafe(results.put_nowait, (True, result))
 
+    submit, drain = _stepping(runner)
+
     def forward_loop() -> None:
         # One step stays in flight on a GPU (step_overlap.py): plan N+1 is launched before step N is finished,
         # and step N is finished when plan N+1 comes or when the GPU is done with it, whichever is first.
         while (plan := plans.get()) is not None:
             if isinstance(plan, _Ready):           # the step in flight is done on the device
-                if runner.in_flight is plan.step:
-                    emit(runner.drain())
+                if getattr(runner, "in_flight", None) is plan.step:
+                    emit(drain())
                 continue
             if callable(plan):                     # form the group, or an engine control (weight_update.py),
-                emit(runner.drain())               # in order with the plans, on a worker with no step in flight
+                emit(drain())                      # in order with the plans, on a worker with no step in flight
                 answer = plan()
                 if answer is not None:
                     loop.call_soon_threadsafe(results.put_nowait, (False, answer))
                 continue
-            emit(runner.submit(plan))              # a failed step comes back as an error result; a broken
-            if runner.in_flight is not None:       # group raises CollectiveError
+            emit(submit(plan))                     # a failed step comes back as an error result; a broken
+            if getattr(runner, "in_flight", None) is not None:      # group raises CollectiveError
                 waiter.watch(runner.in_flight)
 
     async def write_results() -> None:
@@ -215,6 +217,14 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
         waiter.close()
         writer.cancel()
         await asyncio.gather(forward, writer, return_exceptions=True)
+
+
+def _stepping(runner):
+    """(submit(plan) -> results, drain() -> results): the runner's own where it keeps a step in flight (ModelRunner),
+    else one execute(plan) per plan (a runner with only execute and reset: test fakes, benchmarks/paced_worker.py)."""
+    if hasattr(runner, "submit"):
+        return runner.submit, runner.drain
+    return (lambda plan: [runner.execute(plan)]), list
 
 
 @dataclasses.dataclass
