@@ -17,10 +17,12 @@ Nothing is downloaded or installed: models are hand-written configs with random 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,10 +41,12 @@ NOMINAL_HBM_GBS = 4800.0    # H200 HBM3e, for the bound when preflight's copy fi
 def package_path() -> str | None:
     """A folder that makes `import steploop` work from a bare checkout (the device copies the tree and installs
     nothing, and the package is `services/` renamed by setup.py): a link steploop -> services in a temporary folder,
-    put on sys.path here and on each section's PYTHONPATH. None where steploop already imports (an install)."""
+    put on sys.path here and on each section's PYTHONPATH, removed when the check exits. None where steploop
+    already imports (an install)."""
     if importlib.util.find_spec("steploop") is not None:
         return None
     folder = pathlib.Path(tempfile.mkdtemp(prefix="steploop-pkg-"))
+    atexit.register(shutil.rmtree, folder, True)        # the link only: rmtree does not follow it
     (folder / "steploop").symlink_to(ROOT / "services", target_is_directory=True)
     sys.path.insert(0, str(folder))
     return str(folder)

@@ -94,11 +94,14 @@ def test_the_check_imports_steploop_from_a_bare_checkout(tmp_path):
     through a link the check makes. Run without site-packages, so the editable install here cannot answer."""
     code = ("import importlib.util, sys; from benchmarks import gpu_readiness; assert importlib.util.find_spec("
             "'steploop') is None; folder = gpu_readiness.package_path(); "
-            "assert importlib.util.find_spec('steploop.common.sampling_params') is not None; print(folder)")
+            "assert importlib.util.find_spec('steploop.common.sampling_params') is not None; print(folder); "
+            "import pathlib; print(pathlib.Path(folder, 'steploop').resolve())")
     proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           check=False, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
-    assert pathlib.Path(proc.stdout.strip(), "steploop").resolve() == (ROOT / "services").resolve()
+    folder, target = proc.stdout.split()
+    assert pathlib.Path(target) == (ROOT / "services").resolve()
+    assert not pathlib.Path(folder).exists() and (ROOT / "services").is_dir()   # the link went at exit, alone
     assert gpu_readiness.package_path() is None          # here steploop is installed: nothing to link
 
 
