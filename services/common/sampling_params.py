@@ -38,6 +38,11 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each bad word (last banned after its prefix)
 
     @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies (the sampler then reads the outputs)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def structured(self) -> bool:
         return bool(self.json_schema) or self.json_object or bool(self.regex) or bool(self.grammar) \
             or bool(self.structural_tag)

@@ -47,6 +47,11 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def append_sampled(self, tokens: list[int], num_computed_tokens: int) -> None:
+        """Record tokens this worker sampled, and how many tokens now have KV."""
+        self.token_ids.extend(tokens)
+        self.num_computed_tokens = num_computed_tokens
+
 
 class InputBatch:
     """handle -> RequestState, the device block tables, plus reusable host buffers for building a step's inputs."""
@@ -117,12 +122,6 @@ class InputBatch:
             return
         for handle, token in zip(plan.stage_token_handles, plan.stage_token_ids):
             self[handle].token_ids.append(token)
-
-    def append_sampled(self, handle: int, tokens: list[int], num_computed_tokens: int) -> None:
-        """Record tokens this worker sampled, and how many tokens now have KV."""
-        state = self.requests[handle]
-        state.token_ids.extend(tokens)
-        state.num_computed_tokens = num_computed_tokens
 
     def buffer(self, name: str, size: int, dtype: type = np.int64) -> np.ndarray:
         """A reusable host array of at least `size` elements (grows by doubling), sliced to `size`."""

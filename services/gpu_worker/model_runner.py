@@ -423,8 +423,7 @@ class ModelRunner:
         rows = _SamplingRows()
         for slot in sampling:
             state = self.batch.requests[slot.handle]
-            penalized = state.sampling.presence_penalty or state.sampling.frequency_penalty \
-                or state.sampling.repetition_penalty != 1.0
+            penalized = state.sampling.penalized
             for j in range(len(slot.drafts) + 1):
                 rows.params.append(state.sampling)
                 rows.index.append(state.num_output_tokens + j)
@@ -469,8 +468,7 @@ class ModelRunner:
             while accepted <= len(slot.drafts) and rows[accepted - 1] == slot.drafts[accepted - 1]:
                 accepted += 1
             if slot.drafts:
-                state.token_ids.extend(rows[:accepted])
-                state.num_computed_tokens = slot.num_known_end + accepted - 1
+                state.append_sampled(rows[:accepted], slot.num_known_end + accepted - 1)
             else:
                 state.token_ids[slot.num_known_end] = rows[0]
             if self.structured.failed(state):
@@ -672,8 +670,7 @@ def _set_int8_activations(wanted: bool, model, plan) -> None:
         raise ValueError("--cpu-int8-activations applies to linears read at their width by the CPU kernels in the "
                          "Q4_1, Q8_0, Q4_K or Q6_K forms (GGUF files, the default model); this worker has " +
                          ("none" if plan.packed_linears else "no packed linears (" + plan.describe() + ")"))
-    from steploop.gpu_worker.cpu_kernels.packed_linear import set_int8_activations
-    set_int8_activations(True)
+    set_int8_activations(True)             # imported above: forms come only with packed linears
     log.warning("--cpu-int8-activations: %s linears multiply int8-rounded activations (llama.cpp's arithmetic); "
                 "outputs are NOT equal to the fp32 reference",
                 ", ".join(f"{n} {name}" for name, n in sorted(forms.items())))

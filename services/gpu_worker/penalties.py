@@ -26,7 +26,7 @@ class PenaltyInputs:
     def build(cls, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]],
               vocab_size: int, device: torch.device) -> "PenaltyInputs | None":
         """None when no row uses a penalty (the common case: nothing is built)."""
-        if not any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        if not any(p.penalized for p in params):
             return None
         rows = len(params)
         counts = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)

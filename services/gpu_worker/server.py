@@ -150,14 +150,14 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
         for result in step_results:
             loop.call_soon_threadsafe(results.put_nowait, (True, result))
 
-    submit, drain = _stepping(runner)
+    submit, drain, in_flight = _stepping(runner)
 
     def forward_loop() -> None:
         # One step stays in flight on a GPU (step_overlap.py): plan N+1 is launched before step N is finished,
         # and step N is finished when plan N+1 comes or when the GPU is done with it, whichever is first.
         while (plan := plans.get()) is not None:
             if isinstance(plan, _Ready):           # the step in flight is done on the device
-                if getattr(runner, "in_flight", None) is plan.step:
+                if in_flight() is plan.step:
                     emit(drain())
                 continue
             if callable(plan):                     # form the group, or an engine control (weight_update.py),
@@ -167,8 +167,8 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
                     loop.call_soon_threadsafe(results.put_nowait, (False, answer))
                 continue
             emit(submit(plan))                     # a failed step comes back as an error result; a broken
-            if getattr(runner, "in_flight", None) is not None:      # group raises CollectiveError
-                waiter.watch(runner.in_flight)
+            if in_flight() is not None:            # group raises CollectiveError
+                waiter.watch(in_flight())
 
     async def write_results() -> None:
         while True:
@@ -220,11 +220,12 @@ async def _serve_stream(call, runner: ModelRunner, executor, stopper: asyncio.Fu
 
 
 def _stepping(runner):
-    """(submit(plan) -> results, drain() -> results): the runner's own where it keeps a step in flight (ModelRunner),
-    else one execute(plan) per plan (a runner with only execute and reset: test fakes, benchmarks/paced_worker.py)."""
+    """(submit(plan) -> results, drain() -> results, in_flight() -> the step in flight or None): the runner's own
+    where it can keep a step in flight (ModelRunner), else one execute(plan) per plan and never a step in flight (a
+    runner with only execute and reset: test fakes, benchmarks/paced_worker.py)."""
     if hasattr(runner, "submit"):
-        return runner.submit, runner.drain
-    return (lambda plan: [runner.execute(plan)]), list
+        return runner.submit, runner.drain, lambda: runner.in_flight
+    return (lambda plan: [runner.execute(plan)]), list, lambda: None
 
 
 @dataclasses.dataclass

@@ -48,8 +48,7 @@ def placeholder(row: int) -> int:
 
 def reads_outputs(sampling: SamplingParams) -> bool:
     """Whether sampling the request's next token reads its previous output tokens on the host."""
-    return bool(sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0
-                or sampling.bad_words or sampling.structured)
+    return sampling.penalized or bool(sampling.bad_words) or sampling.structured
 
 
 @dataclass

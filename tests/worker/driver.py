@@ -113,12 +113,19 @@ class Driver:
             req = self.requests[handle]
             req.num_computed += n
             if handle in result.sampled:
-                req.output.extend(result.sampled[handle])
-                if len(req.output) >= req.max_tokens or self.eos_token_id in req.output:
-                    self.outputs[handle] = req.output[:req.max_tokens]
-                    self.free.extend(req.blocks)
-                    del self.requests[handle]
-                    self.finished.append(handle)
+                self._append_output(req, result.sampled[handle])
+
+    def _append_output(self, req: DriverRequest, tokens: list[int]) -> bool:
+        """Append a request's sampled tokens; at max_tokens or EOS it finishes (True): blocks freed, handle sent
+        as finished with the next plan."""
+        req.output.extend(tokens)
+        if len(req.output) < req.max_tokens and self.eos_token_id not in req.output:
+            return False
+        self.outputs[req.handle] = req.output[:req.max_tokens]
+        self.free.extend(req.blocks)
+        del self.requests[req.handle]
+        self.finished.append(req.handle)
+        return True
 
 
 class InFlightDriver(Driver):
@@ -181,10 +188,5 @@ class InFlightDriver(Driver):
             if req is None or handle not in result.sampled or handle not in live:
                 continue                             # finished meanwhile: its token is dropped
             self.placeholders[handle] -= 1
-            req.output.extend(result.sampled[handle])
-            if len(req.output) >= req.max_tokens or self.eos_token_id in req.output:
-                self.outputs[handle] = req.output[:req.max_tokens]
-                self.free.extend(req.blocks)
-                del self.requests[handle]
-                self.placeholders.pop(handle, None)
-                self.finished.append(handle)
+            if self._append_output(req, result.sampled[handle]):
+                self.placeholders.pop(handle)

@@ -17,7 +17,7 @@ def test_add_append_finish_preempt_resume():
     batch = InputBatch()
     batch.apply_plan(StepPlan(0, new_requests=[new(1, range(20), [3, 4]), new(2, range(5), [5], computed=2)]))
     assert batch[1].num_tokens == 20 and batch[2].num_computed_tokens == 2
-    batch.append_sampled(1, [77], 20)
+    batch[1].append_sampled([77], 20)
     cached = CachedRequestData()
     cached.append(1, 21, [6])
     cached.append(2, 5, [])
@@ -54,7 +54,7 @@ def test_stage_tokens_appended_before_the_last_stage_and_checked_on_it():
     early, last = InputBatch(), InputBatch()
     for batch in (early, last):
         batch.apply_plan(StepPlan(0, new_requests=[new(1, range(4), [1])]))
-    last.append_sampled(1, [77], 4)               # the last stage sampled it; the first has only the prompt
+    last[1].append_sampled([77], 4)              # the last stage sampled it; the first has only the prompt
     early.take_stage_tokens(plan, verify=False)
     last.take_stage_tokens(plan, verify=True)
     assert early[1].token_ids == last[1].token_ids == [0, 1, 2, 3, 77]

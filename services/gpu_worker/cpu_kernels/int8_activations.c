@@ -329,18 +329,9 @@ static inline void q6_sums(const uint8_t *lo_qs, const uint8_t *hb, const int8_t
 /* ---- the float epilogue: the same roundings in every build ---- */
 
 #if defined(__AVX2__)
-/* acc[i] = fma(a[i] * s0[i] - b[i] * c, dx, acc[i]) for the 16 rows (Q4_K: a = d sc, b = dmin mn, c = sum xq) */
+/* acc[i] = fma(a[i] * s[i] + b[i] * c, dx, acc[i]) for the 16 rows (Q4_1: a = d, b = m, c = sum xq; Q4_K: a = d sc,
+   b = dmin mn, c = -sum xq, exactly the fnmadd of b * sum xq; Q8_0: b NULL, no second term) */
 static inline void q4_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
-{
-    for (int h = 0; h < G; h += 8) {
-        __m256 t = _mm256_mul_ps(_mm256_loadu_ps(a + h), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(s + h))));
-        t = _mm256_fnmadd_ps(_mm256_loadu_ps(b + h), _mm256_set1_ps(c), t);
-        _mm256_storeu_ps(acc + h, _mm256_fmadd_ps(t, _mm256_set1_ps(dx), _mm256_loadu_ps(acc + h)));
-    }
-}
-
-/* acc[i] = fma(a[i] * s[i] + b[i] * c, dx, acc[i]) (Q4_1: a = d, b = m, c = sum xq; Q8_0: b NULL, no second term) */
-static inline void q4_1_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
 {
     for (int h = 0; h < G; h += 8) {
         __m256 t = _mm256_mul_ps(_mm256_loadu_ps(a + h), _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(s + h))));
@@ -361,21 +352,12 @@ static inline void q6_epilogue(float *acc, const float *a0, const int32_t *s0, c
     }
 }
 #else
-static inline void q4_1_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
+static inline void q4_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
 {
     for (int i = 0; i < G; i++) {
         float t = a[i] * (float)s[i];
         if (b)
             t = fmaf(b[i], c, t);
-        acc[i] = fmaf(t, dx, acc[i]);
-    }
-}
-
-static inline void q4_epilogue(float *acc, const float *a, const float *b, const int32_t *s, float c, float dx)
-{
-    for (int i = 0; i < G; i++) {
-        float t = a[i] * (float)s[i];
-        t = fmaf(-b[i], c, t);
         acc[i] = fmaf(t, dx, acc[i]);
     }
 }
@@ -475,7 +457,7 @@ static inline __m512 scales16(const float *d, const int8_t *scale, int is_signed
 
 /* RT x rows (r0 ..) of GT groups (g0 ..) over all of K, each row's 16 outputs per group in a register across the
    blocks: a block is unpacked once for the RT rows, and each row's x is read once for the GT groups. The float
-   epilogue is group_rows' sequence of roundings (mul, fnmadd or fmadd, fmadd), 16 lanes at once, so the outputs
+   epilogue is group_rows' sequence of roundings (mul, fmadd, fmadd), 16 lanes at once, so the outputs
    are the same bits as the other builds'. */
 static inline __attribute__((always_inline)) void vnni_tile(int form, const job *j, int64_t g0, int GT, int64_t r0,
                                                             int RT)
@@ -531,11 +513,9 @@ static inline __attribute__((always_inline)) void vnni_tile(int form, const job 
                                                   _mm512_set1_epi32(128 * (xs[0] + xs[1])));
                     t = _mm512_mul_ps(a0[gi], _mm512_cvtepi32_ps(s0));
                 } else {
+                    float c = (float)(xs[0] + xs[1]);   /* Q4_K subtracts dmin mn sum xq, Q4_1 adds m sum xq */
                     t = _mm512_mul_ps(a0[gi], _mm512_cvtepi32_ps(unpacked_sums(&w[gi], 0, 4, xb)));
-                    if (form == FORM_Q4_1)
-                        t = _mm512_fmadd_ps(a1[gi], _mm512_set1_ps((float)(xs[0] + xs[1])), t);
-                    else
-                        t = _mm512_fnmadd_ps(a1[gi], _mm512_set1_ps((float)(xs[0] + xs[1])), t);
+                    t = _mm512_fmadd_ps(a1[gi], _mm512_set1_ps(form == FORM_Q4_1 ? c : -c), t);
                 }
                 acc[gi][r] = _mm512_fmadd_ps(t, dx, acc[gi][r]);
             }
@@ -599,13 +579,13 @@ static inline __attribute__((always_inline)) void group_rows(int form, const job
                     q6_epilogue(acc[r], a0, s0, a1, s1, dx);
                 } else if (form == FORM_Q8_0) {
                     q8_sums((const int8_t *)j->qs + (g * K + blk * QK) * G, xb, s0);
-                    q4_1_epilogue(acc[r], d32, NULL, s0, 0.0f, dx);
+                    q4_epilogue(acc[r], d32, NULL, s0, 0.0f, dx);
                 } else if (form == FORM_Q4_1) {
                     q4_sums(lo, xb, s0);
-                    q4_1_epilogue(acc[r], d32, m32, s0, (float)(xs[0] + xs[1]), dx);
+                    q4_epilogue(acc[r], d32, m32, s0, (float)(xs[0] + xs[1]), dx);
                 } else {
                     q4_sums(lo, xb, s0);
-                    q4_epilogue(acc[r], a0, a1, s0, (float)(xs[0] + xs[1]), dx);
+                    q4_epilogue(acc[r], a0, a1, s0, -(float)(xs[0] + xs[1]), dx);
                 }
             }
         }
